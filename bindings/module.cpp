@@ -1,0 +1,10 @@
+// pyplan._core: the module definition. Each algorithm's bindings live in their own file and are
+// registered here; bindings only convert between Python and the plain C++ structs of cpp/include.
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(_core, m) {
+    m.doc() = "pyplan's C++17 planning core (private; use the pyplan package).";
+    m.attr("abi_version") = 1;
+}

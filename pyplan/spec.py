@@ -1,0 +1,42 @@
+"""ModelSpec: a model builder with its example inputs, loss and target, as a model file defines them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["Inputs", "ModelSpec", "default_loss", "default_target"]
+
+Inputs = tuple[torch.Tensor, ...]
+
+
+def default_target(output: torch.Tensor) -> torch.Tensor:
+    """A target for models that define none: zeros shaped like the output (regression to 0)."""
+    return torch.zeros_like(output)
+
+
+def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error, used when a model defines no loss."""
+    return torch.nn.functional.mse_loss(output, target)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything pyplan needs to know about one model.
+
+    `build()` returns a fresh module (call it under `torch.device("meta")` to build without weights);
+    `example_inputs(b)` the inputs of one batch of b samples, batch along dim 0 of every tensor;
+    `target(b)` the target of that batch (None: use `default_target` of the output);
+    `loss(output, target)` a scalar loss, mean-reduced over the batch (None: `default_loss`).
+    """
+
+    name: str
+    build: Callable[[], nn.Module]
+    example_inputs: Callable[[int], Inputs]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    target: Callable[[int], torch.Tensor] | None = None
+    published_params: int | None = None
+    source: str = ""
