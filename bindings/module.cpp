@@ -4,7 +4,10 @@
 
 namespace py = pybind11;
 
+void bind_simulate(py::module_& m);
+
 PYBIND11_MODULE(_core, m) {
     m.doc() = "pyplan's C++17 planning core (private; use the pyplan package).";
     m.attr("abi_version") = 1;
+    bind_simulate(m);
 }

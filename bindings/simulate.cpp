@@ -1,0 +1,144 @@
+// Bindings of simulate.h: schedules by torch's names, actions as (stage, "F"|"B"|"I"|"W", micro-batch).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <array>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "pyplan/simulate.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using pyplan::Op;
+using pyplan::Schedule;
+
+// torch's names (get_schedule_class) for each schedule.
+const std::array<std::pair<const char*, Schedule>, 7> kSchedules{{
+    {"GPipe", Schedule::GPipe},
+    {"1F1B", Schedule::OneFOneB},
+    {"Interleaved1F1B", Schedule::Interleaved1F1B},
+    {"LoopedBFS", Schedule::LoopedBFS},
+    {"InterleavedZeroBubble", Schedule::InterleavedZeroBubble},
+    {"ZBVZeroBubble", Schedule::ZBVZeroBubble},
+    {"DualPipeV", Schedule::DualPipeV},
+}};
+
+Schedule to_schedule(const std::string& name) {
+    for (const auto& [n, s] : kSchedules)
+        if (name == n) return s;
+    std::string known;
+    for (const auto& entry : kSchedules) known += (known.empty() ? "" : ", ") + std::string(entry.first);
+    throw std::invalid_argument("unknown schedule '" + name + "' (known: " + known + ")");
+}
+
+const char* op_name(Op op) {
+    switch (op) {
+        case Op::Forward: return "F";
+        case Op::Backward: return "B";
+        case Op::BackwardInput: return "I";
+        case Op::BackwardWeight: return "W";
+    }
+    return "?";
+}
+
+Op to_op(const std::string& name) {
+    if (name == "F") return Op::Forward;
+    if (name == "B") return Op::Backward;
+    if (name == "I") return Op::BackwardInput;
+    if (name == "W") return Op::BackwardWeight;
+    throw std::invalid_argument("unknown action kind '" + name + "' (known: F, B, I, W)");
+}
+
+using PyAction = std::tuple<int, std::string, int>;
+
+std::vector<std::vector<PyAction>> to_py(const pyplan::RankOrder& order) {
+    std::vector<std::vector<PyAction>> out(order.size());
+    for (size_t r = 0; r < order.size(); ++r)
+        for (const auto& a : order[r]) out[r].emplace_back(a.stage, op_name(a.op), a.microbatch);
+    return out;
+}
+
+pyplan::RankOrder from_py(const std::vector<std::vector<PyAction>>& order) {
+    pyplan::RankOrder out(order.size());
+    for (size_t r = 0; r < order.size(); ++r)
+        for (const auto& [stage, op, microbatch] : order[r]) out[r].push_back({stage, to_op(op), microbatch});
+    return out;
+}
+
+}  // namespace
+
+void bind_simulate(py::module_& m) {
+    std::vector<std::string> names;
+    for (const auto& entry : kSchedules) names.emplace_back(entry.first);
+    m.attr("SCHEDULES") = py::tuple(py::cast(names));
+
+    m.def(
+        "stage_placement",
+        [](const std::string& schedule, int num_ranks, int stages_per_rank) {
+            return pyplan::stage_placement(to_schedule(schedule), num_ranks, stages_per_rank);
+        },
+        py::arg("schedule"), py::arg("num_ranks"), py::arg("stages_per_rank"),
+        "[stage] -> rank: loop placement, or V placement for ZBVZeroBubble and DualPipeV.");
+
+    m.def(
+        "torch_rejection",
+        [](const std::string& schedule, int num_ranks, int num_microbatches, int stages_per_rank) {
+            return pyplan::torch_rejection(to_schedule(schedule), num_ranks, num_microbatches, stages_per_rank);
+        },
+        py::arg("schedule"), py::arg("num_ranks"), py::arg("num_microbatches"), py::arg("stages_per_rank"),
+        "Why torch 2.13 refuses this schedule shape; '' when it accepts it.");
+
+    m.def(
+        "schedule_order",
+        [](const std::string& schedule, int num_ranks, int num_microbatches, int stages_per_rank) {
+            const Schedule s = to_schedule(schedule);
+            pyplan::RankOrder order;
+            {
+                py::gil_scoped_release release;
+                order = pyplan::schedule_order(s, num_ranks, num_microbatches, stages_per_rank);
+            }
+            return to_py(order);
+        },
+        py::arg("schedule"), py::arg("num_ranks"), py::arg("num_microbatches"), py::arg("stages_per_rank"),
+        "Per rank, the (stage, op, micro-batch) actions in the order torch's schedule runs them.");
+
+    m.def(
+        "simulate",
+        [](const std::vector<std::vector<PyAction>>& order, const std::vector<int>& stage_rank,
+           std::vector<double> forward_s, std::vector<double> backward_s,
+           std::vector<double> backward_weight_s, std::vector<double> send_forward_s,
+           std::vector<double> send_backward_s, int num_microbatches) {
+            const pyplan::RankOrder actions = from_py(order);
+            const pyplan::StageTimes times{std::move(forward_s), std::move(backward_s),
+                                           std::move(backward_weight_s), std::move(send_forward_s),
+                                           std::move(send_backward_s)};
+            pyplan::Simulation sim;
+            {
+                py::gil_scoped_release release;
+                sim = pyplan::simulate(actions, stage_rank, times, num_microbatches);
+            }
+            std::vector<std::tuple<int, int, std::string, int, double, double>> events;
+            events.reserve(sim.events.size());
+            for (const auto& e : sim.events)
+                events.emplace_back(e.rank, e.action.stage, op_name(e.action.op), e.action.microbatch,
+                                    e.start_s, e.end_s);
+            py::dict out;
+            out["makespan_s"] = sim.makespan_s;
+            out["busy_s"] = sim.busy_s;
+            out["idle_s"] = sim.idle_s;
+            out["peak_in_flight"] = sim.peak_in_flight;
+            out["events"] = events;
+            return out;
+        },
+        py::arg("order"), py::arg("stage_rank"), py::arg("forward_s"), py::arg("backward_s"),
+        py::arg("backward_weight_s"), py::arg("send_forward_s"), py::arg("send_backward_s"),
+        py::arg("num_microbatches"),
+        "Event simulation of a per-rank order; returns makespan_s, busy_s, idle_s, peak_in_flight and "
+        "events [(rank, stage, op, micro-batch, start_s, end_s)] sorted by start.");
+}

@@ -1,0 +1,103 @@
+// Pipeline schedules as per-rank action orders, and their event simulation.
+//
+// Vocabulary (torch.distributed.pipelining's): a *stage* is a contiguous piece of the model; a *rank* is
+// one GPU of the pipeline group and holds one stage (GPipe, 1F1B) or several (interleaved, V-shaped);
+// an *action* is one computation of one stage on one micro-batch:
+//   F  forward
+//   B  full backward (input gradient and weight gradient together)
+//   I  backward for the input gradient only (zero-bubble schedules)
+//   W  backward for the weight gradient only; I + W does the work of B
+// Every (stage, micro-batch) has exactly one F, and either one B or one I and one W.
+//
+// schedule_order builds, for each rank, the order in which torch 2.13's schedule class of the same name
+// executes its compute actions (its `pipeline_order` with the idle slots dropped; for GPipe and 1F1B the
+// order that their `_step_microbatches` runs). It rejects exactly the configurations torch rejects.
+//
+// simulate executes a per-rank order. The model:
+//   - a rank runs its actions one at a time, in its order; an action starts as soon as the rank is free
+//     and its dependencies have arrived, and runs for its stage's F, B, I or W time;
+//   - F(s, k) needs F(s-1, k) plus the forward send time of boundary s-1 (the activation);
+//   - B(s, k) and I(s, k) need F(s, k), and B or I of (s+1, k) plus the backward send time of
+//     boundary s (the gradient); the last stage's needs only its own F (the loss);
+//   - W(s, k) needs I(s, k);
+//   - sends overlap with computation and never contend: a send costs the receiver latency, not rank time;
+//     two stages on the same rank (the tip of a V) pass tensors for free.
+// Because each action's start depends only on the previous action of its rank and on its dependencies,
+// the start times are unique; the simulation evaluates them in dependency order, waking a rank when the
+// action it waits on ends. An order in which some rank waits forever is reported as a deadlock.
+// A micro-batch is *in flight* on a stage from the end of its F to the end of its last backward action
+// (B, or W under the I/W split, since W still reads saved activations); activation memory scales with it.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace pyplan {
+
+// What an action computes; the letters are torch's _ComputationType values.
+enum class Op { Forward, Backward, BackwardInput, BackwardWeight };
+
+struct Action {
+    int stage;
+    Op op;
+    int microbatch;
+};
+
+// Per rank, the actions in execution order: order[rank][i].
+using RankOrder = std::vector<std::vector<Action>>;
+
+// The schedules of torch.distributed.pipelining (torch 2.13), by their class names less "Schedule".
+enum class Schedule {
+    GPipe,                  // one stage per rank: every F, then every B
+    OneFOneB,               // one stage per rank: warm-up forwards, then alternate B and F, then drain
+    Interleaved1F1B,        // v stages per rank, loop placement, depth first (Narayanan et al. 2021)
+    LoopedBFS,              // v stages per rank, loop placement, breadth first (Lamy-Poirier 2023)
+    InterleavedZeroBubble,  // interleaved 1F1B with backward split into I and W (ZB1P, Qi et al. 2024)
+    ZBVZeroBubble,          // 2 stages per rank, V placement, I/W split (ZB-V, Qi et al. 2024, sec. 6)
+    DualPipeV,              // 2 stages per rank, V placement, F and B paired (DeepSeek-V3 report)
+};
+
+// The rank that holds each stage: [stage] -> rank, for num_ranks * stages_per_rank stages.
+// Loop placement puts stage s on rank s mod p; V placement (ZBVZeroBubble, DualPipeV) puts
+// stages {r, 2p-1-r} on rank r.
+std::vector<int> stage_placement(Schedule schedule, int num_ranks, int stages_per_rank);
+
+// Why torch 2.13 refuses to build `schedule` for this shape, in its terms; empty when it accepts it.
+std::string torch_rejection(Schedule schedule, int num_ranks, int num_microbatches, int stages_per_rank);
+
+// The per-rank compute order of `schedule`; throws std::invalid_argument with torch_rejection's reason
+// for a shape torch does not accept.
+RankOrder schedule_order(Schedule schedule, int num_ranks, int num_microbatches, int stages_per_rank);
+
+// Times of one micro-batch, in seconds. Stage vectors have one entry per stage; boundary vectors one per
+// pair of consecutive stages (boundary s lies between stage s and s+1).
+struct StageTimes {
+    std::vector<double> forward_s;          // F of stage s
+    std::vector<double> backward_s;         // B of stage s (full backward)
+    std::vector<double> backward_weight_s;  // W of stage s; I takes backward_s - backward_weight_s
+    std::vector<double> send_forward_s;     // activation from stage s to stage s+1
+    std::vector<double> send_backward_s;    // gradient from stage s+1 to stage s
+};
+
+struct Event {
+    int rank;
+    Action action;
+    double start_s;
+    double end_s;
+};
+
+struct Simulation {
+    double makespan_s = 0.0;          // end of the last action (the pipeline starts at 0)
+    std::vector<double> busy_s;       // [rank] time spent computing
+    std::vector<double> idle_s;       // [rank] makespan_s - busy_s
+    std::vector<int> peak_in_flight;  // [stage] most micro-batches in flight at once
+    std::vector<Event> events;        // every action, by start time, then rank
+};
+
+// Simulates `order` with stages placed on ranks by `stage_rank` ([stage] -> rank). The number of stages
+// is the length of times.forward_s. Throws std::invalid_argument for inconsistent input (an action on
+// the wrong rank, a missing or repeated action, negative times) and for a deadlocked order.
+Simulation simulate(const RankOrder& order, const std::vector<int>& stage_rank, const StageTimes& times,
+                    int num_microbatches);
+
+}  // namespace pyplan

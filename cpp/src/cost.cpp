@@ -1,0 +1,110 @@
+// The closed-form cost model; see cost.h for the formulas and their sources.
+#include "pyplan/cost.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace pyplan {
+namespace {
+
+void require(bool ok, const std::string& message) {
+    if (!ok) throw std::invalid_argument(message);
+}
+
+void check_link(const Link& link) {
+    require(link.latency_s >= 0.0, "link latency_s must be >= 0, got " + std::to_string(link.latency_s));
+    require(link.bw_bytes_per_s > 0.0,
+            "link bw_bytes_per_s must be > 0, got " + std::to_string(link.bw_bytes_per_s));
+}
+
+void check_bytes(double bytes) {
+    require(bytes >= 0.0, "bytes must be >= 0, got " + std::to_string(bytes));
+}
+
+void check_ranks(int num_ranks) {
+    require(num_ranks >= 1, "the number of ranks must be >= 1, got " + std::to_string(num_ranks));
+}
+
+// One step of a ring collective: every rank sends its 1/d share of G to its neighbour.
+double ring_step_time_s(const Link& link, double bytes, int num_ranks) {
+    return link.latency_s + bytes / (num_ranks * link.bw_bytes_per_s);
+}
+
+}  // namespace
+
+double p2p_time_s(const Link& link, double bytes) {
+    check_link(link);
+    check_bytes(bytes);
+    return link.latency_s + bytes / link.bw_bytes_per_s;
+}
+
+double ring_allreduce_time_s(const Link& link, double bytes, int num_ranks) {
+    return 2.0 * reduce_scatter_time_s(link, bytes, num_ranks);
+}
+
+double reduce_scatter_time_s(const Link& link, double bytes, int num_ranks) {
+    check_link(link);
+    check_bytes(bytes);
+    check_ranks(num_ranks);
+    return (num_ranks - 1) * ring_step_time_s(link, bytes, num_ranks);
+}
+
+double all_gather_time_s(const Link& link, double bytes, int num_ranks) {
+    return reduce_scatter_time_s(link, bytes, num_ranks);
+}
+
+double hierarchical_allreduce_time_s(const Link& intra, const Link& inter, double bytes, int gpus_per_node,
+                                     int num_nodes) {
+    check_ranks(gpus_per_node);
+    check_ranks(num_nodes);
+    const double inside = reduce_scatter_time_s(intra, bytes, gpus_per_node) +
+                          all_gather_time_s(intra, bytes, gpus_per_node);
+    const double across = ring_allreduce_time_s(inter, bytes / gpus_per_node, num_nodes);
+    return inside + across;
+}
+
+ModelStateBytes zero_model_state_bytes(double num_params, int num_replicas, int zero_stage,
+                                       const BytesPerParam& bytes_per_param) {
+    require(num_params >= 0.0, "num_params must be >= 0, got " + std::to_string(num_params));
+    check_ranks(num_replicas);
+    require(zero_stage >= 0 && zero_stage <= 3, "zero_stage must be 0, 1, 2 or 3, got " + std::to_string(zero_stage));
+    require(bytes_per_param.param_bytes >= 0.0 && bytes_per_param.grad_bytes >= 0.0 &&
+                bytes_per_param.optim_bytes >= 0.0,
+            "bytes per parameter must be >= 0");
+    // Stage k shards the first k of (optimizer state, gradients, weights) over the d replicas.
+    const double full = num_params;
+    const double shard = num_params / num_replicas;
+    ModelStateBytes state;
+    state.optim_bytes = bytes_per_param.optim_bytes * (zero_stage >= 1 ? shard : full);
+    state.grad_bytes = bytes_per_param.grad_bytes * (zero_stage >= 2 ? shard : full);
+    state.param_bytes = bytes_per_param.param_bytes * (zero_stage >= 3 ? shard : full);
+    return state;
+}
+
+double pipeline_time_s(const std::vector<double>& stage_time_s, int num_microbatches) {
+    require(!stage_time_s.empty(), "a pipeline needs at least one stage");
+    require(num_microbatches >= 1, "num_microbatches must be >= 1, got " + std::to_string(num_microbatches));
+    double sum_s = 0.0;
+    for (double t : stage_time_s) sum_s += t;
+    const double max_s = *std::max_element(stage_time_s.begin(), stage_time_s.end());
+    return sum_s + (num_microbatches - 1) * max_s;
+}
+
+double bubble_fraction(int num_stages, int num_microbatches, int num_chunks) {
+    require(num_stages >= 1, "num_stages must be >= 1, got " + std::to_string(num_stages));
+    require(num_microbatches >= 1, "num_microbatches must be >= 1, got " + std::to_string(num_microbatches));
+    require(num_chunks >= 1, "num_chunks must be >= 1, got " + std::to_string(num_chunks));
+    const double bubble = num_stages - 1;
+    return bubble / (static_cast<double>(num_chunks) * num_microbatches + bubble);
+}
+
+double optimizer_step_time_s(double bytes_read, double bytes_written, double mem_bw_bytes_per_s) {
+    check_bytes(bytes_read);
+    check_bytes(bytes_written);
+    require(mem_bw_bytes_per_s > 0.0,
+            "mem_bw_bytes_per_s must be > 0, got " + std::to_string(mem_bw_bytes_per_s));
+    return (bytes_read + bytes_written) / mem_bw_bytes_per_s;
+}
+
+}  // namespace pyplan

@@ -1,0 +1,1 @@
+"""Tracing a model into a LayerGraph and linearizing it into a Chain of blocks."""

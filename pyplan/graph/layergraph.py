@@ -1,0 +1,140 @@
+"""The layer graph: every fx node of a traced model with shapes, dtypes and bytes per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import fx
+
+__all__ = ["Affine", "GraphNode", "LayerGraph", "TensorInfo"]
+
+
+@dataclass(frozen=True)
+class Affine:
+    """A quantity linear in the micro-batch size b: `per_sample·b + fixed`.
+
+    Used for bytes (a tensor of shape (b, ...) plus a batch-independent part such as a mask buffer),
+    FLOPs and times (the linear stage model `t(b) = α·b + β` of Huang et al., eq. 2-3).
+    """
+
+    per_sample: float = 0.0
+    fixed: float = 0.0
+
+    def __call__(self, batch_size: float) -> float:
+        return self.per_sample * batch_size + self.fixed
+
+    def __add__(self, other: Affine) -> Affine:
+        return Affine(self.per_sample + other.per_sample, self.fixed + other.fixed)
+
+    @staticmethod
+    def fit(sizes: list[int], values: list[float]) -> Affine:
+        """Least-squares line through (size, value) points; needs two distinct sizes."""
+        if len(set(sizes)) < 2:
+            raise ValueError(f"fitting a line needs two distinct batch sizes, got {sizes}")
+        n = len(sizes)
+        mean_b = sum(sizes) / n
+        mean_v = sum(values) / n
+        var = sum((b - mean_b) ** 2 for b in sizes)
+        slope = sum((b - mean_b) * (v - mean_v) for b, v in zip(sizes, values)) / var
+        return Affine(slope, mean_v - slope * mean_b)
+
+    @staticmethod
+    def from_two(b1: int, v1: float, b2: int, v2: float) -> Affine:
+        """The exact line through two points (bytes are exactly affine in b, so no fitting is needed)."""
+        slope = (v2 - v1) / (b2 - b1)
+        return Affine(slope, v1 - slope * b1)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor produced by a node: shape and dtype at the traced batch size, and its bytes."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: Affine
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "bytes_per_sample": self.bytes.per_sample,
+            "fixed_bytes": self.bytes.fixed,
+        }
+
+
+@dataclass(frozen=True)
+class GraphNode:
+    """One fx node.
+
+    `op` is the fx opcode (placeholder, get_attr, call_module, call_function, call_method, output);
+    `module_path` the qualified name of the innermost module whose forward created the node ('' at top level);
+    `inputs` the names of the nodes it reads; `outputs` one TensorInfo per tensor it returns (empty when
+    it returns no tensor, e.g. `x.size(0)`); `is_tensor` says whether the value is exactly one tensor, the only
+    kind of value a pipeline stage can send; `static` marks values that do not depend on any model input
+    (parameters, buffers and what is computed from them alone): a stage recomputes those instead of receiving them.
+    """
+
+    name: str
+    op: str
+    target: str
+    module_path: str
+    inputs: tuple[str, ...]
+    outputs: tuple[TensorInfo, ...]
+    is_tensor: bool
+    static: bool
+
+    @property
+    def bytes(self) -> Affine:
+        """Bytes of every tensor this node outputs: the bytes of each of its out-edges."""
+        total = Affine()
+        for t in self.outputs:
+            total = total + t.bytes
+        return total
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "op": self.op,
+            "target": self.target,
+            "module_path": self.module_path,
+            "inputs": list(self.inputs),
+            "outputs": [t.to_json() for t in self.outputs],
+            "is_tensor": self.is_tensor,
+            "static": self.static,
+        }
+
+
+@dataclass
+class LayerGraph:
+    """A traced model: the fx nodes in topological order, and the GraphModule they came from.
+
+    `batch_size` is the batch the shapes in `outputs` were recorded at; bytes are per sample plus fixed.
+    The GraphModule is kept for splitting and profiling; it is not part of the JSON form.
+    """
+
+    nodes: list[GraphNode]
+    batch_size: int
+    module: fx.GraphModule = field(repr=False, compare=False)
+    leaf_modules: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self._by_name = {n.name: n for n in self.nodes}
+
+    def node(self, name: str) -> GraphNode:
+        return self._by_name[name]
+
+    @property
+    def placeholders(self) -> list[GraphNode]:
+        return [n for n in self.nodes if n.op == "placeholder"]
+
+    def edges(self) -> list[tuple[str, str, Affine]]:
+        """Every (producer, consumer, bytes) edge; bytes are the producer's output bytes."""
+        return [(i, n.name, self._by_name[i].bytes) for n in self.nodes for i in n.inputs]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "leaf_modules": list(self.leaf_modules),
+            "nodes": [n.to_json() for n in self.nodes],
+        }

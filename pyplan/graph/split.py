@@ -1,0 +1,80 @@
+"""Cut a traced module at chosen cuts into pieces that run in sequence, each passing on its live set."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from pyplan.graph.chain import Chain
+
+__all__ = ["piece", "pieces", "run_pieces"]
+
+
+def piece(chain: Chain, start: int, stop: int) -> fx.GraphModule:
+    """The GraphModule of blocks [start, stop) of `chain`.
+
+    It takes the values live at cut `start` as positional arguments (the model's own inputs for start = 0) and
+    returns the tuple of values live at cut `stop` (the model's own output for the last block). Static values it
+    needs (parameters, buffers, what is computed from them alone) are recomputed inside. Parameters are shared
+    with the traced module, not copied.
+    """
+    if not 0 <= start < stop <= len(chain):
+        raise ValueError(f"piece [{start}, {stop}) is not a non-empty range of a chain of {len(chain)} blocks")
+    gm = chain.graph.module
+    by_name = {n.name: n for n in gm.graph.nodes}
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+
+    if start == 0:
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = graph.node_copy(n)
+    else:
+        for name in chain.cuts[start].live:
+            env[by_name[name]] = graph.placeholder(name)
+
+    def copy(n: fx.Node) -> fx.Node:
+        if n not in env:
+            if not chain.graph.node(n.name).static:
+                raise RuntimeError(f"node '{n.name}' is neither live at cut {start} nor inside the piece")
+            for a in n.all_input_nodes:
+                copy(a)
+            env[n] = graph.node_copy(n, lambda a: env[a])
+        return env[n]
+
+    lo, hi = chain.cuts[start].position, chain.cuts[stop].position
+    for name in chain.order[lo:hi]:
+        n = by_name[name]
+        for a in n.all_input_nodes:
+            copy(a)
+        env[n] = graph.node_copy(n, lambda a: env[a])
+
+    if stop == len(chain):
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        for a in out.all_input_nodes:
+            copy(a)
+        graph.output(fx.map_arg(out.args[0], lambda a: env[a]))
+    else:
+        graph.output(tuple(copy(by_name[name]) for name in chain.cuts[stop].live))
+    graph.lint()
+    return fx.GraphModule(gm, graph, f"{type(gm).__name__}_{start}_{stop}")
+
+
+def pieces(chain: Chain, bounds: Sequence[int] | None = None) -> list[fx.GraphModule]:
+    """The pieces between consecutive `bounds` (block indices; default: one piece per block)."""
+    bounds = list(range(len(chain) + 1)) if bounds is None else list(bounds)
+    return [piece(chain, a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def run_pieces(mods: Sequence[torch.nn.Module], *inputs: Any) -> Any:
+    """Run pieces in sequence: each receives the previous one's tuple of live values."""
+    args: tuple[Any, ...] = inputs
+    out: Any = None
+    for i, m in enumerate(mods):
+        out = m(*args)
+        if i < len(mods) - 1:
+            args = out if isinstance(out, tuple) else (out,)
+    return out

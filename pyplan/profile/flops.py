@@ -1,0 +1,43 @@
+"""FLOPs of each block's forward and backward, counted by torch's FlopCounterMode on fake tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from pyplan._torch import no_compute
+from pyplan.graph.chain import Chain
+from pyplan.graph.layergraph import Affine
+from pyplan.graph.trace import ExampleInputs, inputs_at
+from pyplan.profile.pieces import backward, block_inputs, block_modules, forward
+
+__all__ = ["block_flops"]
+
+
+def _flops_at(chain: Chain, example_inputs: ExampleInputs, batch_size: int) -> list[tuple[int, int]]:
+    mods = block_modules(chain)
+    fwd_bwd = []
+    # The math kernel, because FlopCounterMode does not see inside CPU's fused attention kernel.
+    with no_compute(chain.graph.module) as convert, sdpa_kernel(SDPBackend.MATH):
+        args = block_inputs(mods, [convert(t) for t in inputs_at(example_inputs, batch_size)])
+        for i, (mod, a) in enumerate(zip(mods, args)):
+            with FlopCounterMode(display=False) as fwd:
+                _, roots = forward(mod, a, first=i == 0)
+            with FlopCounterMode(display=False) as bwd:
+                backward(roots)
+            fwd_bwd.append((fwd.get_total_flops(), bwd.get_total_flops()))
+    return fwd_bwd
+
+
+def block_flops(
+    chain: Chain, example_inputs: ExampleInputs, batch_sizes: Sequence[int] = (1, 2)
+) -> list[tuple[Affine, Affine]]:
+    """Forward and backward FLOPs of every block as `per_sample·b + fixed` (matmul/conv FLOPs, as torch counts)."""
+    b1, b2 = batch_sizes[0], batch_sizes[-1]
+    f1, f2 = _flops_at(chain, example_inputs, b1), _flops_at(chain, example_inputs, b2)
+    return [
+        (Affine.from_two(b1, x[0], b2, y[0]), Affine.from_two(b1, x[1], b2, y[1])) for x, y in zip(f1, f2)
+    ]

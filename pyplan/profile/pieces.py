@@ -1,0 +1,56 @@
+"""Run the blocks of a chain one at a time: the inputs each block receives, and one forward and backward."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+from pyplan.graph.split import pieces
+
+__all__ = ["backward", "block_inputs", "block_modules", "forward"]
+
+block_modules = pieces
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def block_inputs(mods: Sequence[fx.GraphModule], inputs: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
+    """The arguments each piece receives when the pieces run in sequence on `inputs` (no autograd)."""
+    args: tuple[Any, ...] = tuple(inputs)
+    collected = []
+    with torch.no_grad():
+        for m in mods:
+            collected.append(args)
+            out = m(*args)
+            args = out if isinstance(out, tuple) else (out,)
+    return collected
+
+
+def forward(mod: fx.GraphModule, args: Sequence[Any], *, first: bool) -> tuple[Any, list[torch.Tensor]]:
+    """One forward of a piece as it runs in training: float inputs need grad except the model's own inputs.
+
+    Returns the output and the float output tensors that backward starts from.
+    """
+    leaf_args = [
+        a.detach().requires_grad_(not first and a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+        for a in args
+    ]
+    out = mod(*leaf_args)
+    return out, [t for t in _tensors(out) if t.requires_grad]
+
+
+def backward(roots: Sequence[torch.Tensor], make_grad: Callable[[torch.Tensor], torch.Tensor] = torch.ones_like) -> None:
+    """Backward from the piece's outputs with a gradient shaped like each of them."""
+    if roots:
+        torch.autograd.backward(list(roots), [make_grad(t) for t in roots])
