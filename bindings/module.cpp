@@ -4,10 +4,14 @@
 
 namespace py = pybind11;
 
+void bind_cost(py::module_& m);
+void bind_partition(py::module_& m);
 void bind_simulate(py::module_& m);
 
 PYBIND11_MODULE(_core, m) {
     m.doc() = "pyplan's C++17 planning core (private; use the pyplan package).";
     m.attr("abi_version") = 1;
+    bind_cost(m);
+    bind_partition(m);
     bind_simulate(m);
 }

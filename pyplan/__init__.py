@@ -1,1 +1,41 @@
-"""pyplan."""
+"""pyplan: plan distributed PyTorch training (DP x PP x GA x micro-batch x schedule) with predictions."""
+
+from __future__ import annotations
+
+from pyplan.errors import InfeasibleError, ModelLoadError, PlanError, TraceError
+from pyplan.graph.chain import Block, Chain, Cut
+from pyplan.graph.layergraph import Affine, GraphNode, LayerGraph, TensorInfo
+from pyplan.graph.linearize import cut_points, linearize
+from pyplan.graph.split import piece, pieces, run_pieces
+from pyplan.graph.trace import trace
+from pyplan.load import load_model
+from pyplan.profile import TimingOptions, model_state_bytes, profile
+from pyplan.spec import ModelSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Affine",
+    "Block",
+    "Chain",
+    "Cut",
+    "GraphNode",
+    "InfeasibleError",
+    "LayerGraph",
+    "ModelLoadError",
+    "ModelSpec",
+    "PlanError",
+    "TensorInfo",
+    "TimingOptions",
+    "TraceError",
+    "__version__",
+    "cut_points",
+    "linearize",
+    "load_model",
+    "model_state_bytes",
+    "piece",
+    "pieces",
+    "profile",
+    "run_pieces",
+    "trace",
+]

@@ -28,9 +28,9 @@ std::string token(const Action& a) {
     return std::to_string(a.stage) + op_letter(a.op) + std::to_string(a.microbatch);
 }
 
-// One rank's order under construction. Each stage numbers its own F, its own backwards (B or I share one
-// counter) and its own W from micro-batch 0 upwards, as torch's builders do; I queues its W, which
-// weight() later emits oldest first.
+// One rank's order under construction. Each stage numbers its own forwards and its own backwards (B and I
+// share one counter) from micro-batch 0 upwards, as torch's builders do; each I queues its W, which
+// weight() later emits, oldest first.
 class RankBuilder {
 public:
     explicit RankBuilder(int num_stages)
@@ -52,7 +52,6 @@ public:
     void all_weights() {
         while (!pending_weights_.empty()) weight();
     }
-    int forwards_done(int stage) const { return next_forward_[stage]; }
     std::vector<Action> take() { return std::move(actions_); }
 
 private:
@@ -62,8 +61,8 @@ private:
     std::deque<Action> pending_weights_;
 };
 
-std::vector<Action> gpipe_rank(int rank, int m) {
-    RankBuilder b(rank + 1);
+std::vector<Action> gpipe_rank(int rank, int p, int m) {
+    RankBuilder b(p);
     for (int k = 0; k < m; ++k) b.forward(rank);
     for (int k = 0; k < m; ++k) b.backward(rank);
     return b.take();
@@ -72,7 +71,7 @@ std::vector<Action> gpipe_rank(int rank, int m) {
 // Stage s runs min(m, p - s) forwards, then alternates B and F until the forwards run out, then drains
 // the backwards (Schedule1F1B._step_microbatches).
 std::vector<Action> one_f_one_b_rank(int rank, int p, int m) {
-    RankBuilder b(rank + 1);
+    RankBuilder b(p);
     const int warmup = std::min(m, p - rank);
     for (int k = 0; k < warmup; ++k) b.forward(rank);
     for (int k = 0; k < m; ++k) {
@@ -286,7 +285,7 @@ RankOrder schedule_order(Schedule schedule, int num_ranks, int num_microbatches,
     RankOrder order(static_cast<size_t>(p));
     for (int r = 0; r < p; ++r) {
         switch (schedule) {
-            case Schedule::GPipe: order[r] = gpipe_rank(r, m); break;
+            case Schedule::GPipe: order[r] = gpipe_rank(r, p, m); break;
             case Schedule::OneFOneB: order[r] = one_f_one_b_rank(r, p, m); break;
             case Schedule::Interleaved1F1B: order[r] = interleaved_rank(r, p, m, v, false); break;
             case Schedule::LoopedBFS: order[r] = looped_bfs_rank(r, p, m, v); break;

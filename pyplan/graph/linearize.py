@@ -107,11 +107,17 @@ def _boundaries(points: CutPoints, depth: int | None) -> list[int]:
 
 
 def _block_name(graph: LayerGraph, nodes: Sequence[str], depth: int | None) -> str:
-    keys = _keys(graph, nodes, depth if depth is not None else 64)
-    distinct = list(dict.fromkeys(k for k in keys))
-    if len(distinct) == 1:
-        return distinct[0] or "(top)"
-    return f"{distinct[0] or '(top)'}..{distinct[-1] or '(top)'}"
+    """The longest module path shared by the block's nodes, else `first..last`."""
+    keys = list(dict.fromkeys(_keys(graph, nodes, depth if depth is not None else 1 << 16)))
+    parts = [k.split(".") for k in keys]
+    common: list[str] = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    if common and common[0]:
+        return ".".join(common)
+    return keys[0] or "(top)" if len(keys) == 1 else f"{keys[0] or '(top)'}..{keys[-1] or '(top)'}"
 
 
 def static_closure(graph: LayerGraph, names: Sequence[str]) -> list[str]:
@@ -179,15 +185,17 @@ def _get_attr(root: torch.nn.Module, target: str) -> object:
 def linearize(
     graph: LayerGraph,
     *,
-    max_blocks: int = 64,
+    min_blocks: int = 16,
+    max_blocks: int = 128,
     depth: int | None = None,
     positions: Sequence[int] | None = None,
 ) -> Chain:
     """Group the nodes of `graph` into a Chain of blocks.
 
-    By default blocks follow the module hierarchy: the deepest level of module paths whose valid boundaries give
-    at most `max_blocks` blocks (e.g. one block per transformer layer, one per residual block). `depth` fixes the
-    level instead; `positions` gives the cuts explicitly (0 and the end are added; each must be valid).
+    By default blocks follow the module hierarchy: the shallowest level of module paths whose valid boundaries
+    give at least `min_blocks` blocks, without passing `max_blocks` (e.g. one block per transformer layer of
+    GPT-2, one per bottleneck of ResNet-50; finer for small models). `depth` fixes the level instead;
+    `positions` gives the cuts explicitly (0 and the end are added; each must be valid).
     """
     points = cut_points(graph)
     n_pos = len(points.order)
@@ -207,6 +215,8 @@ def linearize(
         deepest = max((len(graph.node(n).module_path.split(".")) for n in points.order), default=1)
         level, chosen = 1, _boundaries(points, 1)
         for d in range(2, deepest + 1):
+            if len(chosen) - 1 >= min_blocks:
+                break
             trial = _boundaries(points, d)
             if len(trial) - 1 > max_blocks:
                 break

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from pyplan._torch import no_compute
+from pyplan._torch import run_without_compute
 from pyplan.errors import TraceError
 from pyplan.graph.layergraph import Affine, GraphNode, LayerGraph, TensorInfo
 
@@ -63,6 +63,8 @@ class _Tracer(fx.Tracer):
 
     def __init__(self, leaves: Iterable[LeafSpec]) -> None:
         super().__init__()
+        # Buffers become get_attr nodes, so `self.mask[:t, :t]` with a traced `t` works like a parameter would.
+        self.proxy_buffer_attributes = True
         self.leaf_types = tuple(x for x in leaves if isinstance(x, type))
         self.leaf_names = {x for x in leaves if isinstance(x, str)}
         self.path_stack: list[tuple[str, str]] = []
@@ -144,10 +146,13 @@ class _Recorder(fx.Interpreter):
 
 def _record(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> _Recorder:
     """Run `gm` on fake or meta tensors (no real compute, no allocation) and record every node's outputs."""
-    rec = _Recorder(gm)
-    with torch.no_grad(), no_compute(gm) as convert:
-        rec.run(*[convert(t) for t in inputs])
-    return rec
+    def run(convert: Callable[[torch.Tensor], torch.Tensor]) -> _Recorder:
+        rec = _Recorder(gm)
+        with torch.no_grad():
+            rec.run(*[convert(t) for t in inputs])
+        return rec
+
+    return run_without_compute(gm, run)
 
 
 def trace(

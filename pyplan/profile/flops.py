@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from pyplan._torch import no_compute
+from pyplan._torch import run_without_compute
 from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import Affine
 from pyplan.graph.trace import ExampleInputs, inputs_at
@@ -19,17 +19,22 @@ __all__ = ["block_flops"]
 
 def _flops_at(chain: Chain, example_inputs: ExampleInputs, batch_size: int) -> list[tuple[int, int]]:
     mods = block_modules(chain)
-    fwd_bwd = []
-    # The math kernel, because FlopCounterMode does not see inside CPU's fused attention kernel.
-    with no_compute(chain.graph.module) as convert, sdpa_kernel(SDPBackend.MATH):
-        args = block_inputs(mods, [convert(t) for t in inputs_at(example_inputs, batch_size)])
-        for i, (mod, a) in enumerate(zip(mods, args)):
-            with FlopCounterMode(display=False) as fwd:
-                _, roots = forward(mod, a, first=i == 0)
-            with FlopCounterMode(display=False) as bwd:
-                backward(roots)
-            fwd_bwd.append((fwd.get_total_flops(), bwd.get_total_flops()))
-    return fwd_bwd
+    inputs = inputs_at(example_inputs, batch_size)
+
+    def count(convert: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple[int, int]]:
+        fwd_bwd = []
+        # The math kernel, because FlopCounterMode does not see inside CPU's fused attention kernel.
+        with sdpa_kernel(SDPBackend.MATH):
+            args = block_inputs(mods, [convert(t) for t in inputs])
+            for i, (mod, a) in enumerate(zip(mods, args)):
+                with FlopCounterMode(display=False) as fwd:
+                    _, roots = forward(mod, a, first=i == 0)
+                with FlopCounterMode(display=False) as bwd:
+                    backward(roots)
+                fwd_bwd.append((fwd.get_total_flops(), bwd.get_total_flops()))
+        return fwd_bwd
+
+    return run_without_compute(chain.graph.module, count)
 
 
 def block_flops(

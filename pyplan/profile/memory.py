@@ -7,13 +7,14 @@ node produced it (an op's own temporaries, such as a dropout mask, to the block 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx
 
-from pyplan._torch import no_compute, storage_key
+from pyplan._torch import run_without_compute, storage_key
 from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import Affine
 from pyplan.graph.linearize import static_closure
@@ -125,12 +126,15 @@ def _saved_at(chain: Chain, example_inputs: ExampleInputs, batch_size: int) -> S
     block_of = {name: i for i, b in enumerate(chain.blocks) for name in b.nodes}
     placeholders = {n.name for n in chain.graph.placeholders}
     inputs = inputs_at(example_inputs, batch_size)
-    with no_compute(gm) as convert:
+
+    def run(convert: Callable[[torch.Tensor], torch.Tensor]) -> _SavedRecorder:
         exclude = {storage_key(t) for t in [*gm.parameters(), *gm.buffers()]}
-        args = [convert(t) for t in inputs]
         rec = _SavedRecorder(gm, exclude)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
-            rec.run(*args)
+            rec.run(*[convert(t) for t in inputs])
+        return rec
+
+    rec = run_without_compute(gm, run)
     # A storage produced by a static node (a buffer slice, a constant) is charged to the first block reading it.
     owner = dict(block_of)
     for i, b in enumerate(chain.blocks):

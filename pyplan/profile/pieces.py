@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -50,7 +50,7 @@ def forward(mod: fx.GraphModule, args: Sequence[Any], *, first: bool) -> tuple[A
     return out, [t for t in _tensors(out) if t.requires_grad]
 
 
-def backward(roots: Sequence[torch.Tensor], make_grad: Callable[[torch.Tensor], torch.Tensor] = torch.ones_like) -> None:
-    """Backward from the piece's outputs with a gradient shaped like each of them."""
+def backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None = None) -> None:
+    """Backward from the piece's outputs, with `grads` (default: ones shaped like each output)."""
     if roots:
-        torch.autograd.backward(list(roots), [make_grad(t) for t in roots])
+        torch.autograd.backward(list(roots), list(grads) if grads is not None else [torch.ones_like(t) for t in roots])

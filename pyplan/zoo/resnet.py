@@ -9,6 +9,7 @@ from torch import nn
 
 __all__ = ["BasicBlock", "Bottleneck", "ResNet", "resnet"]
 
+
 def _shortcut(inplanes: int, outplanes: int, stride: int) -> nn.Sequential | None:
     """The projection shortcut (1x1 conv + BN) where a block changes shape, else None (identity)."""
     if stride == 1 and inplanes == outplanes:

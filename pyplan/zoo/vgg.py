@@ -21,7 +21,7 @@ CONFIGS: dict[str, Layers] = {
 
 
 class VGG(nn.Module):
-    """Conv stack, adaptive average pool to `pool_size`², then Linear+ReLU+Dropout per `hidden` width and a classifier.
+    """Conv stack, adaptive average pool to `pool_size`², Linear+ReLU+Dropout per `hidden` width, classifier.
 
     torchvision: `pool_size=7, hidden=(4096, 4096)`; kuangliu/pytorch-cifar: `batch_norm=True, pool_size=1,
     hidden=()` (one Linear(512, classes)).

@@ -1,0 +1,67 @@
+"""Profiling a Chain: measured time per block, exact saved bytes, parameters and FLOPs."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from pyplan._torch import is_meta_module
+from pyplan.errors import PlanError
+from pyplan.graph.chain import Chain
+from pyplan.graph.trace import ExampleInputs
+from pyplan.profile.flops import block_flops
+from pyplan.profile.measure import TimingOptions, block_times, local_device
+from pyplan.profile.memory import ModelState, model_state_bytes, saved_bytes
+
+__all__ = [
+    "ModelState",
+    "TimingOptions",
+    "block_flops",
+    "block_times",
+    "default_batch_sizes",
+    "local_device",
+    "model_state_bytes",
+    "profile",
+    "saved_bytes",
+]
+
+
+def default_batch_sizes(batch_size: int) -> tuple[int, ...]:
+    """Micro-batch sizes to time at: a quarter, half and all of `batch_size` (at least two distinct sizes)."""
+    sizes = sorted({max(1, batch_size // 4), max(1, batch_size // 2), batch_size})
+    return tuple(sizes) if len(sizes) >= 2 else (batch_size, 2 * batch_size)
+
+
+def profile(
+    chain: Chain,
+    example_inputs: ExampleInputs,
+    *,
+    measure: bool = True,
+    batch_sizes: Sequence[int] | None = None,
+    device: torch.device | str | None = None,
+    options: TimingOptions = TimingOptions(),
+) -> Chain:
+    """A copy of `chain` whose blocks carry FLOPs, saved bytes and (when `measure`) fitted times.
+
+    FLOPs and saved bytes are counted on fake tensors (meta for a meta-built model), so they cost no compute;
+    times are measured on `device` (default: CUDA when present, else the CPU with `options.threads` threads).
+    """
+    sizes = tuple(batch_sizes) if batch_sizes else default_batch_sizes(chain.graph.batch_size)
+    if len(set(sizes)) < 2:
+        raise PlanError(f"profiling needs two or more distinct micro-batch sizes, got {list(sizes)}")
+    ends = (min(sizes), max(sizes))
+    flops = block_flops(chain, example_inputs, ends)
+    saved, inputs_saved = saved_bytes(chain, example_inputs, ends)
+    times: list[tuple[object, object]] = [(None, None)] * len(chain)
+    if measure:
+        if is_meta_module(chain.graph.module):
+            raise PlanError("a model built on the meta device has no weights to time; profile it with measure=False")
+        dev = torch.device(device) if device is not None else local_device()
+        times = list(block_times(chain, example_inputs, sizes, device=dev, options=options))
+    blocks = [
+        dataclasses.replace(b, flops_fwd=f, flops_bwd=g, saved_bytes=s, fwd_time_s=t[0], bwd_time_s=t[1])
+        for b, (f, g), s, t in zip(chain.blocks, flops, saved, times)
+    ]
+    return dataclasses.replace(chain, blocks=blocks, input_saved_bytes=inputs_saved)

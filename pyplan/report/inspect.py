@@ -1,0 +1,82 @@
+"""`pyplan inspect`: the blocks of a profiled chain with time, FLOPs, parameters and bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from pyplan.graph.chain import Chain
+from pyplan.report.units import fmt_bytes, fmt_count, fmt_seconds
+
+__all__ = ["inspect_data", "render_inspect"]
+
+
+def _at(a: Any, b: int) -> float | None:
+    return a(b) if a is not None else None
+
+
+def inspect_data(chain: Chain, *, model: str, batch_size: int, device: str, threads: int) -> dict[str, Any]:
+    """The JSON document `pyplan inspect --json` prints (keys documented in the README)."""
+    b = batch_size
+    blocks = []
+    for i, blk in enumerate(chain.blocks):
+        cut = chain.cuts[i + 1]
+        blocks.append(
+            {
+                "index": i,
+                **blk.to_json(),
+                "flops_fwd": _at(blk.flops_fwd, b),
+                "flops_bwd": _at(blk.flops_bwd, b),
+                "cut_bytes_per_sample": cut.bytes.per_sample,
+                "cut_fixed_bytes": cut.bytes.fixed,
+                "cut_live": list(cut.live),
+                "fwd_time_s": _at(blk.fwd_time_s, b),
+                "bwd_time_s": _at(blk.bwd_time_s, b),
+            }
+        )
+    measured = all(blk.fwd_time_s is not None for blk in chain.blocks)
+    saved_inputs = chain.input_saved_bytes(b) if chain.input_saved_bytes else 0.0
+    return {
+        "model": model,
+        "batch_size": b,
+        "device": device if measured else "meta (not timed)",
+        "threads": threads,
+        "measured": measured,
+        "params": chain.param_numel,
+        "param_bytes": sum(blk.param_bytes for blk in chain.blocks),
+        "flops_fwd": sum(x["flops_fwd"] or 0.0 for x in blocks),
+        "flops_bwd": sum(x["flops_bwd"] or 0.0 for x in blocks),
+        "activation_bytes": saved_inputs + sum(_at(blk.saved_bytes, b) or 0.0 for blk in chain.blocks),
+        "input_saved_bytes": saved_inputs,
+        "fwd_time_s": sum(x["fwd_time_s"] for x in blocks) if measured else None,
+        "bwd_time_s": sum(x["bwd_time_s"] for x in blocks) if measured else None,
+        "blocks": blocks,
+    }
+
+
+def render_inspect(data: dict[str, Any], console: Console) -> None:
+    """Print the inspect table: one row per block and a total row."""
+    b = data["batch_size"]
+    where = f"{data['device']}, {data['threads']} thread(s)" if data["measured"] else data["device"]
+    table = Table(
+        title=f"{data['model']}: {len(data['blocks'])} blocks, batch {b}, {where}",
+        caption="act: bytes saved for backward; cut: bytes live across the cut after the block (a stage boundary)",
+    )
+    for col in ("#", "block", "params", "fwd FLOPs", "bwd FLOPs", "act", "cut", "fwd", "bwd"):
+        table.add_column(col, justify="left" if col == "block" else "right")
+    for x in data["blocks"]:
+        act = x["activation_bytes_per_sample"] * b + x["activation_fixed_bytes"]
+        cut = x["cut_bytes_per_sample"] * b + x["cut_fixed_bytes"]
+        table.add_row(
+            str(x["index"]), x["name"], fmt_count(x["params"]), fmt_count(x["flops_fwd"]),
+            fmt_count(x["flops_bwd"]), fmt_bytes(act), fmt_bytes(cut),
+            fmt_seconds(x["fwd_time_s"]), fmt_seconds(x["bwd_time_s"]),
+        )
+    table.add_section()
+    table.add_row(
+        "", "total", fmt_count(data["params"]), fmt_count(data["flops_fwd"]), fmt_count(data["flops_bwd"]),
+        fmt_bytes(data["activation_bytes"]), "", fmt_seconds(data["fwd_time_s"]), fmt_seconds(data["bwd_time_s"]),
+    )
+    console.print(table)

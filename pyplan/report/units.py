@@ -1,0 +1,28 @@
+"""Human-readable numbers: bytes, FLOPs and seconds with their units."""
+
+from __future__ import annotations
+
+__all__ = ["fmt_bytes", "fmt_count", "fmt_seconds"]
+
+
+def _scaled(value: float, steps: list[tuple[float, str]], digits: int = 3) -> str:
+    for scale, suffix in steps:
+        if abs(value) >= scale:
+            return f"{value / scale:.{digits}g} {suffix}".rstrip()
+    return f"{value:.{digits}g}"
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in decimal units (1 MB = 10^6 B), as DESIGN's memory figures are."""
+    return _scaled(n, [(1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B")]) if n else "0 B"
+
+
+def fmt_count(n: float) -> str:
+    """A count such as parameters or FLOPs: 1.23 G, 45.6 M."""
+    return _scaled(n, [(1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")]) if n else "0"
+
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return _scaled(s, [(1, "s"), (1e-3, "ms"), (1e-6, "µs")]) if s > 0 else "0 s"

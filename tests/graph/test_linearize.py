@@ -1,0 +1,117 @@
+"""Linearization: live sets carry skip tensors and masks, and the pieces reproduce the model exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pyplan import TraceError, cut_points, linearize, pieces, run_pieces, trace
+from tests.conftest import example
+
+
+class LongSkip(nn.Module):
+    """A skip tensor that spans four layers, and a second model input used only at the end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.mid = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        skip = self.a(x)
+        return self.b(self.mid(skip) + skip) * scale
+
+
+def _inputs(spec_name: str, b: int) -> tuple[torch.Tensor, ...]:
+    return example(spec_name).example_inputs(b)
+
+
+def test_skip_tensor_is_live_across_every_cut_it_spans() -> None:
+    model = LongSkip()
+    graph = trace(model, (torch.randn(3, 8), torch.randn(3, 1)))
+    points = cut_points(graph)
+    skip_def = points.order.index("a")
+    add_use = points.order.index("add")
+    for c in range(skip_def + 1, add_use + 1):
+        assert "a" in points.cuts[c].live, c
+        assert "scale" in points.cuts[c].live, c
+    assert "a" not in points.cuts[add_use + 1].live
+    # A cut's bytes are the sum of its live values' bytes.
+    cut = points.cuts[add_use]
+    assert cut.bytes.per_sample == sum(graph.node(v).bytes.per_sample for v in cut.live)
+
+
+def test_residual_network_keeps_skips_at_every_cut() -> None:
+    spec = example("resnet")
+    graph = trace(spec.build(), spec.example_inputs, batch_size=2)
+    points = cut_points(graph)
+    # Every `add` of a residual block reads the block input; it must be live from its definition to the add.
+    for name in points.order:
+        node = graph.node(name)
+        if node.target != "add":
+            continue
+        for src in node.inputs:
+            start = points.position[src] + 1
+            stop = points.position[name]
+            assert all(src in points.cuts[c].live for c in range(max(start, 0), stop + 1))
+
+
+def _assert_pieces_reproduce(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
+    model.eval()
+    graph = trace(model, inputs)
+    points = cut_points(graph)
+    expected = model(*inputs)
+    candidates = [c.position for c in points.candidates if 0 < c.position < len(points.order)]
+    assert candidates
+    # Every single cut, and all cuts at once.
+    for c in [*([c] for c in candidates), candidates]:
+        chain = linearize(graph, positions=c)
+        got = run_pieces(pieces(chain), *inputs)
+        assert torch.equal(got, expected), c
+    return len(candidates)
+
+
+def test_pieces_reproduce_a_sequential_model() -> None:
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert _assert_pieces_reproduce(model, (torch.randn(4, 6),)) == 4
+
+
+def test_pieces_reproduce_a_residual_cnn() -> None:
+    spec = example("resnet")
+    assert _assert_pieces_reproduce(spec.build(), spec.example_inputs(2)) > 20
+
+
+def test_pieces_reproduce_a_transformer_with_attention_mask() -> None:
+    spec = example("gpt")
+    inputs = spec.example_inputs(2)
+    assert not inputs[1].all(), "the example mask should hide some positions"
+    assert _assert_pieces_reproduce(spec.build(), inputs) > 20
+    chain = linearize(trace(spec.build(), spec.example_inputs))
+    # The padding mask rides across every cut between the embedding and the last attention.
+    inner = [c for c in chain.cuts[1:-1] if c.position < chain.order.index("layers_3_attn_proj")]
+    assert inner and all("keep" in c.live for c in inner)
+
+
+def test_pieces_reproduce_a_model_with_a_long_skip_and_two_inputs() -> None:
+    _assert_pieces_reproduce(LongSkip(), (torch.randn(3, 8), torch.randn(3, 1)))
+
+
+def test_default_blocks_follow_the_module_hierarchy() -> None:
+    spec = example("gpt")
+    chain = linearize(trace(spec.build(), spec.example_inputs), min_blocks=8)
+    assert [b.name for b in chain.blocks] == ["tok", "pos", "layers.0", "layers.1", "layers.2", "layers.3", "ln", "head"]
+    # Tied weights are counted once, in the first block that uses them.
+    assert chain.param_numel == sum(p.numel() for p in spec.build().parameters())
+    assert chain.blocks[-1].param_numel == 0 and "head.weight" in chain.blocks[-1].param_names
+
+
+def test_cut_where_a_non_tensor_is_live_is_refused() -> None:
+    spec = example("gpt")
+    graph = trace(spec.build(), spec.example_inputs)
+    points = cut_points(graph)
+    assert points.invalid, "shape reads inside attention make some cuts invalid"
+    bad = next(iter(points.invalid))
+    with pytest.raises(TraceError, match=f"cannot cut before position {bad}: value '"):
+        linearize(graph, positions=[bad])
