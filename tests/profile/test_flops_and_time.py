@@ -1,0 +1,51 @@
+"""FLOPs per block against the matmul count, and measured times fitted per micro-batch size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pyplan import PlanError, TimingOptions, linearize, profile, trace
+from pyplan.profile import default_batch_sizes
+from pyplan.profile.flops import block_flops
+
+
+def test_linear_flops_forward_and_backward() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    chain = linearize(trace(model, x))
+    (f0, b0), (f1, b1) = block_flops(chain, x, (2, 4))
+    assert (f0.per_sample, f0.fixed) == (2 * 16 * 32, 0)
+    # The first block computes no input gradient (the data needs none): weight gradient only.
+    assert b0.per_sample == 2 * 16 * 32
+    assert (f1.per_sample, b1.per_sample) == (2 * 32 * 8, 4 * 32 * 8)
+
+
+def test_measured_times_are_positive_lines() -> None:
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    x = torch.randn(8, 64)
+    chain = profile(
+        linearize(trace(model, x)), x, batch_sizes=(4, 8), options=TimingOptions(warmup=1, repeats=3)
+    )
+    for b in chain.blocks:
+        assert b.fwd_time_s is not None and b.bwd_time_s is not None
+        assert b.fwd_time_s(8) > 0 and b.bwd_time_s(8) > 0
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_meta_model_profiles_without_timing_and_refuses_to_be_timed() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024))
+    chain = linearize(trace(model, torch.randn(2, 1024)))
+    profiled = profile(chain, torch.randn(2, 1024), measure=False)
+    assert profiled.blocks[0].flops_fwd is not None and profiled.blocks[0].fwd_time_s is None
+    assert profiled.blocks[0].flops_fwd.per_sample == 2 * 1024 * 1024
+    with pytest.raises(PlanError, match="meta device"):
+        profile(chain, torch.randn(2, 1024))
+
+
+def test_default_batch_sizes_have_two_distinct_sizes() -> None:
+    assert default_batch_sizes(8) == (2, 4, 8)
+    assert default_batch_sizes(1) == (1, 2)
+    assert len(set(default_batch_sizes(2))) >= 2

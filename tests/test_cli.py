@@ -1,0 +1,52 @@
+"""The command line: `pyplan inspect` output, JSON keys, exit codes and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyplan.cli import main
+from tests.conftest import EXAMPLES
+
+REQUIRED_TOP = {"model", "batch_size", "params", "flops_fwd", "flops_bwd", "activation_bytes", "blocks"}
+REQUIRED_BLOCK = {
+    "name", "params", "flops_fwd", "activation_bytes_per_sample", "cut_bytes_per_sample",
+    "fwd_alpha", "fwd_beta", "bwd_alpha", "bwd_beta",
+}
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet", "gpt"])
+def test_inspect_json_on_every_example(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["inspect", os.path.join(EXAMPLES, f"{name}.py"), "--batch-size", "4", "--json",
+                 "--warmup", "0", "--repeats", "1"])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert REQUIRED_TOP <= data.keys()
+    assert data["blocks"] and all(REQUIRED_BLOCK <= b.keys() for b in data["blocks"])
+    assert data["params"] == sum(b["params"] for b in data["blocks"]) > 0
+    assert all(b["fwd_alpha"] is not None for b in data["blocks"])
+
+
+def test_inspect_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", os.path.join(EXAMPLES, "mlp.py"), "--analytic"]) == 0
+    out = capsys.readouterr().out
+    assert "total" in out and "mlp.py" in out
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(tmp_path / "missing.py")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "does not exist" in err and "\n" not in err
+    assert main(["inspect", os.path.join(EXAMPLES, "mlp.py"), "--batch-size", "0"]) == 2
+
+
+def test_console_script_help() -> None:
+    done = subprocess.run([sys.executable, "-m", "pyplan.cli", "inspect", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "examples:" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "pyplan.cli", "nonsense"], capture_output=True, text=True)
+    assert done.returncode == 2
