@@ -6,9 +6,12 @@ from torch import nn
 
 def model() -> nn.Module:
     return nn.Sequential(
-        nn.Linear(256, 512), nn.ReLU(),
-        nn.Linear(512, 512), nn.ReLU(),
-        nn.Linear(512, 512), nn.ReLU(),
+        nn.Linear(256, 512),
+        nn.ReLU(),
+        nn.Linear(512, 512),
+        nn.ReLU(),
+        nn.Linear(512, 512),
+        nn.ReLU(),
         nn.Linear(512, 10),
     )
 

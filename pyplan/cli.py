@@ -72,10 +72,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="batch the figures are given at (default 8)")
     p.add_argument("--json", action="store_true", help="print JSON (keys in the README) instead of a table")
     p.add_argument("--analytic", action="store_true", help="build on the meta device: FLOPs and bytes, no timing")
-    p.add_argument("--leaf", action="append", default=[], metavar="NAME",
-                   help="module class or qualified name to keep whole when tracing (repeatable)")
-    p.add_argument("--min-blocks", type=int, default=16,
-                   help="refine the module hierarchy until the chain has this many blocks (default 16)")
+    p.add_argument(
+        "--leaf",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="module class or qualified name to keep whole when tracing (repeatable)",
+    )
+    p.add_argument(
+        "--min-blocks",
+        type=int,
+        default=16,
+        help="refine the module hierarchy until the chain has this many blocks (default 16)",
+    )
     p.add_argument("--max-blocks", type=int, default=128, help="but never more than this (default 128)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads while timing (default 1)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per block (default 2)")

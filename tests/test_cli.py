@@ -15,19 +15,37 @@ from tests.conftest import EXAMPLES
 
 REQUIRED_TOP = {"model", "batch_size", "params", "flops_fwd", "flops_bwd", "activation_bytes", "blocks"}
 REQUIRED_BLOCK = {
-    "name", "params", "flops_fwd", "activation_bytes_per_sample", "cut_bytes_per_sample",
-    "fwd_alpha", "fwd_beta", "bwd_alpha", "bwd_beta",
+    "name",
+    "params",
+    "flops_fwd",
+    "activation_bytes_per_sample",
+    "cut_bytes_per_sample",
+    "fwd_alpha",
+    "fwd_beta",
+    "bwd_alpha",
+    "bwd_beta",
 }
 
 
 @pytest.mark.parametrize("name", ["mlp", "resnet", "gpt"])
 def test_inspect_json_on_every_example(name: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["inspect", os.path.join(EXAMPLES, f"{name}.py"), "--batch-size", "4", "--json",
-                 "--warmup", "0", "--repeats", "1"])
+    code = main(
+        [
+            "inspect",
+            os.path.join(EXAMPLES, f"{name}.py"),
+            "--batch-size",
+            "4",
+            "--json",
+            "--warmup",
+            "0",
+            "--repeats",
+            "1",
+        ]
+    )
     assert code == 0
     data = json.loads(capsys.readouterr().out)
-    assert REQUIRED_TOP <= data.keys()
-    assert data["blocks"] and all(REQUIRED_BLOCK <= b.keys() for b in data["blocks"])
+    assert data.keys() >= REQUIRED_TOP
+    assert data["blocks"] and all(b.keys() >= REQUIRED_BLOCK for b in data["blocks"])
     assert data["params"] == sum(b["params"] for b in data["blocks"]) > 0
     assert all(b["fwd_alpha"] is not None for b in data["blocks"])
 

@@ -50,7 +50,7 @@ def test_file_without_model_shows_the_expected_shape(tmp_path: Path) -> None:
 
 def test_file_that_fails_to_import(tmp_path: Path) -> None:
     path = _write(tmp_path, "import not_a_real_module_xyz\n")
-    with pytest.raises(ModelLoadError, match="importing .* failed with ModuleNotFoundError"):
+    with pytest.raises(ModelLoadError, match=r"importing .* failed with ModuleNotFoundError"):
         load_model(path)
 
 
@@ -67,7 +67,7 @@ def test_example_inputs_that_raise(tmp_path: Path) -> None:
         "def example_inputs(b):\n    raise ValueError('dataset missing')\n",
     )
     spec = load_model(path)
-    with pytest.raises(TraceError, match="example_inputs.*raised ValueError: dataset missing"):
+    with pytest.raises(TraceError, match=r"example_inputs.*raised ValueError: dataset missing"):
         trace(spec.build(), spec.example_inputs)
 
 

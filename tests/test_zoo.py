@@ -1,4 +1,4 @@
-"""The zoo: published parameter counts, fx-traceability, real forwards of the small models, masks and errors."""
+"""The zoo: published parameter counts, fx tracing, real forwards of the small models, masks, errors."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ and what is computed from them alone) are never sent; each stage recomputes them
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -133,14 +134,12 @@ def static_closure(graph: LayerGraph, names: Sequence[str]) -> list[str]:
     return list(seen)
 
 
-def _blocks(
-    graph: LayerGraph, order: Sequence[str], positions: Sequence[int], depth: int | None
-) -> list[Block]:
+def _blocks(graph: LayerGraph, order: Sequence[str], positions: Sequence[int], depth: int | None) -> list[Block]:
     """Blocks between consecutive positions, with parameters counted where first used."""
     gm = graph.module
     counted: set[int] = set()
     blocks = []
-    for start, stop in zip(positions, positions[1:]):
+    for start, stop in itertools.pairwise(positions):
         nodes = tuple(order[start:stop])
         params: dict[str, torch.Tensor] = {}
         buffers: dict[int, torch.Tensor] = {}

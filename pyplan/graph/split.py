@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,7 +67,7 @@ def piece(chain: Chain, start: int, stop: int) -> fx.GraphModule:
 def pieces(chain: Chain, bounds: Sequence[int] | None = None) -> list[fx.GraphModule]:
     """The pieces between consecutive `bounds` (block indices; default: one piece per block)."""
     bounds = list(range(len(chain) + 1)) if bounds is None else list(bounds)
-    return [piece(chain, a, b) for a, b in zip(bounds, bounds[1:])]
+    return [piece(chain, a, b) for a, b in itertools.pairwise(bounds)]
 
 
 def run_pieces(mods: Sequence[torch.nn.Module], *inputs: Any) -> Any:

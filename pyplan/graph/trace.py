@@ -146,6 +146,7 @@ class _Recorder(fx.Interpreter):
 
 def _record(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> _Recorder:
     """Run `gm` on fake or meta tensors (no real compute, no allocation) and record every node's outputs."""
+
     def run(convert: Callable[[torch.Tensor], torch.Tensor]) -> _Recorder:
         rec = _Recorder(gm)
         with torch.no_grad():
@@ -189,9 +190,7 @@ def trace(
     nodes: list[GraphNode] = []
     for n in gm.graph.nodes:
         inputs = tuple(a.name for a in n.all_input_nodes)
-        if n.op == "get_attr" or (
-            n.op in ("call_function", "call_method") and all(i in static for i in inputs)
-        ):
+        if n.op == "get_attr" or (n.op in ("call_function", "call_method") and all(i in static for i in inputs)):
             static.add(n.name)
         stack = n.meta.get("nn_module_stack") or {}
         module_path = next(reversed(stack.values()))[0] if stack else ""

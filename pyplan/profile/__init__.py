@@ -41,7 +41,7 @@ def profile(
     measure: bool = True,
     batch_sizes: Sequence[int] | None = None,
     device: torch.device | str | None = None,
-    options: TimingOptions = TimingOptions(),
+    options: TimingOptions | None = None,
 ) -> Chain:
     """A copy of `chain` whose blocks carry FLOPs, saved bytes and (when `measure`) fitted times.
 
@@ -59,7 +59,7 @@ def profile(
         if is_meta_module(chain.graph.module):
             raise PlanError("a model built on the meta device has no weights to time; profile it with measure=False")
         dev = torch.device(device) if device is not None else local_device()
-        times = list(block_times(chain, example_inputs, sizes, device=dev, options=options))
+        times = list(block_times(chain, example_inputs, sizes, device=dev, options=options or TimingOptions()))
     blocks = [
         dataclasses.replace(b, flops_fwd=f, flops_bwd=g, saved_bytes=s, fwd_time_s=t[0], bwd_time_s=t[1])
         for b, (f, g), s, t in zip(chain.blocks, flops, saved, times)

@@ -43,6 +43,4 @@ def block_flops(
     """Forward and backward FLOPs of every block as `per_sample·b + fixed` (matmul/conv FLOPs, as torch counts)."""
     b1, b2 = batch_sizes[0], batch_sizes[-1]
     f1, f2 = _flops_at(chain, example_inputs, b1), _flops_at(chain, example_inputs, b2)
-    return [
-        (Affine.from_two(b1, x[0], b2, y[0]), Affine.from_two(b1, x[1], b2, y[1])) for x, y in zip(f1, f2)
-    ]
+    return [(Affine.from_two(b1, x[0], b2, y[0]), Affine.from_two(b1, x[1], b2, y[1])) for x, y in zip(f1, f2)]

@@ -99,7 +99,7 @@ def block_times(
     batch_sizes: Sequence[int],
     *,
     device: torch.device | None = None,
-    options: TimingOptions = TimingOptions(),
+    options: TimingOptions | None = None,
 ) -> list[tuple[Affine, Affine]]:
     """Forward and backward seconds of every block as `α·b + β`, least squares over `batch_sizes` (two or more).
 
@@ -110,6 +110,7 @@ def block_times(
     if len(sizes) < 2:
         raise ValueError(f"timing needs two or more distinct micro-batch sizes, got {list(batch_sizes)}")
     device = device or local_device()
+    options = options or TimingOptions()
     chain.graph.module.to(device)
     with _threads(options.threads), torch.enable_grad():
         per_size = [_times_at(chain, example_inputs, b, device, options) for b in sizes]

@@ -60,7 +60,7 @@ class ModelState:
 
 
 def model_state_bytes(numel: int, tensors: int, *, optimizer: str = "adamw", precision: str = "fp32") -> ModelState:
-    """Model-state bytes of `numel` parameter elements in `tensors` tensors (e.g. mixed Adam: 2 + 2 + 12 per element)."""
+    """Model-state bytes of `numel` parameter elements in `tensors` tensors (mixed Adam: 2 + 2 + 12 per element)."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer '{optimizer}'; choose one of {', '.join(OPTIMIZERS)}")
     if precision not in PRECISIONS:

@@ -70,13 +70,26 @@ def render_inspect(data: dict[str, Any], console: Console) -> None:
         act = x["activation_bytes_per_sample"] * b + x["activation_fixed_bytes"]
         cut = x["cut_bytes_per_sample"] * b + x["cut_fixed_bytes"]
         table.add_row(
-            str(x["index"]), x["name"], fmt_count(x["params"]), fmt_count(x["flops_fwd"]),
-            fmt_count(x["flops_bwd"]), fmt_bytes(act), fmt_bytes(cut),
-            fmt_seconds(x["fwd_time_s"]), fmt_seconds(x["bwd_time_s"]),
+            str(x["index"]),
+            x["name"],
+            fmt_count(x["params"]),
+            fmt_count(x["flops_fwd"]),
+            fmt_count(x["flops_bwd"]),
+            fmt_bytes(act),
+            fmt_bytes(cut),
+            fmt_seconds(x["fwd_time_s"]),
+            fmt_seconds(x["bwd_time_s"]),
         )
     table.add_section()
     table.add_row(
-        "", "total", fmt_count(data["params"]), fmt_count(data["flops_fwd"]), fmt_count(data["flops_bwd"]),
-        fmt_bytes(data["activation_bytes"]), "", fmt_seconds(data["fwd_time_s"]), fmt_seconds(data["bwd_time_s"]),
+        "",
+        "total",
+        fmt_count(data["params"]),
+        fmt_count(data["flops_fwd"]),
+        fmt_count(data["flops_bwd"]),
+        fmt_bytes(data["activation_bytes"]),
+        "",
+        fmt_seconds(data["fwd_time_s"]),
+        fmt_seconds(data["bwd_time_s"]),
     )
     console.print(table)

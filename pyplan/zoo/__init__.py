@@ -144,7 +144,7 @@ def _image_specs() -> list[ModelSpec]:
             _classifier(f"{name}-mnist", partial(small_input, in_channels=1), "mnist", None, _MNIST),
         ]
 
-    cifar_vgg = {"batch_norm": True, "num_classes": 10, "pool_size": 1, "hidden": ()}
+    cifar_vgg = partial(VGG, batch_norm=True, num_classes=10, pool_size=1, hidden=())
     for name, (imagenet, imagenet_bn, cifar) in _VGG_COUNTS.items():
         layers, tv = CONFIGS[name], f"torchvision.models.{name} (1000 classes)"
         specs += [
@@ -159,14 +159,14 @@ def _image_specs() -> list[ModelSpec]:
             _classifier(f"{name}-highres", partial(VGG, layers), "highres", imagenet, tv),
             _classifier(
                 f"{name}-cifar10",
-                partial(VGG, layers, **cifar_vgg),
+                partial(cifar_vgg, layers),
                 "cifar10",
                 cifar,
                 f"kuangliu/pytorch-cifar VGG('{name.upper()}') (10 classes)",
             ),
             # 28x28 halves to 1x1 after four pools, and a fifth pool of a 1x1 map is empty: it is left out.
             _classifier(
-                f"{name}-mnist", partial(VGG, layers[:-1], in_channels=1, **cifar_vgg), "mnist", None, _MNIST
+                f"{name}-mnist", partial(cifar_vgg, layers[:-1], in_channels=1), "mnist", None, _MNIST
             ),
         ]
 

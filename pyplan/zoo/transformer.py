@@ -12,7 +12,17 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["GPT", "Bert", "BertConfig", "GPTConfig", "Llama", "LlamaConfig"]
+__all__ = [
+    "BERT_CONFIGS",
+    "GPT",
+    "GPT2_CONFIGS",
+    "LLAMA_CONFIGS",
+    "Bert",
+    "BertConfig",
+    "GPTConfig",
+    "Llama",
+    "LlamaConfig",
+]
 
 
 # --- GPT-2 (Radford et al. 2019), module names as in HF `GPT2LMHeadModel` and nanoGPT ---
@@ -328,6 +338,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # narrow, not [:T]: fx passes buffers as real tensors, which a traced length cannot index.
         cos, sin = self.rope_cos.narrow(0, 0, T), self.rope_sin.narrow(0, 0, T)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin

@@ -101,7 +101,8 @@ def test_pieces_reproduce_a_model_with_a_long_skip_and_two_inputs() -> None:
 def test_default_blocks_follow_the_module_hierarchy() -> None:
     spec = example("gpt")
     chain = linearize(trace(spec.build(), spec.example_inputs), min_blocks=8)
-    assert [b.name for b in chain.blocks] == ["tok", "pos", "layers.0", "layers.1", "layers.2", "layers.3", "ln", "head"]
+    names = ["tok", "pos", "layers.0", "layers.1", "layers.2", "layers.3", "ln", "head"]
+    assert [b.name for b in chain.blocks] == names
     # Tied weights are counted once, in the first block that uses them.
     assert chain.param_numel == sum(p.numel() for p in spec.build().parameters())
     assert chain.blocks[-1].param_numel == 0 and "head.weight" in chain.blocks[-1].param_names
@@ -115,3 +116,14 @@ def test_cut_where_a_non_tensor_is_live_is_refused() -> None:
     bad = next(iter(points.invalid))
     with pytest.raises(TraceError, match=f"cannot cut before position {bad}: value '"):
         linearize(graph, positions=[bad])
+
+
+@pytest.mark.parametrize(("name", "published"), [("resnet50", 25_557_032), ("gpt2-small", 124_439_808)])
+def test_chain_counts_the_published_parameters(name: str, published: int) -> None:
+    from pyplan import load_model
+
+    spec = load_model(f"zoo:{name}")
+    with torch.device("meta"):
+        model = spec.build()
+    chain = linearize(trace(model, spec.example_inputs, batch_size=1))
+    assert chain.param_numel == published

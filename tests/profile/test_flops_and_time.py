@@ -25,9 +25,7 @@ def test_linear_flops_forward_and_backward() -> None:
 def test_measured_times_are_positive_lines() -> None:
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
     x = torch.randn(8, 64)
-    chain = profile(
-        linearize(trace(model, x)), x, batch_sizes=(4, 8), options=TimingOptions(warmup=1, repeats=3)
-    )
+    chain = profile(linearize(trace(model, x)), x, batch_sizes=(4, 8), options=TimingOptions(warmup=1, repeats=3))
     for b in chain.blocks:
         assert b.fwd_time_s is not None and b.bwd_time_s is not None
         assert b.fwd_time_s(8) > 0 and b.bwd_time_s(8) > 0

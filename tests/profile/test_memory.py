@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -31,7 +33,7 @@ def _saved_by_training(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> in
 def test_linear_relu_chain_matches_the_hand_count() -> None:
     dims = [10, 32, 24, 16, 3]
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(dims, dims[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(dims)):
         layers.append(nn.Linear(a, b))
         if i < len(dims) - 2:
             layers.append(nn.ReLU())

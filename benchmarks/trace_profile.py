@@ -1,0 +1,136 @@
+"""Wall time of trace, linearize and profile for the examples and large zoo models; prints a table.
+
+Run: `python benchmarks/trace_profile.py`. Targets (issue "Foundation"): trace + linearize of a 48-layer
+GPT-2-style model under 5 s on a 2-core machine; analytic (FLOPs and bytes) profiling of a 10^10-parameter
+model on the meta device without allocating its weights (peak resident memory stays far below its 40 GB).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import pyplan
+from pyplan.zoo.transformer import GPT, GPTConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class Row:
+    name: str
+    mode: str
+    params: int
+    blocks: int
+    trace_s: float
+    linearize_s: float
+    profile_s: float
+    peak_rss_gb: float
+
+
+def _timed(fn: Callable[[], object]) -> tuple[object, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def _peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # ru_maxrss is in kB on Linux
+
+
+def run(name: str, spec: pyplan.ModelSpec, *, meta: bool, batch_size: int) -> Row:
+    if meta:
+        with torch.device("meta"):
+            model = spec.build()
+    else:
+        model = spec.build()
+    graph, t_trace = _timed(lambda: pyplan.trace(model, spec.example_inputs, batch_size=batch_size))
+    chain, t_lin = _timed(lambda: pyplan.linearize(graph))
+    sizes = (batch_size, 2 * batch_size)
+    profiled, t_prof = _timed(lambda: pyplan.profile(chain, spec.example_inputs, measure=not meta, batch_sizes=sizes))
+    return Row(
+        name,
+        "meta (FLOPs, bytes)" if meta else "measured (1 thread)",
+        profiled.param_numel,
+        len(profiled),
+        t_trace,
+        t_lin,
+        t_prof,
+        _peak_rss_gb(),
+    )
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    rows = []
+    for ex in ("mlp", "resnet", "gpt"):
+        rows.append(
+            run(
+                f"examples/{ex}.py",
+                pyplan.load_model(os.path.join(ROOT, "examples", f"{ex}.py")),
+                meta=False,
+                batch_size=8,
+            )
+        )
+    rows.append(run("zoo:resnet50", pyplan.load_model("zoo:resnet50"), meta=True, batch_size=8))
+    rows.append(run("zoo:gpt2-xl (48 layers)", pyplan.load_model("zoo:gpt2-xl"), meta=True, batch_size=1))
+    cfg = GPTConfig(n_layer=48, n_head=40, n_embd=5120, n_ctx=2048)
+    big = pyplan.ModelSpec(
+        name="gpt-15b",
+        build=lambda: GPT(cfg),
+        example_inputs=lambda b: (torch.randint(0, cfg.vocab_size, (b, cfg.n_ctx)),),
+    )
+    rows.append(run(f"GPT {cfg.n_layer}x{cfg.n_embd}, seq {cfg.n_ctx}", big, meta=True, batch_size=1))
+
+    table = Table(title=f"trace / linearize / profile wall time ({os.cpu_count()} cores, torch {torch.__version__})")
+    for col in (
+        "model",
+        "mode",
+        "params",
+        "blocks",
+        "trace s",
+        "linearize s",
+        "trace+lin s",
+        "profile s",
+        "peak RSS GB",
+    ):
+        table.add_column(col, justify="left" if col in ("model", "mode") else "right")
+    for r in rows:
+        table.add_row(
+            r.name,
+            r.mode,
+            f"{r.params:.3g}",
+            str(r.blocks),
+            f"{r.trace_s:.2f}",
+            f"{r.linearize_s:.2f}",
+            f"{r.trace_s + r.linearize_s:.2f}",
+            f"{r.profile_s:.2f}",
+            f"{r.peak_rss_gb:.2f}",
+        )
+    Console(width=160).print(table)
+    xl = next(r for r in rows if "gpt2-xl" in r.name)
+    big_row = rows[-1]
+    ok_time = xl.trace_s + xl.linearize_s < 5.0
+    ok_big = big_row.params >= 1e10 and big_row.peak_rss_gb < 8.0
+    print(
+        f"target trace+linearize of 48-layer GPT-2 < 5 s: {'met' if ok_time else 'MISSED'} "
+        f"({xl.trace_s + xl.linearize_s:.2f} s)"
+    )
+    print(
+        f"target 1e10-parameter model profiled on meta without its weights: {'met' if ok_big else 'MISSED'} "
+        f"({big_row.params:.3g} parameters, peak RSS {big_row.peak_rss_gb:.2f} GB, "
+        f"weights would take {big_row.params * 4 / 1e9:.0f} GB)"
+    )
+    return 0 if ok_time and ok_big else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
