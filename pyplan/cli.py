@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.text import Text
 
 from pyplan.errors import PlanError
+from pyplan.profile.memory import OPTIMIZERS, PRECISIONS
 
 __all__ = ["main"]
 
@@ -44,7 +45,13 @@ def _inspect(args: argparse.Namespace) -> int:
     options = TimingOptions(warmup=args.warmup, repeats=args.repeats, threads=args.threads)
     chain = profile(chain, spec.example_inputs, measure=not args.analytic, options=options)
     data = inspect_data(
-        chain, model=spec.name, batch_size=args.batch_size, device=str(local_device()), threads=args.threads
+        chain,
+        model=spec.name,
+        batch_size=args.batch_size,
+        device=str(local_device()),
+        threads=args.threads,
+        optimizer=args.optimizer,
+        precision=args.precision,
     )
     if args.json:
         print(json.dumps(data, indent=2))
@@ -86,6 +93,18 @@ def _parser() -> argparse.ArgumentParser:
         help="refine the module hierarchy until the chain has this many blocks (default 16)",
     )
     p.add_argument("--max-blocks", type=int, default=128, help="but never more than this (default 128)")
+    p.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZERS),
+        default="adamw",
+        help="optimizer whose state bytes are shown (default adamw)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        default="fp32",
+        help="fp32, or mixed precision with fp32 master weights (default fp32)",
+    )
     p.add_argument("--threads", type=int, default=1, help="CPU threads while timing (default 1)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per block (default 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per block, median kept (default 5)")

@@ -29,7 +29,11 @@ class Affine:
 
     @staticmethod
     def fit(sizes: list[int], values: list[float]) -> Affine:
-        """Least-squares line through (size, value) points; needs two distinct sizes."""
+        """Least-squares line through (size, value) points with slope and intercept kept non-negative.
+
+        Times cannot shrink with more samples nor be negative at b = 0; measurement noise on tiny blocks can
+        suggest either, so the fit falls back to a constant (slope 0) or a line through the origin.
+        """
         if len(set(sizes)) < 2:
             raise ValueError(f"fitting a line needs two distinct batch sizes, got {sizes}")
         n = len(sizes)
@@ -37,6 +41,11 @@ class Affine:
         mean_v = sum(values) / n
         var = sum((b - mean_b) ** 2 for b in sizes)
         slope = sum((b - mean_b) * (v - mean_v) for b, v in zip(sizes, values)) / var
+        if slope < 0:
+            return Affine(0.0, max(mean_v, 0.0))
+        if mean_v - slope * mean_b < 0:
+            through_origin = sum(b * v for b, v in zip(sizes, values)) / sum(b * b for b in sizes)
+            return Affine(max(through_origin, 0.0), 0.0)
         return Affine(slope, mean_v - slope * mean_b)
 
     @staticmethod

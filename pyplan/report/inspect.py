@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pyplan.graph.chain import Chain
+from pyplan.profile.memory import model_state_bytes
 from pyplan.report.units import fmt_bytes, fmt_count, fmt_seconds
 
 __all__ = ["inspect_data", "render_inspect"]
@@ -17,16 +18,28 @@ def _at(a: Any, b: int) -> float | None:
     return a(b) if a is not None else None
 
 
-def inspect_data(chain: Chain, *, model: str, batch_size: int, device: str, threads: int) -> dict[str, Any]:
+def inspect_data(
+    chain: Chain,
+    *,
+    model: str,
+    batch_size: int,
+    device: str,
+    threads: int,
+    optimizer: str = "adamw",
+    precision: str = "fp32",
+) -> dict[str, Any]:
     """The JSON document `pyplan inspect --json` prints (keys documented in the README)."""
     b = batch_size
     blocks = []
     for i, blk in enumerate(chain.blocks):
         cut = chain.cuts[i + 1]
+        state = model_state_bytes(blk.param_numel, blk.param_tensors, optimizer=optimizer, precision=precision)
         blocks.append(
             {
                 "index": i,
                 **blk.to_json(),
+                "grad_bytes": state.grad_bytes,
+                "optimizer_bytes": state.optimizer_bytes,
                 "flops_fwd": _at(blk.flops_fwd, b),
                 "flops_bwd": _at(blk.flops_bwd, b),
                 "cut_bytes_per_sample": cut.bytes.per_sample,
@@ -36,6 +49,9 @@ def inspect_data(chain: Chain, *, model: str, batch_size: int, device: str, thre
                 "bwd_time_s": _at(blk.bwd_time_s, b),
             }
         )
+    total_state = model_state_bytes(
+        chain.param_numel, sum(blk.param_tensors for blk in chain.blocks), optimizer=optimizer, precision=precision
+    )
     measured = all(blk.fwd_time_s is not None for blk in chain.blocks)
     saved_inputs = chain.input_saved_bytes(b) if chain.input_saved_bytes else 0.0
     return {
@@ -46,6 +62,9 @@ def inspect_data(chain: Chain, *, model: str, batch_size: int, device: str, thre
         "measured": measured,
         "params": chain.param_numel,
         "param_bytes": sum(blk.param_bytes for blk in chain.blocks),
+        "optimizer": optimizer,
+        "precision": precision,
+        "model_state_bytes": vars(total_state),
         "flops_fwd": sum(x["flops_fwd"] or 0.0 for x in blocks),
         "flops_bwd": sum(x["flops_bwd"] or 0.0 for x in blocks),
         "activation_bytes": saved_inputs + sum(_at(blk.saved_bytes, b) or 0.0 for blk in chain.blocks),

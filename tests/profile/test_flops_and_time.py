@@ -47,3 +47,12 @@ def test_default_batch_sizes_have_two_distinct_sizes() -> None:
     assert default_batch_sizes(8) == (2, 4, 8)
     assert default_batch_sizes(1) == (1, 2)
     assert len(set(default_batch_sizes(2))) >= 2
+
+
+def test_time_fit_is_never_negative() -> None:
+    from pyplan import Affine
+
+    assert Affine.fit([1, 2, 4], [1.0, 2.0, 4.0]) == Affine(1.0, 0.0)
+    assert Affine.fit([1, 2], [3.0, 2.0]) == Affine(0.0, 2.5)
+    line = Affine.fit([2, 4], [1.0, 3.0])
+    assert line.fixed == 0.0 and line.per_sample > 0
