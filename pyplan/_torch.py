@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch._subclasses.fake_tensor import (
@@ -13,8 +13,10 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
-__all__ = ["is_meta_module", "run_without_compute", "storage_key"]
+__all__ = ["OpRecorder", "is_meta_module", "run_without_compute", "storage_key"]
 
 T = TypeVar("T")
 Convert = Callable[[torch.Tensor], torch.Tensor]
@@ -62,3 +64,55 @@ def run_without_compute(module: torch.nn.Module, fn: Callable[[Convert], T]) -> 
     except (DataDependentOutputException, DynamicOutputShapeException):
         with _grads_kept(module):
             return fn(lambda t: t)
+
+
+def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensor_leaves(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensor_leaves(v)]
+    return []
+
+
+# CPU's fused attention has no FLOP formula of its own; it does the work of the GPU flash kernel.
+_FLOP_ALIASES = {
+    "_scaled_dot_product_flash_attention_for_cpu": torch.ops.aten._scaled_dot_product_flash_attention,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (
+        torch.ops.aten._scaled_dot_product_flash_attention_backward
+    ),
+}
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records every aten op that runs inside it: (op name, FLOPs, bytes read and written, dtype, is a view).
+
+    FLOPs come from torch's own formulas (`torch.utils.flop_counter`; 0 for ops it has none for, such as
+    elementwise ones). Bytes are the input and output tensors' sizes, a storage read twice by one op counted once;
+    view ops move nothing.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, float, float, str, bool]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace != "aten":
+            return out  # prim::device and the like: metadata queries, no kernel
+        packet = func.overloadpacket
+        formula = flop_registry.get(_FLOP_ALIASES.get(packet.__name__, packet))
+        flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+        inputs = _tensor_leaves((args, kwargs))
+        outputs = _tensor_leaves(out)
+        in_keys = {storage_key(t): t for t in inputs}
+        moved = sum(t.numel() * t.element_size() for t in in_keys.values())
+        moved += sum(t.numel() * t.element_size() for t in outputs if storage_key(t) not in in_keys)
+        if func.is_view:
+            moved = 0  # a view reads and writes no data
+        floats = [t for t in (*inputs, *outputs) if t.is_floating_point()]
+        dtype = str(floats[0].dtype).removeprefix("torch.") if floats else ""
+        self.ops.append((packet.__name__, flops, float(moved), dtype, bool(func.is_view)))
+        return out

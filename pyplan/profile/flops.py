@@ -12,7 +12,7 @@ from pyplan._torch import run_without_compute
 from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import Affine
 from pyplan.graph.trace import ExampleInputs, inputs_at
-from pyplan.profile.pieces import backward, block_inputs, block_modules, forward
+from pyplan.profile.pieces import backward, block_inputs, block_modules, forward, leaf_inputs
 
 __all__ = ["block_flops"]
 
@@ -27,8 +27,9 @@ def _flops_at(chain: Chain, example_inputs: ExampleInputs, batch_size: int) -> l
         with sdpa_kernel(SDPBackend.MATH):
             args = block_inputs(mods, [convert(t) for t in inputs])
             for i, (mod, a) in enumerate(zip(mods, args)):
+                leaves = leaf_inputs(a, first=i == 0)
                 with FlopCounterMode(display=False) as fwd:
-                    _, roots = forward(mod, a, first=i == 0)
+                    _, roots = forward(mod, leaves)
                 with FlopCounterMode(display=False) as bwd:
                     backward(roots)
                 fwd_bwd.append((fwd.get_total_flops(), bwd.get_total_flops()))

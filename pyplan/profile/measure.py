@@ -18,7 +18,7 @@ import torch
 from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import Affine
 from pyplan.graph.trace import ExampleInputs, inputs_at
-from pyplan.profile.pieces import backward, block_inputs, block_modules, forward
+from pyplan.profile.pieces import backward, block_inputs, block_modules, forward, leaf_inputs
 
 __all__ = ["TimingOptions", "block_times", "local_device"]
 
@@ -82,8 +82,9 @@ def _times_at(
         for rep in range(opts.warmup + opts.repeats):
             f_out: list[float] = fwd if rep >= opts.warmup else []
             b_out: list[float] = bwd if rep >= opts.warmup else []
+            leaves = leaf_inputs(a, first=i == 0)
             with clock.region(f_out):
-                _, roots = forward(mod, a, first=i == 0)
+                _, roots = forward(mod, leaves)
             grads = [torch.ones_like(t) for t in roots]
             with clock.region(b_out):
                 backward(roots, grads)

@@ -10,7 +10,7 @@ from torch import fx
 
 from pyplan.graph.split import pieces
 
-__all__ = ["backward", "block_inputs", "block_modules", "forward"]
+__all__ = ["backward", "block_inputs", "block_modules", "forward", "leaf_inputs"]
 
 block_modules = pieces
 
@@ -37,16 +37,17 @@ def block_inputs(mods: Sequence[fx.GraphModule], inputs: Sequence[torch.Tensor])
     return collected
 
 
-def forward(mod: fx.GraphModule, args: Sequence[Any], *, first: bool) -> tuple[Any, list[torch.Tensor]]:
-    """One forward of a piece as it runs in training: float inputs need grad except the model's own inputs.
-
-    Returns the output and the float output tensors that backward starts from.
-    """
-    leaf_args = [
+def leaf_inputs(args: Sequence[Any], *, first: bool) -> list[Any]:
+    """A piece's inputs as a stage receives them: fresh leaves that need grad if float, except the model's own."""
+    return [
         a.detach().requires_grad_(not first and a.is_floating_point()) if isinstance(a, torch.Tensor) else a
         for a in args
     ]
-    out = mod(*leaf_args)
+
+
+def forward(mod: fx.GraphModule, args: Sequence[Any]) -> tuple[Any, list[torch.Tensor]]:
+    """One forward of a piece on `leaf_inputs`; returns the output and the float outputs backward starts from."""
+    out = mod(*args)
     return out, [t for t in _tensors(out) if t.requires_grad]
 
 
