@@ -15,9 +15,8 @@ void bind_cost(py::module_& m) {
         .def_readonly("optim_bytes", &pyplan::ModelStateBytes::optim_bytes)
         .def_property_readonly("total_bytes", &pyplan::ModelStateBytes::total_bytes)
         .def("__repr__", [](const pyplan::ModelStateBytes& s) {
-            return "ModelStateBytes(param_bytes=" + std::to_string(s.param_bytes) +
-                   ", grad_bytes=" + std::to_string(s.grad_bytes) + ", optim_bytes=" + std::to_string(s.optim_bytes) +
-                   ")";
+            return "ModelStateBytes(param_bytes=" + std::to_string(s.param_bytes) + ", grad_bytes=" +
+                   std::to_string(s.grad_bytes) + ", optim_bytes=" + std::to_string(s.optim_bytes) + ")";
         });
 
     m.def(
@@ -60,8 +59,9 @@ void bind_cost(py::module_& m) {
                                                          {inter_latency_s, inter_bw_bytes_per_s}, bytes,
                                                          gpus_per_node, num_nodes);
         },
-        py::arg("bytes"), py::arg("gpus_per_node"), py::arg("num_nodes"), py::kw_only(), py::arg("intra_latency_s"),
-        py::arg("intra_bw_bytes_per_s"), py::arg("inter_latency_s"), py::arg("inter_bw_bytes_per_s"),
+        py::arg("bytes"), py::arg("gpus_per_node"), py::arg("num_nodes"), py::kw_only(),
+        py::arg("intra_latency_s"), py::arg("intra_bw_bytes_per_s"), py::arg("inter_latency_s"),
+        py::arg("inter_bw_bytes_per_s"),
         "Reduce-scatter in the node, ring all-reduce of the 1/g shard across nodes, all-gather in the node: "
         "2(g-1)(a_intra + G/(g BW_intra)) + 2(n-1)(a_inter + G/(g n BW_inter)); inter_bw_bytes_per_s is what "
         "each of the g concurrent rings gets.");
@@ -73,8 +73,8 @@ void bind_cost(py::module_& m) {
             return pyplan::zero_model_state_bytes(num_params, num_replicas, zero_stage,
                                                   {param_bytes, grad_bytes, optim_bytes});
         },
-        py::arg("num_params"), py::arg("num_replicas"), py::arg("zero_stage"), py::kw_only(), py::arg("param_bytes"),
-        py::arg("grad_bytes"), py::arg("optim_bytes"),
+        py::arg("num_params"), py::arg("num_replicas"), py::arg("zero_stage"), py::kw_only(),
+        py::arg("param_bytes"), py::arg("grad_bytes"), py::arg("optim_bytes"),
         "Model-state bytes per GPU under ZeRO stage 0-3 (Rajbhandari et al. 2020), from the bytes per parameter "
         "of weights, gradients and optimizer state (mixed-precision Adam: 2, 2, 12).");
 

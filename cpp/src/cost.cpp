@@ -8,22 +8,24 @@
 namespace pyplan {
 namespace {
 
-void require(bool ok, const std::string& message) {
-    if (!ok) throw std::invalid_argument(message);
+// Callers test first and build the message only on failure: solvers validate in their hot paths.
+[[noreturn]] void fail(const std::string& message) {
+    throw std::invalid_argument(message);
 }
 
 void check_link(const Link& link) {
-    require(link.latency_s >= 0.0, "link latency_s must be >= 0, got " + std::to_string(link.latency_s));
-    require(link.bw_bytes_per_s > 0.0,
-            "link bw_bytes_per_s must be > 0, got " + std::to_string(link.bw_bytes_per_s));
+    if (!(link.latency_s >= 0.0)) fail("link latency_s must be >= 0, got " + std::to_string(link.latency_s));
+    if (!(link.bw_bytes_per_s > 0.0)) {
+        fail("link bw_bytes_per_s must be > 0, got " + std::to_string(link.bw_bytes_per_s));
+    }
 }
 
 void check_bytes(double bytes) {
-    require(bytes >= 0.0, "bytes must be >= 0, got " + std::to_string(bytes));
+    if (!(bytes >= 0.0)) fail("bytes must be >= 0, got " + std::to_string(bytes));
 }
 
 void check_ranks(int num_ranks) {
-    require(num_ranks >= 1, "the number of ranks must be >= 1, got " + std::to_string(num_ranks));
+    if (num_ranks < 1) fail("the number of ranks must be >= 1, got " + std::to_string(num_ranks));
 }
 
 // One step of a ring collective: every rank sends its 1/d share of G to its neighbour.
@@ -66,12 +68,15 @@ double hierarchical_allreduce_time_s(const Link& intra, const Link& inter, doubl
 
 ModelStateBytes zero_model_state_bytes(double num_params, int num_replicas, int zero_stage,
                                        const BytesPerParam& bytes_per_param) {
-    require(num_params >= 0.0, "num_params must be >= 0, got " + std::to_string(num_params));
+    if (!(num_params >= 0.0)) fail("num_params must be >= 0, got " + std::to_string(num_params));
     check_ranks(num_replicas);
-    require(zero_stage >= 0 && zero_stage <= 3, "zero_stage must be 0, 1, 2 or 3, got " + std::to_string(zero_stage));
-    require(bytes_per_param.param_bytes >= 0.0 && bytes_per_param.grad_bytes >= 0.0 &&
-                bytes_per_param.optim_bytes >= 0.0,
-            "bytes per parameter must be >= 0");
+    if (zero_stage < 0 || zero_stage > 3) {
+        fail("zero_stage must be 0, 1, 2 or 3, got " + std::to_string(zero_stage));
+    }
+    if (!(bytes_per_param.param_bytes >= 0.0 && bytes_per_param.grad_bytes >= 0.0 &&
+          bytes_per_param.optim_bytes >= 0.0)) {
+        fail("bytes per parameter must be >= 0");
+    }
     // Stage k shards the first k of (optimizer state, gradients, weights) over the d replicas.
     const double full = num_params;
     const double shard = num_params / num_replicas;
@@ -83,8 +88,8 @@ ModelStateBytes zero_model_state_bytes(double num_params, int num_replicas, int 
 }
 
 double pipeline_time_s(const std::vector<double>& stage_time_s, int num_microbatches) {
-    require(!stage_time_s.empty(), "a pipeline needs at least one stage");
-    require(num_microbatches >= 1, "num_microbatches must be >= 1, got " + std::to_string(num_microbatches));
+    if (stage_time_s.empty()) fail("a pipeline needs at least one stage");
+    if (num_microbatches < 1) fail("num_microbatches must be >= 1, got " + std::to_string(num_microbatches));
     double sum_s = 0.0;
     for (double t : stage_time_s) sum_s += t;
     const double max_s = *std::max_element(stage_time_s.begin(), stage_time_s.end());
@@ -92,9 +97,9 @@ double pipeline_time_s(const std::vector<double>& stage_time_s, int num_microbat
 }
 
 double bubble_fraction(int num_stages, int num_microbatches, int num_chunks) {
-    require(num_stages >= 1, "num_stages must be >= 1, got " + std::to_string(num_stages));
-    require(num_microbatches >= 1, "num_microbatches must be >= 1, got " + std::to_string(num_microbatches));
-    require(num_chunks >= 1, "num_chunks must be >= 1, got " + std::to_string(num_chunks));
+    if (num_stages < 1) fail("num_stages must be >= 1, got " + std::to_string(num_stages));
+    if (num_microbatches < 1) fail("num_microbatches must be >= 1, got " + std::to_string(num_microbatches));
+    if (num_chunks < 1) fail("num_chunks must be >= 1, got " + std::to_string(num_chunks));
     const double bubble = num_stages - 1;
     return bubble / (static_cast<double>(num_chunks) * num_microbatches + bubble);
 }
@@ -102,8 +107,9 @@ double bubble_fraction(int num_stages, int num_microbatches, int num_chunks) {
 double optimizer_step_time_s(double bytes_read, double bytes_written, double mem_bw_bytes_per_s) {
     check_bytes(bytes_read);
     check_bytes(bytes_written);
-    require(mem_bw_bytes_per_s > 0.0,
-            "mem_bw_bytes_per_s must be > 0, got " + std::to_string(mem_bw_bytes_per_s));
+    if (!(mem_bw_bytes_per_s > 0.0)) {
+        fail("mem_bw_bytes_per_s must be > 0, got " + std::to_string(mem_bw_bytes_per_s));
+    }
     return (bytes_read + bytes_written) / mem_bw_bytes_per_s;
 }
 

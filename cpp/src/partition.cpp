@@ -71,47 +71,58 @@ struct Problem {
     int last_end(int s) const { return num_blocks - (num_stages() - 1 - s); }
 };
 
-void require(bool ok, const std::string& message) {
-    if (!ok) throw std::invalid_argument(message);
+// Callers test first and build the message only on failure: solvers validate in their hot paths.
+[[noreturn]] void fail(const std::string& message) {
+    throw std::invalid_argument(message);
 }
 
 void require_values(const std::vector<double>& values, const char* name, bool finite) {
     for (std::size_t i = 0; i < values.size(); ++i) {
         const double v = values[i];
-        require(v >= 0.0 && (!finite || std::isfinite(v)),
-                std::string(name) + "[" + std::to_string(i) + "] must be a " + (finite ? "finite " : "") +
-                    "number >= 0, got " + std::to_string(v));
+        if (!(v >= 0.0 && (!finite || std::isfinite(v)))) {
+            fail(std::string(name) + "[" + std::to_string(i) + "] must be a " + (finite ? "finite " : "") +
+                 "number >= 0, got " + std::to_string(v));
+        }
     }
 }
 
 void validate(const Chain& chain, const PartitionOptions& options) {
-    const int L = chain.num_blocks();
-    const std::string blocks = std::to_string(L);
-    require(L >= 1, "the chain has no blocks");
-    require(chain.bwd_time_s.size() == chain.fwd_time_s.size() && chain.act_bytes.size() == chain.fwd_time_s.size() &&
-                chain.state_bytes.size() == chain.fwd_time_s.size(),
-            "fwd_time_s, bwd_time_s, act_bytes and state_bytes must all have one entry per block (" + blocks + ")");
-    require(chain.cut_bytes.size() == chain.fwd_time_s.size() + 1,
-            "cut_bytes must have one entry per cut, L+1 = " + std::to_string(L + 1) + ", got " +
-                std::to_string(chain.cut_bytes.size()));
+    const std::size_t num_blocks = chain.fwd_time_s.size();
+    const std::string blocks = std::to_string(num_blocks);
+    if (num_blocks == 0) fail("the chain has no blocks");
+    if (chain.bwd_time_s.size() != num_blocks || chain.act_bytes.size() != num_blocks ||
+        chain.state_bytes.size() != num_blocks) {
+        fail("fwd_time_s, bwd_time_s, act_bytes and state_bytes must all have one entry per block (" + blocks +
+             ")");
+    }
+    if (chain.cut_bytes.size() != num_blocks + 1) {
+        fail("cut_bytes must have one entry per cut, L+1 = " + std::to_string(num_blocks + 1) + ", got " +
+             std::to_string(chain.cut_bytes.size()));
+    }
     require_values(chain.fwd_time_s, "fwd_time_s", true);
     require_values(chain.bwd_time_s, "bwd_time_s", true);
     require_values(chain.act_bytes, "act_bytes", true);
     require_values(chain.state_bytes, "state_bytes", true);
     require_values(chain.cut_bytes, "cut_bytes", true);
     const int p = options.num_stages;
-    require(p >= 1 && p <= L, "num_stages must be in [1, " + blocks + "] for a chain of " + blocks +
-                                  " blocks, got " + std::to_string(p));
-    require(options.num_microbatches >= 1,
-            "num_microbatches must be >= 1, got " + std::to_string(options.num_microbatches));
-    require(options.mem_limit_bytes.size() == static_cast<std::size_t>(p),
-            "mem_limit_bytes must have one entry per stage (" + std::to_string(p) + "), got " +
-                std::to_string(options.mem_limit_bytes.size()));
+    if (p < 1 || p > chain.num_blocks()) {
+        fail("num_stages must be in [1, " + blocks + "] for a chain of " + blocks + " blocks, got " +
+             std::to_string(p));
+    }
+    if (options.num_microbatches < 1) {
+        fail("num_microbatches must be >= 1, got " + std::to_string(options.num_microbatches));
+    }
+    if (options.mem_limit_bytes.size() != static_cast<std::size_t>(p)) {
+        fail("mem_limit_bytes must have one entry per stage (" + std::to_string(p) + "), got " +
+             std::to_string(options.mem_limit_bytes.size()));
+    }
     require_values(options.mem_limit_bytes, "mem_limit_bytes", false);
-    require(std::isfinite(options.link.latency_s) && options.link.latency_s >= 0.0,
-            "link latency_s must be a finite number >= 0, got " + std::to_string(options.link.latency_s));
-    require(options.link.bw_bytes_per_s > 0.0,
-            "link bw_bytes_per_s must be > 0, got " + std::to_string(options.link.bw_bytes_per_s));
+    if (!(std::isfinite(options.link.latency_s) && options.link.latency_s >= 0.0)) {
+        fail("link latency_s must be a finite number >= 0, got " + std::to_string(options.link.latency_s));
+    }
+    if (!(options.link.bw_bytes_per_s > 0.0)) {
+        fail("link bw_bytes_per_s must be > 0, got " + std::to_string(options.link.bw_bytes_per_s));
+    }
 }
 
 // Cost of sending across cut c between two stages; nothing at the chain's ends.
@@ -128,6 +139,8 @@ RangeTables build_ranges(const Chain& chain, const Link& link) {
     r.time_s.assign(size, kInf);
     r.state_bytes.assign(size, kInf);
     r.act_bytes.assign(size, kInf);
+    std::vector<double> send_s(L + 1);
+    for (int c = 0; c <= L; ++c) send_s[c] = boundary_send_s(chain, link, c);
     for (int begin = 0; begin < L; ++begin) {
         double compute_s = 0.0;
         double state = 0.0;
@@ -137,7 +150,7 @@ RangeTables build_ranges(const Chain& chain, const Link& link) {
             state += chain.state_bytes[end - 1];
             act += chain.act_bytes[end - 1];
             const std::size_t k = r.index(begin, end);
-            r.time_s[k] = compute_s + boundary_send_s(chain, link, end) + boundary_send_s(chain, link, begin);
+            r.time_s[k] = compute_s + send_s[end] + send_s[begin];
             r.state_bytes[k] = state;
             r.act_bytes[k] = act + chain.cut_bytes[begin];
         }
@@ -169,7 +182,7 @@ DpTable least_sum_table(const Problem& problem, double bound_s) {
         for (int j = problem.first_end(s - 1); j <= problem.last_end(s - 1); ++j) {
             double best = kInf;
             int best_begin = -1;
-            // Branch-free body: a range over the bound or the memory limit costs ∞ (so does an unreachable i).
+            // A range over the bound or over the memory limit costs ∞, as does an unreachable i (F = ∞).
             for (int i = s - 1; i < j; ++i) {
                 const double t = r.time_s[r.index(i, j)];
                 const bool allowed = t <= bound_s && r.need_bytes(i, j, stage.in_flight) <= stage.limit_bytes;
@@ -296,9 +309,10 @@ std::vector<double> bottleneck_candidates(const Problem& problem) {
 }  // namespace
 
 int in_flight_microbatches(InFlight rule, int stage, int num_stages, int num_microbatches) {
-    require(num_stages >= 1 && stage >= 0 && stage < num_stages,
-            "stage must be in [0, " + std::to_string(num_stages) + "), got " + std::to_string(stage));
-    require(num_microbatches >= 1, "num_microbatches must be >= 1, got " + std::to_string(num_microbatches));
+    if (stage < 0 || stage >= num_stages) {
+        fail("stage must be in [0, " + std::to_string(num_stages) + "), got " + std::to_string(stage));
+    }
+    if (num_microbatches < 1) fail("num_microbatches must be >= 1, got " + std::to_string(num_microbatches));
     switch (rule) {
         case InFlight::kGPipe:
             return num_microbatches;
@@ -306,16 +320,6 @@ int in_flight_microbatches(InFlight rule, int stage, int num_stages, int num_mic
             return std::min(num_microbatches, num_stages - stage);
     }
     throw std::invalid_argument("unknown in-flight rule");
-}
-
-double stage_time_s(const Chain& chain, const Link& link, int begin_cut, int end_cut) {
-    require(0 <= begin_cut && begin_cut < end_cut && end_cut <= chain.num_blocks(),
-            "a stage must be blocks [begin_cut, end_cut) with 0 <= begin_cut < end_cut <= " +
-                std::to_string(chain.num_blocks()) + ", got [" + std::to_string(begin_cut) + ", " +
-                std::to_string(end_cut) + ")");
-    double compute_s = 0.0;
-    for (int k = begin_cut; k < end_cut; ++k) compute_s += chain.fwd_time_s[k] + chain.bwd_time_s[k];
-    return compute_s + boundary_send_s(chain, link, end_cut) + boundary_send_s(chain, link, begin_cut);
 }
 
 PartitionResult partition(const Chain& chain, const PartitionOptions& options) {

@@ -9,22 +9,26 @@
 //               gradient send of its input cut, so each inner boundary is paid twice, once per direction;
 //     mem_s   = Σ_{k∈[i,j)} state_bytes_k + n_s·(Σ_{k∈[i,j)} act_bytes_k + cut_bytes[i]),
 //               n_s the micro-batches in flight in stage s (GPipe m, 1F1B min(m, p−s)); the stage keeps
-//               its input cut for backward. An input tensor that block i also saves is counted twice
-//               (an over-estimate, never an under-estimate).
+//               its input cut for backward. A tensor that is both in some act_bytes_k and in cut i
+//               is counted twice (an over-estimate, never an under-estimate).
 //
-// Algorithm (Alpa's stage construction, Zheng et al. 2022, §5.2). For a bottleneck bound B,
-//     F[s][j] = least Σ t over the first s stages covering blocks [0, j) with every t ≤ B and every
-//               stage within its memory limit      (s ∈ [0, p], j ∈ [0, L]; flat index s·(L+1) + j)
+// Algorithm (the bottleneck enumeration of Alpa's stage construction, Zheng et al. 2022, §5.2). Let G(B)
+// be the least Σ t_s over the partitions whose stages all have t_s ≤ B and fit in memory (∞ if none):
+//     F[s][j] = least Σ t over the first s stages covering blocks [0, j), each t ≤ B and within memory
+//               (s ∈ [0, p], j ∈ [0, L]; flat index s·(L+1) + j)
 //     F[0][0] = 0,  F[0][j>0] = ∞
 //     F[s][j] = min_{s−1 ≤ i < j, t(i,j) ≤ B, mem_{s−1}(i,j) ≤ limit_{s−1}} F[s−1][i] + t(i, j)
-//     Choice[s][j] = the i attaining the minimum (the first cut of stage s−1); G(B) = F[p][L].
-// The optimum is min_B G(B) + (m−1)·B over the candidates B ∈ {t(i, j)}, taken in increasing order:
-// the smallest feasible candidate B* is found by bisection (feasibility is monotone in B), and the scan
-// upward stops once G(∞) + (m−1)·B ≥ the best T found (Alpa's stop rule, (m−1)·B ≥ best, tightened by
-// the least unconstrained sum G(∞), which also makes m = 1 stop early). G is non-increasing in B, so a
-// run of candidates between two evaluated ones lo < hi is skipped when G(lo) = G(hi) (nothing in between
-// beats lo) or when G(hi) + (m−1)·B_{lo+1} ≥ best (nothing in between beats best); otherwise it is
-// bisected. The answer is the same as scanning every candidate, with far fewer DPs. Each DP is O(p·L²).
+//     Choice[s][j] = the i attaining the minimum (the first cut of stage s−1);  G(B) = F[p][L].
+// Each DP is O(p·L²). The optimum T* is min over the candidates B ∈ {t(i, j)} of G(B) + (m−1)·B (at the
+// optimum's own bottleneck the DP finds a sum no larger). Alpa scans the candidates in increasing order and
+// stops once (m−1)·B ≥ the best found; pyplan gets the same answer from fewer DPs:
+//   1. G(∞) by one DP; if it is ∞, nothing fits (see below).
+//   2. B*, the least feasible candidate, by bisection (feasibility is monotone in B).
+//   3. Above B*, G is non-increasing. For a run of candidate ranks lo < k < hi whose ends are evaluated, no k
+//      beats lo when G(lo) = G(hi) (same sum, larger bound), and no k beats the best T found when
+//      G(hi) + (m−1)·B_{lo+1} ≥ T (Alpa's stop rule, tightened by the sum); otherwise the run is bisected.
+// Every DP's partition is a candidate answer, scored by T on its own stage times. On L = 200, p = 16 this
+// takes 15-35 DPs where the increasing scan takes up to ~450 (m = 2 with costly boundaries).
 //
 // The objective kBottleneck is the limit m → ∞ (torchgpipe's balance): it returns the partition at B*,
 // i.e. least max_s t_s, then least Σ t_s; m still sets the in-flight micro-batches for memory.
@@ -88,9 +92,6 @@ struct PartitionResult {
 
 // Micro-batches in flight in stage `stage` (from 0) of p under the rule.
 int in_flight_microbatches(InFlight rule, int stage, int num_stages, int num_microbatches);
-
-// Stage time t(i, j) of blocks [begin_cut, end_cut), as defined above.
-double stage_time_s(const Chain& chain, const Link& link, int begin_cut, int end_cut);
 
 // The exact optimum. Throws std::invalid_argument on malformed input (array lengths, p outside [1, L],
 // m < 1, negative or NaN values); an input that fits no partition returns feasible = false and a reason.
