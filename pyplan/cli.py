@@ -110,6 +110,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per block, median kept (default 5)")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.set_defaults(func=_inspect)
+
+    from pyplan.hardware.cli import add_hardware_parser
+
+    add_hardware_parser(sub)
     return parser
 
 
