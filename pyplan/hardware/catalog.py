@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import re
+import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from fractions import Fraction
@@ -15,8 +16,6 @@ from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
-
-import tomllib
 
 from pyplan.errors import PlanError
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from pyplan.errors import PlanError
 from pyplan.hardware.catalog import (
