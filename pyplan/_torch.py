@@ -16,7 +16,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["OpRecorder", "is_meta_module", "run_without_compute", "storage_key"]
+__all__ = ["OpRecorder", "is_meta_module", "is_view", "run_without_compute", "storage_key"]
 
 T = TypeVar("T")
 Convert = Callable[[torch.Tensor], torch.Tensor]
@@ -25,6 +25,11 @@ Convert = Callable[[torch.Tensor], torch.Tensor]
 def storage_key(t: torch.Tensor) -> int:
     """Identity of the storage behind `t` (shared by its views); works on real, meta and fake tensors."""
     return t.untyped_storage()._cdata
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """Whether `t` is a view of another tensor's storage (it cannot be detached in place)."""
+    return t._is_view()
 
 
 def is_meta_module(module: torch.nn.Module) -> bool:

@@ -1,0 +1,192 @@
+"""The plan types: Workload (what to train), Plan (how), Prediction (what it will cost), with JSON forms."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any
+
+from pyplan.errors import PlanError
+from pyplan.profile.memory import OPTIMIZERS, PRECISIONS, ModelState, model_state_bytes
+
+__all__ = ["OBJECTIVES", "PLACEMENTS", "SCHEMA_VERSION", "Layout", "Plan", "Prediction", "StagePlan", "Workload"]
+
+SCHEMA_VERSION = 1
+OBJECTIVES = ("time", "cost", "weighted")
+PLACEMENTS = ("pp-inner", "dp-inner")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: the global batch per optimizer step, the optimizer and the precision.
+
+    `precision` is "fp32" or mixed precision with fp32 master weights ("bf16-mixed", "fp16-mixed");
+    the bytes per parameter of weights, gradients and optimizer state follow from both (see `bytes_per_param`).
+    `dataset_samples`, when given, turns per-iteration figures into per-epoch ones.
+    """
+
+    global_batch: int
+    optimizer: str = "adamw"
+    precision: str = "fp32"
+    dataset_samples: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1:
+            raise PlanError(f"the global batch must be a positive number of samples, got {self.global_batch}")
+        if self.optimizer not in OPTIMIZERS:
+            raise PlanError(f"unknown optimizer '{self.optimizer}'; choose one of {', '.join(OPTIMIZERS)}")
+        if self.precision not in PRECISIONS:
+            raise PlanError(f"unknown precision '{self.precision}'; choose one of {', '.join(PRECISIONS)}")
+        if self.dataset_samples is not None and self.dataset_samples < 1:
+            raise PlanError(f"the dataset size must be positive, got {self.dataset_samples}")
+
+    def bytes_per_param(self) -> ModelState:
+        """Bytes per parameter element of weights, gradients and optimizer state (step counters left out)."""
+        return model_state_bytes(1, 0, optimizer=self.optimizer, precision=self.precision)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> Workload:
+        return Workload(**_known(Workload, data, "workload"))
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: blocks [first_block, last_block] of the chain, where it runs and what it holds."""
+
+    first_block: int
+    last_block: int
+    memory_bytes: float
+    state_bytes: float
+    activation_bytes: float
+    time_s: float
+    in_flight: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a plan is predicted to cost, per optimizer step (one iteration of the global batch)."""
+
+    iteration_s: float
+    samples_per_s: float
+    peak_memory_bytes: float
+    bubble_fraction: float
+    pipeline_s: float
+    exposed_comm_s: float
+    optimizer_s: float
+    cost_per_iteration: float
+    currency: str
+    cost_per_epoch: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the GPUs are used: what a runtime needs to build and run the pipeline, and nothing predicted.
+
+    dp replicas of a pipeline of pp ranks, each rank holding `stages_per_rank` stages (more than one for the
+    interleaved and V-shaped schedules); each replica runs `num_microbatches` micro-batches of
+    `micro_batch_size` samples per optimizer step, so the global batch is dp · num_microbatches ·
+    micro_batch_size. `placement` says which dimension is contiguous in rank order: "pp-inner" puts a
+    pipeline's ranks next to each other (inside a node when they fit), "dp-inner" the replicas of a stage.
+    `cut_positions` are the stage boundaries as positions in the traced graph's node order (see `Cut`),
+    pp · stages_per_rank + 1 of them from 0 to the end, so a runtime re-traces the model and cuts it there.
+    """
+
+    dp: int
+    pp: int
+    micro_batch_size: int
+    num_microbatches: int
+    schedule: str
+    cut_positions: tuple[int, ...]
+    zero_stage: int = 0
+    placement: str = "pp-inner"
+    stages_per_rank: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dp < 1 or self.pp < 1 or self.micro_batch_size < 1 or self.num_microbatches < 1:
+            raise PlanError(
+                f"dp, pp, micro_batch_size and num_microbatches must be positive, got {self.dp}, {self.pp}, "
+                f"{self.micro_batch_size}, {self.num_microbatches}"
+            )
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise PlanError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.placement not in PLACEMENTS:
+            raise PlanError(f"placement must be one of {', '.join(PLACEMENTS)}, got '{self.placement}'")
+        stages = self.pp * self.stages_per_rank
+        if len(self.cut_positions) != stages + 1 or list(self.cut_positions) != sorted(set(self.cut_positions)):
+            raise PlanError(
+                f"cut_positions must be {stages + 1} increasing positions for {stages} stages, "
+                f"got {list(self.cut_positions)}"
+            )
+
+    @property
+    def num_gpus(self) -> int:
+        return self.dp * self.pp
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.num_microbatches * self.micro_batch_size
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["cut_positions"] = list(self.cut_positions)
+        return data
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> Layout:
+        known = _known(Layout, data, "layout", extra=_PLAN_ONLY)
+        known["cut_positions"] = tuple(known.get("cut_positions", ()))
+        return Layout(**known)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A Layout with its stages and predictions: what the planner recommends and why."""
+
+    layout: Layout
+    stages: tuple[StagePlan, ...]
+    predicted: Prediction
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.layout.to_json(),
+            "stages": [s.to_json() for s in self.stages],
+            "predicted": self.predicted.to_json(),
+        }
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> Plan:
+        layout = Layout.from_json(data)
+        stages = tuple(StagePlan(**_known(StagePlan, s, "plan.stages[]")) for s in data.get("stages", []))
+        predicted = Prediction(**_known(Prediction, data.get("predicted", {}), "plan.predicted"))
+        return Plan(layout=layout, stages=stages, predicted=predicted)
+
+
+_PLAN_ONLY = frozenset({"stages", "predicted"})
+
+
+def _known(cls: type, data: dict[str, Any], where: str, extra: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The fields of `cls` in `data` (keys in `extra` are allowed and skipped); an unknown or missing required
+    field is an error naming it."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{where}: expected an object, got {type(data).__name__}")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names - extra)
+    if unknown:
+        raise PlanError(f"{where}: unknown field '{unknown[0]}'")
+    required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+    missing = [n for n in required if n not in data]
+    if missing:
+        raise PlanError(f"{where}: missing field '{missing[0]}'")
+    return {k: v for k, v in data.items() if k in names}

@@ -1,0 +1,241 @@
+"""Build and run a planned pipeline under torchrun: device mesh, stages, data parallelism, schedule, step.
+
+Terms: a *rank* is one process (one GPU); the mesh has a "dp" axis (replicas) and a "pp" axis (pipeline ranks).
+With placement "pp-inner" the ranks of one pipeline are consecutive (mesh shape (dp, pp), row-major); with
+"dp-inner" the replicas of one stage are (mesh shape (pp, dp)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.nn.parallel import DistributedDataParallel
+
+from pyplan.errors import PlanError
+from pyplan.graph.trace import ExampleInputs, LeafSpec, inputs_at
+from pyplan.plan import Layout
+from pyplan.runtime.stages import cut_model, local_stages, stage_io, tied_parameters
+from pyplan.spec import ModelSpec, default_loss
+
+__all__ = ["OptimizerFactory", "PipelineTrainer", "build_mesh", "build_trainer", "replica_slice"]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+# Schedules that compute weight gradients with autograd.grad, which skips DDP's and FSDP2's hooks (torch issue
+# #144530, TORCH_FACTS.md): gradients are averaged over dp by hand after the step, and ZeRO-3 is refused.
+_SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
+    """The (dp, pp) mesh over the world, laid out by the layout's placement."""
+    world = dist.get_world_size()
+    if world != layout.num_gpus:
+        raise PlanError(f"the plan needs {layout.num_gpus} processes (dp {layout.dp} x pp {layout.pp}), got {world}")
+    if layout.placement == "pp-inner":
+        return init_device_mesh(device_type, (layout.dp, layout.pp), mesh_dim_names=("dp", "pp"))
+    return init_device_mesh(device_type, (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
+
+
+def replica_slice(layout: Layout, dp_rank: int) -> slice:
+    """The samples of the global batch that replica `dp_rank` trains on."""
+    per_replica = layout.num_microbatches * layout.micro_batch_size
+    return slice(dp_rank * per_replica, (dp_rank + 1) * per_replica)
+
+
+@dataclass
+class PipelineTrainer:
+    """One rank's share of a planned pipeline: its stages, optimizer and schedule."""
+
+    layout: Layout
+    mesh: DeviceMesh
+    stage_indices: list[int]
+    modules: list[nn.Module]
+    optimizer: torch.optim.Optimizer
+    schedule: Any
+    device: torch.device
+    tied_groups: list[tuple[list[nn.Parameter], dist.ProcessGroup]] = field(default_factory=list)
+    manual_grads: bool = False
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def has_last(self) -> bool:
+        return self.layout.num_stages - 1 in self.stage_indices
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by their names in the original model, as full tensors."""
+        out: dict[str, torch.Tensor] = {}
+        for mod in self.modules:
+            inner = mod.module if isinstance(mod, DistributedDataParallel) else mod
+            for name, p in inner.piece.named_parameters():
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                out[name] = full.detach()
+        return out
+
+    def step(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None) -> list[torch.Tensor]:
+        """One optimizer step on this replica's samples; returns the per-micro-batch losses on the last stage."""
+        self.optimizer.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {}
+        if self.has_last:
+            kwargs = {"target": target.to(self.device) if target is not None else None, "losses": losses}
+        args = tuple(t.to(self.device) for t in inputs) if self.has_first else ()
+        self.schedule.step(*args, **kwargs)
+        self._finish_gradients()
+        self.optimizer.step()
+        return losses
+
+    def _finish_gradients(self) -> None:
+        if self.manual_grads:
+            # Mean over micro-batches and replicas, once per parameter (see build_trainer).
+            group = self.mesh["dp"].get_group()
+            for p in _unique_parameters(self.modules):
+                if p.grad is None:
+                    continue
+                if self.layout.dp > 1:
+                    dist.all_reduce(p.grad, group=group)
+                p.grad.div_(self.layout.dp * self.layout.num_microbatches)
+        for params, group in self.tied_groups:
+            for p in params:
+                # Every member must join the collective, with zeros if its copy got no gradient.
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=group)
+
+
+def _tied_groups(
+    layout: Layout, mesh: DeviceMesh, stage_params: dict[int, dict[str, nn.Parameter]], tied: list[Any]
+) -> list[tuple[list[nn.Parameter], dist.ProcessGroup]]:
+    """A process group per tied parameter and replica, over the ranks holding its stages; every rank creates
+    every group in the same order (new_group is collective), and keeps the ones it belongs to."""
+    from pyplan.solve.schedules import stage_placement
+
+    placement = stage_placement(layout.schedule, layout.pp, layout.stages_per_rank)
+    ranks = mesh.mesh  # [dp, pp] or [pp, dp] tensor of global ranks
+    me = dist.get_rank()
+    groups = []
+    for t in tied:
+        pp_ranks = sorted({placement[s] for s in t.stages})
+        if len(pp_ranks) < 2:
+            continue
+        for d in range(layout.dp):
+            members = [int(ranks[d, r] if layout.placement == "pp-inner" else ranks[r, d]) for r in pp_ranks]
+            group = dist.new_group(members)
+            if me in members:
+                # One copy per rank: a rank holding two of the stages holds one Parameter for both.
+                params = [stage_params[s][name] for s, name in t.names.items() if s in stage_params]
+                groups.append((params[:1], group))
+    return groups
+
+
+def build_trainer(
+    spec: ModelSpec,
+    model: nn.Module,
+    layout: Layout,
+    make_optimizer: OptimizerFactory,
+    *,
+    device: torch.device | None = None,
+    leaf_modules: Iterable[LeafSpec] = (),
+    example_inputs: ExampleInputs | None = None,
+) -> PipelineTrainer:
+    """This rank's stages of `model` cut by `layout`, wrapped for data parallelism, with the planned schedule.
+
+    Call on every rank after `dist.init_process_group`, with the same model (same seed) everywhere.
+    """
+    device = device or torch.device("cpu")
+    if layout.zero_stage == 3 and layout.schedule in _SPLIT_BACKWARD:
+        raise PlanError(
+            f"{layout.schedule} with ZeRO-3 trains wrong weights on torch 2.13 (FSDP2 misses its weight "
+            "gradients); choose another schedule or ZeRO stage"
+        )
+    mesh = build_mesh(layout, device.type)
+    pp_rank = mesh["pp"].get_local_rank()
+    examples = example_inputs if example_inputs is not None else spec.example_inputs
+    split_backward = layout.schedule in _SPLIT_BACKWARD
+    _, stages = cut_model(model, examples, layout, leaf_modules=leaf_modules, copy_shared_outputs=split_backward)
+    mine = local_stages(layout, pp_rank)
+    io = stage_io(stages, inputs_at(examples, layout.micro_batch_size))
+    tied = tied_parameters(stages)
+    stage_params = {s: dict(stages[s].piece.named_parameters()) for s in mine}
+    tied_groups = _tied_groups(layout, mesh, stage_params, tied)
+    if tied and layout.zero_stage == 3:
+        raise PlanError("tied parameters across pipeline stages are not supported with ZeRO-3 yet; use ZeRO 0-2")
+
+    # Gradients are averaged by hand, not by DDP and torch's per-stage scaling, when the split-backward schedules
+    # bypass DDP's hooks, or when two stages on this rank share a parameter (each stage would scale it, and each
+    # DDP would reduce it).
+    shared = len(_unique_parameters(stages[s] for s in mine)) < sum(len(list(stages[s].parameters())) for s in mine)
+    manual_grads = split_backward or shared
+    if manual_grads and layout.zero_stage == 3 and layout.dp > 1:
+        raise PlanError("stages sharing parameters on one rank are not supported with ZeRO-3 yet; use ZeRO 0-2")
+    modules: list[nn.Module] = []
+    pipeline_stages = []
+    dp_group = mesh["dp"].get_group()
+    for s in mine:
+        module: nn.Module = stages[s].to(device)
+        if layout.dp > 1 and layout.zero_stage == 3:
+            fully_shard(module, mesh=mesh["dp"])
+        elif layout.dp > 1 and not manual_grads:
+            module = DistributedDataParallel(module, process_group=dp_group)
+        modules.append(module)
+        inputs, outputs = io[s]
+        pipeline_stages.append(
+            PipelineStage(
+                module,
+                s,
+                layout.num_stages,
+                device,
+                input_args=tuple(t.to(device) for t in inputs),
+                output_args=tuple(t.to(device) for t in outputs),
+                group=mesh["pp"].get_group(),
+            )
+        )
+    params = _unique_parameters(modules)
+    if layout.dp > 1 and layout.zero_stage in (1, 2):
+        optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+            params,
+            optimizer_class=_optimizer_class(make_optimizer),
+            process_group=dp_group,
+            **_optimizer_defaults(make_optimizer),
+        )
+    else:
+        optimizer = make_optimizer(params)
+    loss_fn = spec.loss or default_loss
+    cls = get_schedule_class(layout.schedule)
+    stage_arg = pipeline_stages[0] if issubclass(cls, PipelineScheduleSingle) else pipeline_stages
+    schedule = cls(stage_arg, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=not manual_grads)
+    return PipelineTrainer(layout, mesh, mine, modules, optimizer, schedule, device, tied_groups, manual_grads)
+
+
+def _unique_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """Every parameter once, though two stages on one rank may share one (tied embeddings)."""
+    seen: dict[int, nn.Parameter] = {}
+    for m in modules:
+        for p in m.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _optimizer_class(make: OptimizerFactory) -> type[torch.optim.Optimizer]:
+    return type(make([nn.Parameter(torch.zeros(1))]))
+
+
+def _optimizer_defaults(make: OptimizerFactory) -> dict[str, Any]:
+    probe = make([nn.Parameter(torch.zeros(1))])
+    return {k: v for k, v in probe.defaults.items() if k not in ("differentiable", "fused", "foreach", "capturable")}

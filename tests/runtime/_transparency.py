@@ -1,0 +1,167 @@
+"""Run under torchrun: train planned pipelines and compare with single-process training.
+
+For each configuration (model, layout, optimizer) every rank builds its share of the pipeline, trains 3 steps
+and compares its parameters and, on the last stage, its losses with single-process training on the same global
+batch (gradient accumulation over the same micro-batches, so batch norm sees the same micro-batches).
+Training runs in float64: Adam divides each gradient by its own magnitude, so in float32 the rounding noise of a
+different summation order (micro-batches, replicas, tied weights summed across stages) on a gradient that is
+exactly zero in theory (the key bias of attention) becomes a full-size step; in float64 it stays at 1e-13.
+Rank 0 writes one JSON record per configuration to the file named by argv[1].
+"""
+
+from __future__ import annotations
+
+import copy
+import faulthandler
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from pyplan import cut_points, load_model, trace
+from pyplan.plan import Layout
+from pyplan.runtime.trainer import build_trainer, replica_slice
+from pyplan.solve.schedules import torch_rejection
+
+STEPS = 3
+TOL = 1e-9  # float64: the rounding noise of reordered sums is ~1e-12 here
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+}
+
+
+def even_cuts(spec_name: str, num_stages: int, micro_batch: int) -> tuple[int, ...]:
+    spec = load_model(f"zoo:{spec_name}")
+    points = cut_points(trace(spec.build(), spec.example_inputs, batch_size=micro_batch))
+    inner = [c.position for c in points.candidates if 0 < c.position < len(points.order)]
+    picks = [inner[round(k * len(inner) / num_stages)] for k in range(1, num_stages)]
+    return (0, *picks, len(points.order))
+
+
+def configs(world: int) -> list[dict]:
+    meshes = {2: [(1, 2), (2, 1)], 4: [(2, 2), (1, 4)]}[world]
+    out = []
+    for model in ("resnet-tiny", "gpt-tiny"):
+        for dp, pp in meshes:
+            for schedule, v in (
+                ("GPipe", 1),
+                ("1F1B", 1),
+                ("Interleaved1F1B", 2),
+                ("LoopedBFS", 2),
+                ("InterleavedZeroBubble", 2),
+                ("ZBVZeroBubble", 2),
+                ("DualPipeV", 2),
+            ):
+                m = max(4, 2 * pp)
+                if torch_rejection(schedule, pp, m, v):
+                    continue
+                for opt in OPTIMIZERS:
+                    out.append(dict(model=model, dp=dp, pp=pp, schedule=schedule, v=v, m=m, b=2, optimizer=opt, zero=0))
+    return out
+
+
+def _double(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(t.double() if t.is_floating_point() else t for t in ts)
+
+
+def run(cfg: dict) -> dict:
+    spec = load_model(f"zoo:{cfg['model']}")
+    layout = Layout(
+        dp=cfg["dp"],
+        pp=cfg["pp"],
+        micro_batch_size=cfg["b"],
+        num_microbatches=cfg["m"],
+        schedule=cfg["schedule"],
+        stages_per_rank=cfg["v"],
+        zero_stage=cfg["zero"],
+        cut_positions=even_cuts(cfg["model"], cfg["pp"] * cfg["v"], cfg["b"]),
+    )
+    torch.manual_seed(0)
+    model = spec.build().double()
+    reference = copy.deepcopy(model)
+    initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+    make = OPTIMIZERS[cfg["optimizer"]]
+    trainer = build_trainer(spec, model, layout, make, example_inputs=lambda n: _double(spec.example_inputs(n)))
+
+    B, b = layout.global_batch, layout.micro_batch_size
+    inputs, target = _double(spec.example_inputs(B)), spec.target(B)
+    loss_fn = spec.loss
+    ref_opt = make(reference.parameters())
+    ref_losses = []
+    mine = replica_slice(layout, trainer.dp_rank)
+    for step in range(STEPS):
+        ref_opt.zero_grad()
+        step_losses = []
+        for k in range(B // b):
+            sl = slice(k * b, (k + 1) * b)
+            loss = loss_fn(reference(*(t[sl] for t in inputs)), target[sl])
+            (loss / (B // b)).backward()
+            step_losses.append(loss.detach())
+        ref_opt.step()
+        ref_losses.append(step_losses)
+        got = trainer.step(tuple(t[mine] for t in inputs), target[mine])
+        if trainer.has_last:
+            first = mine.start // b
+            want = torch.stack(step_losses[first : first + layout.num_microbatches])
+            err = ((torch.stack(got) - want).abs().max() / want.abs().max()).item()
+            if err > TOL:
+                return {**cfg, "ok": False, "why": f"step {step}: loss differs by {err:.2e} (relative)"}
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    worst, worst_name = 0.0, ""
+    trained = trainer.parameters()
+    if all(torch.equal(p, initial[name]) for name, p in trained.items()):
+        return {**cfg, "ok": False, "why": "no parameter changed: the pipeline did not train"}
+    for name, p in trained.items():
+        ref = ref_params[name].detach()
+        err = ((p - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+        if err > worst:
+            worst, worst_name = err, name
+    return {
+        **cfg,
+        "ok": worst <= TOL,
+        "worst": worst,
+        "why": "" if worst <= TOL else f"parameter {worst_name} differs by {worst:.2e} (relative)",
+    }
+
+
+def main() -> None:
+    # A hang (a mismatched send/recv) prints every rank's stack instead of waiting forever.
+    faulthandler.dump_traceback_later(float(os.environ.get("PYPLAN_HANG_S", "120")), exit=True)
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    only = os.environ.get("PYPLAN_TRANSPARENCY_ONLY")
+    results = []
+    for cfg in configs(world):
+        if only and only not in json.dumps(cfg):
+            continue
+        if rank == 0:
+            print("config", json.dumps(cfg), flush=True)
+        try:
+            res = run(cfg)
+        except Exception as exc:
+            # The other ranks may be blocked in a send or receive of the pipeline: record and stop the launch.
+            res = {**cfg, "ok": False, "why": f"rank {rank}: {type(exc).__name__}: {exc}"}
+            print(traceback.format_exc(), file=sys.stderr, flush=True)
+            with open(f"{sys.argv[1]}.rank{rank}.error", "w") as f:
+                json.dump([*results, res], f)
+            os._exit(1)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, res)
+        bad = [g for g in gathered if not g["ok"]]
+        results.append(bad[0] if bad else gathered[0])
+    if rank == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    # Meshes sometimes abort the process at exit after a clean shutdown (TORCH_FACTS.md); exit at once.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The transparency test: planned pipelines under torchrun train exactly what one process trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_transparency.py")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipelines_train_like_one_process(world: int, tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), SCRIPT, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYPLAN_HANG_S": "120"},
+    )
+    errors = sorted(tmp_path.glob("results.json.rank*.error"))
+    if errors:
+        bad = [r for f in errors for r in json.loads(f.read_text()) if not r["ok"]]
+        pytest.fail(f"a configuration failed: {bad[0]}\n{done.stderr[-3000:]}")
+    assert out.exists(), done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    meshes = {(r["dp"], r["pp"]) for r in results}
+    assert meshes == ({(1, 2), (2, 1)} if world == 2 else {(2, 2), (1, 4)})
+    schedules = {r["schedule"] for r in results}
+    assert {"GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"} <= schedules
+    assert {r["model"] for r in results} == {"resnet-tiny", "gpt-tiny"}
+    assert {r["optimizer"] for r in results} == {"sgd", "adamw"}
+    failed = [r for r in results if not r["ok"]]
+    assert not failed, failed[:3]
