@@ -1,0 +1,205 @@
+"""Solve time of the plan search and of the stage partition; prints a table.
+
+Run: `python benchmarks/solver.py`. Targets (issue "The C++ planning core"): a 1,000-block chain for 1,024
+GPUs (8 per node) with every schedule and ZeRO stage in under 1 s; a 100-block chain for 64 GPUs in under
+50 ms. Also: how solve time grows with L, N and the number of micro-batch sizes, and the C++ partition
+against a straightforward Python implementation of the same exact DP.
+
+The chains are GPT-like: block i of ~100e9/L parameters with ±25 % variation, sequence 2048, hidden 8192,
+timed at 40 % of 1 PFLOP/s; the cluster has 80 GB GPUs, NVLink-class 300 GB/s inside a node and 25 GB/s
+per GPU across nodes, and costs $4 per GPU-hour.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+from pyplan import _core
+
+SEQ, HIDDEN, BYTES = 2048, 8192, 2
+FLOPS = 0.4e15
+
+
+@dataclass(frozen=True)
+class Chain:
+    arrays: tuple[list[float], ...]  # the nine arrays of _core.search, in order
+    fwd_s: list[float]  # at one sample, for the partition benchmark
+    bwd_s: list[float]
+    act_bytes: list[float]
+    state_bytes: list[float]
+    cut_bytes: list[float]
+
+
+def gpt_like(num_blocks: int, total_params: float = 100e9, seed: int = 0) -> Chain:
+    rng = random.Random(seed)
+    params = [total_params / num_blocks * rng.uniform(0.75, 1.25) for _ in range(num_blocks)]
+    fwd_alpha = [2 * x * SEQ / FLOPS for x in params]
+    bwd_alpha = [2 * a for a in fwd_alpha]
+    beta = [20e-6] * num_blocks
+    act = [34 * SEQ * HIDDEN * x / (total_params / num_blocks) / 4 for x in params]  # bytes per sample
+    cut = [SEQ * HIDDEN * BYTES * 1.0] * (num_blocks + 1)
+    zeros = [0.0] * (num_blocks + 1)
+    arrays = (fwd_alpha, beta, bwd_alpha, beta, act, zeros[:num_blocks], params, cut, zeros)
+    return Chain(arrays, fwd_alpha, bwd_alpha, act, [16 * x for x in params], cut)
+
+
+HARDWARE = {
+    "gpu_mem_bytes": 80e9,
+    "mem_bw_bytes_per_s": 2e12,
+    "intra_latency_s": 5e-6,
+    "intra_bw_bytes_per_s": 300e9,
+    "inter_latency_s": 20e-6,
+    "inter_bw_bytes_per_s": 25e9,
+    "price_per_gpu_s": 4 / 3600,
+}
+
+
+def search(chain: Chain, num_gpus: int, global_batch: int, **space: object) -> _core.SearchResult:
+    return _core.search(
+        *chain.arrays,
+        num_gpus=num_gpus,
+        gpus_per_node=8,
+        global_batch=global_batch,
+        param_bytes=2.0,
+        grad_bytes=2.0,
+        optim_bytes=12.0,
+        **HARDWARE,
+        **space,
+    )
+
+
+def timed(fn: Callable[[], object], repeat: int = 3) -> tuple[object, float]:
+    times, out = [], None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return out, statistics.median(times)
+
+
+def python_partition(
+    time_s: list[float], state: list[float], act: list[float], cut: list[float], p: int, m: int, limit: float
+) -> float:
+    """The exact DP of partition.h written plainly: bottleneck candidates in increasing order, least-sum DP
+    under each, stop once (m−1)·B alone cannot beat the best (1F1B in-flight, no sends)."""
+    n = len(time_s)
+    prefix_t, prefix_s, prefix_a = [0.0], [0.0], [0.0]
+    for i in range(n):
+        prefix_t.append(prefix_t[-1] + time_s[i])
+        prefix_s.append(prefix_s[-1] + state[i])
+        prefix_a.append(prefix_a[-1] + act[i])
+
+    def fits(s: int, i: int, j: int) -> bool:
+        in_flight = min(m, p - s)
+        return prefix_s[j] - prefix_s[i] + in_flight * (prefix_a[j] - prefix_a[i] + cut[i]) <= limit
+
+    candidates = sorted({prefix_t[j] - prefix_t[i] for i in range(n) for j in range(i + 1, n + 1)})
+    best = math.inf
+    for bound in candidates:
+        if (m - 1) * bound >= best:
+            break
+        f = [0.0] + [math.inf] * n
+        for s in range(p):
+            g = [math.inf] * (n + 1)
+            for j in range(1, n + 1):
+                for i in range(j):
+                    t = prefix_t[j] - prefix_t[i]
+                    if f[i] + t < g[j] and t <= bound and fits(s, i, j):
+                        g[j] = f[i] + t
+            f = g
+        best = min(best, f[n] + (m - 1) * bound)
+    return best
+
+
+def main() -> None:
+    console = Console(width=170)
+    table = Table(
+        title="pyplan solver: the plan search (top-5, time objective unless noted; median of 3 runs, 1 for the largest)"
+    )
+    for col in ("case", "L", "N", "b sizes", "candidates", "evaluated", "partitions", "best plan", "time"):
+        table.add_column(col, justify="right" if col not in ("case", "best plan") else "left")
+
+    def row(case: str, chain: Chain, num_gpus: int, batch: int, target_s: float | None = None, **space: object):
+        repeat = 1 if len(chain.fwd_s) * num_gpus > 100_000 else 3
+        result, seconds = timed(lambda: search(chain, num_gpus, batch, **space), repeat)
+        b = result.best
+        plan = (
+            f"dp={b.dp} pp={b.pp} b={b.micro_batch_size} m={b.num_microbatches} {b.schedule} ZeRO-{b.zero_stage} "
+            f"{b.iteration_s:.3g} s"
+            if b
+            else result.reason[:60]
+        )
+        sizes = space.get("micro_batch_sizes") or "all"
+        verdict = "" if target_s is None else (" ok" if seconds < target_s else f" > {target_s:g} s target")
+        table.add_row(
+            case,
+            str(len(chain.fwd_s)),
+            str(num_gpus),
+            str(len(sizes) if isinstance(sizes, list) else sizes),
+            str(result.num_candidates),
+            str(result.num_evaluated),
+            str(result.num_partitions),
+            plan,
+            f"{seconds * 1e3:.1f} ms{verdict}",
+        )
+
+    big, mid = gpt_like(1000), gpt_like(100, total_params=10e9)
+    row("target: every schedule and ZeRO stage", big, 1024, 2048, 1.0)
+    row("target", mid, 64, 512, 0.05)
+    row("target, fewer GPUs allowed", mid, 64, 512, allow_fewer_gpus=True)
+    row("cost objective, fewer GPUs", mid, 64, 512, objective="cost", allow_fewer_gpus=True)
+    for num_blocks in (25, 50, 100, 200, 400):
+        row("growth in L", gpt_like(num_blocks, total_params=10e9), 64, 512)
+    for num_gpus in (8, 16, 32, 64, 128, 256):
+        row("growth in N", mid, num_gpus, 512)
+    for sizes in ([1], [1, 2], [1, 2, 4], [1, 2, 4, 8], [1, 2, 4, 8, 16, 32]):
+        row("growth in micro-batch sizes", mid, 64, 512, micro_batch_sizes=sizes)
+    console.print(table)
+
+    speed = Table(title="stage partition: C++ core against a plain Python DP of the same algorithm (1F1B, m=8)")
+    for col in ("L", "p", "python", "c++", "speedup", "same optimum"):
+        speed.add_column(col, justify="right")
+    for num_blocks, p in ((24, 4), (48, 4), (48, 8), (96, 8)):
+        speed.add_row(*partition_speed(num_blocks, p))
+    console.print(speed)
+
+
+def partition_speed(num_blocks: int, p: int, m: int = 8) -> tuple[str, ...]:
+    """One row: the Python DP and the C++ partition on the same chain, and whether they agree."""
+    chain = gpt_like(num_blocks, total_params=10e9)
+    t = [f + b for f, b in zip(chain.fwd_s, chain.bwd_s)]
+    # Memory tight enough that the limit shapes the stages.
+    limit = 0.6 * sum(chain.state_bytes) / p + m * max(chain.act_bytes) * num_blocks / p
+
+    def in_python() -> float:
+        return python_partition(t, chain.state_bytes, chain.act_bytes, chain.cut_bytes, p, m, limit)
+
+    def in_cpp() -> _core.PartitionResult:
+        return _core.partition(
+            chain.fwd_s,
+            chain.bwd_s,
+            chain.act_bytes,
+            chain.state_bytes,
+            chain.cut_bytes,
+            num_stages=p,
+            num_microbatches=m,
+            mem_limit_bytes=[limit] * p,
+            schedule="1F1B",
+        )
+
+    py_best, py_s = timed(in_python, 1)
+    cc, cc_s = timed(in_cpp)
+    same = math.isclose(cc.pipeline_time_s, py_best, rel_tol=1e-9) if cc.feasible else py_best == math.inf
+    return str(num_blocks), str(p), f"{py_s * 1e3:.1f} ms", f"{cc_s * 1e3:.3f} ms", f"{py_s / cc_s:.0f}x", str(same)
+
+
+if __name__ == "__main__":
+    main()

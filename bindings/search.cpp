@@ -1,0 +1,149 @@
+// Bindings of search.h: the chain as nine arrays, the hardware and space as keyword arguments, schedules,
+// placements and the objective by name, the result as read-only classes.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "pyplan/search.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using pyplan::Candidate;
+using pyplan::Schedule;
+using pyplan::SearchResult;
+
+Schedule to_schedule(const std::string& name) {
+    for (Schedule s : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B, Schedule::LoopedBFS,
+                       Schedule::InterleavedZeroBubble, Schedule::ZBVZeroBubble, Schedule::DualPipeV}) {
+        if (name == pyplan::schedule_label(s)) return s;
+    }
+    throw std::invalid_argument("unknown schedule '" + name + "' (searched: GPipe, 1F1B, Interleaved1F1B, LoopedBFS)");
+}
+
+}  // namespace
+
+void bind_search(py::module_& m) {
+    py::class_<Candidate>(m, "Candidate",
+                          "One evaluated plan: stage vectors have pp*stages_per_rank entries, rank vectors pp.")
+        .def_readonly("dp", &Candidate::dp)
+        .def_readonly("pp", &Candidate::pp)
+        .def_readonly("stages_per_rank", &Candidate::stages_per_rank)
+        .def_readonly("micro_batch_size", &Candidate::micro_batch_size)
+        .def_readonly("num_microbatches", &Candidate::num_microbatches)
+        .def_property_readonly("schedule", [](const Candidate& c) { return pyplan::schedule_label(c.schedule); })
+        .def_readonly("zero_stage", &Candidate::zero_stage)
+        .def_property_readonly("placement", [](const Candidate& c) { return pyplan::placement_name(c.placement); })
+        .def_property_readonly("num_gpus", &Candidate::num_gpus)
+        .def_readonly("pipeline_inter", &Candidate::pipeline_inter, "the pipeline link is the inter-node one")
+        .def_readonly("dp_gpus_per_node", &Candidate::dp_gpus_per_node)
+        .def_readonly("dp_nodes", &Candidate::dp_nodes)
+        .def_readonly("cuts", &Candidate::cuts, "stage s is blocks [cuts[s], cuts[s+1])")
+        .def_readonly("stage_rank", &Candidate::stage_rank)
+        .def_readonly("stage_forward_s", &Candidate::stage_forward_s)
+        .def_readonly("stage_backward_s", &Candidate::stage_backward_s)
+        .def_readonly("stage_time_s", &Candidate::stage_time_s, "F + B + the sends of its input and output cuts")
+        .def_readonly("stage_state_bytes", &Candidate::stage_state_bytes)
+        .def_readonly("stage_act_bytes", &Candidate::stage_act_bytes)
+        .def_readonly("stage_in_flight", &Candidate::stage_in_flight)
+        .def_readonly("stage_sync_s", &Candidate::stage_sync_s)
+        .def_readonly("rank_memory_bytes", &Candidate::rank_memory_bytes)
+        .def_readonly("makespan_s", &Candidate::makespan_s)
+        .def_readonly("exposed_sync_s", &Candidate::exposed_sync_s)
+        .def_readonly("optimizer_s", &Candidate::optimizer_s)
+        .def_readonly("iteration_s", &Candidate::iteration_s)
+        .def_readonly("cost_per_iteration", &Candidate::cost_per_iteration)
+        .def_readonly("samples_per_s", &Candidate::samples_per_s)
+        .def_readonly("bubble_fraction", &Candidate::bubble_fraction)
+        .def_readonly("peak_memory_bytes", &Candidate::peak_memory_bytes)
+        .def_readonly("objective", &Candidate::objective)
+        .def("__repr__", [](const Candidate& c) {
+            return "Candidate(dp=" + std::to_string(c.dp) + ", pp=" + std::to_string(c.pp) +
+                   ", b=" + std::to_string(c.micro_batch_size) + ", m=" + std::to_string(c.num_microbatches) +
+                   ", schedule='" + pyplan::schedule_label(c.schedule) + "', zero_stage=" +
+                   std::to_string(c.zero_stage) + ", placement='" + pyplan::placement_name(c.placement) +
+                   "', iteration_s=" + std::to_string(c.iteration_s) + ")";
+        });
+
+    py::class_<SearchResult>(m, "SearchResult", "The best plan, the top-k, the Pareto frontier, or why none fits.")
+        .def_readonly("feasible", &SearchResult::feasible)
+        .def_property_readonly("best",
+                               [](const SearchResult& r) -> py::object {
+                                   return r.feasible ? py::cast(r.best) : py::none();
+                               })
+        .def_readonly("top", &SearchResult::top)
+        .def_readonly("pareto", &SearchResult::pareto)
+        .def_readonly("num_candidates", &SearchResult::num_candidates)
+        .def_readonly("num_evaluated", &SearchResult::num_evaluated)
+        .def_readonly("num_pruned", &SearchResult::num_pruned)
+        .def_readonly("num_feasible", &SearchResult::num_feasible)
+        .def_readonly("num_partitions", &SearchResult::num_partitions)
+        .def_readonly("reason", &SearchResult::reason)
+        .def_readonly("least_need_bytes", &SearchResult::least_need_bytes);
+
+    m.def(
+        "search",
+        [](std::vector<double> fwd_alpha_s, std::vector<double> fwd_beta_s, std::vector<double> bwd_alpha_s,
+           std::vector<double> bwd_beta_s, std::vector<double> act_per_sample_bytes,
+           std::vector<double> act_fixed_bytes, std::vector<double> params, std::vector<double> cut_per_sample_bytes,
+           std::vector<double> cut_fixed_bytes, int num_gpus, int gpus_per_node, double gpu_mem_bytes,
+           double mem_bw_bytes_per_s, double intra_latency_s, double intra_bw_bytes_per_s, double inter_latency_s,
+           double inter_bw_bytes_per_s, double price_per_gpu_s, int global_batch, double param_bytes,
+           double grad_bytes, double optim_bytes, std::vector<int> micro_batch_sizes,
+           const std::vector<std::string>& schedules, std::vector<int> zero_stages,
+           const std::vector<std::string>& placements, bool allow_fewer_gpus, const std::string& objective,
+           double weight, int top_k) {
+            const pyplan::ProfiledChain chain{std::move(fwd_alpha_s),     std::move(fwd_beta_s),
+                                              std::move(bwd_alpha_s),     std::move(bwd_beta_s),
+                                              std::move(act_per_sample_bytes), std::move(act_fixed_bytes),
+                                              std::move(params),          std::move(cut_per_sample_bytes),
+                                              std::move(cut_fixed_bytes)};
+            pyplan::Hardware hardware;
+            hardware.num_gpus = num_gpus;
+            hardware.gpus_per_node = gpus_per_node;
+            hardware.gpu_mem_bytes = gpu_mem_bytes;
+            hardware.mem_bw_bytes_per_s = mem_bw_bytes_per_s;
+            hardware.intra = {intra_latency_s, intra_bw_bytes_per_s};
+            hardware.inter = {inter_latency_s, inter_bw_bytes_per_s};
+            hardware.price_per_gpu_s = price_per_gpu_s;
+            pyplan::SearchSpace space;
+            space.global_batch = global_batch;
+            space.bytes_per_param = {param_bytes, grad_bytes, optim_bytes};
+            space.micro_batch_sizes = std::move(micro_batch_sizes);
+            space.schedules.clear();
+            for (const auto& name : schedules) space.schedules.push_back(to_schedule(name));
+            space.zero_stages = std::move(zero_stages);
+            space.placements.clear();
+            for (const auto& name : placements) space.placements.push_back(pyplan::placement_from_name(name));
+            space.allow_fewer_gpus = allow_fewer_gpus;
+            space.objective = pyplan::objective_from_name(objective);
+            space.weight = weight;
+            space.top_k = top_k;
+            py::gil_scoped_release release;
+            return pyplan::search(chain, hardware, space);
+        },
+        py::arg("fwd_alpha_s"), py::arg("fwd_beta_s"), py::arg("bwd_alpha_s"), py::arg("bwd_beta_s"),
+        py::arg("act_per_sample_bytes"), py::arg("act_fixed_bytes"), py::arg("params"),
+        py::arg("cut_per_sample_bytes"), py::arg("cut_fixed_bytes"), py::kw_only(), py::arg("num_gpus"),
+        py::arg("gpus_per_node"), py::arg("gpu_mem_bytes"), py::arg("mem_bw_bytes_per_s"),
+        py::arg("intra_latency_s"), py::arg("intra_bw_bytes_per_s"), py::arg("inter_latency_s"),
+        py::arg("inter_bw_bytes_per_s"), py::arg("price_per_gpu_s") = 0.0, py::arg("global_batch"),
+        py::arg("param_bytes"), py::arg("grad_bytes"), py::arg("optim_bytes"),
+        py::arg("micro_batch_sizes") = std::vector<int>{},
+        py::arg("schedules") = std::vector<std::string>{"GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"},
+        py::arg("zero_stages") = std::vector<int>{0, 1, 2, 3},
+        py::arg("placements") = std::vector<std::string>{"pp-inner", "dp-inner"},
+        py::arg("allow_fewer_gpus") = false, py::arg("objective") = "time", py::arg("weight") = 0.0,
+        py::arg("top_k") = 5,
+        "Searches data parallelism x pipeline stages x micro-batch size x schedule x ZeRO stage x placement\n"
+        "for a chain profiled as t(b) = alpha*b + beta per block (see cpp/include/pyplan/search.h for the\n"
+        "model). Per block (L): fwd/bwd alpha and beta in seconds, saved activation bytes per sample and per\n"
+        "micro-batch, parameter elements; per cut (L+1): live bytes per sample and per micro-batch.\n"
+        "objective: 'time', 'cost' or 'weighted' (cost + weight * time). Raises ValueError on invalid input;\n"
+        "returns feasible=False with a reason when no plan fits in memory.");
+}

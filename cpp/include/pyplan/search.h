@@ -1,0 +1,184 @@
+// pyplan/search.h — the plan search: data parallelism × pipeline stages × micro-batches × schedule × ZeRO.
+//
+// Indices. d data-parallel replicas, p pipeline ranks, v stages per rank (1 for GPipe and 1F1B, 2 for
+// Interleaved1F1B and LoopedBFS), so p·v stages; b samples per micro-batch, m micro-batches (gradient
+// accumulation steps) with d·b·m = B, the global batch. Stage s (from 0) runs on pipeline rank s mod p
+// (torch's loop placement). Pipeline k (from 0, one per replica) puts its pipeline rank r on GPU
+//     "pp-inner": k·p + r   (a pipeline's ranks are consecutive)
+//     "dp-inner": r·d + k   (a stage's replicas are consecutive)
+// and GPU x lies in node x / g. The two placements coincide when d = 1 or p = 1 (evaluated once), and
+// every ZeRO stage is the same plan when d = 1 (evaluated once, as the first listed).
+//
+// Enumeration. Every d, p with d·p = N (or d·p ≤ N with allow_fewer_gpus) and S = p·v ≤ L stages (v = 2
+// only with p ≥ 2: two stages on one rank and no pipeline gain nothing); every allowed b
+// (by default every b dividing B/d) with m = B/(d·b); every allowed schedule that torch 2.13 builds for
+// (p, m, v) (torch_rejection); every allowed ZeRO stage and placement. The zero-bubble schedules are not
+// searched yet: they need split I/W times, and they give wrong gradients under DDP/FSDP2 on torch 2.13.
+//
+// Model of one candidate (units in names; citations in cost.h and partition.h):
+//  1. Block i at micro-batch size b: f_i = fwd_alpha_i·b + fwd_beta_i, g_i likewise (Huang et al. eq. 2-3).
+//     ZeRO-3 (Rajbhandari et al. 2020) adds, per micro-batch, the all-gather of the block's weights
+//     (params_i·P bytes) to f_i and to g_i, and the reduce-scatter of its gradients (params_i·G) to g_i.
+//  2. Links. The pipeline link is `intra` when every boundary of every pipeline joins two GPUs of one node,
+//     else `inter` (one link per candidate: partition takes one). The dp group of each pipeline rank is
+//     laid out on nodes: all in one node: ring over intra (g' = d, n' = 1); the same g' members in each of
+//     n' nodes, for every group: hierarchical all-reduce (g', n'); otherwise: ring over inter (g' = 1,
+//     n' = d), a conservative stand-in for an uneven layout. A reduce-scatter or an all-gather over the
+//     group costs half its all-reduce.
+//  3. Stages: partition() of the chain into p·v stages (cost.h's closed form Σ t + (m−1)·max t, each
+//     stage within gpu_mem_bytes), with state bytes zero_model_state_bytes(params, d, zero) and
+//     activations n_s·(saved bytes + input cut bytes) at b. n_s: GPipe m, 1F1B min(m, p−s); LoopedBFS m;
+//     Interleaved1F1B m in the partition (an upper bound of its per-stage peak, until partition takes a
+//     per-stage vector) and the simulated peak in flight (depends only on the order) in the report.
+//     With v = 2 the two stages of a rank share its memory: a candidate whose rank sum exceeds
+//     gpu_mem_bytes after partitioning is infeasible (not yet part of the partition itself).
+//  4. Makespan: simulate() of the schedule's per-rank order with the stages' F = Σ f_i and B = Σ g_i and
+//     boundary sends p2p(pipeline link, cut bytes at b). The closed form the partition minimizes can
+//     undercut the simulation for uneven stages and sends (measured: up to 65 % for GPipe with uneven F/B,
+//     16 % for 1F1B with sends); the reported time is the simulated one.
+//  5. Gradient sync (d > 1, ZeRO 0-2): an all-reduce (ZeRO 0), or reduce-scatter + all-gather (ZeRO 1-2,
+//     the same volume), of stage s's gradients (params_s·G bytes) over its dp group, overlapped with the
+//     stage's last backward: exposed_s = max(0, sync_s − B_s); the iteration pays max_s exposed_s.
+//     ZeRO-3 pays its collectives in step 1 instead.
+//  6. Optimizer step: optimizer_step_time_s(rank state, rank state, mem_bw_bytes_per_s), max over ranks.
+//  7. T = makespan + exposed sync + optimizer step; C = d·p·price_per_gpu_s·T; throughput B/T; peak memory
+//     = max over ranks of Σ (state + activations) of its stages; bubble = Σ idle / (p·makespan).
+//
+// Objectives: time T, cost C, weighted C + w·T (Huang et al. §III). Ties go to fewer GPUs, then less peak
+// memory, then the enumeration order above. The Pareto frontier keeps the feasible candidates that no
+// other beats in both T and C (one per equal (T, C), the best by the same tie-break), by increasing T.
+//
+// Speed (the answer is the same as evaluating every candidate; tests compare with a brute force).
+//  - Lower bounds order the evaluation and skip candidates. Before partitioning, with W = Σ_i (f_i + g_i)
+//    at b and σ the cheapest boundary send: makespan ≥ W + 2(S−1)σ (micro-batch 0 through every stage and
+//    back), ≥ m·max(W/p, max_i w_i) (the busiest rank), and ≥ min over stage works w_s ≤ cap_s of
+//    max_s (m·w_s + Σ_{r<s} (w_r + 2σ)) (stage s cannot start before micro-batch 0 reaches it, works m·w_s,
+//    and its last backward must travel back), where cap_s is the most work of any block range that fits
+//    in memory with stage s's in-flight count; exposed sync ≥ the mean of sync_s − B_s; optimizer ≥ the
+//    average and the largest block's state. After partitioning, the same stage bound with the actual
+//    stages and sends, and the actual sync and optimizer times, can skip the simulation.
+//    A candidate is skipped when its bound's objective is worse than the k-th best found and its bound's
+//    (T, C) is beaten by a frontier point found, so it could join neither.
+//  - A candidate whose caps cannot hold W fits in no partition; it is evaluated only when nothing fits,
+//    to name the least memory needed (in order of a lower bound on that need, stopping early).
+//  - Partitions are shared by candidates with the same chain, stage count, m, in-flight rule and link. For
+//    ZeRO 0-2 (same times, less state the higher the stage) the partition of the loosest allowed stage is
+//    reused when its stages fit under the tighter one: it is then optimal there too (among partitions tied
+//    in the closed form, it may be another than a fresh partition would pick).
+// Errors: invalid input (N ≤ 0, B ≤ 0, no d·b·m = B, unknown objective, malformed chain) throws
+// std::invalid_argument with a one-line message. A search where nothing fits returns feasible = false and
+// a reason naming the candidate that needs the least memory.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "pyplan/cost.h"
+#include "pyplan/simulate.h"
+
+namespace pyplan {
+
+// A chain profiled at two or more micro-batch sizes: every time and size is linear in b. Block i runs
+// between cut i and cut i+1 (see chain.h).
+struct ProfiledChain {
+    std::vector<double> fwd_alpha_s;           // [L] forward seconds per sample
+    std::vector<double> fwd_beta_s;            // [L] forward seconds per micro-batch
+    std::vector<double> bwd_alpha_s;           // [L]
+    std::vector<double> bwd_beta_s;            // [L]
+    std::vector<double> act_per_sample_bytes;  // [L] saved for backward, per sample
+    std::vector<double> act_fixed_bytes;       // [L] saved for backward, per micro-batch
+    std::vector<double> params;                // [L] parameter elements
+    std::vector<double> cut_per_sample_bytes;  // [L+1] live across cut c, per sample
+    std::vector<double> cut_fixed_bytes;       // [L+1] live across cut c, per micro-batch
+
+    int num_blocks() const { return static_cast<int>(fwd_alpha_s.size()); }
+};
+
+struct Hardware {
+    int num_gpus = 1;                 // N
+    int gpus_per_node = 1;            // g
+    double gpu_mem_bytes = 0.0;       // usable memory per GPU
+    double mem_bw_bytes_per_s = 1.0;  // HBM bandwidth (optimizer step)
+    Link intra;                       // between two GPUs of one node
+    Link inter;                       // between nodes, per GPU
+    double price_per_gpu_s = 0.0;
+};
+
+enum class Objective { kTime, kCost, kWeighted };
+enum class Placement { kPipelineInner, kDataInner };
+
+struct SearchSpace {
+    int global_batch = 1;                 // B
+    BytesPerParam bytes_per_param;        // P, G, K
+    std::vector<int> micro_batch_sizes;   // allowed b; empty: every b dividing B/d
+    std::vector<Schedule> schedules = {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B,
+                                       Schedule::LoopedBFS};
+    std::vector<int> zero_stages = {0, 1, 2, 3};
+    std::vector<Placement> placements = {Placement::kPipelineInner, Placement::kDataInner};
+    bool allow_fewer_gpus = false;  // d·p < N allowed
+    Objective objective = Objective::kTime;
+    double weight = 0.0;  // w of the weighted objective
+    int top_k = 5;
+};
+
+// One evaluated configuration. Stage vectors have p·v entries, rank vectors p.
+struct Candidate {
+    int dp = 1;
+    int pp = 1;
+    int stages_per_rank = 1;
+    int micro_batch_size = 1;
+    int num_microbatches = 1;
+    Schedule schedule = Schedule::GPipe;
+    int zero_stage = 0;
+    Placement placement = Placement::kPipelineInner;
+    bool pipeline_inter = false;           // the pipeline link is `inter`
+    int dp_gpus_per_node = 1;              // g' of the dp groups' all-reduce
+    int dp_nodes = 1;                      // n'
+    std::vector<int> cuts;                 // [p·v+1] stage s is blocks [cuts[s], cuts[s+1])
+    std::vector<int> stage_rank;           // [p·v] pipeline rank of stage s
+    std::vector<double> stage_forward_s;   // [p·v] F_s per micro-batch
+    std::vector<double> stage_backward_s;  // [p·v] B_s per micro-batch
+    std::vector<double> stage_time_s;      // [p·v] F_s + B_s + sends of its input and output cuts
+    std::vector<double> stage_state_bytes;
+    std::vector<double> stage_act_bytes;   // [p·v] in flight × (saved + input cut bytes)
+    std::vector<int> stage_in_flight;
+    std::vector<double> stage_sync_s;      // [p·v] gradient all-reduce (0 under ZeRO-3 or d = 1)
+    std::vector<double> rank_memory_bytes; // [p]
+    double makespan_s = 0.0;
+    double exposed_sync_s = 0.0;
+    double optimizer_s = 0.0;
+    double iteration_s = 0.0;
+    double cost_per_iteration = 0.0;
+    double samples_per_s = 0.0;
+    double bubble_fraction = 0.0;
+    double peak_memory_bytes = 0.0;
+    double objective = 0.0;
+
+    int num_gpus() const { return dp * pp; }
+};
+
+struct SearchResult {
+    bool feasible = false;
+    Candidate best;                  // valid when feasible
+    std::vector<Candidate> top;      // up to top_k, best first
+    std::vector<Candidate> pareto;   // by increasing iteration_s
+    long long num_candidates = 0;    // configurations enumerated
+    long long num_evaluated = 0;     // simulated, or found not to fit
+    long long num_pruned = 0;        // skipped by a bound: num_candidates − num_evaluated
+    long long num_feasible = 0;      // evaluated and fitting in memory
+    long long num_partitions = 0;    // partition() calls (the rest were shared)
+    std::string reason;              // one line, set when !feasible
+    double least_need_bytes = 0.0;   // when !feasible: the least memory any candidate needs on its fullest GPU
+};
+
+// "time" | "cost" | "weighted"; throws std::invalid_argument otherwise.
+Objective objective_from_name(const std::string& name);
+// "pp-inner" | "dp-inner"; throws std::invalid_argument otherwise.
+Placement placement_from_name(const std::string& name);
+const char* placement_name(Placement placement);
+// torch's class name less "Schedule" ("GPipe", "1F1B", ...).
+const char* schedule_label(Schedule schedule);
+
+SearchResult search(const ProfiledChain& chain, const Hardware& hardware, const SearchSpace& space);
+
+}  // namespace pyplan

@@ -1,0 +1,866 @@
+// The plan search; the enumeration, the model of a candidate and the pruning are stated in search.h.
+#include "pyplan/search.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <map>
+#include <queue>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "pyplan/chain.h"
+#include "pyplan/partition.h"
+
+namespace pyplan {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+[[noreturn]] void fail(const std::string& message) {
+    throw std::invalid_argument(message);
+}
+
+std::string format_bytes(double bytes) {
+    static const char* const kUnits[] = {"B", "kB", "MB", "GB", "TB", "PB"};
+    int unit = 0;
+    while (std::fabs(bytes) >= 1000.0 && unit < 5) {
+        bytes /= 1000.0;
+        ++unit;
+    }
+    char text[64];
+    std::snprintf(text, sizeof text, "%.3g %s", bytes, kUnits[unit]);
+    return text;
+}
+
+std::string join(const std::vector<int>& values) {
+    std::string out;
+    for (std::size_t i = 0; i < values.size() && i < 12; ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+    if (values.size() > 12) out += ", ...";
+    return out;
+}
+
+int stages_per_rank_of(Schedule schedule) {
+    return schedule == Schedule::GPipe || schedule == Schedule::OneFOneB ? 1 : 2;
+}
+
+// ---- validation ----------------------------------------------------------------------------------
+
+void require_array(const std::vector<double>& values, std::size_t size, const char* name) {
+    if (values.size() != size) {
+        fail(std::string(name) + " has " + std::to_string(values.size()) + " entries, expected " +
+             std::to_string(size));
+    }
+    for (std::size_t i = 0; i < size; ++i) {
+        if (!(values[i] >= 0.0 && std::isfinite(values[i]))) {
+            fail(std::string(name) + "[" + std::to_string(i) + "] must be a finite number >= 0, got " +
+                 std::to_string(values[i]));
+        }
+    }
+}
+
+void require_link(const Link& link, const char* name) {
+    if (!(link.latency_s >= 0.0 && std::isfinite(link.latency_s) && link.bw_bytes_per_s > 0.0)) {
+        fail(std::string(name) + " link needs latency_s >= 0 and bw_bytes_per_s > 0, got " +
+             std::to_string(link.latency_s) + " and " + std::to_string(link.bw_bytes_per_s));
+    }
+}
+
+void validate(const ProfiledChain& c, const Hardware& hw, const SearchSpace& space) {
+    const std::size_t L = c.fwd_alpha_s.size();
+    if (L == 0) fail("the chain has no blocks");
+    require_array(c.fwd_alpha_s, L, "fwd_alpha_s");
+    require_array(c.fwd_beta_s, L, "fwd_beta_s");
+    require_array(c.bwd_alpha_s, L, "bwd_alpha_s");
+    require_array(c.bwd_beta_s, L, "bwd_beta_s");
+    require_array(c.act_per_sample_bytes, L, "act_per_sample_bytes");
+    require_array(c.act_fixed_bytes, L, "act_fixed_bytes");
+    require_array(c.params, L, "params");
+    require_array(c.cut_per_sample_bytes, L + 1, "cut_per_sample_bytes");
+    require_array(c.cut_fixed_bytes, L + 1, "cut_fixed_bytes");
+    if (hw.num_gpus <= 0) fail("the number of GPUs must be >= 1, got " + std::to_string(hw.num_gpus));
+    if (hw.gpus_per_node <= 0) fail("gpus_per_node must be >= 1, got " + std::to_string(hw.gpus_per_node));
+    if (!(hw.gpu_mem_bytes >= 0.0)) fail("gpu_mem_bytes must be >= 0, got " + std::to_string(hw.gpu_mem_bytes));
+    if (!(hw.mem_bw_bytes_per_s > 0.0)) {
+        fail("mem_bw_bytes_per_s must be > 0, got " + std::to_string(hw.mem_bw_bytes_per_s));
+    }
+    require_link(hw.intra, "intra");
+    require_link(hw.inter, "inter");
+    if (!(hw.price_per_gpu_s >= 0.0)) fail("price_per_gpu_s must be >= 0, got " + std::to_string(hw.price_per_gpu_s));
+    if (space.global_batch <= 0) fail("the global batch must be >= 1, got " + std::to_string(space.global_batch));
+    const BytesPerParam& bpp = space.bytes_per_param;
+    if (!(bpp.param_bytes >= 0.0 && bpp.grad_bytes >= 0.0 && bpp.optim_bytes >= 0.0)) {
+        fail("bytes per parameter must be >= 0");
+    }
+    for (int b : space.micro_batch_sizes) {
+        if (b < 1) fail("micro-batch sizes must be >= 1, got " + std::to_string(b));
+    }
+    if (space.schedules.empty()) fail("no schedule to search");
+    for (Schedule s : space.schedules) {
+        if (s != Schedule::GPipe && s != Schedule::OneFOneB && s != Schedule::Interleaved1F1B &&
+            s != Schedule::LoopedBFS) {
+            fail(std::string(schedule_label(s)) +
+                 " is not searched: the zero-bubble schedules need split I/W times and give wrong gradients "
+                 "with DDP/FSDP2 on torch 2.13");
+        }
+    }
+    if (space.zero_stages.empty()) fail("no ZeRO stage to search");
+    for (int z : space.zero_stages) {
+        if (z < 0 || z > 3) fail("ZeRO stages are 0, 1, 2 or 3, got " + std::to_string(z));
+    }
+    if (space.placements.empty()) fail("no placement to search");
+    if (!(space.weight >= 0.0 && std::isfinite(space.weight))) {
+        fail("the weight must be a finite number >= 0, got " + std::to_string(space.weight));
+    }
+    if (space.top_k < 1) fail("top_k must be >= 1, got " + std::to_string(space.top_k));
+}
+
+// ---- layout of a (d, p, placement) on nodes ---------------------------------------------------------
+
+struct Layout {
+    bool pipeline_inter = false;
+    int dp_gpus_per_node = 1;  // g'
+    int dp_nodes = 1;          // n'
+};
+
+Layout layout_of(int d, int p, int v, int g, Placement placement) {
+    auto gpu = [&](int k, int r) { return placement == Placement::kPipelineInner ? k * p + r : r * d + k; };
+    Layout out;
+    // Boundaries join pipeline ranks r and r+1, and with v = 2 also p−1 and 0.
+    for (int k = 0; k < d && !out.pipeline_inter; ++k) {
+        for (int r = 0; r + 1 < p; ++r) out.pipeline_inter |= gpu(k, r) / g != gpu(k, r + 1) / g;
+        if (v > 1 && p > 1) out.pipeline_inter |= gpu(k, p - 1) / g != gpu(k, 0) / g;
+    }
+    // Members of each dp group per node: gpu(k, r) grows with k, so a group's nodes come in runs.
+    int common = -1;
+    bool uniform = true;
+    for (int r = 0; r < p && uniform; ++r) {
+        int run = 0;
+        for (int k = 0; k < d && uniform; ++k) {
+            ++run;
+            const bool run_ends = k + 1 == d || gpu(k + 1, r) / g != gpu(k, r) / g;
+            if (!run_ends) continue;
+            if (common < 0) common = run;
+            uniform = run == common;
+            run = 0;
+        }
+    }
+    if (uniform) {
+        out.dp_gpus_per_node = common;
+        out.dp_nodes = d / common;
+    } else {
+        out.dp_gpus_per_node = 1;
+        out.dp_nodes = d;
+    }
+    return out;
+}
+
+// ---- one configuration ------------------------------------------------------------------------------
+
+struct Config {
+    int d = 1, p = 1, v = 1, b = 1, m = 1;
+    Schedule schedule = Schedule::GPipe;
+    int zero = 0;
+    Placement placement = Placement::kPipelineInner;
+    long long index = 0;            // enumeration order, the last tie-break
+    double bound_time_s = 0.0;      // no candidate of this configuration is faster
+    double bound_objective = 0.0;
+    double bound_makespan_s = 0.0;  // its makespan part
+    double bound_rest_s = 0.0;      // its exposed sync and optimizer parts
+    double least_send_s = 0.0;      // the cheapest boundary send
+    bool fits_bound = true;         // false: no partition can fit in memory (its stages cannot hold the work)
+    double need_bound_bytes = 0.0;  // the fullest GPU of any partition needs at least this much
+};
+
+double objective_of(const SearchSpace& space, const Hardware& hw, int num_gpus, double time_s) {
+    const double cost = num_gpus * hw.price_per_gpu_s * time_s;
+    switch (space.objective) {
+        case Objective::kTime: return time_s;
+        case Objective::kCost: return cost;
+        case Objective::kWeighted: return cost + space.weight * time_s;
+    }
+    return time_s;
+}
+
+class Searcher {
+public:
+    Searcher(const ProfiledChain& chain, const Hardware& hw, const SearchSpace& space)
+        : chain_(chain), hw_(hw), space_(space), L_(chain.num_blocks()) {
+        for (double params : chain.params) total_params_ += params;
+    }
+
+    SearchResult run();
+
+private:
+    // Dp collectives of a layout: all-reduce, and reduce-scatter / all-gather as its half.
+    double allreduce_s(const Layout& lay, double bytes) const {
+        return hierarchical_allreduce_time_s(hw_.intra, hw_.inter, bytes, lay.dp_gpus_per_node, lay.dp_nodes);
+    }
+    const Layout& layout(int d, int p, int v, Placement placement);
+    std::vector<Config> enumerate();
+    void bound(Config& config);
+    void tighten(Config& config);
+    double block_time_s(const Config& config, const Layout& lay, int block, bool forward) const;
+    const PartitionResult& partition_for(const Config& config, const Layout& lay, const Chain& chain);
+    const PartitionResult& cached_partition(const Config& config, const Layout& lay, const Chain& chain);
+    bool stages_fit(const Config& config, const Chain& chain, const std::vector<int>& cuts) const;
+    Chain chain_at(const Config& config, const Layout& lay) const;
+    const Chain& chain_for(const Config& config, const Layout& lay);
+    const RankOrder& order_for(Schedule schedule, int p, int m, int v);
+    void evaluate(const Config& config);
+    void offer(Candidate candidate, long long index);
+    bool prunable(int num_gpus, double bound_time_s) const;
+    void infeasible(const Config& config, double need_bytes, const std::string& where);
+
+    const ProfiledChain& chain_;
+    const Hardware& hw_;
+    const SearchSpace& space_;
+    const int L_;
+    double total_params_ = 0.0;
+    std::map<std::tuple<int, int, int, int>, Layout> layouts_;
+    std::map<std::vector<long long>, Chain> chains_;
+    std::map<std::vector<long long>, PartitionResult> partitions_;
+    std::map<std::tuple<int, int, int, int>, RankOrder> orders_;
+
+    SearchResult result_;
+    std::vector<std::pair<Candidate, long long>> top_;     // best first, with enumeration index
+    std::vector<std::pair<Candidate, long long>> pareto_;  // by increasing time
+    double least_need_bytes_ = kInf;
+    std::string least_need_text_;
+};
+
+const Layout& Searcher::layout(int d, int p, int v, Placement placement) {
+    const auto key = std::make_tuple(d, p, v, static_cast<int>(placement));
+    auto it = layouts_.find(key);
+    if (it == layouts_.end()) it = layouts_.emplace(key, layout_of(d, p, v, hw_.gpus_per_node, placement)).first;
+    return it->second;
+}
+
+// The allowed micro-batch sizes that divide a replica's share of the batch, increasing.
+std::vector<int> micro_batch_sizes(const std::vector<int>& allowed, int per_replica) {
+    std::vector<int> sizes;
+    for (int b = 1; b <= per_replica; ++b) {
+        const bool listed = allowed.empty() || std::find(allowed.begin(), allowed.end(), b) != allowed.end();
+        if (per_replica % b == 0 && listed) sizes.push_back(b);
+    }
+    return sizes;
+}
+
+std::vector<Config> Searcher::enumerate() {
+    const int N = hw_.num_gpus;
+    const int B = space_.global_batch;
+    std::vector<Config> configs;
+    std::vector<int> degrees;  // the data-parallel degrees some pipeline depth allows
+    bool any_batch = false;
+    // Every schedule torch builds for (p, m), every ZeRO stage and placement, deduplicated (search.h).
+    auto add = [&](int d, int p, int b, int m) {
+        for (Schedule schedule : space_.schedules) {
+            const int v = stages_per_rank_of(schedule);
+            if (p * v > L_ || (v > 1 && p < 2) || !torch_rejection(schedule, p, m, v).empty()) continue;
+            const std::size_t zeros = d == 1 ? 1 : space_.zero_stages.size();
+            const std::size_t placements = d == 1 || p == 1 ? 1 : space_.placements.size();
+            for (std::size_t z = 0; z < zeros; ++z) {
+                for (std::size_t k = 0; k < placements; ++k) {
+                    Config c;
+                    c.d = d;
+                    c.p = p;
+                    c.v = v;
+                    c.b = b;
+                    c.m = m;
+                    c.schedule = schedule;
+                    c.zero = d == 1 ? 0 : space_.zero_stages[z];
+                    c.placement = space_.placements[k];
+                    c.index = static_cast<long long>(configs.size());
+                    configs.push_back(c);
+                }
+            }
+        }
+    };
+    for (int d = 1; d <= N; ++d) {
+        const int p_max = std::min(N / d, L_);
+        const int p_min = space_.allow_fewer_gpus ? 1 : N / d;
+        if ((!space_.allow_fewer_gpus && N % d != 0) || p_min > p_max) continue;
+        degrees.push_back(d);
+        if (B % d != 0) continue;
+        const std::vector<int> sizes = micro_batch_sizes(space_.micro_batch_sizes, B / d);
+        any_batch = any_batch || !sizes.empty();
+        for (int p = p_min; p <= p_max; ++p)
+            for (int b : sizes) add(d, p, b, B / d / b);
+    }
+    if (!any_batch) {
+        const std::string sizes = space_.micro_batch_sizes.empty() ? "any" : join(space_.micro_batch_sizes);
+        fail("the global batch " + std::to_string(B) + " is not d·b·m for any data-parallel degree d (of " +
+             join(degrees) + ") and micro-batch size b (" + sizes + ")");
+    }
+    return configs;
+}
+
+// The most work Σ (f+g) of any range of blocks that fits in `limit` with n micro-batches in flight, its
+// input cut left out (a relaxation, so an upper bound on any stage's work). Two pointers.
+double max_stage_work_s(const Chain& chain, int in_flight, double limit) {
+    const int L = chain.num_blocks();
+    const double slack = 1.0 + 1e-9;  // running sums round: never call a fitting range too big
+    double best = 0.0, work = 0.0, state = 0.0, act = 0.0;
+    for (int i = 0, j = 0; j < L; ++j) {
+        work += chain.fwd_time_s[j] + chain.bwd_time_s[j];
+        state += chain.state_bytes[j];
+        act += chain.act_bytes[j];
+        while (i <= j && state + in_flight * act > limit * slack) {
+            work -= chain.fwd_time_s[i] + chain.bwd_time_s[i];
+            state -= chain.state_bytes[i];
+            act -= chain.act_bytes[i];
+            ++i;
+        }
+        if (i <= j) best = std::max(best, work);
+    }
+    return best * slack;
+}
+
+// Least V = max_s (m·w_s + Σ_{r<s} (w_r + 2σ)) over stage works 0 ≤ w_s ≤ cap_s with Σ w_s = W, σ the
+// least boundary send. Stage s starts after micro-batch 0's forwards (and sends) through the stages before
+// it, its rank works m·w_s on it, and the backward of its last action must still pass back through them,
+// so V bounds the makespan of every searched schedule (with v = 2 a rank also works on its other stage,
+// which only adds). For a given V, taking w_s = min(cap_s, (V − Σ_{r<s} (w_r + 2σ))/m) in order covers
+// the most work; bisection finds the least V that covers W and returns its low end (a lower bound).
+// Infinite when the caps cannot cover W.
+double least_pipeline_makespan_s(const std::vector<double>& cap, int m, double work_s, double send_s) {
+    auto covered = [&](double v) {
+        double rest = v, total = 0.0;
+        for (double c : cap) {
+            const double w = std::min(c, std::max(0.0, rest / m));
+            total += w;
+            rest -= w + 2 * send_s;
+        }
+        return total;
+    };
+    double lo = work_s, hi = (m + 1.0) * work_s + 2 * send_s * cap.size();
+    if (covered(hi) < work_s) return kInf;
+    for (int it = 0; it < 200 && hi - lo > 1e-12 * hi; ++it) {
+        const double mid = 0.5 * (lo + hi);
+        (covered(mid) >= work_s ? hi : lo) = mid;
+    }
+    return lo;
+}
+
+// The least makespan bound of a whole partition: min over cuts 0 = c_0 ≤ ... ≤ c_S = L of max_s of
+//     T[c_s] + 2σ·s + m·(T[c_{s+1}] − T[c_s])                  (least_pipeline_makespan_s, per stage)
+//     W + 2(S−1)σ + (m − k_s)·F_s + (m − 1)·B_s               (with one stage per rank, see below)
+// with T the prefix sums of f + g, F_s and B_s the stage's forward and backward per micro-batch. The second
+// term: a rank of GPipe or 1F1B runs k_s forwards (m, or min(m, p−s)) before its first backward, which
+// waits for micro-batch 0 to go through every forward and back through the later stages' backwards; the
+// rank's other m − k_s forwards and m backwards follow, and its last backward goes back through the
+// earlier stages. Relaxed so that it stays a lower bound: stages may be empty and memory is checked
+// without the input cut. Table D[s][j] = the least bound of s stages over blocks [0, j), D[0][0] = 0,
+// D[0][j>0] = ∞, D[s+1][j] = min_{i ∈ [lo_s(j), j]} max(D[s][i], stage bound of [i, j)), lo_s(j) the first
+// i whose range [i, j) fits with stage s's in-flight count. D[s][·] is non-decreasing (cut the last stage
+// short) and the stage bound non-increasing in i, so the minimum sits where they cross: a binary search.
+// O(S·L·log L). Infinite when no relaxed partition fits.
+double least_partition_makespan_s(const Chain& chain, const std::vector<int>& in_flight,
+                                  const std::vector<int>& warmup, int m, double send_s, double limit) {
+    const int L = chain.num_blocks();
+    const int S = static_cast<int>(in_flight.size());
+    const double fit_limit = limit * (1.0 + 1e-9);
+    std::vector<double> fwd(L + 1, 0.0), bwd(L + 1, 0.0), state(L + 1, 0.0), act(L + 1, 0.0);
+    for (int i = 0; i < L; ++i) {
+        fwd[i + 1] = fwd[i] + chain.fwd_time_s[i];
+        bwd[i + 1] = bwd[i] + chain.bwd_time_s[i];
+        state[i + 1] = state[i] + chain.state_bytes[i];
+        act[i + 1] = act[i] + chain.act_bytes[i];
+    }
+    const double round_trip_s = fwd[L] + bwd[L] + 2 * (S - 1) * send_s;
+    std::vector<double> before(L + 1, kInf), after(L + 1);
+    before[0] = 0.0;
+    for (int s = 0; s < S; ++s) {
+        const int n = in_flight[s];
+        const double start_s = 2 * send_s * s;
+        int lo = 0;
+        for (int j = 0; j <= L; ++j) {
+            while (lo < j && state[j] - state[lo] + n * (act[j] - act[lo]) > fit_limit) ++lo;
+            auto stage_bound = [&](int i) {
+                const double f = fwd[j] - fwd[i], b = bwd[j] - bwd[i];
+                double bound = fwd[i] + bwd[i] + start_s + m * (f + b);
+                if (!warmup.empty()) bound = std::max(bound, round_trip_s + (m - warmup[s]) * f + (m - 1) * b);
+                return bound;
+            };
+            int a = lo, b = j + 1;  // the first i in [lo, j] with before[i] >= stage_bound(i), or j + 1
+            while (a < b) {
+                const int mid = a + (b - a) / 2;
+                if (before[mid] >= stage_bound(mid)) {
+                    b = mid;
+                } else {
+                    a = mid + 1;
+                }
+            }
+            double best = kInf;
+            if (a <= j) best = std::max(before[a], stage_bound(a));
+            if (a > lo) best = std::min(best, std::max(before[a - 1], stage_bound(a - 1)));
+            after[j] = best;
+        }
+        std::swap(before, after);
+    }
+    return before[L];
+}
+
+// Replaces the makespan part of the bound by least_partition_makespan_s when that is larger; called
+// only for candidates the cheaper bound does not skip.
+void Searcher::tighten(Config& c) {
+    const Layout& lay = layout(c.d, c.p, c.v, c.placement);
+    const Chain& chain = chain_for(c, lay);
+    const int S = c.p * c.v;
+    std::vector<int> in_flight(S), warmup;
+    for (int s = 0; s < S; ++s) in_flight[s] = c.schedule == Schedule::OneFOneB ? std::min(c.m, c.p - s) : c.m;
+    if (c.v == 1) warmup = in_flight;  // GPipe runs all m forwards first, 1F1B min(m, p−s)
+    const double makespan_s =
+        least_partition_makespan_s(chain, in_flight, warmup, c.m, c.least_send_s, hw_.gpu_mem_bytes);
+    if (makespan_s == kInf) {
+        c.fits_bound = false;
+        return;
+    }
+    c.bound_makespan_s = std::max(c.bound_makespan_s, makespan_s);
+    c.bound_time_s = (c.bound_makespan_s + c.bound_rest_s) * (1.0 - 1e-9);
+    c.bound_objective = objective_of(space_, hw_, c.d * c.p, c.bound_time_s);
+}
+
+void Searcher::bound(Config& c) {
+    const Layout& lay = layout(c.d, c.p, c.v, c.placement);
+    const Chain& chain = chain_for(c, lay);
+    const int S = c.p * c.v;
+    const int least_in_flight = c.schedule == Schedule::GPipe ? c.m : 1;
+    double work_s = 0, block_max_s = 0, backward_s = 0, state = 0, act = 0, block_state = 0, block_need = 0;
+    for (int i = 0; i < L_; ++i) {
+        const double w = chain.fwd_time_s[i] + chain.bwd_time_s[i];
+        work_s += w;
+        backward_s += chain.bwd_time_s[i];
+        block_max_s = std::max(block_max_s, w);
+        state += chain.state_bytes[i];
+        act += chain.act_bytes[i];
+        block_state = std::max(block_state, chain.state_bytes[i]);
+        block_need = std::max(block_need, chain.state_bytes[i] + least_in_flight * chain.act_bytes[i]);
+    }
+    // Memory: the fullest stage holds at least the average and the largest block, at its least in flight.
+    c.need_bound_bytes = std::max(block_need, (state + least_in_flight * act) / S);
+
+    // Makespan: micro-batch 0's dependency chain, the busiest rank, and the pipeline bound above with the
+    // stages' memory caps (each stage at most the most work that fits with the partition's in-flight rule).
+    const Link& link = lay.pipeline_inter ? hw_.inter : hw_.intra;
+    double send_s = kInf;
+    for (int cut = 1; cut < L_; ++cut) send_s = std::min(send_s, p2p_time_s(link, chain.cut_bytes[cut]));
+    if (S == 1) send_s = 0.0;
+    double makespan_s = std::max(work_s + 2 * (S - 1) * send_s, c.m * std::max(work_s / c.p, block_max_s));
+    std::vector<double> cap(S);
+    std::map<int, double> cap_of;  // in flight -> cap
+    for (int s = 0; s < S; ++s) {
+        const int n = c.schedule == Schedule::OneFOneB ? std::min(c.m, c.p - s) : c.m;
+        auto it = cap_of.find(n);
+        if (it == cap_of.end()) it = cap_of.emplace(n, max_stage_work_s(chain, n, hw_.gpu_mem_bytes)).first;
+        cap[s] = it->second;
+    }
+    double cap_total = 0.0;
+    for (double x : cap) cap_total += x;
+    c.fits_bound = cap_total >= work_s;
+    if (c.fits_bound) makespan_s = std::max(makespan_s, least_pipeline_makespan_s(cap, c.m, work_s, send_s));
+
+    // Exposed sync: at least the mean of sync_s − B_s; the all-reduce is affine in bytes, so Σ_s sync_s
+    // is S·sync(0) plus the sync of all gradients less its latency part.
+    double exposed_s = 0.0;
+    if (c.d > 1 && c.zero < 3) {
+        const double fixed_s = allreduce_s(lay, 0.0);
+        const double sync_total = S * fixed_s + allreduce_s(lay, total_params_ * space_.bytes_per_param.grad_bytes) -
+                                  fixed_s;
+        exposed_s = std::max(0.0, (sync_total - backward_s) / S);
+    }
+    // Optimizer: the rank with the most state holds at least the average and the largest block.
+    const double rank_state = std::max(state / c.p, block_state);
+    const double optimizer_s = optimizer_step_time_s(rank_state, rank_state, hw_.mem_bw_bytes_per_s);
+    c.least_send_s = send_s;
+    c.bound_makespan_s = makespan_s;
+    c.bound_rest_s = exposed_s + optimizer_s;
+    c.bound_time_s = (makespan_s + exposed_s + optimizer_s) * (1.0 - 1e-9);  // summation order differs
+    c.bound_objective = objective_of(space_, hw_, c.d * c.p, c.bound_time_s);
+}
+
+// f_i (forward) or g_i (backward) at the configuration's b, with ZeRO-3's collectives (step 1).
+double Searcher::block_time_s(const Config& c, const Layout& lay, int i, bool forward) const {
+    const BytesPerParam& bpp = space_.bytes_per_param;
+    double t = forward ? chain_.fwd_alpha_s[i] * c.b + chain_.fwd_beta_s[i]
+                       : chain_.bwd_alpha_s[i] * c.b + chain_.bwd_beta_s[i];
+    if (c.zero == 3) {
+        t += allreduce_s(lay, chain_.params[i] * bpp.param_bytes) / 2;  // all-gather the weights
+        if (!forward) t += allreduce_s(lay, chain_.params[i] * bpp.grad_bytes) / 2;  // reduce-scatter grads
+    }
+    return t;
+}
+
+Chain Searcher::chain_at(const Config& c, const Layout& lay) const {
+    Chain out;
+    const BytesPerParam& bpp = space_.bytes_per_param;
+    for (int i = 0; i < L_; ++i) {
+        out.fwd_time_s.push_back(block_time_s(c, lay, i, true));
+        out.bwd_time_s.push_back(block_time_s(c, lay, i, false));
+        out.act_bytes.push_back(chain_.act_per_sample_bytes[i] * c.b + chain_.act_fixed_bytes[i]);
+        out.state_bytes.push_back(zero_model_state_bytes(chain_.params[i], c.d, c.zero, bpp).total_bytes());
+    }
+    for (int cut = 0; cut <= L_; ++cut) {
+        out.cut_bytes.push_back(chain_.cut_per_sample_bytes[cut] * c.b + chain_.cut_fixed_bytes[cut]);
+    }
+    return out;
+}
+
+// chain_at, shared by the candidates with the same b, ZeRO stage, d (when sharded) and dp layout (ZeRO-3).
+const Chain& Searcher::chain_for(const Config& c, const Layout& lay) {
+    const std::vector<long long> key = {c.b, c.zero, c.zero > 0 ? c.d : 0, c.zero == 3 ? lay.dp_gpus_per_node : 0,
+                                        c.zero == 3 ? lay.dp_nodes : 0};
+    auto it = chains_.find(key);
+    if (it == chains_.end()) it = chains_.emplace(key, chain_at(c, lay)).first;
+    return it->second;
+}
+
+const PartitionResult& Searcher::partition_for(const Config& c, const Layout& lay, const Chain& chain) {
+    // ZeRO 0-2 share the chain's times and differ in state bytes only, less with a higher stage. The optimum
+    // under the loosest allowed stage is also optimal under a tighter one whenever it fits there (its
+    // feasible set is a subset), so it is tried first.
+    if (c.d > 1 && c.zero < 3) {
+        int loosest = c.zero;
+        for (int z : space_.zero_stages)
+            if (z < 3) loosest = std::max(loosest, z);
+        if (loosest > c.zero) {
+            Config looser = c;
+            looser.zero = loosest;
+            const PartitionResult& found = cached_partition(looser, lay, chain_for(looser, lay));
+            if (found.feasible && stages_fit(c, chain, found.cuts)) return found;
+        }
+    }
+    return cached_partition(c, lay, chain);
+}
+
+// Every stage of `cuts` within gpu_mem_bytes under the partition's in-flight rule (partition.h's mem_s).
+bool Searcher::stages_fit(const Config& c, const Chain& chain, const std::vector<int>& cuts) const {
+    const int S = c.p * c.v;
+    const InFlight rule = c.schedule == Schedule::OneFOneB ? InFlight::kOneFOneB : InFlight::kGPipe;
+    for (int s = 0; s < S; ++s) {
+        double state = 0.0, act = chain.cut_bytes[cuts[s]];
+        for (int i = cuts[s]; i < cuts[s + 1]; ++i) {
+            state += chain.state_bytes[i];
+            act += chain.act_bytes[i];
+        }
+        if (state + in_flight_microbatches(rule, s, S, c.m) * act > hw_.gpu_mem_bytes) return false;
+    }
+    return true;
+}
+
+const PartitionResult& Searcher::cached_partition(const Config& c, const Layout& lay, const Chain& chain) {
+    // Everything the partition depends on: the chain (b; the ZeRO stage and d through state bytes and
+    // ZeRO-3 times; the dp layout through ZeRO-3 times), the stage count, m, the in-flight rule, the link.
+    const bool one_f_one_b = c.schedule == Schedule::OneFOneB;
+    const bool sharded = c.zero > 0;
+    const std::vector<long long> key = {c.b,
+                                        c.m,
+                                        c.p * c.v,
+                                        one_f_one_b,
+                                        c.zero,
+                                        sharded ? c.d : 0,
+                                        c.zero == 3 ? lay.dp_gpus_per_node : 0,
+                                        c.zero == 3 ? lay.dp_nodes : 0,
+                                        c.p > 1 && lay.pipeline_inter};
+    auto it = partitions_.find(key);
+    if (it != partitions_.end()) return it->second;
+    PartitionOptions options;
+    options.num_stages = c.p * c.v;
+    options.num_microbatches = c.m;
+    options.in_flight = one_f_one_b ? InFlight::kOneFOneB : InFlight::kGPipe;
+    options.mem_limit_bytes.assign(options.num_stages, hw_.gpu_mem_bytes);
+    options.link = lay.pipeline_inter ? hw_.inter : hw_.intra;
+    ++result_.num_partitions;
+    return partitions_.emplace(key, partition(chain, options)).first->second;
+}
+
+const RankOrder& Searcher::order_for(Schedule schedule, int p, int m, int v) {
+    const auto key = std::make_tuple(static_cast<int>(schedule), p, m, v);
+    auto it = orders_.find(key);
+    if (it == orders_.end()) it = orders_.emplace(key, schedule_order(schedule, p, m, v)).first;
+    return it->second;
+}
+
+std::string describe(const Config& c) {
+    std::string text = "dp=" + std::to_string(c.d) + ", pp=" + std::to_string(c.p) + ", b=" + std::to_string(c.b) +
+                       ", m=" + std::to_string(c.m) + ", " + schedule_label(c.schedule) + ", ZeRO-" +
+                       std::to_string(c.zero);
+    if (c.d > 1 && c.p > 1) text += std::string(", ") + placement_name(c.placement);
+    return text;
+}
+
+void Searcher::infeasible(const Config& c, double need_bytes, const std::string& where) {
+    if (need_bytes < least_need_bytes_) {
+        least_need_bytes_ = need_bytes;
+        least_need_text_ = "the best candidate (" + describe(c) + ") needs " + format_bytes(need_bytes) + " on " +
+                           where + ", the GPU has " + format_bytes(hw_.gpu_mem_bytes);
+    }
+}
+
+void Searcher::evaluate(const Config& c) {
+    const Layout& lay = layout(c.d, c.p, c.v, c.placement);
+    const Chain& chain = chain_for(c, lay);
+    const PartitionResult& part = partition_for(c, lay, chain);
+    if (!part.feasible) {
+        ++result_.num_evaluated;
+        infeasible(c, part.overflow.need_bytes, "stage " + std::to_string(part.overflow.stage));
+        return;
+    }
+    const int S = c.p * c.v;
+    const Link& link = lay.pipeline_inter ? hw_.inter : hw_.intra;
+
+    Candidate cand;
+    cand.dp = c.d;
+    cand.pp = c.p;
+    cand.stages_per_rank = c.v;
+    cand.micro_batch_size = c.b;
+    cand.num_microbatches = c.m;
+    cand.schedule = c.schedule;
+    cand.zero_stage = c.zero;
+    cand.placement = c.placement;
+    cand.pipeline_inter = c.p > 1 && lay.pipeline_inter;
+    cand.dp_gpus_per_node = lay.dp_gpus_per_node;
+    cand.dp_nodes = lay.dp_nodes;
+    cand.cuts = part.cuts;
+    cand.stage_rank = stage_placement(c.schedule, c.p, c.v);
+
+    // Stage sums from this candidate's chain (the partition may be shared with a looser ZeRO stage).
+    StageTimes times;
+    std::vector<double> act_per_microbatch(S);
+    std::vector<double> rank_state(c.p, 0.0), rank_work_s(c.p, 0.0);
+    auto send_s = [&](int cut) { return cut == 0 || cut == L_ ? 0.0 : p2p_time_s(link, chain.cut_bytes[cut]); };
+    double before_s = 0.0, makespan_bound_s = 0.0;
+    for (int s = 0; s < S; ++s) {
+        double f = 0, g = 0, state = 0, act = chain.cut_bytes[part.cuts[s]], params = 0;
+        for (int i = part.cuts[s]; i < part.cuts[s + 1]; ++i) {
+            f += chain.fwd_time_s[i];
+            g += chain.bwd_time_s[i];
+            state += chain.state_bytes[i];
+            act += chain.act_bytes[i];
+            params += chain_.params[i];
+        }
+        times.forward_s.push_back(f);
+        times.backward_s.push_back(g);
+        if (s + 1 < S) times.send_forward_s.push_back(send_s(part.cuts[s + 1]));
+        cand.stage_time_s.push_back(f + g + send_s(part.cuts[s]) + send_s(part.cuts[s + 1]));
+        cand.stage_state_bytes.push_back(state);
+        act_per_microbatch[s] = act;
+        // 5. Gradient sync of the stage, overlapped with its last backward.
+        const bool syncs = c.d > 1 && c.zero < 3;
+        const double sync_s = syncs ? allreduce_s(lay, params * space_.bytes_per_param.grad_bytes) : 0.0;
+        cand.stage_sync_s.push_back(sync_s);
+        cand.exposed_sync_s = std::max(cand.exposed_sync_s, sync_s - g);
+        rank_state[cand.stage_rank[s]] += state;
+        rank_work_s[cand.stage_rank[s]] += c.m * (f + g);
+        makespan_bound_s = std::max(makespan_bound_s, before_s + c.m * (f + g));  // see least_pipeline_makespan_s
+        before_s += f + g + (s + 1 < S ? 2 * send_s(part.cuts[s + 1]) : 0.0);
+    }
+    times.backward_weight_s.assign(S, 0.0);
+    times.send_backward_s = times.send_forward_s;
+    // 6. Optimizer step of the rank with the most state.
+    for (double state : rank_state) {
+        cand.optimizer_s = std::max(cand.optimizer_s, optimizer_step_time_s(state, state, hw_.mem_bw_bytes_per_s));
+    }
+    // The makespan is at least each stage's bound and each rank's work: skip the simulation when that
+    // already cannot make the top-k or the frontier.
+    makespan_bound_s = std::max(makespan_bound_s, *std::max_element(rank_work_s.begin(), rank_work_s.end()));
+    if (prunable(c.d * c.p, (makespan_bound_s + cand.exposed_sync_s + cand.optimizer_s) * (1.0 - 1e-9))) return;
+
+    // 4. The simulated makespan; activation memory with the in-flight micro-batches.
+    ++result_.num_evaluated;
+    const Simulation sim = simulate(order_for(c.schedule, c.p, c.m, c.v), cand.stage_rank, times, c.m);
+    cand.stage_forward_s = times.forward_s;
+    cand.stage_backward_s = times.backward_s;
+    const InFlight rule = c.schedule == Schedule::OneFOneB ? InFlight::kOneFOneB : InFlight::kGPipe;
+    cand.rank_memory_bytes = rank_state;
+    for (int s = 0; s < S; ++s) {
+        // One stage per rank: the partition's rule; two: the simulated peak (at most the partition's m).
+        const int n = c.v == 1 ? in_flight_microbatches(rule, s, S, c.m) : sim.peak_in_flight[s];
+        cand.stage_in_flight.push_back(n);
+        cand.stage_act_bytes.push_back(n * act_per_microbatch[s]);
+        cand.rank_memory_bytes[cand.stage_rank[s]] += cand.stage_act_bytes[s];
+    }
+    const auto fullest = std::max_element(cand.rank_memory_bytes.begin(), cand.rank_memory_bytes.end());
+    cand.peak_memory_bytes = *fullest;
+    // One stage per rank: the partition has checked it (a recount could differ in the last bit).
+    if (c.v > 1 && cand.peak_memory_bytes > hw_.gpu_mem_bytes) {
+        const int r = static_cast<int>(fullest - cand.rank_memory_bytes.begin());
+        std::string stages;
+        for (int s = 0; s < S; ++s)
+            if (cand.stage_rank[s] == r) stages += (stages.empty() ? "" : " and ") + std::to_string(s);
+        infeasible(c, cand.peak_memory_bytes, "rank " + std::to_string(r) + " (stages " + stages + ")");
+        return;
+    }
+
+    // 7. Totals.
+    cand.makespan_s = sim.makespan_s;
+    double idle_s = 0.0;
+    for (double idle : sim.idle_s) idle_s += idle;
+    cand.bubble_fraction = sim.makespan_s > 0 ? idle_s / (c.p * sim.makespan_s) : 0.0;
+    cand.iteration_s = cand.makespan_s + cand.exposed_sync_s + cand.optimizer_s;
+    cand.cost_per_iteration = c.d * c.p * hw_.price_per_gpu_s * cand.iteration_s;
+    cand.samples_per_s = cand.iteration_s > 0 ? space_.global_batch / cand.iteration_s : kInf;
+    cand.objective = objective_of(space_, hw_, c.d * c.p, cand.iteration_s);
+    ++result_.num_feasible;
+    offer(std::move(cand), c.index);
+}
+
+// The tie-break order: objective, then fewer GPUs, then less memory, then enumeration order.
+bool better(const std::pair<Candidate, long long>& a, const std::pair<Candidate, long long>& b) {
+    return std::make_tuple(a.first.objective, a.first.num_gpus(), a.first.peak_memory_bytes, a.second) <
+           std::make_tuple(b.first.objective, b.first.num_gpus(), b.first.peak_memory_bytes, b.second);
+}
+
+// Ties on (T, C) go to fewer GPUs, then less memory, then enumeration order (objective is equal then).
+bool preferred(const std::pair<Candidate, long long>& a, const std::pair<Candidate, long long>& b) {
+    return std::make_tuple(a.first.num_gpus(), a.first.peak_memory_bytes, a.second) <
+           std::make_tuple(b.first.num_gpus(), b.first.peak_memory_bytes, b.second);
+}
+
+// a is at least as good in time and cost as b, and strictly better in one, or equal and preferred.
+bool dominates(const std::pair<Candidate, long long>& a, const std::pair<Candidate, long long>& b) {
+    const double ta = a.first.iteration_s, ca = a.first.cost_per_iteration;
+    const double tb = b.first.iteration_s, cb = b.first.cost_per_iteration;
+    if (ta <= tb && ca <= cb && (ta < tb || ca < cb)) return true;
+    return ta == tb && ca == cb && preferred(a, b);
+}
+
+// A plan of `num_gpus` GPUs no faster than `bound_time_s` can join neither the top-k (its objective is
+// worse than the k-th) nor the frontier (a point found beats it in time or cost and ties the other).
+bool Searcher::prunable(int num_gpus, double bound_time_s) const {
+    const double objective = objective_of(space_, hw_, num_gpus, bound_time_s);
+    if (static_cast<int>(top_.size()) < space_.top_k || !(objective > top_.back().first.objective)) return false;
+    const double cost = num_gpus * hw_.price_per_gpu_s * bound_time_s;
+    for (const auto& entry : pareto_) {
+        const double tp = entry.first.iteration_s, cp = entry.first.cost_per_iteration;
+        if (tp <= bound_time_s && cp <= cost && (tp < bound_time_s || cp < cost)) return true;
+    }
+    return false;
+}
+
+void Searcher::offer(Candidate candidate, long long index) {
+    std::pair<Candidate, long long> entry{std::move(candidate), index};
+    const bool joins_top = static_cast<int>(top_.size()) < space_.top_k || better(entry, top_.back());
+    bool joins_pareto = true;
+    for (const auto& other : pareto_) {
+        if (dominates(other, entry)) {
+            joins_pareto = false;
+            break;
+        }
+    }
+    if (joins_pareto) {
+        pareto_.erase(std::remove_if(pareto_.begin(), pareto_.end(),
+                                     [&](const std::pair<Candidate, long long>& other) {
+                                         return dominates(entry, other);
+                                     }),
+                      pareto_.end());
+        const auto at = std::upper_bound(pareto_.begin(), pareto_.end(), entry, [](const auto& a, const auto& b) {
+            return a.first.iteration_s < b.first.iteration_s;
+        });
+        pareto_.insert(at, entry);
+    }
+    if (joins_top) {
+        top_.insert(std::upper_bound(top_.begin(), top_.end(), entry, better), std::move(entry));
+        if (static_cast<int>(top_.size()) > space_.top_k) top_.pop_back();
+    }
+}
+
+SearchResult Searcher::run() {
+    std::vector<Config> configs = enumerate();
+    result_.num_candidates = static_cast<long long>(configs.size());
+    for (Config& c : configs) bound(c);
+    // Best first by bound, refining lazily: a candidate popped with its cheap bound gets the partition
+    // bound and goes back in; popped again, it is evaluated unless it can be skipped by then.
+    auto later = [&](std::size_t a, std::size_t b) {
+        const Config &x = configs[a], &y = configs[b];
+        return std::make_tuple(x.bound_objective, x.d * x.p, x.index) >
+               std::make_tuple(y.bound_objective, y.d * y.p, y.index);
+    };
+    std::priority_queue<std::size_t, std::vector<std::size_t>, decltype(later)> queue(later);
+    std::vector<bool> tightened(configs.size(), false);
+    std::vector<const Config*> cannot_fit;
+    for (std::size_t k = 0; k < configs.size(); ++k) {
+        if (configs[k].fits_bound) queue.push(k); else cannot_fit.push_back(&configs[k]);
+    }
+    while (!queue.empty()) {
+        const std::size_t k = queue.top();
+        queue.pop();
+        Config& c = configs[k];
+        if (prunable(c.d * c.p, c.bound_time_s)) continue;
+        if (!tightened[k]) {
+            tightened[k] = true;
+            tighten(c);
+            if (c.fits_bound) queue.push(k); else cannot_fit.push_back(&c);
+            continue;
+        }
+        evaluate(c);
+    }
+    // Those that cannot fit matter only to name the least memory needed when nothing fits.
+    if (top_.empty()) {
+        std::sort(cannot_fit.begin(), cannot_fit.end(), [](const Config* a, const Config* b) {
+            return std::make_tuple(a->need_bound_bytes, a->index) < std::make_tuple(b->need_bound_bytes, b->index);
+        });
+        for (const Config* c : cannot_fit) {
+            if (c->need_bound_bytes >= least_need_bytes_) break;
+            evaluate(*c);
+        }
+    }
+    result_.num_pruned = result_.num_candidates - result_.num_evaluated;
+    if (top_.empty()) {
+        result_.feasible = false;
+        result_.least_need_bytes = least_need_bytes_ < kInf ? least_need_bytes_ : 0.0;
+        result_.reason = least_need_bytes_ < kInf
+                             ? "no plan fits: " + least_need_text_
+                             : "no plan: torch builds none of the allowed schedules for any d, p, b, m, or the "
+                               "chain has fewer blocks than the stages";
+        return result_;
+    }
+    result_.feasible = true;
+    for (auto& entry : top_) result_.top.push_back(entry.first);
+    result_.best = result_.top.front();
+    for (auto& entry : pareto_) result_.pareto.push_back(entry.first);
+    return result_;
+}
+
+}  // namespace
+
+Objective objective_from_name(const std::string& name) {
+    if (name == "time") return Objective::kTime;
+    if (name == "cost") return Objective::kCost;
+    if (name == "weighted") return Objective::kWeighted;
+    fail("the objective must be 'time', 'cost' or 'weighted', got '" + name + "'");
+}
+
+Placement placement_from_name(const std::string& name) {
+    if (name == "pp-inner") return Placement::kPipelineInner;
+    if (name == "dp-inner") return Placement::kDataInner;
+    fail("the placement must be 'pp-inner' or 'dp-inner', got '" + name + "'");
+}
+
+const char* placement_name(Placement placement) {
+    return placement == Placement::kPipelineInner ? "pp-inner" : "dp-inner";
+}
+
+const char* schedule_label(Schedule schedule) {
+    switch (schedule) {
+        case Schedule::GPipe: return "GPipe";
+        case Schedule::OneFOneB: return "1F1B";
+        case Schedule::Interleaved1F1B: return "Interleaved1F1B";
+        case Schedule::LoopedBFS: return "LoopedBFS";
+        case Schedule::InterleavedZeroBubble: return "InterleavedZeroBubble";
+        case Schedule::ZBVZeroBubble: return "ZBVZeroBubble";
+        case Schedule::DualPipeV: return "DualPipeV";
+    }
+    return "?";
+}
+
+SearchResult search(const ProfiledChain& chain, const Hardware& hardware, const SearchSpace& space) {
+    validate(chain, hardware, space);
+    return Searcher(chain, hardware, space).run();
+}
+
+}  // namespace pyplan

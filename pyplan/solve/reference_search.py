@@ -1,0 +1,248 @@
+"""A brute-force plan search under the model of cpp/include/pyplan/search.h, used only by tests.
+
+It evaluates every configuration (d, p, v, b, m, schedule, ZeRO stage, placement) with every contiguous
+partition of the chain: per configuration it keeps the partition with the least closed-form pipeline time
+(the one the C++ partition finds), then simulates it. No pruning, no sharing: slow and plain on purpose.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pyplan.solve import reference
+from pyplan.solve.schedules import simulate
+
+__all__ = ["Hardware", "Outcome", "Planned", "ProfiledChain", "Space", "search_brute_force"]
+
+_STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "LoopedBFS": 2}
+
+
+@dataclass(frozen=True)
+class ProfiledChain:
+    """Per block (L): times α·b + β and saved bytes; per cut (L+1): live bytes."""
+
+    fwd_alpha_s: Sequence[float]
+    fwd_beta_s: Sequence[float]
+    bwd_alpha_s: Sequence[float]
+    bwd_beta_s: Sequence[float]
+    act_per_sample_bytes: Sequence[float]
+    act_fixed_bytes: Sequence[float]
+    params: Sequence[float]
+    cut_per_sample_bytes: Sequence[float]
+    cut_fixed_bytes: Sequence[float]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    num_gpus: int
+    gpus_per_node: int
+    gpu_mem_bytes: float
+    mem_bw_bytes_per_s: float
+    intra: tuple[float, float]  # (latency_s, bw_bytes_per_s)
+    inter: tuple[float, float]
+    price_per_gpu_s: float
+
+
+@dataclass(frozen=True)
+class Space:
+    global_batch: int
+    bytes_per_param: tuple[float, float, float]  # weights, gradients, optimizer state
+    micro_batch_sizes: Sequence[int] = ()
+    schedules: Sequence[str] = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+    zero_stages: Sequence[int] = (0, 1, 2, 3)
+    placements: Sequence[str] = ("pp-inner", "dp-inner")
+    allow_fewer_gpus: bool = False
+    objective: str = "time"
+    weight: float = 0.0
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One feasible configuration and its predictions."""
+
+    dp: int
+    pp: int
+    micro_batch_size: int
+    num_microbatches: int
+    schedule: str
+    zero_stage: int
+    placement: str
+    cuts: tuple[int, ...]
+    iteration_s: float
+    cost_per_iteration: float
+    peak_memory_bytes: float
+    objective: float
+
+
+@dataclass(frozen=True)
+class Outcome:
+    feasible: list[Planned]
+    least_need_bytes: float  # over the infeasible configurations; inf when there are none
+    num_candidates: int
+
+
+def _gpu(placement: str, d: int, p: int, k: int, r: int) -> int:
+    return k * p + r if placement == "pp-inner" else r * d + k
+
+
+def _pipeline_inter(d: int, p: int, v: int, g: int, placement: str) -> bool:
+    pairs = [(r, r + 1) for r in range(p - 1)] + ([(p - 1, 0)] if v > 1 and p > 1 else [])
+    return any(_gpu(placement, d, p, k, a) // g != _gpu(placement, d, p, k, b) // g for k in range(d) for a, b in pairs)
+
+
+def _dp_shape(d: int, p: int, g: int, placement: str) -> tuple[int, int]:
+    """(g', n'): the same g' members of every dp group in each of n' nodes, else a flat ring (1, d)."""
+    counts = set()
+    for r in range(p):
+        per_node: dict[int, int] = {}
+        for k in range(d):
+            node = _gpu(placement, d, p, k, r) // g
+            per_node[node] = per_node.get(node, 0) + 1
+        counts |= set(per_node.values())
+    if len(counts) == 1:
+        (c,) = counts
+        return c, d // c
+    return 1, d
+
+
+@dataclass(frozen=True)
+class _Config:
+    d: int
+    p: int
+    v: int
+    b: int
+    m: int
+    schedule: str
+    zero: int
+    placement: str
+
+
+def _configurations(num_blocks: int, hw: Hardware, space: Space) -> list[_Config]:
+    """Every (d, p, b, m, schedule, ZeRO stage, placement) of search.h's enumeration, deduplicated alike."""
+    n, batch = hw.num_gpus, space.global_batch
+    out = []
+    for d in range(1, n + 1):
+        for p in range(1, n // d + 1):
+            if (d * p != n and not space.allow_fewer_gpus) or batch % d or p > num_blocks:
+                continue
+            per_replica = batch // d
+            for b in sorted(set(space.micro_batch_sizes or range(1, per_replica + 1))):
+                if per_replica % b:
+                    continue
+                m = per_replica // b
+                for schedule in space.schedules:
+                    v = _STAGES_PER_RANK[schedule]
+                    if p * v > num_blocks or (v > 1 and p < 2) or reference_rejects(schedule, p, m, v):
+                        continue
+                    zeros = [0] if d == 1 else space.zero_stages
+                    placements = space.placements[:1] if d == 1 or p == 1 else space.placements
+                    out += [_Config(d, p, v, b, m, schedule, z, pl) for z in zeros for pl in placements]
+    return out
+
+
+def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> Planned | float:
+    """The planned configuration, or the memory its fullest GPU would need when it does not fit."""
+    num_blocks = len(chain.fwd_alpha_s)
+    param_b, grad_b, optim_b = space.bytes_per_param
+    inter = c.p > 1 and _pipeline_inter(c.d, c.p, c.v, hw.gpus_per_node, c.placement)
+    link = hw.inter if inter else hw.intra
+    shape = _dp_shape(c.d, c.p, hw.gpus_per_node, c.placement)
+
+    def allreduce_s(nbytes: float) -> float:
+        return reference.hierarchical_allreduce_time_s(
+            nbytes,
+            shape[0],
+            shape[1],
+            intra_latency_s=hw.intra[0],
+            intra_bw_bytes_per_s=hw.intra[1],
+            inter_latency_s=hw.inter[0],
+            inter_bw_bytes_per_s=hw.inter[1],
+        )
+
+    # 1. Block times at b, with ZeRO-3's all-gathers and reduce-scatter; memory at b.
+    fwd = [chain.fwd_alpha_s[i] * c.b + chain.fwd_beta_s[i] for i in range(num_blocks)]
+    bwd = [chain.bwd_alpha_s[i] * c.b + chain.bwd_beta_s[i] for i in range(num_blocks)]
+    if c.zero == 3:
+        for i, params in enumerate(chain.params):
+            fwd[i] += allreduce_s(params * param_b) / 2
+            bwd[i] += allreduce_s(params * param_b) / 2 + allreduce_s(params * grad_b) / 2
+    act = [chain.act_per_sample_bytes[i] * c.b + chain.act_fixed_bytes[i] for i in range(num_blocks)]
+    cut = [chain.cut_per_sample_bytes[k] * c.b + chain.cut_fixed_bytes[k] for k in range(num_blocks + 1)]
+    per_param = {"param_bytes": param_b, "grad_bytes": grad_b, "optim_bytes": optim_b}
+    state = [sum(reference.zero_model_state_bytes(x, c.d, c.zero, **per_param)) for x in chain.params]
+
+    # 3. The partition with the least closed-form time among those whose stages fit.
+    stages = c.p * c.v
+    found = reference.partition_brute_force(
+        fwd,
+        bwd,
+        act,
+        state,
+        cut,
+        num_stages=stages,
+        num_microbatches=c.m,
+        mem_limit_bytes=[hw.gpu_mem_bytes] * stages,
+        schedule="1F1B" if c.schedule == "1F1B" else "GPipe",
+        latency_s=link[0],
+        bw_bytes_per_s=link[1],
+    )
+    if found.best_pipeline_time is None:
+        return hw.gpu_mem_bytes + found.least_overflow_bytes
+    cuts = found.best_pipeline_time.cuts
+    spans = [range(cuts[s], cuts[s + 1]) for s in range(stages)]
+    f_s = [sum(fwd[i] for i in blocks) for blocks in spans]
+    b_s = [sum(bwd[i] for i in blocks) for blocks in spans]
+
+    # 4. The simulated makespan.
+    sends = [link[0] + cut[cuts[s + 1]] / link[1] for s in range(stages - 1)]
+    sim = simulate(
+        c.schedule,
+        f_s,
+        b_s,
+        num_microbatches=c.m,
+        stages_per_rank=c.v,
+        send_forward_s=sends,
+        send_backward_s=sends,
+    )
+    # In flight: the partition's rule with one stage per rank, the simulated peak with two.
+    in_flight = [reference.in_flight_microbatches(c.schedule, s, stages, c.m) for s in range(stages)]
+    if c.v > 1:
+        in_flight = list(sim.peak_in_flight)
+    rank_mem, rank_state = [0.0] * c.p, [0.0] * c.p
+    for s, blocks in enumerate(spans):
+        stage_state = sum(state[i] for i in blocks)
+        rank_state[s % c.p] += stage_state
+        rank_mem[s % c.p] += stage_state + in_flight[s] * (sum(act[i] for i in blocks) + cut[cuts[s]])
+    if max(rank_mem) > hw.gpu_mem_bytes:
+        return max(rank_mem)
+
+    # 5.-7. Exposed gradient sync, optimizer step, totals.
+    exposed = 0.0
+    if c.d > 1 and c.zero < 3:
+        for s, blocks in enumerate(spans):
+            exposed = max(exposed, allreduce_s(sum(chain.params[i] for i in blocks) * grad_b) - b_s[s])
+    optimizer = max(2 * x / hw.mem_bw_bytes_per_s for x in rank_state)
+    t = sim.makespan_s + exposed + optimizer
+    cost = c.d * c.p * hw.price_per_gpu_s * t
+    objective = {"time": t, "cost": cost, "weighted": cost + space.weight * t}[space.objective]
+    return Planned(c.d, c.p, c.b, c.m, c.schedule, c.zero, c.placement, cuts, t, cost, max(rank_mem), objective)
+
+
+def search_brute_force(chain: ProfiledChain, hw: Hardware, space: Space) -> Outcome:
+    """Every configuration with the closed-form-best of every contiguous partition, simulated."""
+    configs = _configurations(len(chain.fwd_alpha_s), hw, space)
+    results = [_evaluate(chain, hw, space, c) for c in configs]
+    feasible = [r for r in results if isinstance(r, Planned)]
+    needs = [r for r in results if not isinstance(r, Planned)]
+    return Outcome(feasible, min(needs, default=math.inf), len(configs))
+
+
+def reference_rejects(schedule: str, p: int, m: int, v: int) -> bool:
+    """torch 2.13's refusals for the searched schedules (simulate.h's torch_rejection)."""
+    if schedule == "1F1B":
+        return m < p
+    if schedule == "Interleaved1F1B":
+        return m % max(1, m // p) != 0
+    return False

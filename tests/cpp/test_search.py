@@ -1,0 +1,267 @@
+"""Tests of the plan search: brute force on small instances, ZeRO-3 and fewer-GPU paths, errors, Pareto."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict
+
+import pytest
+
+from pyplan import _core
+from pyplan.solve.reference_search import Hardware, ProfiledChain, Space, search_brute_force
+
+REL = 1e-9
+
+
+def _chain(rng: random.Random, num_blocks: int) -> ProfiledChain:
+    def u(lo: float, hi: float, n: int) -> list[float]:
+        return [rng.uniform(lo, hi) for _ in range(n)]
+
+    return ProfiledChain(
+        fwd_alpha_s=u(1e-3, 4e-3, num_blocks),
+        fwd_beta_s=u(0, 1e-3, num_blocks),
+        bwd_alpha_s=u(2e-3, 8e-3, num_blocks),
+        bwd_beta_s=u(0, 2e-3, num_blocks),
+        act_per_sample_bytes=u(1e6, 1e7, num_blocks),
+        act_fixed_bytes=u(0, 1e5, num_blocks),
+        params=u(1e5, 2e6, num_blocks),
+        cut_per_sample_bytes=u(1e4, 2e5, num_blocks + 1),
+        cut_fixed_bytes=u(0, 1e4, num_blocks + 1),
+    )
+
+
+def _hardware(rng: random.Random, num_gpus: int, gpus_per_node: int, gpu_mem_bytes: float) -> Hardware:
+    return Hardware(
+        num_gpus=num_gpus,
+        gpus_per_node=gpus_per_node,
+        gpu_mem_bytes=gpu_mem_bytes,
+        mem_bw_bytes_per_s=rng.uniform(1e11, 1e12),
+        intra=(rng.uniform(1e-6, 1e-5), rng.uniform(2e10, 2e11)),
+        inter=(rng.uniform(1e-5, 1e-4), rng.uniform(2e9, 2e10)),
+        price_per_gpu_s=rng.uniform(1e-4, 1e-3),
+    )
+
+
+def _search(chain: ProfiledChain, hw: Hardware, space: Space, *, top_k: int = 5) -> _core.SearchResult:
+    kwargs = asdict(space)
+    kwargs["param_bytes"], kwargs["grad_bytes"], kwargs["optim_bytes"] = kwargs.pop("bytes_per_param")
+    kwargs["micro_batch_sizes"] = list(kwargs["micro_batch_sizes"])
+    return _core.search(
+        *asdict(chain).values(),
+        num_gpus=hw.num_gpus,
+        gpus_per_node=hw.gpus_per_node,
+        gpu_mem_bytes=hw.gpu_mem_bytes,
+        mem_bw_bytes_per_s=hw.mem_bw_bytes_per_s,
+        intra_latency_s=hw.intra[0],
+        intra_bw_bytes_per_s=hw.intra[1],
+        inter_latency_s=hw.inter[0],
+        inter_bw_bytes_per_s=hw.inter[1],
+        price_per_gpu_s=hw.price_per_gpu_s,
+        top_k=top_k,
+        **kwargs,
+    )
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=REL, abs_tol=0.0)
+
+
+def _frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(time, cost) pairs no other pair beats in both, one per equal pair, by increasing time."""
+    out: list[tuple[float, float]] = []
+    for t, c in sorted(set(points)):
+        if not out or c < out[-1][1]:
+            out.append((t, c))
+    return out
+
+
+def _instance(seed: int) -> tuple[ProfiledChain, Hardware, Space]:
+    rng = random.Random(seed)
+    num_blocks = rng.randint(2, 6)
+    chain = _chain(rng, num_blocks)
+    gpus_per_node = rng.choice((2, 4, 8))
+    num_gpus = rng.choice((1, 2, 3, 4, 6, 8, 12, 16))
+    batch = rng.choice((4, 6, 8, 12, 16))
+    # Memory from "everything fits on one GPU" down to "only sharded, deep pipelines fit".
+    whole = 16 * sum(chain.params) + batch * sum(chain.act_per_sample_bytes)
+    hw = _hardware(rng, num_gpus, gpus_per_node, rng.uniform(0.05, 1.0) * whole)
+    space = Space(
+        global_batch=batch,
+        bytes_per_param=(2.0, 2.0, 12.0),
+        micro_batch_sizes=rng.choice(((), (), (1, 2), (2, 4, 8))),
+        allow_fewer_gpus=rng.random() < 0.5,
+        objective=rng.choice(("time", "cost", "weighted")),
+        weight=rng.choice((0.0, 2.0**-4, 1.0)),
+    )
+    return chain, hw, space
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_search_equals_brute_force(seed: int) -> None:
+    chain, hw, space = _instance(seed)
+    try:
+        result = _search(chain, hw, space, top_k=4)
+    except ValueError as error:
+        # Only a batch no d·b·m divides is an error here; the brute force finds no configuration then.
+        assert "is not d·b·m" in str(error)
+        assert not search_brute_force(chain, hw, space).feasible
+        return
+    brute = search_brute_force(chain, hw, space)
+    assert result.num_candidates == brute.num_candidates
+    assert result.num_evaluated + result.num_pruned == result.num_candidates
+    if not brute.feasible:
+        assert not result.feasible
+        assert result.best is None
+        assert _close(result.least_need_bytes, brute.least_need_bytes)
+        assert result.reason.startswith("no plan fits: the best candidate (")
+        return
+    assert result.feasible
+    ranked = sorted(brute.feasible, key=lambda x: (x.objective, x.dp * x.pp, x.peak_memory_bytes))
+    assert _close(result.best.objective, ranked[0].objective)
+    assert [c.objective for c in result.top] == pytest.approx([x.objective for x in ranked[:4]], rel=REL)
+    assert result.best.num_gpus == ranked[0].dp * ranked[0].pp or _close(ranked[0].objective, ranked[1].objective)
+    frontier = _frontier([(x.iteration_s, x.cost_per_iteration) for x in brute.feasible])
+    got = [(c.iteration_s, c.cost_per_iteration) for c in result.pareto]
+    assert len(got) == len(frontier)
+    for (t, c), (bt, bc) in zip(got, frontier):
+        assert _close(t, bt) and _close(c, bc)
+
+
+def _small() -> tuple[ProfiledChain, Hardware, Space]:
+    rng = random.Random(7)
+    chain = _chain(rng, 6)
+    hw = _hardware(rng, 8, 4, 16 * sum(chain.params))
+    return chain, hw, Space(global_batch=16, bytes_per_param=(2.0, 2.0, 12.0))
+
+
+def test_candidate_fields_are_consistent() -> None:
+    chain, hw, space = _small()
+    result = _search(chain, hw, space, top_k=20)
+    for c in result.top:
+        stages = c.pp * c.stages_per_rank
+        assert len(c.cuts) == stages + 1 and c.cuts[0] == 0 and c.cuts[-1] == 6
+        assert c.dp * c.micro_batch_size * c.num_microbatches == space.global_batch
+        assert c.num_gpus == hw.num_gpus
+        assert _close(c.iteration_s, c.makespan_s + c.exposed_sync_s + c.optimizer_s)
+        assert _close(c.cost_per_iteration, c.num_gpus * hw.price_per_gpu_s * c.iteration_s)
+        assert _close(c.samples_per_s, space.global_batch / c.iteration_s)
+        assert 0.0 <= c.bubble_fraction < 1.0
+        assert c.peak_memory_bytes == max(c.rank_memory_bytes) <= hw.gpu_mem_bytes
+        assert len(c.stage_time_s) == len(c.stage_in_flight) == stages
+    assert [c.objective for c in result.top] == sorted(c.objective for c in result.top)
+
+
+def test_zero3_pays_collectives_in_the_blocks_and_shards_state() -> None:
+    chain, hw, space = _small()
+    only = {
+        z: _search(chain, hw, Space(**{**asdict(space), "zero_stages": (z,), "schedules": ("1F1B",)}), top_k=50)
+        for z in (0, 3)
+    }
+    by_config = {z: {(c.dp, c.pp, c.micro_batch_size, c.placement): c for c in only[z].top if c.dp > 1} for z in only}
+    shared = set(by_config[0]) & set(by_config[3])
+    assert shared
+    for key in shared:
+        z0, z3 = by_config[0][key], by_config[3][key]
+        assert z3.exposed_sync_s == 0.0 and all(s == 0.0 for s in z3.stage_sync_s)
+        assert all(a > b for a, b in zip(z3.stage_forward_s, z0.stage_forward_s)) or z0.cuts != z3.cuts
+        assert sum(z3.stage_state_bytes) == pytest.approx(sum(z0.stage_state_bytes) / z0.dp, rel=REL)
+
+
+def test_least_need_is_exact_and_zero3_fits_below_it() -> None:
+    chain, hw, space = _small()
+    replicated = Space(**{**asdict(space), "zero_stages": (0,)})
+    need = _search(chain, Hardware(**{**asdict(hw), "gpu_mem_bytes": 1e6}), replicated).least_need_bytes
+    below = Hardware(**{**asdict(hw), "gpu_mem_bytes": need * (1 - 1e-9)})
+    at = Hardware(**{**asdict(hw), "gpu_mem_bytes": need})
+    assert not _search(chain, below, replicated).feasible
+    assert _search(chain, at, replicated).best.peak_memory_bytes == need
+    sharded = _search(chain, below, Space(**{**asdict(space), "zero_stages": (3,)}))
+    assert sharded.feasible and sharded.best.zero_stage == 3 and sharded.best.dp > 1
+
+
+def test_fewer_gpus_are_searched_only_when_allowed() -> None:
+    chain, hw, space = _small()
+    exact = _search(chain, hw, space, top_k=1000)
+    fewer = _search(chain, hw, Space(**{**asdict(space), "allow_fewer_gpus": True}), top_k=1000)
+    assert {c.num_gpus for c in exact.top} == {hw.num_gpus}
+    assert {c.num_gpus for c in fewer.top} > {hw.num_gpus}
+    assert fewer.num_candidates > exact.num_candidates
+    assert fewer.best.objective <= exact.best.objective
+    # With a price, the cheapest plan of the frontier uses fewer GPUs than offered.
+    assert min(fewer.pareto, key=lambda c: c.cost_per_iteration).num_gpus < hw.num_gpus
+
+
+def test_pareto_frontier_is_non_dominated_and_has_the_extremes() -> None:
+    chain, hw, space = _small()
+    space = Space(**{**asdict(space), "allow_fewer_gpus": True})
+    by_time = _search(chain, hw, space)
+    by_cost = _search(chain, hw, Space(**{**asdict(space), "objective": "cost"}))
+    frontier = by_time.pareto
+    assert len(frontier) >= 2
+    for a in frontier:
+        for b in frontier:
+            if a is not b:
+                assert not (b.iteration_s <= a.iteration_s and b.cost_per_iteration <= a.cost_per_iteration)
+    assert [c.iteration_s for c in frontier] == sorted(c.iteration_s for c in frontier)
+    assert frontier[0].iteration_s == by_time.best.iteration_s
+    assert min(c.cost_per_iteration for c in frontier) == by_cost.best.cost_per_iteration
+    assert [(c.iteration_s, c.cost_per_iteration) for c in by_cost.pareto] == [
+        (c.iteration_s, c.cost_per_iteration) for c in frontier
+    ]
+
+
+def test_nothing_fits_names_the_least_memory_needed() -> None:
+    chain, hw, space = _small()
+    tiny = Hardware(**{**asdict(hw), "gpu_mem_bytes": 1e6})
+    result = _search(chain, tiny, space)
+    brute = search_brute_force(chain, tiny, space)
+    assert not result.feasible and result.best is None and not result.top and not result.pareto
+    assert result.least_need_bytes == pytest.approx(brute.least_need_bytes, rel=REL)
+    assert result.reason.startswith("no plan fits: the best candidate (dp=")
+    assert "the GPU has 1 MB" in result.reason
+    assert result.num_feasible == 0 and result.num_evaluated >= 1
+
+
+def test_no_schedule_torch_builds_is_reported_not_raised() -> None:
+    chain, hw, _ = _small()
+    four = Hardware(**{**asdict(hw), "num_gpus": 4})
+    # d·p = 4 and B = 2: 1F1B needs m >= p, which no (d, p, b) gives.
+    result = _search(chain, four, Space(global_batch=2, bytes_per_param=(2.0, 2.0, 12.0), schedules=("1F1B",)))
+    assert not result.feasible and result.num_candidates == 0
+    assert result.reason.startswith("no plan: torch builds none of the allowed schedules")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_gpus": 0}, "the number of GPUs must be >= 1, got 0"),
+        ({"num_gpus": -2}, "the number of GPUs must be >= 1, got -2"),
+        ({"global_batch": 0}, "the global batch must be >= 1, got 0"),
+        ({"global_batch": 3, "micro_batch_sizes": [2]}, "the global batch 3 is not d·b·m"),
+        ({"objective": "speed"}, "the objective must be 'time', 'cost' or 'weighted', got 'speed'"),
+        ({"schedules": ["ZBVZeroBubble"]}, "ZBVZeroBubble is not searched"),
+        ({"placements": ["diagonal"]}, "the placement must be 'pp-inner' or 'dp-inner'"),
+        ({"zero_stages": [4]}, "ZeRO stages are 0, 1, 2 or 3, got 4"),
+    ],
+)
+def test_bad_input_raises_one_line(change: dict, message: str) -> None:
+    chain, hw, _ = _small()
+    kwargs = {
+        "num_gpus": hw.num_gpus,
+        "gpus_per_node": hw.gpus_per_node,
+        "gpu_mem_bytes": hw.gpu_mem_bytes,
+        "mem_bw_bytes_per_s": hw.mem_bw_bytes_per_s,
+        "intra_latency_s": hw.intra[0],
+        "intra_bw_bytes_per_s": hw.intra[1],
+        "inter_latency_s": hw.inter[0],
+        "inter_bw_bytes_per_s": hw.inter[1],
+        "global_batch": 16,
+        "param_bytes": 2.0,
+        "grad_bytes": 2.0,
+        "optim_bytes": 12.0,
+        **change,
+    }
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
+        _core.search(*asdict(chain).values(), **kwargs)
+    assert "\n" not in str(info.value)
