@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from pyplan.api import PlanSearch, plan, search
 from pyplan.errors import InfeasibleError, ModelLoadError, PlanError, TraceError
 from pyplan.graph.chain import Block, Chain, Cut
 from pyplan.graph.layergraph import Affine, GraphNode, LayerGraph, TensorInfo
 from pyplan.graph.linearize import cut_points, linearize
 from pyplan.graph.split import piece, pieces, run_pieces
 from pyplan.graph.trace import trace
+from pyplan.hardware import Cluster
 from pyplan.load import load_model
+from pyplan.plan import Layout, Plan, Prediction, StagePlan, Workload
 from pyplan.profile import TimingOptions, model_state_bytes, profile
 from pyplan.spec import ModelSpec
 
@@ -18,16 +21,23 @@ __all__ = [
     "Affine",
     "Block",
     "Chain",
+    "Cluster",
     "Cut",
     "GraphNode",
     "InfeasibleError",
     "LayerGraph",
+    "Layout",
     "ModelLoadError",
     "ModelSpec",
+    "Plan",
     "PlanError",
+    "PlanSearch",
+    "Prediction",
+    "StagePlan",
     "TensorInfo",
     "TimingOptions",
     "TraceError",
+    "Workload",
     "__version__",
     "cut_points",
     "linearize",
@@ -35,7 +45,9 @@ __all__ = [
     "model_state_bytes",
     "piece",
     "pieces",
+    "plan",
     "profile",
     "run_pieces",
+    "search",
     "trace",
 ]

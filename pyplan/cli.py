@@ -13,7 +13,9 @@ from rich.console import Console
 from rich.text import Text
 
 from pyplan.errors import PlanError
+from pyplan.hardware.cluster import Cluster
 from pyplan.profile.memory import OPTIMIZERS, PRECISIONS
+from pyplan.report.console import make_console
 
 __all__ = ["main"]
 
@@ -56,7 +58,90 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
     else:
-        render_inspect(data, Console())
+        render_inspect(data, make_console())
+    return 0
+
+
+_PLAN_EXAMPLES = """examples:
+  pyplan plan examples/gpt.py --gpus 4 --gpu local --global-batch 32       # processes on this machine
+  pyplan plan zoo:gpt2-xl --gpus 64 --gpu a100-80g --gpus-per-node 8 --global-batch 512 --precision bf16-mixed
+  pyplan plan zoo:resnet50 --gpus 16 --instance p4d.24xlarge --objective cost --out plan.json
+  pyplan plan model.py --cluster cluster.toml --objective weighted --weight 4096 --json
+"""
+
+
+def _cluster(args: argparse.Namespace) -> Cluster:
+    if args.cluster:
+        if args.gpu or args.instance or args.gpus_per_node:
+            raise PlanError("--cluster describes the whole cluster; drop --gpu, --instance and --gpus-per-node")
+        return Cluster.from_file(args.cluster)
+    if args.gpus is None or args.gpus < 1:
+        raise PlanError(f"--gpus must be a positive number of GPUs, got {args.gpus}")
+    return Cluster.from_catalog(
+        gpu=args.gpu if args.gpu or args.instance else "local",
+        gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        instance=args.instance,
+        price_per_gpu_hour=args.price_per_gpu_hour,
+        currency=args.currency,
+    )
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from pyplan.api import search
+    from pyplan.emit.planfile import PlanFile, write_plan_file
+    from pyplan.load import load_model
+    from pyplan.plan import Workload
+    from pyplan.report.plans import render_plans
+
+    cluster = _cluster(args)
+    workload = Workload(
+        global_batch=args.global_batch,
+        optimizer=args.optimizer,
+        precision=args.precision,
+        dataset_samples=args.dataset_size,
+    )
+    spec = load_model(args.model)
+    if cluster.gpu.name != "local":
+        with torch.device("meta"):
+            model = spec.build()
+    else:
+        model = spec.build()
+    result = search(
+        model,
+        spec.example_inputs,
+        cluster,
+        workload,
+        objective=args.objective,
+        weight=args.weight,
+        top_k=args.top,
+        allow_fewer_gpus=not args.all_gpus,
+        memory_fraction=args.memory_fraction,
+        leaf_modules=args.leaf,
+    )
+    if args.out:
+        write_plan_file(
+            args.out,
+            PlanFile(
+                model=args.model, workload=workload, cluster=cluster, plan=result.best, leaf_modules=tuple(args.leaf)
+            ),
+        )
+    if args.json:
+        print(
+            json.dumps(
+                {"model": args.model, "workload": workload.to_json(), "cluster": cluster.to_json(), **result.to_json()},
+                indent=2,
+            )
+        )
+    else:
+        title = (
+            f"{spec.name} on {cluster.gpus} x {cluster.gpu.name}, global batch {workload.global_batch} "
+            f"({result.profiled_on}; {result.evaluated} of {result.candidates} configurations evaluated)"
+        )
+        memory = (cluster.gpu.memory_bytes or 0) * args.memory_fraction
+        render_plans([result.best, *result.alternatives], make_console(), title=title, memory_bytes=memory)
+        if args.out:
+            make_console().print(f"plan written to {args.out}")
     return 0
 
 
@@ -110,6 +195,39 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per block, median kept (default 5)")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.set_defaults(func=_inspect)
+
+    p = sub.add_parser(
+        "plan",
+        help="find the fastest (or cheapest) way to train a model on a cluster",
+        description="Search every data-parallel x pipeline split, micro-batch size, gradient-accumulation count, "
+        "schedule and ZeRO stage that fits, and print the best plans with predicted time, memory and cost.",
+        epilog=_PLAN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", help="model.py, model.py:function, or zoo:NAME")
+    p.add_argument("--gpus", type=int, help="GPUs offered (plans may use fewer unless --all-gpus)")
+    p.add_argument("--gpu", help="catalog GPU name (pyplan hardware list), or 'local' for processes on this machine")
+    p.add_argument("--instance", help="catalog cloud instance: sets the GPU, GPUs per node and the price")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the instance's, else up to 8)")
+    p.add_argument("--cluster", help="a cluster file (JSON or TOML) instead of --gpu/--gpus")
+    p.add_argument("--price-per-gpu-hour", type=float, help="price of one GPU-hour (with --currency)")
+    p.add_argument("--currency", help="ISO currency code of --price-per-gpu-hour, e.g. USD")
+    p.add_argument("--global-batch", type=int, default=32, help="samples per optimizer step (default 32)")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw", help="default adamw")
+    p.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32", help="default fp32")
+    p.add_argument("--dataset-size", type=int, help="samples per epoch, for the cost per epoch")
+    p.add_argument("--objective", default="time", help="time, cost, or weighted (cost + weight x time)")
+    p.add_argument("--weight", type=float, default=0.0, help="w of the weighted objective (e.g. 256, 4096, 65536)")
+    p.add_argument("--top", type=int, default=5, help="how many plans to show (default 5)")
+    p.add_argument("--all-gpus", action="store_true", help="only plans that use every GPU offered")
+    p.add_argument(
+        "--memory-fraction", type=float, default=0.9, help="share of each GPU's memory to plan for (default 0.9)"
+    )
+    p.add_argument("--leaf", action="append", default=[], metavar="NAME", help="module to keep whole when tracing")
+    p.add_argument("--out", help="write the best plan to this plan.json")
+    p.add_argument("--json", action="store_true", help="print {plan, alternatives, pareto} as JSON")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    p.set_defaults(func=_plan)
 
     from pyplan.hardware.cli import add_hardware_parser
 

@@ -6,11 +6,11 @@ import argparse
 import json
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 from pyplan.errors import PlanError
 from pyplan.hardware.catalog import GIB, GPU, Instance, Link, load_catalog, local_calibration_path
+from pyplan.report.console import make_console
 from pyplan.report.units import fmt_bytes, fmt_count, fmt_seconds
 
 __all__ = ["add_hardware_parser", "hardware_list", "hardware_show", "list_data", "show_data"]
@@ -276,7 +276,7 @@ def hardware_list(args: argparse.Namespace) -> int:
         print(json.dumps(list_data(args.kind, args.provider), indent=2))
         return 0
     selected = _select(args.kind, args.provider)
-    console = Console()
+    console = make_console()
     if "gpus" in selected:
         console.print(_gpu_table(selected["gpus"]))
         console.print(
@@ -295,7 +295,7 @@ def hardware_show(args: argparse.Namespace) -> int:
         print(json.dumps(show_data(args.name), indent=2))
         return 0
     catalog = load_catalog()
-    console = Console()
+    console = make_console()
     for entry in catalog.lookup(args.name):
         if isinstance(entry, Instance):
             console.print(_fields_table(f"instance {entry.name}", _instance_rows(entry)))

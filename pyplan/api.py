@@ -1,0 +1,243 @@
+"""The library calls: `plan(...) -> Plan` and `search(...) -> PlanSearch`, from a model and a cluster."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from torch import nn
+
+from pyplan import _core
+from pyplan._torch import is_meta_module
+from pyplan.errors import InfeasibleError, PlanError
+from pyplan.graph.chain import Chain
+from pyplan.graph.linearize import linearize
+from pyplan.graph.trace import ExampleInputs, LeafSpec, trace
+from pyplan.hardware.catalog import GPU, LOCAL
+from pyplan.hardware.cluster import Cluster
+from pyplan.plan import OBJECTIVES, PLACEMENTS, Layout, Plan, Prediction, StagePlan, Workload
+from pyplan.profile import default_batch_sizes, profile
+from pyplan.profile.analytic import Roofline, block_times_analytic
+
+__all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "chain_for", "plan", "search"]
+
+# The schedules the search evaluates; the zero-bubble ones need split input/weight-gradient times first.
+SEARCHED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+_COMPUTE_DTYPE = {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}
+
+
+@dataclass(frozen=True)
+class PlanSearch:
+    """The best plan, the next best, and the time/cost Pareto frontier, with the chain they were made from."""
+
+    best: Plan
+    alternatives: tuple[Plan, ...]
+    pareto: tuple[Plan, ...]
+    candidates: int
+    evaluated: int
+    chain: Chain = field(repr=False, compare=False)
+    profiled_on: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "plan": self.best.to_json(),
+            "alternatives": [p.to_json() for p in self.alternatives],
+            "pareto": [p.to_json() for p in self.pareto],
+            "candidates": self.candidates,
+            "evaluated": self.evaluated,
+            "profiled_on": self.profiled_on,
+        }
+
+
+def _is_local(gpu: GPU) -> bool:
+    return gpu.name == LOCAL
+
+
+def chain_for(
+    model: nn.Module,
+    example_inputs: ExampleInputs,
+    cluster: Cluster,
+    workload: Workload,
+    *,
+    leaf_modules: Iterable[LeafSpec] = (),
+    min_blocks: int = 16,
+    max_blocks: int = 128,
+) -> tuple[Chain, str]:
+    """Trace, linearize and profile `model` for the cluster's GPU: measured on this machine for `local`,
+    analytic (a roofline over the recorded ops) for a catalog GPU. Returns the chain and how it was timed."""
+    trace_batch = min(4, workload.global_batch)
+    graph = trace(model, example_inputs, leaf_modules=leaf_modules, batch_size=trace_batch)
+    chain = linearize(graph, min_blocks=min_blocks, max_blocks=max_blocks)
+    sizes = default_batch_sizes(trace_batch)
+    gpu = cluster.gpu
+    if _is_local(gpu) and not is_meta_module(model):
+        if workload.precision != "fp32":
+            raise PlanError("measured profiling on this machine runs in fp32; plan `local` with --precision fp32")
+        return profile(chain, example_inputs, batch_sizes=sizes), "measured on this machine"
+    chain = profile(chain, example_inputs, measure=False, batch_sizes=sizes)
+    if not gpu.peak_flops_per_s or not gpu.hbm_bw_bytes_per_s:
+        raise PlanError(f"GPU '{gpu.name}' has no peak FLOP/s or memory bandwidth; run `pyplan calibrate` first")
+    roofline = Roofline(dict(gpu.peak_flops_per_s), gpu.hbm_bw_bytes_per_s)
+    times = block_times_analytic(
+        chain, example_inputs, roofline, sizes, compute_dtype=_COMPUTE_DTYPE[workload.precision]
+    )
+    blocks = [replace(b, fwd_time_s=f, bwd_time_s=g) for b, (f, g) in zip(chain.blocks, times)]
+    return replace(chain, blocks=blocks), f"analytic roofline of {gpu.name}"
+
+
+def _activation_scale(workload: Workload) -> float:
+    """Saved activations and boundary tensors are traced in fp32; mixed precision keeps most in 16 bits."""
+    return 0.5 if workload.precision != "fp32" else 1.0
+
+
+def _plan_of(c: Any, chain: Chain, currency: str, workload: Workload) -> Plan:
+    layout = Layout(
+        dp=c.dp,
+        pp=c.pp,
+        micro_batch_size=c.micro_batch_size,
+        num_microbatches=c.num_microbatches,
+        schedule=c.schedule,
+        cut_positions=tuple(chain.cuts[k].position for k in c.cuts),
+        zero_stage=c.zero_stage,
+        placement=c.placement,
+        stages_per_rank=c.stages_per_rank,
+    )
+    stages = tuple(
+        StagePlan(
+            first_block=c.cuts[s],
+            last_block=c.cuts[s + 1] - 1,
+            memory_bytes=c.stage_state_bytes[s] + c.stage_act_bytes[s],
+            state_bytes=c.stage_state_bytes[s],
+            activation_bytes=c.stage_act_bytes[s],
+            time_s=c.stage_time_s[s],
+            in_flight=c.stage_in_flight[s],
+        )
+        for s in range(len(c.cuts) - 1)
+    )
+    iterations = math.ceil(workload.dataset_samples / workload.global_batch) if workload.dataset_samples else None
+    predicted = Prediction(
+        iteration_s=c.iteration_s,
+        samples_per_s=c.samples_per_s,
+        peak_memory_bytes=c.peak_memory_bytes,
+        bubble_fraction=c.bubble_fraction,
+        pipeline_s=c.makespan_s,
+        exposed_comm_s=c.exposed_sync_s,
+        optimizer_s=c.optimizer_s,
+        cost_per_iteration=c.cost_per_iteration,
+        currency=currency,
+        cost_per_epoch=c.cost_per_iteration * iterations if iterations is not None else None,
+    )
+    return Plan(layout=layout, stages=stages, predicted=predicted)
+
+
+def search(
+    model: nn.Module,
+    example_inputs: ExampleInputs,
+    cluster: Cluster,
+    workload: Workload,
+    *,
+    objective: str = "time",
+    weight: float = 0.0,
+    top_k: int = 5,
+    schedules: Sequence[str] = SEARCHED_SCHEDULES,
+    zero_stages: Sequence[int] = (0, 1, 2, 3),
+    placements: Sequence[str] = PLACEMENTS,
+    micro_batch_sizes: Sequence[int] = (),
+    allow_fewer_gpus: bool = True,
+    memory_fraction: float = 0.9,
+    leaf_modules: Iterable[LeafSpec] = (),
+    chain: Chain | None = None,
+) -> PlanSearch:
+    """Every way to train `model` on `cluster` that fits, ranked by `objective`.
+
+    `objective` is "time" (iteration time), "cost" (money per iteration) or "weighted" (cost + weight·time, the
+    objective of Huang et al.). `memory_fraction` of each GPU's memory is planned for (the rest is left to the
+    CUDA context, allocator fragmentation and temporaries). Pass `chain` to reuse a profile.
+    """
+    if objective not in OBJECTIVES:
+        raise PlanError(f"unknown objective '{objective}'; choose one of {', '.join(OBJECTIVES)}")
+    if not 0 < memory_fraction <= 1:
+        raise PlanError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    unknown = [s for s in schedules if s not in SEARCHED_SCHEDULES]
+    if unknown:
+        raise PlanError(f"schedule '{unknown[0]}' is not searched; choose from {', '.join(SEARCHED_SCHEDULES)}")
+    price = 0.0
+    currency = ""
+    if objective != "time" or any(g.price_per_gpu_hour is not None for g in cluster.groups):
+        money = cluster.price_per_gpu_second()
+        price, currency = money.amount, money.currency
+    profiled_on = "given chain"
+    if chain is None:
+        chain, profiled_on = chain_for(model, example_inputs, cluster, workload, leaf_modules=leaf_modules)
+    if any(b.fwd_time_s is None or b.bwd_time_s is None or b.saved_bytes is None for b in chain.blocks):
+        raise PlanError("the chain has blocks without times or saved bytes; profile it first")
+    gpu = cluster.gpu
+    if gpu.memory_bytes is None or not gpu.hbm_bw_bytes_per_s:
+        raise PlanError(f"GPU '{gpu.name}' has no memory size or bandwidth; run `pyplan calibrate` first")
+    group = cluster.groups[0]
+    for link, where in ((group.intra_link, "inside a node"), (group.inter_link, "between nodes")):
+        if link.latency_s is None or link.bw_bytes_per_s is None:
+            raise PlanError(f"the link {where} ({link.name}) has no latency or bandwidth; run `pyplan calibrate`")
+    per_param = workload.bytes_per_param()
+    scale = _activation_scale(workload)
+    blocks = chain.blocks
+    try:
+        result = _core.search(
+            [b.fwd_time_s.per_sample for b in blocks],
+            [b.fwd_time_s.fixed for b in blocks],
+            [b.bwd_time_s.per_sample for b in blocks],
+            [b.bwd_time_s.fixed for b in blocks],
+            [b.saved_bytes.per_sample * scale for b in blocks],
+            [b.saved_bytes.fixed * scale for b in blocks],
+            [float(b.param_numel) for b in blocks],
+            [c.bytes.per_sample * scale for c in chain.cuts],
+            [c.bytes.fixed * scale for c in chain.cuts],
+            num_gpus=cluster.gpus,
+            gpus_per_node=cluster.gpus_per_node,
+            gpu_mem_bytes=gpu.memory_bytes * memory_fraction,
+            mem_bw_bytes_per_s=gpu.hbm_bw_bytes_per_s,
+            intra_latency_s=group.intra_link.latency_s,
+            intra_bw_bytes_per_s=group.intra_link.bw_bytes_per_s,
+            inter_latency_s=group.inter_link.latency_s,
+            inter_bw_bytes_per_s=group.inter_link.bw_bytes_per_s,
+            price_per_gpu_s=price,
+            global_batch=workload.global_batch,
+            param_bytes=float(per_param.param_bytes),
+            grad_bytes=float(per_param.grad_bytes),
+            optim_bytes=float(per_param.optimizer_bytes),
+            micro_batch_sizes=list(micro_batch_sizes),
+            schedules=list(schedules),
+            zero_stages=list(zero_stages),
+            placements=list(placements),
+            allow_fewer_gpus=allow_fewer_gpus,
+            objective=objective,
+            weight=weight,
+            top_k=top_k,
+        )
+    except ValueError as exc:
+        raise PlanError(str(exc)) from exc
+    if not result.feasible or result.best is None:
+        raise InfeasibleError(result.reason)
+    plans = [_plan_of(c, chain, currency, workload) for c in result.top]
+    return PlanSearch(
+        best=plans[0],
+        alternatives=tuple(plans[1:]),
+        pareto=tuple(_plan_of(c, chain, currency, workload) for c in result.pareto),
+        candidates=result.num_candidates,
+        evaluated=result.num_evaluated,
+        chain=chain,
+        profiled_on=profiled_on,
+    )
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: ExampleInputs,
+    cluster: Cluster,
+    workload: Workload,
+    **options: Any,
+) -> Plan:
+    """The best plan to train `model` on `cluster` (see `search` for the options)."""
+    return search(model, example_inputs, cluster, workload, **options).best

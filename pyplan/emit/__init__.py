@@ -1,0 +1,1 @@
+"""Emission: the plan file (plan.json) and, later, the training script."""

@@ -1,0 +1,85 @@
+"""plan.json: a versioned document with the model reference, workload, cluster and plan; atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pyplan.errors import PlanError
+from pyplan.hardware.cluster import Cluster
+from pyplan.plan import SCHEMA_VERSION, Plan, Workload
+
+__all__ = ["PlanFile", "read_plan_file", "write_atomic", "write_plan_file"]
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    """What plan.json holds: enough to rebuild the model, check the cluster and run the plan."""
+
+    model: str
+    workload: Workload
+    cluster: Cluster
+    plan: Plan
+    leaf_modules: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "model": self.model,
+            "leaf_modules": list(self.leaf_modules),
+            "workload": self.workload.to_json(),
+            "cluster": self.cluster.to_json(),
+            "plan": self.plan.to_json(),
+        }
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same directory: never a half-written file."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_plan_file(path: str | Path, document: PlanFile) -> None:
+    write_atomic(path, json.dumps(document.to_json(), indent=2) + "\n")
+
+
+def read_plan_file(path: str | Path) -> PlanFile:
+    """Load and validate plan.json; a malformed file gets a one-line error naming the field."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise PlanError(f"plan file '{path}' does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"plan file '{path}' is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise PlanError(f"plan file '{path}': expected an object at the top level")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise PlanError(f"plan file '{path}': unknown schema_version {version!r}; this pyplan reads {SCHEMA_VERSION}")
+    for key in ("model", "workload", "cluster", "plan"):
+        if key not in data:
+            raise PlanError(f"plan file '{path}': missing field '{key}'")
+    try:
+        return PlanFile(
+            model=str(data["model"]),
+            workload=Workload.from_json(data["workload"]),
+            cluster=Cluster.from_json(data["cluster"]),
+            plan=Plan.from_json(data["plan"]),
+            leaf_modules=tuple(data.get("leaf_modules", ())),
+        )
+    except PlanError as exc:
+        raise PlanError(f"plan file '{path}': {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PlanError(f"plan file '{path}': malformed ({type(exc).__name__}: {exc})") from None

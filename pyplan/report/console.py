@@ -1,0 +1,18 @@
+"""The rich console the CLI prints to: the terminal's width, or wide enough for the tables when piped."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+
+__all__ = ["make_console"]
+
+_PIPED_WIDTH = 160
+
+
+def make_console(*, stderr: bool = False) -> Console:
+    stream = sys.stderr if stderr else sys.stdout
+    if stream.isatty():
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, width=_PIPED_WIDTH)

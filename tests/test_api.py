@@ -1,0 +1,131 @@
+"""pyplan.plan / search on catalog clusters, plan.json round trips, and the errors of bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pyplan import InfeasibleError, PlanError, load_model
+from pyplan.api import chain_for, search
+from pyplan.cli import main
+from pyplan.emit.planfile import PlanFile, read_plan_file, write_plan_file
+from pyplan.hardware import Cluster
+from pyplan.plan import Plan, Workload
+
+
+@pytest.fixture(scope="module")
+def gpt_tiny() -> tuple:
+    spec = load_model("zoo:gpt-tiny")
+    with torch.device("meta"):
+        model = spec.build()
+    cluster = Cluster.from_catalog("a100-80g", 16, gpus_per_node=8, price_per_gpu_hour=2.0, currency="USD")
+    workload = Workload(global_batch=32)
+    chain, _ = chain_for(model, spec.example_inputs, cluster, workload)
+    return spec, model, cluster, workload, chain
+
+
+def test_search_returns_consistent_plans(gpt_tiny: tuple) -> None:
+    spec, model, cluster, workload, chain = gpt_tiny
+    result = search(model, spec.example_inputs, cluster, workload, chain=chain, top_k=4)
+    plans = [result.best, *result.alternatives]
+    assert len(plans) == 4
+    for p in plans:
+        assert p.layout.global_batch == workload.global_batch
+        assert p.layout.num_gpus <= cluster.gpus
+        assert len(p.stages) == p.layout.num_stages == len(p.layout.cut_positions) - 1
+        assert p.predicted.iteration_s > 0 and p.predicted.currency == "USD"
+        assert p.predicted.samples_per_s == pytest.approx(32 / p.predicted.iteration_s)
+        assert p.predicted.peak_memory_bytes <= cluster.gpu.memory_bytes * 0.9
+    times = [p.predicted.iteration_s for p in plans]
+    assert times == sorted(times)
+    # The frontier is sorted by time, and its cheapest point is no costlier than the fastest plan.
+    frontier = [(p.predicted.iteration_s, p.predicted.cost_per_iteration) for p in result.pareto]
+    assert frontier == sorted(frontier)
+    assert frontier[-1][1] <= result.best.predicted.cost_per_iteration
+
+
+def test_cost_objective_prefers_fewer_gpus(gpt_tiny: tuple) -> None:
+    spec, model, cluster, workload, chain = gpt_tiny
+    fast = search(model, spec.example_inputs, cluster, workload, chain=chain).best
+    cheap = search(model, spec.example_inputs, cluster, workload, chain=chain, objective="cost").best
+    assert cheap.predicted.cost_per_iteration <= fast.predicted.cost_per_iteration
+    assert cheap.predicted.iteration_s >= fast.predicted.iteration_s
+
+
+def test_plan_file_round_trip(gpt_tiny: tuple, tmp_path: Path) -> None:
+    spec, model, cluster, workload, chain = gpt_tiny
+    best = search(model, spec.example_inputs, cluster, workload, chain=chain).best
+    path = tmp_path / "plan.json"
+    write_plan_file(path, PlanFile("zoo:gpt-tiny", workload, cluster, best))
+    back = read_plan_file(path)
+    assert back.plan == best and back.workload == workload and back.model == "zoo:gpt-tiny"
+    assert Plan.from_json(json.loads(json.dumps(best.to_json()))) == best
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.update(schema_version=99), "unknown schema_version 99"),
+        (lambda d: d.pop("workload"), "missing field 'workload'"),
+        (lambda d: d["plan"].update(dp=0), "must be positive"),
+        (lambda d: d["plan"].update(speed=1), "unknown field 'speed'"),
+        (lambda d: d["workload"].update(global_batch=0), "global batch must be a positive"),
+    ],
+)
+def test_malformed_plan_files(gpt_tiny: tuple, tmp_path: Path, edit: object, message: str) -> None:
+    spec, model, cluster, workload, chain = gpt_tiny
+    best = search(model, spec.example_inputs, cluster, workload, chain=chain).best
+    data = PlanFile("zoo:gpt-tiny", workload, cluster, best).to_json()
+    edit(data)  # type: ignore[operator]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=message):
+        read_plan_file(path)
+    path.write_text("{not json")
+    with pytest.raises(PlanError, match="is not JSON"):
+        read_plan_file(path)
+
+
+def test_bad_search_input(gpt_tiny: tuple) -> None:
+    spec, model, cluster, workload, chain = gpt_tiny
+    with pytest.raises(PlanError, match="unknown objective 'fastest'"):
+        search(model, spec.example_inputs, cluster, workload, chain=chain, objective="fastest")
+    with pytest.raises(PlanError, match="global batch"):
+        search(model, spec.example_inputs, cluster, Workload(global_batch=6), chain=chain, micro_batch_sizes=[4])
+
+
+def test_a_model_that_fits_nowhere_says_what_it_needs() -> None:
+    spec = load_model("zoo:llama-7b-style")
+    with torch.device("meta"):
+        model = spec.build()
+    cluster = Cluster.from_catalog("t4", 1)
+    with pytest.raises(InfeasibleError, match=r"no plan fits: .* needs .*GB.* the GPU has"):
+        search(model, spec.example_inputs, cluster, Workload(global_batch=1))
+
+
+def test_cli_plan_json_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    code = main(["plan", "zoo:gpt-tiny", "--gpus", "4", "--gpu", "a100-80g", "--global-batch", "8",
+                 "--json", "--top", "2", "--out", str(out)])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {"plan", "alternatives", "pareto"} <= data.keys()
+    keys = {"dp", "pp", "micro_batch_size", "num_microbatches", "schedule", "zero_stage", "stages", "predicted"}
+    assert keys <= data["plan"].keys()
+    assert {"first_block", "last_block", "memory_bytes", "time_s"} <= data["plan"]["stages"][0].keys()
+    assert {"iteration_s", "samples_per_s", "peak_memory_bytes", "bubble_fraction", "cost_per_iteration"} <= (
+        data["plan"]["predicted"].keys()
+    )
+    assert read_plan_file(out).plan.to_json() == data["plan"]
+    for argv, text in [
+        (["--gpus", "0", "--gpu", "a100-80g"], "--gpus must be a positive"),
+        (["--gpus", "2", "--gpu", "a100-80"], "closest"),
+        (["--gpus", "2", "--gpu", "a100-80g", "--objective", "fastest"], "unknown objective"),
+        (["--gpus", "2", "--gpu", "a100-80g", "--objective", "cost"], "no price"),
+    ]:
+        assert main(["plan", "zoo:gpt-tiny", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and text in err and "\n" not in err, err
