@@ -119,13 +119,15 @@ def _plan(args: argparse.Namespace) -> int:
         memory_fraction=args.memory_fraction,
         leaf_modules=args.leaf,
     )
+    document = PlanFile(
+        model=args.model, workload=workload, cluster=cluster, plan=result.best, leaf_modules=tuple(args.leaf)
+    )
     if args.out:
-        write_plan_file(
-            args.out,
-            PlanFile(
-                model=args.model, workload=workload, cluster=cluster, plan=result.best, leaf_modules=tuple(args.leaf)
-            ),
-        )
+        write_plan_file(args.out, document)
+    if args.emit:
+        from pyplan.emit.script import write_script
+
+        write_script(args.emit, document)
     if args.json:
         print(
             json.dumps(
@@ -142,6 +144,15 @@ def _plan(args: argparse.Namespace) -> int:
         render_plans([result.best, *result.alternatives], make_console(), title=title, memory_bytes=memory)
         if args.out:
             make_console().print(f"plan written to {args.out}")
+    return 0
+
+
+def _emit(args: argparse.Namespace) -> int:
+    from pyplan.emit.planfile import read_plan_file
+    from pyplan.emit.script import write_script
+
+    write_script(args.out, read_plan_file(args.plan_file))
+    make_console().print(f"wrote {args.out}; run it with torchrun (see its docstring)")
     return 0
 
 
@@ -225,9 +236,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--leaf", action="append", default=[], metavar="NAME", help="module to keep whole when tracing")
     p.add_argument("--out", help="write the best plan to this plan.json")
+    p.add_argument("--emit", metavar="TRAIN_PY", help="write a torchrun training script for the best plan")
     p.add_argument("--json", action="store_true", help="print {plan, alternatives, pareto} as JSON")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.set_defaults(func=_plan)
+
+    p = sub.add_parser(
+        "emit",
+        help="write a torchrun training script from a plan.json",
+        description="Write a readable training script that builds the planned pipeline with "
+        "torch.distributed.pipelining and DDP/FSDP2; run it as `torchrun --nproc-per-node G train.py`.",
+        epilog="examples:\n  pyplan emit plan.json -o train.py\n  torchrun --nproc-per-node 4 train.py --steps 3\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("plan_file", help="plan.json written by `pyplan plan --out`")
+    p.add_argument("-o", "--out", default="train.py", help="script to write (default train.py)")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    p.set_defaults(func=_emit)
 
     from pyplan.hardware.cli import add_hardware_parser
 

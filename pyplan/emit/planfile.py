@@ -13,7 +13,7 @@ from pyplan.errors import PlanError
 from pyplan.hardware.cluster import Cluster
 from pyplan.plan import SCHEMA_VERSION, Plan, Workload
 
-__all__ = ["PlanFile", "read_plan_file", "write_atomic", "write_plan_file"]
+__all__ = ["PlanFile", "plan_file_from_json", "read_plan_file", "write_atomic", "write_plan_file"]
 
 
 @dataclass(frozen=True)
@@ -63,14 +63,20 @@ def read_plan_file(path: str | Path) -> PlanFile:
         raise PlanError(f"plan file '{path}' does not exist") from None
     except json.JSONDecodeError as exc:
         raise PlanError(f"plan file '{path}' is not JSON: {exc}") from None
+    return plan_file_from_json(data, f"plan file '{path}'")
+
+
+def plan_file_from_json(data: Any, where: str = "plan") -> PlanFile:
+    """Validate a plan document; errors name `where` and the field."""
+    path = where
     if not isinstance(data, dict):
-        raise PlanError(f"plan file '{path}': expected an object at the top level")
+        raise PlanError(f"{path}: expected an object at the top level")
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
-        raise PlanError(f"plan file '{path}': unknown schema_version {version!r}; this pyplan reads {SCHEMA_VERSION}")
+        raise PlanError(f"{path}: unknown schema_version {version!r}; this pyplan reads {SCHEMA_VERSION}")
     for key in ("model", "workload", "cluster", "plan"):
         if key not in data:
-            raise PlanError(f"plan file '{path}': missing field '{key}'")
+            raise PlanError(f"{path}: missing field '{key}'")
     try:
         return PlanFile(
             model=str(data["model"]),
@@ -80,6 +86,6 @@ def read_plan_file(path: str | Path) -> PlanFile:
             leaf_modules=tuple(data.get("leaf_modules", ())),
         )
     except PlanError as exc:
-        raise PlanError(f"plan file '{path}': {exc}") from None
+        raise PlanError(f"{path}: {exc}") from None
     except (KeyError, TypeError, ValueError) as exc:
-        raise PlanError(f"plan file '{path}': malformed ({type(exc).__name__}: {exc})") from None
+        raise PlanError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None

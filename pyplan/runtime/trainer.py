@@ -27,13 +27,33 @@ from pyplan.plan import Layout
 from pyplan.runtime.stages import cut_model, local_stages, stage_io, tied_parameters
 from pyplan.spec import ModelSpec, default_loss
 
-__all__ = ["OptimizerFactory", "PipelineTrainer", "build_mesh", "build_trainer", "replica_slice"]
+__all__ = [
+    "OptimizerFactory",
+    "PipelineTrainer",
+    "build_mesh",
+    "build_trainer",
+    "optimizer_factory",
+    "replica_slice",
+]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 # Schedules that compute weight gradients with autograd.grad, which skips DDP's and FSDP2's hooks (torch issue
 # #144530, TORCH_FACTS.md): gradients are averaged over dp by hand after the step, and ZeRO-3 is refused.
 _SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def optimizer_factory(name: str, lr: float) -> OptimizerFactory:
+    """The workload's optimizer by name (pyplan.profile.memory.OPTIMIZERS) at learning rate `lr`."""
+    makers: dict[str, OptimizerFactory] = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=lr),
+        "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=lr),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=lr),
+    }
+    if name not in makers:
+        raise PlanError(f"unknown optimizer '{name}'; choose one of {', '.join(makers)}")
+    return makers[name]
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:

@@ -1,0 +1,125 @@
+"""The training script `pyplan emit` writes: readable, runnable with torchrun, the plan embedded in it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pyplan.emit.planfile import PlanFile, write_atomic
+
+__all__ = ["render_script", "write_script"]
+
+_TEMPLATE = '''\
+"""Training script emitted by pyplan from the plan below: {summary}.
+
+Run it with one process per GPU:
+    torchrun --nnodes {nodes} --nproc-per-node {per_node} {name} [--plan plan.json] [--steps N] [--data FILE:FUNC]
+
+--plan        use another plan file instead of the plan embedded here
+--steps       optimizer steps to run (default 10)
+--data        `file.py:function` returning an iterator of (inputs, target) global batches of {global_batch}
+              samples, inputs a tuple of tensors (default: synthetic batches from the model's example_inputs)
+--lr          learning rate (default 1e-3)
+--save-params write this rank's parameters after training to FILE.rank<R>.pt (for checking against one process)
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from pyplan.emit.planfile import plan_file_from_json, read_plan_file
+from pyplan.load import load_model
+from pyplan.runtime.trainer import build_trainer, optimizer_factory, replica_slice
+
+PLAN = json.loads(r"""
+{plan_json}
+""")
+
+
+def synthetic_batches(spec, global_batch):
+    """The model's example inputs and targets, the same batch every step."""
+    while True:
+        yield spec.example_inputs(global_batch), spec.target(global_batch) if spec.target else None
+
+
+def user_batches(ref):
+    path, _, func = ref.rpartition(":")
+    module_spec = importlib.util.spec_from_file_location("pyplan_user_data", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return iter(getattr(module, func)())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--data")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--save-params")
+    args = parser.parse_args()
+
+    document = read_plan_file(args.plan) if args.plan else plan_file_from_json(PLAN, "embedded plan")
+    layout, workload = document.plan.layout, document.workload
+    if workload.precision != "fp32":
+        raise SystemExit(f"error: the runtime trains in fp32 only for now; the plan asks for {{workload.precision}}")
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+
+    spec = load_model(document.model)
+    torch.manual_seed(0)  # every rank builds the same initial model
+    model = spec.build()
+    trainer = build_trainer(
+        spec, model, layout, optimizer_factory(workload.optimizer, args.lr),
+        device=device, leaf_modules=document.leaf_modules,
+    )
+    batches = user_batches(args.data) if args.data else synthetic_batches(spec, workload.global_batch)
+    mine = replica_slice(layout, trainer.dp_rank)
+    for step in range(args.steps):
+        inputs, target = next(batches)
+        losses = trainer.step(tuple(t[mine] for t in inputs), target[mine] if target is not None else None)
+        if losses:
+            loss = torch.stack(losses).mean().item()
+            print(f"step {{step}} replica {{trainer.dp_rank}} loss {{loss:.6f}}", flush=True)
+    if args.save_params:
+        torch.save(trainer.parameters(), f"{{args.save_params}}.rank{{dist.get_rank()}}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    # Meshes sometimes abort at exit after a clean shutdown on torch 2.13; leave at once.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def render_script(document: PlanFile, name: str = "train.py") -> str:
+    """The text of the training script for `document`."""
+    layout, cluster = document.plan.layout, document.cluster
+    summary = (
+        f"{document.model}, dp {layout.dp} x pp {layout.pp}, {layout.schedule}, micro-batch "
+        f"{layout.micro_batch_size} x {layout.num_microbatches}, ZeRO-{layout.zero_stage}"
+    )
+    per_node = min(cluster.gpus_per_node, layout.num_gpus)
+    nodes = -(-layout.num_gpus // per_node)
+    return _TEMPLATE.format(
+        summary=summary,
+        nodes=nodes,
+        per_node=per_node,
+        name=name,
+        global_batch=document.workload.global_batch,
+        plan_json=json.dumps(document.to_json(), indent=2),
+    )
+
+
+def write_script(path: str | Path, document: PlanFile) -> None:
+    """Write the script atomically: an interrupted run never leaves half a script."""
+    write_atomic(path, render_script(document, Path(path).name))

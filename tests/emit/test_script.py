@@ -1,0 +1,106 @@
+"""The emitted training script runs under torchrun and trains what one process trains."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pyplan import cut_points, load_model, trace
+from pyplan.emit.planfile import PlanFile, plan_file_from_json
+from pyplan.emit.script import render_script, write_script
+from pyplan.hardware import Cluster
+from pyplan.plan import Layout, Plan, Prediction, StagePlan, Workload
+
+STEPS, LR, B, MICRO = 3, 0.05, 8, 2
+
+
+def _document() -> PlanFile:
+    spec = load_model("zoo:gpt-tiny")
+    points = cut_points(trace(spec.build(), spec.example_inputs, batch_size=MICRO))
+    inner = [c.position for c in points.candidates if 0 < c.position < len(points.order)]
+    layout = Layout(
+        dp=1,
+        pp=2,
+        micro_batch_size=MICRO,
+        num_microbatches=B // MICRO,
+        schedule="1F1B",
+        cut_positions=(0, inner[len(inner) // 2], len(points.order)),
+    )
+    # The runtime needs only the layout; the stages and predictions are what a search would report.
+    stages = tuple(StagePlan(0, 0, 0.0, 0.0, 0.0, 0.0, 1) for _ in range(2))
+    predicted = Prediction(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, "")
+    return PlanFile(
+        "zoo:gpt-tiny",
+        Workload(global_batch=B, optimizer="sgd"),
+        Cluster.from_catalog("t4", 2),
+        Plan(layout, stages, predicted),
+    )
+
+
+def test_script_embeds_the_plan_and_is_valid_python(tmp_path: Path) -> None:
+    document = _document()
+    text = render_script(document)
+    compile(text, "train.py", "exec")
+    assert "torchrun --nnodes 1 --nproc-per-node 2 train.py" in text
+    embedded = text.split('PLAN = json.loads(r"""')[1].split('""")')[0]
+    import json
+
+    assert plan_file_from_json(json.loads(embedded)).plan == document.plan
+    path = tmp_path / "train.py"
+    write_script(path, document)
+    assert path.read_text() == text
+    assert [p.name for p in tmp_path.iterdir()] == ["train.py"]  # no temporary file left behind
+
+
+@pytest.mark.distributed
+def test_emitted_script_trains_like_one_process(tmp_path: Path) -> None:
+    document = _document()
+    script = tmp_path / "train.py"
+    write_script(script, document)
+    saved = tmp_path / "params"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            "--steps",
+            str(STEPS),
+            "--lr",
+            str(LR),
+            "--save-params",
+            str(saved),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"step {STEPS - 1} replica 0 loss" in done.stdout
+
+    spec = load_model("zoo:gpt-tiny")
+    torch.manual_seed(0)
+    reference = spec.build()
+    opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    inputs, target = spec.example_inputs(B), spec.target(B)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        for k in range(B // MICRO):
+            sl = slice(k * MICRO, (k + 1) * MICRO)
+            (spec.loss(reference(*(t[sl] for t in inputs)), target[sl]) / (B // MICRO)).backward()
+        opt.step()
+    ref = dict(reference.named_parameters(remove_duplicate=False))
+    trained = {**torch.load(f"{saved}.rank0.pt"), **torch.load(f"{saved}.rank1.pt")}
+    assert set(trained) <= set(ref) and len(trained) >= len(dict(reference.named_parameters()))
+    for name, p in trained.items():
+        err = ((p - ref[name].detach()).abs().max() / ref[name].detach().abs().max()).item()
+        assert err < 1e-5, (name, err)
