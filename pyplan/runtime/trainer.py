@@ -29,6 +29,7 @@ from pyplan.spec import ModelSpec, default_loss
 
 __all__ = [
     "OptimizerFactory",
+    "OptimizerSpec",
     "PipelineTrainer",
     "build_mesh",
     "build_trainer",
@@ -38,18 +39,29 @@ __all__ = [
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer class and its arguments: a factory that ZeRO's sharded optimizer can also be built from."""
+
+    cls: type[torch.optim.Optimizer]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return self.cls(params, **self.kwargs)
+
 # Schedules that compute weight gradients with autograd.grad, which skips DDP's and FSDP2's hooks (torch issue
 # #144530, TORCH_FACTS.md): gradients are averaged over dp by hand after the step, and ZeRO-3 is refused.
 _SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
-def optimizer_factory(name: str, lr: float) -> OptimizerFactory:
+def optimizer_factory(name: str, lr: float) -> OptimizerSpec:
     """The workload's optimizer by name (pyplan.profile.memory.OPTIMIZERS) at learning rate `lr`."""
-    makers: dict[str, OptimizerFactory] = {
-        "sgd": lambda ps: torch.optim.SGD(ps, lr=lr),
-        "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9),
-        "adam": lambda ps: torch.optim.Adam(ps, lr=lr),
-        "adamw": lambda ps: torch.optim.AdamW(ps, lr=lr),
+    makers = {
+        "sgd": OptimizerSpec(torch.optim.SGD, {"lr": lr}),
+        "sgd-momentum": OptimizerSpec(torch.optim.SGD, {"lr": lr, "momentum": 0.9}),
+        "adam": OptimizerSpec(torch.optim.Adam, {"lr": lr}),
+        "adamw": OptimizerSpec(torch.optim.AdamW, {"lr": lr}),
     }
     if name not in makers:
         raise PlanError(f"unknown optimizer '{name}'; choose one of {', '.join(makers)}")
@@ -228,11 +240,10 @@ def build_trainer(
         )
     params = _unique_parameters(modules)
     if layout.dp > 1 and layout.zero_stage in (1, 2):
+        if not isinstance(make_optimizer, OptimizerSpec):
+            raise PlanError("ZeRO-1/2 shards the optimizer: give it as an OptimizerSpec(class, kwargs)")
         optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
-            params,
-            optimizer_class=_optimizer_class(make_optimizer),
-            process_group=dp_group,
-            **_optimizer_defaults(make_optimizer),
+            params, optimizer_class=make_optimizer.cls, process_group=dp_group, **make_optimizer.kwargs
         )
     else:
         optimizer = make_optimizer(params)
@@ -250,12 +261,3 @@ def _unique_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
         for p in m.parameters():
             seen.setdefault(id(p), p)
     return list(seen.values())
-
-
-def _optimizer_class(make: OptimizerFactory) -> type[torch.optim.Optimizer]:
-    return type(make([nn.Parameter(torch.zeros(1))]))
-
-
-def _optimizer_defaults(make: OptimizerFactory) -> dict[str, Any]:
-    probe = make([nn.Parameter(torch.zeros(1))])
-    return {k: v for k, v in probe.defaults.items() if k not in ("differentiable", "fused", "foreach", "capturable")}

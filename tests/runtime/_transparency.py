@@ -23,14 +23,14 @@ import torch.distributed as dist
 
 from pyplan import cut_points, load_model, trace
 from pyplan.plan import Layout
-from pyplan.runtime.trainer import build_trainer, replica_slice
+from pyplan.runtime.trainer import OptimizerSpec, build_trainer, replica_slice
 from pyplan.solve.schedules import torch_rejection
 
 STEPS = 3
 TOL = 1e-9  # float64: the rounding noise of reordered sums is ~1e-12 here
 OPTIMIZERS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    "sgd": OptimizerSpec(torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "adamw": OptimizerSpec(torch.optim.AdamW, {"lr": 1e-3}),
 }
 
 
@@ -61,6 +61,16 @@ def configs(world: int) -> list[dict]:
                     continue
                 for opt in OPTIMIZERS:
                     out.append(dict(model=model, dp=dp, pp=pp, schedule=schedule, v=v, m=m, b=2, optimizer=opt, zero=0))
+    if world == 4:
+        # ZeRO-1/2 (ZeroRedundancyOptimizer beside DDP) and ZeRO-3 (FSDP2) over the dp axis of a 2 x 2 mesh.
+        # Tied weights across stages are refused with ZeRO-3, so gpt-tiny (tied embeddings) runs ZeRO-1 only.
+        for model, schedule, zero in (
+            ("resnet-tiny", "GPipe", 1),
+            ("resnet-tiny", "1F1B", 3),
+            ("resnet-tiny", "GPipe", 3),
+            ("gpt-tiny", "1F1B", 1),
+        ):
+            out.append(dict(model=model, dp=2, pp=2, schedule=schedule, v=1, m=4, b=2, optimizer="adamw", zero=zero))
     return out
 
 

@@ -36,5 +36,6 @@ def test_pipelines_train_like_one_process(world: int, tmp_path: Path) -> None:
     assert {"GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"} <= schedules
     assert {r["model"] for r in results} == {"resnet-tiny", "gpt-tiny"}
     assert {r["optimizer"] for r in results} == {"sgd", "adamw"}
+    assert {r["zero"] for r in results} == ({0} if world == 2 else {0, 1, 3})
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed[:3]
