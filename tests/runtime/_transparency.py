@@ -71,6 +71,11 @@ def configs(world: int) -> list[dict]:
             ("gpt-tiny", "1F1B", 1),
         ):
             out.append(dict(model=model, dp=2, pp=2, schedule=schedule, v=1, m=4, b=2, optimizer="adamw", zero=zero))
+        # The other rank placement: a stage's replicas on consecutive ranks.
+        for model in ("resnet-tiny", "gpt-tiny"):
+            for schedule, v in (("1F1B", 1), ("Interleaved1F1B", 2)):
+                out.append(dict(model=model, dp=2, pp=2, schedule=schedule, v=v, m=4, b=2, optimizer="sgd", zero=0,
+                                placement="dp-inner"))
     return out
 
 
@@ -88,6 +93,7 @@ def run(cfg: dict) -> dict:
         schedule=cfg["schedule"],
         stages_per_rank=cfg["v"],
         zero_stage=cfg["zero"],
+        placement=cfg.get("placement", "pp-inner"),
         cut_positions=even_cuts(cfg["model"], cfg["pp"] * cfg["v"], cfg["b"]),
     )
     torch.manual_seed(0)

@@ -37,5 +37,8 @@ def test_pipelines_train_like_one_process(world: int, tmp_path: Path) -> None:
     assert {r["model"] for r in results} == {"resnet-tiny", "gpt-tiny"}
     assert {r["optimizer"] for r in results} == {"sgd", "adamw"}
     assert {r["zero"] for r in results} == ({0} if world == 2 else {0, 1, 3})
+    assert {r.get("placement", "pp-inner") for r in results} == (
+        {"pp-inner"} if world == 2 else {"pp-inner", "dp-inner"}
+    )
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed[:3]
