@@ -27,11 +27,13 @@ import argparse
 import importlib.util
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 
 from pyplan.emit.planfile import plan_file_from_json, read_plan_file
+from pyplan.errors import PlanError
 from pyplan.load import load_model
 from pyplan.runtime.trainer import build_trainer, optimizer_factory, replica_slice
 
@@ -54,7 +56,7 @@ def user_batches(ref):
     return iter(getattr(module, func)())
 
 
-def main():
+def train():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plan")
     parser.add_argument("--steps", type=int, default=10)
@@ -66,7 +68,7 @@ def main():
     document = read_plan_file(args.plan) if args.plan else plan_file_from_json(PLAN, "embedded plan")
     layout, workload = document.plan.layout, document.workload
     if workload.precision != "fp32":
-        raise SystemExit(f"error: the runtime trains in fp32 only for now; the plan asks for {{workload.precision}}")
+        raise PlanError(f"the runtime trains in fp32 only for now; the plan asks for {{workload.precision}}")
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -74,6 +76,10 @@ def main():
         torch.cuda.set_device(device)
 
     spec = load_model(document.model)
+    if spec.loss is None or (spec.target is None and not args.data):
+        raise PlanError(
+            f"{{document.model}} defines no loss(output, target) or target(batch_size); add them to train it"
+        )
     torch.manual_seed(0)  # every rank builds the same initial model
     model = spec.build()
     trainer = build_trainer(
@@ -91,9 +97,21 @@ def main():
     if args.save_params:
         torch.save(trainer.parameters(), f"{{args.save_params}}.rank{{dist.get_rank()}}.pt")
     dist.barrier()
-    dist.destroy_process_group()
+
+
+def main():
+    code = 0
+    try:
+        train()
+    except PlanError as exc:
+        # Every rank meets the same bad input (plan, model, world size), so none waits for another.
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {{exc}}", file=sys.stderr, flush=True)
+        code = 2
+    if dist.is_initialized():
+        dist.destroy_process_group()
     # Meshes sometimes abort at exit after a clean shutdown on torch 2.13; leave at once.
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -196,11 +196,12 @@ def build_trainer(
             f"{layout.schedule} with ZeRO-3 trains wrong weights on torch 2.13 (FSDP2 misses its weight "
             "gradients); choose another schedule or ZeRO stage"
         )
-    mesh = build_mesh(layout, device.type)
-    pp_rank = mesh["pp"].get_local_rank()
+    # The plan is checked against the model before the world: a plan for another model fails the same anywhere.
     examples = example_inputs if example_inputs is not None else spec.example_inputs
     split_backward = layout.schedule in _SPLIT_BACKWARD
     _, stages = cut_model(model, examples, layout, leaf_modules=leaf_modules, copy_shared_outputs=split_backward)
+    mesh = build_mesh(layout, device.type)
+    pp_rank = mesh["pp"].get_local_rank()
     mine = local_stages(layout, pp_rank)
     io = stage_io(stages, inputs_at(examples, layout.micro_batch_size))
     tied = tied_parameters(stages)

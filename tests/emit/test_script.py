@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -104,3 +105,66 @@ def test_emitted_script_trains_like_one_process(tmp_path: Path) -> None:
     for name, p in trained.items():
         err = ((p - ref[name].detach()).abs().max() / ref[name].detach().abs().max()).item()
         assert err < 1e-5, (name, err)
+
+
+def _torchrun(script: Path, nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=script.parent,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+@pytest.mark.distributed
+def test_plan_emit_then_torchrun(tmp_path: Path) -> None:
+    from pyplan.cli import main
+
+    script, plan = tmp_path / "train.py", tmp_path / "plan.json"
+    argv = [
+        "plan",
+        "zoo:gpt-tiny",
+        "--gpus",
+        "4",
+        "--all-gpus",
+        "--gpu",
+        "a100-80g",
+        "--global-batch",
+        "8",
+        "--emit",
+        str(script),
+        "--out",
+        str(plan),
+    ]
+    assert main(argv) == 0
+    done = _torchrun(script, 4, "--steps", "2")
+    assert done.returncode == 0, [line for line in done.stderr.splitlines() if "error" in line.lower()][:5]
+    losses = [float(line.split()[-1]) for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert losses and all(torch.isfinite(torch.tensor(losses)))
+
+    # Bad input: every rank sees it, rank 0 says it in one line, the launch exits non-zero without hanging.
+    document = json.loads(plan.read_text())
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**document, "model": "zoo:mlp-tiny"}))
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text(plan.read_text()[: len(plan.read_text()) // 2])
+    model_file = tmp_path / "noloss.py"
+    model_file.write_text(
+        "import torch\n"
+        "def model():\n    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))\n"
+        "def example_inputs(b):\n    return (torch.randn(b, 4),)\n"
+    )
+    noloss = tmp_path / "noloss.json"
+    noloss.write_text(json.dumps({**document, "model": str(model_file)}))
+    for args, message in [
+        ((), "the plan needs 4 processes"),
+        (("--plan", str(other)), "was the plan made for another model?"),
+        (("--plan", str(corrupt)), "is not JSON"),
+        (("--plan", str(noloss)), "defines no loss(output, target)"),
+    ]:
+        done = _torchrun(script, 2, "--steps", "1", *args)
+        assert done.returncode != 0
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and message in errors[0], done.stderr[-2000:]
