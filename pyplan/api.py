@@ -113,6 +113,8 @@ def _plan_of(c: Any, chain: Chain, currency: str, workload: Workload) -> Plan:
             activation_bytes=c.stage_act_bytes[s],
             time_s=c.stage_time_s[s],
             in_flight=c.stage_in_flight[s],
+            forward_s=c.stage_forward_s[s],
+            backward_s=c.stage_backward_s[s],
         )
         for s in range(len(c.cuts) - 1)
     )

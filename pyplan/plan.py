@@ -53,7 +53,12 @@ class Workload:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One pipeline stage: blocks [first_block, last_block] of the chain, where it runs and what it holds."""
+    """One pipeline stage: blocks [first_block, last_block] of the chain and what it holds and takes.
+
+    `time_s` is the stage's time per micro-batch in the partition's model: `forward_s` + `backward_s` plus the
+    boundary sends; `memory_bytes` = `state_bytes` (weights, gradients, optimizer state after ZeRO sharding)
+    + `activation_bytes` (`in_flight` micro-batches of saved activations and received inputs).
+    """
 
     first_block: int
     last_block: int
@@ -62,6 +67,8 @@ class StagePlan:
     activation_bytes: float
     time_s: float
     in_flight: int
+    forward_s: float = 0.0
+    backward_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
