@@ -67,8 +67,6 @@ def train():
 
     document = read_plan_file(args.plan) if args.plan else plan_file_from_json(PLAN, "embedded plan")
     layout, workload = document.plan.layout, document.workload
-    if workload.precision != "fp32":
-        raise PlanError(f"the runtime trains in fp32 only for now; the plan asks for {{workload.precision}}")
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -84,7 +82,7 @@ def train():
     model = spec.build()
     trainer = build_trainer(
         spec, model, layout, optimizer_factory(workload.optimizer, args.lr),
-        device=device, leaf_modules=document.leaf_modules,
+        device=device, leaf_modules=document.leaf_modules, precision=workload.precision,
     )
     batches = user_batches(args.data) if args.data else synthetic_batches(spec, workload.global_batch)
     mine = replica_slice(layout, trainer.dp_rank)

@@ -31,10 +31,19 @@ class StageModule(nn.Module):
     (its submodules keep their qualified names, so parameters are named as in the original model).
     """
 
-    def __init__(self, piece: fx.GraphModule, *, last: bool, copy_shared_outputs: bool = False) -> None:
+    def __init__(
+        self,
+        piece: fx.GraphModule,
+        *,
+        last: bool,
+        copy_shared_outputs: bool = False,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.piece = piece
         self.last = last
+        # Mixed precision: the piece runs under autocast (weights stay fp32, the optimizer's master copy).
+        self.autocast_dtype = autocast_dtype
         output = next(n for n in piece.graph.nodes if n.op == "output")
         values = output.args[0] if isinstance(output.args[0], tuple) else (output.args[0],)
         self.copy_views = copy_shared_outputs
@@ -44,7 +53,12 @@ class StageModule(nn.Module):
         )
 
     def forward(self, *args: torch.Tensor) -> Any:
-        out = self.piece(*args)
+        if self.autocast_dtype is None:
+            out = self.piece(*args)
+        else:
+            device = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+            with torch.autocast(device_type=device, dtype=self.autocast_dtype):
+                out = self.piece(*args)
         if self.last:
             return out
         outs = out if isinstance(out, tuple) else (out,)
@@ -60,6 +74,7 @@ def cut_model(
     *,
     leaf_modules: Iterable[LeafSpec] = (),
     copy_shared_outputs: bool = False,
+    autocast_dtype: torch.dtype | None = None,
 ) -> tuple[Chain, list[StageModule]]:
     """Trace `model` and cut it into the layout's stages (all of them; a rank keeps its own)."""
     graph = trace(model, example_inputs, leaf_modules=leaf_modules, batch_size=layout.micro_batch_size)
@@ -74,7 +89,13 @@ def cut_model(
         raise PlanError(f"the plan's cuts make {len(chain)} stages, the layout says {layout.num_stages}")
     n = len(chain)
     return chain, [
-        StageModule(piece(chain, s, s + 1), last=s == n - 1, copy_shared_outputs=copy_shared_outputs) for s in range(n)
+        StageModule(
+            piece(chain, s, s + 1),
+            last=s == n - 1,
+            copy_shared_outputs=copy_shared_outputs,
+            autocast_dtype=autocast_dtype,
+        )
+        for s in range(n)
     ]
 
 

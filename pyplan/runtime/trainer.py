@@ -50,9 +50,11 @@ class OptimizerSpec:
     def __call__(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         return self.cls(params, **self.kwargs)
 
+
 # Schedules that compute weight gradients with autograd.grad, which skips DDP's and FSDP2's hooks (torch issue
 # #144530, TORCH_FACTS.md): gradients are averaged over dp by hand after the step, and ZeRO-3 is refused.
 _SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+_AUTOCAST = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
 def optimizer_factory(name: str, lr: float) -> OptimizerSpec:
@@ -185,10 +187,12 @@ def build_trainer(
     device: torch.device | None = None,
     leaf_modules: Iterable[LeafSpec] = (),
     example_inputs: ExampleInputs | None = None,
+    precision: str = "fp32",
 ) -> PipelineTrainer:
     """This rank's stages of `model` cut by `layout`, wrapped for data parallelism, with the planned schedule.
 
     Call on every rank after `dist.init_process_group`, with the same model (same seed) everywhere.
+    `precision` "bf16-mixed" or "fp16-mixed" runs every stage under autocast, weights and optimizer in fp32.
     """
     device = device or torch.device("cpu")
     if layout.zero_stage == 3 and layout.schedule in _SPLIT_BACKWARD:
@@ -199,7 +203,16 @@ def build_trainer(
     # The plan is checked against the model before the world: a plan for another model fails the same anywhere.
     examples = example_inputs if example_inputs is not None else spec.example_inputs
     split_backward = layout.schedule in _SPLIT_BACKWARD
-    _, stages = cut_model(model, examples, layout, leaf_modules=leaf_modules, copy_shared_outputs=split_backward)
+    if precision not in _AUTOCAST:
+        raise PlanError(f"unknown precision '{precision}'; choose one of {', '.join(_AUTOCAST)}")
+    _, stages = cut_model(
+        model,
+        examples,
+        layout,
+        leaf_modules=leaf_modules,
+        copy_shared_outputs=split_backward,
+        autocast_dtype=_AUTOCAST[precision],
+    )
     mesh = build_mesh(layout, device.type)
     pp_rank = mesh["pp"].get_local_rank()
     mine = local_stages(layout, pp_rank)
