@@ -255,8 +255,10 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_emit)
 
     from pyplan.hardware.cli import add_hardware_parser
+    from pyplan.zoo.cli import add_zoo_parser
 
     add_hardware_parser(sub)
+    add_zoo_parser(sub)
     return parser
 
 

@@ -1,7 +1,9 @@
-"""The zoo: published parameter counts, fx tracing, real forwards of the small models, masks, errors."""
+"""The zoo: published parameter counts, fx tracing, real forwards of the small models, masks, errors, `zoo list`."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
 
 import pytest
@@ -9,9 +11,11 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from pyplan import zoo
+from pyplan import linearize, trace, zoo
 from pyplan.errors import ModelLoadError
 from pyplan.spec import ModelSpec, default_loss, default_target
+from pyplan.zoo.amoeba import AMOEBANET_CONFIGS, AmoebaNet, AmoebaNetConfig
+from pyplan.zoo.cli import add_zoo_parser
 from pyplan.zoo.transformer import GPT, Bert, BertConfig, GPTConfig, Llama, LlamaConfig
 
 REQUIRED = [
@@ -192,3 +196,111 @@ def test_unknown_name_suggests_the_closest_names() -> None:
     assert "'gpt2-smal'" in message and "\n" not in message
     with pytest.raises(ModelLoadError, match="unknown zoo model 'no-such-thing-at-all'"):
         zoo.get("no-such-thing-at-all")
+
+
+# --- AmoebaNet-D-like ---
+
+
+def amoebanet_params(num_layers: int, d: int, classes: int) -> int:
+    """Parameters of pyplan's AmoebaNet-D-like (L, D) network, for L/3 = n >= 2 normal cells per stack.
+
+    Per operation on C channels: separable kxk 2(k²C + C² + 2C) (depthwise, pointwise, BN, twice); 1x7-7x1
+    14C² + 2C; pools and identities 0; preprocessing of an input of C' channels C'C + 2C (1x1 conv and BN, or a
+    factorized reduction's two C' x C/2 convs and BN). A normal cell's operations (separable 3x3 twice, 5x5,
+    7x7, 1x7-7x1) total 22C² + 202C; a reduction cell's (separable 3x3, 5x5, 7x7, 1x7-7x1) 20C² + 180C. A
+    normal cell outputs 4C channels, a reduction cell 3C. Cells and their (older input, newer input) channels:
+      stem conv 3x3, 3 -> D/4, BN                             27D/4 + D/2
+      stem reduction cells at D/4 (D/4, D/4) and D/2 (D/4, 3D/4)  55D²/8 + 138D
+      stack k = 0, 1, 2 at C = 2^k·D: n cells of 22C² + 202C; preprocessing 4C per cell and
+        C·(older + newer): first cell (3C/4 + 3C/2), second (3C/2 + 4C), the others (4C + 4C)
+      reduction cells at 2D (4D, 4D) and 4D (8D, 8D)            480D² + 1104D
+      classifier Linear(16D, K)                               16D·K + K
+    Summed: (630n + 3189/8)·D² + (1442n + 4997/4)·D + 16D·K + K.
+    """
+    n = num_layers // 3
+    assert n >= 2 and d % 4 == 0
+    return (5040 * n + 3189) * d * d // 8 + (5768 * n + 4997) * d // 4 + 16 * d * classes + classes
+
+
+SMALL_AMOEBANET = AmoebaNetConfig(num_layers=6, filters=8, num_classes=10)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [*AMOEBANET_CONFIGS.values(), SMALL_AMOEBANET, AmoebaNetConfig(num_layers=12, filters=12, num_classes=7)],
+    ids=[*AMOEBANET_CONFIGS, "small", "12-12"],
+)
+def test_amoebanet_parameter_count_equals_the_formula(cfg: AmoebaNetConfig) -> None:
+    with torch.device("meta"):
+        model = AmoebaNet(cfg)
+    assert n_params(model) == amoebanet_params(cfg.num_layers, cfg.filters, cfg.num_classes)
+
+
+@pytest.mark.parametrize("name", list(AMOEBANET_CONFIGS))
+def test_amoebanet_zoo_entries_state_their_configuration_and_count(name: str) -> None:
+    spec, cfg = zoo.get(name), AMOEBANET_CONFIGS[name]
+    assert spec.published_params is None
+    assert f"({cfg.num_layers}, {cfg.filters})" in spec.source
+    assert f"{amoebanet_params(cfg.num_layers, cfg.filters, 1000):,} parameters" in spec.source
+    assert [t.shape for t in spec.example_inputs(2)] == [(2, 3, 224, 224)]
+
+
+def test_amoebanet_runs_forward_and_backward_on_cpu_and_its_trace_matches() -> None:
+    # One normal cell per stack at 4 channels: 16x16 becomes 1x1 by the last stack, the fewest convolutions.
+    model = AmoebaNet(AmoebaNetConfig(num_layers=3, filters=4, num_classes=10))
+    x, target = torch.randn(2, 3, 16, 16), torch.tensor([1, 7])
+    out = model(x)
+    assert out.shape == (2, 10)
+    nn.functional.cross_entropy(out, target).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    graph = fx.symbolic_trace(model.eval())
+    torch.testing.assert_close(graph(x), model(x))
+
+
+def test_amoebanet_cells_are_blocks_with_both_previous_outputs_across_each_cut() -> None:
+    with torch.device("meta"):
+        model = AmoebaNet(SMALL_AMOEBANET)
+    chain = linearize(trace(model, (torch.randn(2, 3, 32, 32),)), min_blocks=8)
+    names = [b.name for b in chain.blocks]
+    cells = [i for i, name in enumerate(names) if name.startswith("cells.")]
+    assert [names[i] for i in cells] == [f"cells.{i}" for i in range(len(model.cells))]
+    # The cut after cell i (but the last) carries the outputs of cells i-1 and i: the skip tensor crosses a cell.
+    assert [len(chain.cuts[i + 1].live) for i in cells[:-1]] == [2] * (len(cells) - 1)
+    assert len(chain.cuts[cells[-1] + 1].live) == 1
+
+
+# --- pyplan zoo list ---
+
+
+def run_zoo(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="pyplan")
+    add_zoo_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["zoo", *argv])
+    return int(args.func(args))
+
+
+def test_zoo_list_prints_counts_and_input_shapes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps tables at the terminal width
+    assert run_zoo("list") == 0
+    out = capsys.readouterr().out
+    for name in zoo.names():
+        assert name in out
+    assert "1,557,611,200" in out and "(B,3,224,224)" in out and "(B,512) int64, (B,512) int64" in out
+
+
+def test_zoo_list_json_counts_on_meta_not_from_the_published_figure(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_zoo("list", "gpt2-small", "amoebanet-d-18", "--json") == 0
+    gpt2, amoeba = json.loads(capsys.readouterr().out)
+    assert gpt2["name"] == "gpt2-small"
+    assert gpt2["params"] == gpt2["published_params"] == 124_439_808
+    assert gpt2["inputs"] == [{"shape": ["B", 1024], "dtype": "int64"}]
+    assert amoeba["published_params"] is None
+    assert amoeba["params"] == amoebanet_params(18, 208, 1000)
+    assert set(amoeba) == {"name", "params", "published_params", "inputs", "source"}
+
+
+def test_zoo_list_of_an_unknown_name_suggests_close_names() -> None:
+    with pytest.raises(ModelLoadError, match="did you mean: gpt2-xl"):
+        run_zoo("list", "gpt2-xxl")

@@ -19,6 +19,7 @@ from torch.nn import functional as F
 from pyplan.errors import ModelLoadError
 from pyplan.spec import Inputs, ModelSpec
 from pyplan.zoo import small
+from pyplan.zoo.amoeba import AMOEBANET_CONFIGS, AmoebaNet
 from pyplan.zoo.mobilenet import MobileNetV2
 from pyplan.zoo.resnet import resnet
 from pyplan.zoo.transformer import BERT_CONFIGS, GPT, GPT2_CONFIGS, LLAMA_CONFIGS, Bert, Llama
@@ -187,6 +188,23 @@ def _image_specs() -> list[ModelSpec]:
     return specs
 
 
+def _amoebanet_specs() -> list[ModelSpec]:
+    # No published count fits this genotype: GPipe's (Huang et al. 2019, Table 1) are for its own AmoebaNet-D cells.
+    counts = {"amoebanet-d-18": (186_172_492, "82M"), "amoebanet-d-36": (2_374_041_616, "1.05B")}
+    specs = []
+    for name, cfg in AMOEBANET_CONFIGS.items():
+        n, d = cfg.num_layers // 3, cfg.filters
+        count, gpipe = counts[name]
+        source = (
+            f"AmoebaNet-D-like (genotype of pyplan.zoo.amoeba) at GPipe's (L, D) = ({cfg.num_layers}, {d}): stem, "
+            f"2 stem reduction cells ({d // 4}, {d // 2} channels), 3 stacks of {n} normal cells ({d}, {2 * d}, "
+            f"{4 * d} channels) with 2 reduction cells between, 224x224, 1000 classes: {count:,} parameters "
+            f"(GPipe reports {gpipe} for its own cells)"
+        )
+        specs.append(_classifier(name, partial(AmoebaNet, cfg), "imagenet", None, source))
+    return specs
+
+
 def _transformer_specs() -> list[ModelSpec]:
     published_gpt2 = {
         "gpt2-small": 124_439_808,
@@ -283,7 +301,9 @@ def _small_specs() -> list[ModelSpec]:
     ]
 
 
-_ZOO: dict[str, ModelSpec] = {s.name: s for s in [*_image_specs(), *_transformer_specs(), *_small_specs()]}
+_ZOO: dict[str, ModelSpec] = {
+    s.name: s for s in [*_image_specs(), *_amoebanet_specs(), *_transformer_specs(), *_small_specs()]
+}
 
 
 def names() -> list[str]:
