@@ -8,7 +8,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from pyplan._torch import run_without_compute
+from pyplan._torch import FLOP_FORMULAS, run_without_compute
 from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import Affine
 from pyplan.graph.trace import ExampleInputs, inputs_at
@@ -28,9 +28,9 @@ def _flops_at(chain: Chain, example_inputs: ExampleInputs, batch_size: int) -> l
             args = block_inputs(mods, [convert(t) for t in inputs])
             for i, (mod, a) in enumerate(zip(mods, args)):
                 leaves = leaf_inputs(a, first=i == 0)
-                with FlopCounterMode(display=False) as fwd:
+                with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as fwd:
                     _, roots = forward(mod, leaves)
-                with FlopCounterMode(display=False) as bwd:
+                with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as bwd:
                     backward(roots)
                 fwd_bwd.append((fwd.get_total_flops(), bwd.get_total_flops()))
         return fwd_bwd

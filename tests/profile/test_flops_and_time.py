@@ -56,3 +56,14 @@ def test_time_fit_is_never_negative() -> None:
     assert Affine.fit([1, 2], [3.0, 2.0]) == Affine(0.0, 2.5)
     line = Affine.fit([2, 4], [1.0, 3.0])
     assert line.fixed == 0.0 and line.per_sample > 0
+
+
+@pytest.mark.parametrize("groups", [1, 64])
+def test_convolution_backward_is_twice_the_forward(groups: int) -> None:
+    # Input gradient and weight gradient each take the forward's multiply-adds, depthwise convolutions included.
+    model = nn.Sequential(nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1, groups=groups, bias=False))
+    x = torch.randn(2, 64, 16, 16)
+    chain = linearize(trace(model, x), positions=[1])
+    _, (fwd, bwd) = block_flops(chain, x, (2, 4))
+    assert fwd.per_sample == 2 * 64 * (64 // groups) * 9 * 16 * 16
+    assert bwd.per_sample == 2 * fwd.per_sample
