@@ -16,7 +16,15 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import conv_flop_count, flop_registry, shape_wrapper
 
-__all__ = ["FLOP_FORMULAS", "OpRecorder", "is_meta_module", "is_view", "run_without_compute", "storage_key"]
+__all__ = [
+    "FLOP_FORMULAS",
+    "OpRecorder",
+    "is_meta_module",
+    "is_view",
+    "run_without_compute",
+    "storage_key",
+    "tensor_leaves",
+]
 
 T = TypeVar("T")
 Convert = Callable[[torch.Tensor], torch.Tensor]
@@ -71,13 +79,14 @@ def run_without_compute(module: torch.nn.Module, fn: Callable[[Convert], T]) -> 
             return fn(lambda t: t)
 
 
-def _tensor_leaves(value: Any) -> list[torch.Tensor]:
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors inside nested tuples, lists and dicts, in order."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensor_leaves(v)]
+        return [t for v in value for t in tensor_leaves(v)]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensor_leaves(v)]
+        return [t for v in value.values() for t in tensor_leaves(v)]
     return []
 
 
@@ -125,8 +134,8 @@ class OpRecorder(TorchDispatchMode):
         packet = func.overloadpacket
         formula = _REGISTRY.get(_FLOP_ALIASES.get(packet.__name__, packet))
         flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
-        inputs = _tensor_leaves((args, kwargs))
-        outputs = _tensor_leaves(out)
+        inputs = tensor_leaves((args, kwargs))
+        outputs = tensor_leaves(out)
         in_keys = {storage_key(t): t for t in inputs}
         moved = sum(t.numel() * t.element_size() for t in in_keys.values())
         moved += sum(t.numel() * t.element_size() for t in outputs if storage_key(t) not in in_keys)

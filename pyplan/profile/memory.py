@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from pyplan._torch import run_without_compute, storage_key
+from pyplan._torch import run_without_compute, storage_key, tensor_leaves
 from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import Affine
 from pyplan.graph.linearize import static_closure
@@ -75,16 +75,6 @@ def model_state_bytes(numel: int, tensors: int, *, optimizer: str = "adamw", pre
     return ModelState(param_bytes=weight * numel, grad_bytes=grad * numel, optimizer_bytes=optimizer_bytes)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
 class _SavedRecorder(fx.Interpreter):
     """Runs the graph and charges each storage saved for backward to the node that produced it."""
 
@@ -104,7 +94,7 @@ class _SavedRecorder(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         self.current = n.name
         result = super().run_node(n)
-        for t in _tensors(result):
+        for t in tensor_leaves(result):
             self.producer.setdefault(storage_key(t), n.name)
         return result
 

@@ -8,21 +8,12 @@ from typing import Any
 import torch
 from torch import fx
 
+from pyplan._torch import tensor_leaves
 from pyplan.graph.split import pieces
 
 __all__ = ["backward", "block_inputs", "block_modules", "forward", "leaf_inputs"]
 
 block_modules = pieces
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
 
 
 def block_inputs(mods: Sequence[fx.GraphModule], inputs: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
@@ -48,7 +39,7 @@ def leaf_inputs(args: Sequence[Any], *, first: bool) -> list[Any]:
 def forward(mod: fx.GraphModule, args: Sequence[Any]) -> tuple[Any, list[torch.Tensor]]:
     """One forward of a piece on `leaf_inputs`; returns the output and the float outputs backward starts from."""
     out = mod(*args)
-    return out, [t for t in _tensors(out) if t.requires_grad]
+    return out, [t for t in tensor_leaves(out) if t.requires_grad]
 
 
 def backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None = None) -> None:
