@@ -79,7 +79,7 @@ def chain_for(
     chain = profile(chain, example_inputs, measure=False, batch_sizes=sizes)
     if not gpu.peak_flops_per_s or not gpu.hbm_bw_bytes_per_s:
         raise PlanError(f"GPU '{gpu.name}' has no peak FLOP/s or memory bandwidth; run `pyplan calibrate` first")
-    roofline = Roofline(dict(gpu.peak_flops_per_s), gpu.hbm_bw_bytes_per_s)
+    roofline = Roofline.from_gpu(gpu)
     times = block_times_analytic(
         chain, example_inputs, roofline, sizes, compute_dtype=_COMPUTE_DTYPE[workload.precision]
     )

@@ -254,10 +254,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.set_defaults(func=_emit)
 
+    from pyplan.hardware.calibrate import add_calibrate_parser
     from pyplan.hardware.cli import add_hardware_parser
     from pyplan.zoo.cli import add_zoo_parser
 
     add_hardware_parser(sub)
+    add_calibrate_parser(sub)
     add_zoo_parser(sub)
     return parser
 

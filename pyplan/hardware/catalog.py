@@ -39,6 +39,7 @@ __all__ = [
     "list_links",
     "load_catalog",
     "local_calibration_path",
+    "local_efficiency",
     "local_gpu",
     "local_link",
     "total",
@@ -636,8 +637,9 @@ def local_calibration_path() -> Path:
     The file is a JSON object; the keys read here are
       "device": the description of the device measured (a file for another device is ignored),
       "gpu":    any GPU fields except name (e.g. "peak_flops_per_s", "hbm_bw_bytes_per_s", "source"),
-      "link":   "latency_s", "bw_bytes_per_s" and optionally "source" of the link between local processes.
-    Other keys (e.g. per-op-class efficiencies) belong to their readers and are ignored here.
+      "link":   "latency_s", "bw_bytes_per_s" and optionally "source" of the link between local processes,
+      "efficiency": per-op-class efficiencies, handed out by `local_efficiency` (`analytic.Efficiency` reads them).
+    Other keys (e.g. "measured", the details of a calibration) are for people and ignored here.
     """
     return cache_dir() / "local.json"
 
@@ -741,3 +743,17 @@ def local_link() -> Link:
     note = f"calibrated: {path}" + (f" ({calib['source']})" if "source" in calib else "")
     values = {"description": "between processes on this machine", **calib, "name": LOCAL, "source": note}
     return Link.from_json(values, f"calibration file {path}: 'link'")
+
+
+def local_efficiency() -> dict[str, Any] | None:
+    """The "efficiency" object of the calibration file (per-op-class achieved fractions of the roofline and the
+    launch cost of an op; `pyplan.profile.analytic.Efficiency.from_json` reads it), or None when there is no file,
+    no such object, or the file is for another device."""
+    data, path = _read_calibration()
+    if data is None or data.get("efficiency") is None:
+        return None
+    if data.get("device") is not None and data["device"] != _detect_local().description:
+        return None
+    if not isinstance(data["efficiency"], dict):
+        raise PlanError(f"calibration file {path}: 'efficiency' must be an object; rerun `pyplan calibrate`")
+    return data["efficiency"]

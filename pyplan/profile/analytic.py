@@ -11,23 +11,38 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pyplan._torch import OpRecorder, run_without_compute
+from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import Affine
 from pyplan.graph.trace import ExampleInputs, inputs_at
+from pyplan.hardware.catalog import GPU, LOCAL, local_efficiency
 from pyplan.profile.pieces import backward, block_inputs, block_modules, forward, leaf_inputs
 
-__all__ = ["OP_CLASSES", "Efficiency", "OpCost", "Roofline", "block_op_costs", "block_times_analytic", "op_class"]
+__all__ = [
+    "ALLOCATIONS",
+    "OP_CLASSES",
+    "Efficiency",
+    "OpCost",
+    "OpEfficiency",
+    "Roofline",
+    "block_op_costs",
+    "block_times_analytic",
+    "op_class",
+]
 
 OP_CLASSES = ("matmul", "attention", "norm", "elementwise")
 
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 _MATMUL = ("mm", "addmm", "bmm", "baddbmm", "matmul", "_scaled_mm", "linear")
 _NORM = ("layer_norm", "batch_norm", "group_norm", "rms_norm", "native_layer_norm", "native_batch_norm")
+# Ops that only allocate their output: they launch no kernel that moves data.
+ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 
 
 def op_class(name: str) -> str:
@@ -53,12 +68,27 @@ class OpCost:
     is_view: bool = False
 
 
+def _positive(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+@dataclass(frozen=True)
+class OpEfficiency:
+    """One aten op as calibration measured it: `latency_s + roofline time / efficiency` (Hockney's fixed cost and
+    asymptotic rate), from programs of the op at two sizes."""
+
+    efficiency: float
+    latency_s: float
+
+
 @dataclass(frozen=True)
 class Efficiency:
     """Achieved fraction of peak FLOP/s and of memory bandwidth per op class, and the launch cost of an op.
 
     Defaults are typical of large dense kernels on datacenter GPUs (matmuls reach 60-80 % of peak, memory-bound
-    kernels 70-90 % of bandwidth); calibration replaces them with measured values.
+    kernels 70-90 % of bandwidth); calibration replaces them with measured values. `op` refines a class by aten op
+    name (e.g. "native_batch_norm"): the fit calibration made for that op alone, its efficiency used for both
+    roofs. Kernels of one class differ several-fold on a CPU, and small ones fall short of large ones.
     """
 
     compute: Mapping[str, float] = field(
@@ -68,6 +98,40 @@ class Efficiency:
         default_factory=lambda: {"matmul": 0.8, "attention": 0.7, "norm": 0.7, "elementwise": 0.8}
     )
     launch_s: float = 4e-6
+    op: Mapping[str, OpEfficiency] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        ops = {name: {"efficiency": f.efficiency, "latency_s": f.latency_s} for name, f in self.op.items()}
+        return {"compute": dict(self.compute), "memory": dict(self.memory), "launch_s": self.launch_s, "op": ops}
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any], what: str = "efficiency") -> Efficiency:
+        """Read `to_json`'s form (the "efficiency" object of a calibration file); classes it lacks keep defaults."""
+        default = Efficiency()
+        parts = {}
+        for key in ("compute", "memory"):
+            given = data.get(key, {})
+            if not isinstance(given, Mapping) or set(given) - set(OP_CLASSES):
+                raise PlanError(f"{what}: '{key}' must map op classes ({', '.join(OP_CLASSES)}) to fractions")
+            for cls, value in given.items():
+                if not _positive(value):
+                    raise PlanError(f"{what}: '{key}.{cls}' must be a positive number, got {value!r}")
+            parts[key] = {**getattr(default, key), **given}
+        ops = data.get("op", {})
+        if not isinstance(ops, Mapping) or not all(
+            isinstance(v, Mapping) and _positive(v.get("efficiency")) and _positive(v.get("latency_s"))
+            for v in ops.values()
+        ):
+            raise PlanError(f"{what}: 'op' must map aten op names to positive 'efficiency' and 'latency_s'")
+        launch = data.get("launch_s", default.launch_s)
+        if not (_positive(launch) or launch == 0):
+            raise PlanError(f"{what}: 'launch_s' must be zero or positive, got {launch!r}")
+        return Efficiency(
+            compute=parts["compute"],
+            memory=parts["memory"],
+            launch_s=float(launch),
+            op={name: OpEfficiency(float(v["efficiency"]), float(v["latency_s"])) for name, v in ops.items()},
+        )
 
 
 @dataclass(frozen=True)
@@ -78,6 +142,18 @@ class Roofline:
     mem_bw_bytes_per_s: float
     efficiency: Efficiency = field(default_factory=Efficiency)
 
+    @staticmethod
+    def from_gpu(gpu: GPU, efficiency: Efficiency | None = None) -> Roofline:
+        """The roofline of a catalog GPU. Without `efficiency`: the defaults, or for `local` the efficiencies
+        `pyplan calibrate` measured."""
+        if not gpu.peak_flops_per_s or gpu.hbm_bw_bytes_per_s is None:
+            hint = ": run `pyplan calibrate`" if gpu.name == LOCAL else ""
+            raise PlanError(f"GPU '{gpu.name}' has no peak FLOP/s or memory bandwidth figures{hint}")
+        if efficiency is None:
+            measured = local_efficiency() if gpu.name == LOCAL else None
+            efficiency = Efficiency() if measured is None else Efficiency.from_json(measured, "calibrated efficiency")
+        return Roofline(dict(gpu.peak_flops_per_s), gpu.hbm_bw_bytes_per_s, efficiency)
+
     def peak(self, dtype: str) -> float:
         key = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, "fp32")
         if key not in self.peak_flops_per_s:
@@ -85,13 +161,18 @@ class Roofline:
         return self.peak_flops_per_s[key]
 
     def op_time_s(self, op: OpCost) -> float:
-        """Roofline time of one op; a view launches no kernel and costs nothing."""
+        """Roofline time of one op; a view launches no kernel and costs nothing, an allocation only its launch."""
         if op.is_view:
             return 0.0
         eff = self.efficiency
-        compute = op.flops / (self.peak(op.dtype) * eff.compute[op.op_class]) if op.flops else 0.0
-        memory = op.bytes / (self.mem_bw_bytes_per_s * eff.memory[op.op_class])
-        return max(compute, memory) + eff.launch_s
+        if op.name in ALLOCATIONS:
+            return eff.launch_s
+        compute = op.flops / self.peak(op.dtype) if op.flops else 0.0
+        memory = op.bytes / self.mem_bw_bytes_per_s
+        fit = eff.op.get(op.name)
+        if fit is not None:
+            return max(compute, memory) / fit.efficiency + fit.latency_s
+        return max(compute / eff.compute[op.op_class], memory / eff.memory[op.op_class]) + eff.launch_s
 
 
 def _costs(recorder: OpRecorder, compute_dtype: str | None) -> list[OpCost]:
@@ -125,8 +206,10 @@ def block_op_costs(
             leaves = leaf_inputs(a, first=i == 0)
             with OpRecorder() as fwd:
                 _, roots = forward(mod, leaves)
+            # The incoming gradient is made outside, as measure.py times it: in a pipeline it comes from the next stage.
+            grads = [torch.ones_like(t) for t in roots]
             with OpRecorder() as bwd:
-                backward(roots)
+                backward(roots, grads)
             result.append((_costs(fwd, compute_dtype), _costs(bwd, compute_dtype)))
         attention.__exit__(None, None, None)
         return result

@@ -2,7 +2,7 @@
 
 Each block runs alone on the inputs it receives in the full model, as a pipeline stage would run it: warm-up
 runs first, then `repeats` timed forward and backward passes whose medians are kept. On CUDA the times come from
-CUDA events; on the CPU from a monotonic clock with a fixed number of threads.
+CUDA events; on the CPU with a fixed number of threads, from the thread's CPU time (one thread) or wall time.
 """
 
 from __future__ import annotations
@@ -48,10 +48,12 @@ def _threads(n: int) -> Iterator[None]:
 
 
 class _Clock:
-    """Elapsed seconds of a region: CUDA events on a GPU, perf_counter on the CPU."""
+    """Seconds a region takes: CUDA events on a GPU; on the CPU with one thread, the thread's CPU time (what the
+    block costs, whatever else the machine runs at the same moment); with several threads, wall time."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, threads: int) -> None:
         self.cuda = device.type == "cuda"
+        self.now = time.thread_time if threads == 1 else time.perf_counter
 
     @contextlib.contextmanager
     def region(self, out: list[float]) -> Iterator[None]:
@@ -63,9 +65,9 @@ class _Clock:
             end.synchronize()
             out.append(start.elapsed_time(end) / 1e3)
         else:
-            t0 = time.perf_counter()
+            t0 = self.now()
             yield
-            out.append(time.perf_counter() - t0)
+            out.append(self.now() - t0)
 
 
 def _times_at(
@@ -74,7 +76,7 @@ def _times_at(
     mods = block_modules(chain)
     inputs = [t.to(device) for t in inputs_at(example_inputs, batch_size)]
     args = block_inputs(mods, inputs)
-    clock = _Clock(device)
+    clock = _Clock(device, opts.threads)
     result = []
     for i, (mod, a) in enumerate(zip(mods, args)):
         fwd: list[float] = []

@@ -1,0 +1,759 @@
+"""`pyplan calibrate`: measure the local device's peaks, per-op-class efficiencies, launch cost and local link."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from pyplan._torch import OpRecorder
+from pyplan.errors import PlanError
+from pyplan.hardware.catalog import _detect_local, local_calibration_path
+from pyplan.profile.analytic import ALLOCATIONS, OP_CLASSES, Efficiency, OpCost, OpEfficiency, Roofline, op_class
+from pyplan.report.units import fmt_bytes, fmt_count, fmt_seconds
+
+__all__ = [
+    "AlphaBeta",
+    "Calibration",
+    "CalibrationOptions",
+    "LinkMeasurement",
+    "MatmulPeak",
+    "OpSample",
+    "add_calibrate_parser",
+    "calibrate",
+    "class_efficiency",
+    "fit_alpha_beta",
+    "fit_op",
+    "measure_link",
+    "op_efficiency",
+    "write_calibration",
+]
+
+# What is measured, and how the analytic model uses it (pyplan/profile/analytic.py):
+#   peak FLOP/s per dtype   the best throughput of square matmuls of doubling size: the roofline's compute roof;
+#   memory bandwidth        the better of a large copy and a large add (bytes read + written): its memory roof;
+#   launch_s                seconds per aten op of a chain of tiny ops run forward and backward under autograd:
+#                           what an op costs beyond its roofline (dispatch, autograd, kernel launch);
+#   per aten op             representative programs of one op each (matmul, convolution, norms, elementwise,
+#                           attention; forward and backward) at a small and a large size, fitted to
+#                           t = latency + roofline time at full efficiency / efficiency (Hockney's model);
+#   per op class            Σ roofline time / Σ (measured time − launches) over the class's large programs:
+#                           the achieved fraction of the roofline for ops that were not timed themselves;
+#   link                    one-way point-to-point and all-reduce times between two local processes over
+#                           several message sizes, each fitted to t = latency + bytes / bandwidth (α-β).
+# Every device figure is the best of several rounds; one efficiency is applied to both roofs.
+
+
+@dataclass(frozen=True)
+class CalibrationOptions:
+    """`threads`: CPU threads per process (fixed, as `pyplan inspect` times); `quick`: smaller sizes and fewer
+    repeats (about 15 s on a 2-core CPU); `link`: also measure the link between two local processes."""
+
+    threads: int = 1
+    quick: bool = False
+    link: bool = True
+    link_timeout_s: float = 180.0
+
+
+@dataclass(frozen=True)
+class MatmulPeak:
+    """The best matmul throughput in one dtype, and the n of the n×n×n product that reached it."""
+
+    dtype: str
+    flops_per_s: float
+    size: int
+
+
+@dataclass(frozen=True)
+class OpSample:
+    """One timed representative program: its op class, the one aten op it runs (None if several), whether it is
+    at the large of the two scales, the count and roofline time at full efficiency of its ops, and the measured
+    time (the least of the rounds)."""
+
+    name: str
+    op_class: str
+    op: str | None
+    large: bool
+    n_ops: int
+    roofline_s: float
+    time_s: float
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """A fit of transfer time to `latency_s + bytes / bw_bytes_per_s`."""
+
+    latency_s: float
+    bw_bytes_per_s: float
+
+    def time_s(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bw_bytes_per_s
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    """Point-to-point (one way, half a ping-pong) and all-reduce times between two local processes."""
+
+    backend: str
+    sizes_bytes: tuple[int, ...]
+    p2p_time_s: tuple[float, ...]
+    allreduce_time_s: tuple[float, ...]
+    p2p: AlphaBeta
+    allreduce: AlphaBeta
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Everything `pyplan calibrate` measured on one device; `to_json` is the calibration file."""
+
+    device: str
+    device_type: str
+    threads: int | None
+    peaks: tuple[MatmulPeak, ...]
+    copy_bw_bytes_per_s: float
+    add_bw_bytes_per_s: float
+    launch_s: float
+    samples: tuple[OpSample, ...]
+    efficiency: Efficiency
+    link: LinkMeasurement | None
+    elapsed_s: float
+    torch_version: str = torch.__version__
+    measured_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+
+    @property
+    def mem_bw_bytes_per_s(self) -> float:
+        return max(self.copy_bw_bytes_per_s, self.add_bw_bytes_per_s)
+
+    @property
+    def peak_flops_per_s(self) -> dict[str, float]:
+        return {p.dtype: p.flops_per_s for p in self.peaks}
+
+    def to_json(self) -> dict[str, Any]:
+        """The calibration file: "device", "gpu" and "link" as the catalog reads them (see
+        `local_calibration_path`), "efficiency" as `Efficiency.from_json` reads it, and "measured" for people."""
+        threads = f", {self.threads} thread(s) per process" if self.threads else ""
+        gpu: dict[str, Any] = {
+            "peak_flops_per_s": self.peak_flops_per_s,
+            "hbm_bw_bytes_per_s": self.mem_bw_bytes_per_s,
+            "source": f"pyplan calibrate {self.measured_at}: matmul peaks, copy/add bandwidth{threads}",
+        }
+        if self.threads:
+            gpu["cpu_threads"] = self.threads
+        data: dict[str, Any] = {"device": self.device, "gpu": gpu, "efficiency": self.efficiency.to_json()}
+        if self.link is not None:
+            data["link"] = {
+                "latency_s": self.link.p2p.latency_s,
+                "bw_bytes_per_s": self.link.p2p.bw_bytes_per_s,
+                "source": f"pyplan calibrate {self.measured_at}: {self.link.backend} send/recv between 2 processes, "
+                f"α-β fit over {len(self.link.sizes_bytes)} sizes",
+            }
+        data["measured"] = {
+            "torch": self.torch_version,
+            "device_type": self.device_type,
+            "threads": self.threads,
+            "elapsed_s": self.elapsed_s,
+            "matmul": [asdict(p) for p in self.peaks],
+            "copy_bw_bytes_per_s": self.copy_bw_bytes_per_s,
+            "add_bw_bytes_per_s": self.add_bw_bytes_per_s,
+            "launch_s": self.launch_s,
+            "ops": [asdict(s) for s in self.samples],
+            "link": None if self.link is None else asdict(self.link),
+        }
+        return data
+
+
+# --- Fitting (pure) ---------------------------------------------------------------------------------------
+
+
+def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> AlphaBeta:
+    """Least-squares fit of `t = α + n/β` in relative error (each point weighted by 1/t²), so that the
+    microsecond latencies of small messages count as much as the milliseconds of large ones. α is clipped at 0."""
+    if len(sizes_bytes) != len(times_s) or len(set(sizes_bytes)) < 2:
+        raise PlanError(f"an α-β fit needs two or more distinct sizes, got {list(sizes_bytes)}")
+    if any(t <= 0 for t in times_s):
+        raise PlanError(f"an α-β fit needs positive times, got {list(times_s)}")
+    # Weighted normal equations for t = a + b·n with weights w = 1/t².
+    w = [1.0 / t**2 for t in times_s]
+    sw = sum(w)
+    sn = sum(wi * n for wi, n in zip(w, sizes_bytes))
+    snn = sum(wi * n * n for wi, n in zip(w, sizes_bytes))
+    st = sum(wi * t for wi, t in zip(w, times_s))
+    snt = sum(wi * n * t for wi, n, t in zip(w, sizes_bytes, times_s))
+    det = sw * snn - sn * sn
+    a = (snn * st - sn * snt) / det
+    b = (sw * snt - sn * st) / det
+    if a < 0:  # no latency: refit through the origin
+        a, b = 0.0, snt / snn
+    if b <= 0:
+        raise PlanError(f"transfer times do not grow with size ({list(times_s)} s for {list(sizes_bytes)} B)")
+    return AlphaBeta(latency_s=a, bw_bytes_per_s=1.0 / b)
+
+
+def _fraction(samples: Sequence[OpSample], launch_s: float) -> float | None:
+    # A program whose time is (nearly) all launches says nothing about its roofline: left out.
+    useful = [x for x in samples if x.time_s - x.n_ops * launch_s > 0.1 * x.time_s]
+    if not useful:
+        return None
+    return sum(x.roofline_s for x in useful) / sum(x.time_s - x.n_ops * launch_s for x in useful)
+
+
+def class_efficiency(samples: Sequence[OpSample], launch_s: float) -> dict[str, float]:
+    """Per op class, over its large programs: Σ roofline time at full efficiency / Σ (measured time − launch_s
+    per op). What an op that calibration did not time gets."""
+    found = {cls: _fraction([x for x in samples if x.op_class == cls and x.large], launch_s) for cls in OP_CLASSES}
+    return {cls: f for cls, f in found.items() if f is not None}
+
+
+def fit_op(samples: Sequence[OpSample], launch_s: float) -> OpEfficiency:
+    """Fit the programs of one aten op to `time = n_ops · latency + roofline / efficiency` (Hockney's model of a
+    kernel: a fixed cost, then the roofline rate) by least squares, so the large programs set the rate and the
+    small ones the fixed cost. The latency is at least `launch_s`: a small program faster than that (its operands
+    in cache, beating the memory roof) leaves the latency at `launch_s` and the rate to the large programs."""
+    if len({x.roofline_s for x in samples}) < 2:
+        fraction = _fraction(samples, launch_s)
+        if fraction is None:
+            raise PlanError(f"op programs {[x.name for x in samples]} are all launch overhead")
+        return OpEfficiency(efficiency=fraction, latency_s=launch_s)
+    # Normal equations for t = n·λ + r·μ, μ = 1/efficiency.
+    snn = sum(x.n_ops**2 for x in samples)
+    snr = sum(x.n_ops * x.roofline_s for x in samples)
+    srr = sum(x.roofline_s**2 for x in samples)
+    snt = sum(x.n_ops * x.time_s for x in samples)
+    srt = sum(x.roofline_s * x.time_s for x in samples)
+    det = snn * srr - snr * snr
+    latency, mu = (srr * snt - snr * srt) / det, (snn * srt - snr * snt) / det
+    if latency < launch_s or mu <= 0:
+        latency = launch_s
+        mu = sum(x.roofline_s * (x.time_s - x.n_ops * latency) for x in samples) / srr
+    if mu <= 0:
+        raise PlanError(f"op programs {[x.name for x in samples]} are all launch overhead")
+    return OpEfficiency(efficiency=1.0 / mu, latency_s=latency)
+
+
+def op_efficiency(samples: Sequence[OpSample], launch_s: float) -> dict[str, OpEfficiency]:
+    """`fit_op` for every aten op that some program runs alone."""
+    return {op: fit_op([x for x in samples if x.op == op], launch_s) for op in sorted({x.op for x in samples if x.op})}
+
+
+# --- Timing -----------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class _Clock:
+    """Seconds to time with. On a CPU with one thread: the calling thread's CPU time, which torch's work runs in
+    and which other processes' load does not inflate (on a 2-core machine running tests beside the calibration,
+    wall-clock times grow several-fold). Otherwise wall time, synchronized with the GPU."""
+
+    device: torch.device
+    threads: int
+
+    def now(self) -> float:
+        _sync(self.device)
+        return time.thread_time() if self.device.type == "cpu" and self.threads == 1 else time.perf_counter()
+
+
+def _time(fn: Callable[[], object], clock: _Clock, *, min_time_s: float, max_call_s: float = math.inf) -> float:
+    """Seconds of one call of `fn`, the least of several samples: calls batched so each sample lasts ≥ 0.5 ms,
+    samples until `min_time_s` of wall time has passed (at least 3). The least, not the median: other processes
+    only ever add time, and a calibration describes the device, not its neighbours. A warm-up call longer than
+    `max_call_s` is taken as the answer, to bound slow dtypes."""
+    t0 = clock.now()
+    fn()
+    first = clock.now() - t0
+    if first > max_call_s:
+        return first
+    per_sample = max(1, math.ceil(5e-4 / max(first, 1e-7)))
+    samples: list[float] = []
+    start = time.perf_counter()
+    while len(samples) < 3 or (time.perf_counter() - start < min_time_s and len(samples) < 1000):
+        t0 = clock.now()
+        for _ in range(per_sample):
+            fn()
+        samples.append((clock.now() - t0) / per_sample)
+    return min(samples)
+
+
+_TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _dtypes(device: torch.device) -> list[str]:
+    if device.type != "cuda":
+        return ["fp32", "bf16", "fp16"]
+    major, _ = torch.cuda.get_device_capability(device)
+    found = ["fp32"] + (["tf32"] if major >= 8 else [])
+    return found + (["bf16"] if torch.cuda.is_bf16_supported() else []) + ["fp16"]
+
+
+@contextlib.contextmanager
+def _tf32(on: bool) -> Iterator[None]:
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = on
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _matmul_peaks(clock: _Clock, quick: bool, min_time_s: float) -> list[MatmulPeak]:
+    """Square matmuls of doubling n per dtype, up to the largest size or until the next product would take
+    longer than the cap (a CPU without bf16 kernels runs bf16 fifty times slower than fp32: measured, not
+    assumed)."""
+    device = clock.device
+    if device.type == "cuda":
+        sizes = (1024, 2048, 4096) if quick else (1024, 2048, 4096, 8192)
+    else:
+        sizes = (256, 512) if quick else (256, 512, 1024, 2048)
+    cap_s = 0.05
+    peaks = []
+    for key in _dtypes(device):
+        best = MatmulPeak(key, 0.0, 0)
+        with _tf32(key == "tf32") if device.type == "cuda" else contextlib.nullcontext():
+            for n in sizes:
+                a = torch.randn(n, n, device=device, dtype=_TORCH_DTYPES[key])
+                b = torch.randn(n, n, device=device, dtype=_TORCH_DTYPES[key])
+                t = _time(lambda a=a, b=b: torch.mm(a, b), clock, min_time_s=min_time_s, max_call_s=cap_s)
+                if 2 * n**3 / t > best.flops_per_s:
+                    best = MatmulPeak(key, 2 * n**3 / t, n)
+                if t * 8 > cap_s:  # the next size, twice n, would take eight times as long
+                    break
+        peaks.append(best)
+    return peaks
+
+
+def _bandwidth(clock: _Clock, quick: bool, min_time_s: float) -> tuple[float, float]:
+    """Bytes per second of a large copy (read + write) and a large add (two reads + a write), into preallocated
+    outputs, each far larger than the caches."""
+    device = clock.device
+    nbytes = (256 if quick else 1024) * 2**20 if device.type == "cuda" else (64 if quick else 256) * 2**20
+    x = torch.ones(nbytes // 4, device=device)
+    y = torch.ones_like(x)
+    out = torch.empty_like(x)
+    copy = _time(lambda: out.copy_(x), clock, min_time_s=min_time_s)
+    add = _time(lambda: torch.add(x, y, out=out), clock, min_time_s=min_time_s)
+    return 2 * nbytes / copy, 3 * nbytes / add
+
+
+def _recorded(fn: Callable[[], object]) -> list[OpCost]:
+    """The non-view aten ops one call of `fn` runs, as the analytic model costs them."""
+    with OpRecorder() as rec:
+        fn()
+    return [OpCost(name, op_class(name), fl, nb, dt, view) for name, fl, nb, dt, view in rec.ops if not view]
+
+
+def _launch_program(device: torch.device) -> Callable[[], object]:
+    """64 tiny multiplications forward and backward under autograd: almost nothing but per-op overhead."""
+    x = torch.ones(4, device=device, requires_grad=True)
+    g = torch.ones(4, device=device)
+
+    def chain() -> None:
+        y = x
+        for _ in range(64):
+            y = y * 1.0001
+        torch.autograd.grad(y, x, g)
+
+    return chain
+
+
+def _leaf(*shape: int, device: torch.device) -> torch.Tensor:
+    return torch.randn(*shape, device=device, requires_grad=True)
+
+
+def _backward_of(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> Callable[[], object]:
+    """The backward alone of `out` with respect to `inputs`; the incoming gradient is made once, outside."""
+    g = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, list(inputs), g, retain_graph=True)
+
+
+# Operand sizes of the representative programs: (tokens, width) of a linear layer, (N, C, H, W) of a 3x3
+# convolution, (N, C, H, W) of a batch norm, elements of the elementwise and layer-norm operands, (B, heads, T,
+# head dim) of attention. Two scales per device, so that each op's time is fitted as latency + roofline /
+# efficiency: the small one as in a small model, whose tensors stay in cache; the large one as in a layer of a
+# large model, where memory-bound operands (16 MB and more) stream from memory rather than from the last-level
+# cache, as the roofline assumes (timed from cache, a CPU's relu beats its memory bandwidth three-fold). On the
+# CPU they stay below 32 MB, glibc's largest mmap threshold: larger buffers are mapped afresh on every allocation,
+# and their page faults (2 µs per 4 kB page in a VM) would be timed instead of the kernel.
+_SIZES = {
+    ("cpu", False): ((256, 64), (8, 16, 16, 16), (8, 16, 16, 16), 2**15, (8, 4, 32, 16)),
+    ("cpu", True): ((512, 512), (16, 32, 32, 32), (32, 32, 64, 64), 2**22, (4, 8, 128, 64)),
+    ("cuda", False): ((1024, 1024), (8, 64, 28, 28), (8, 64, 28, 28), 2**20, (4, 8, 256, 64)),
+    ("cuda", True): ((8192, 4096), (32, 128, 56, 56), (64, 256, 56, 56), 2**26, (8, 16, 2048, 128)),
+}
+
+
+def _programs(device: torch.device, large: bool) -> list[tuple[str, str, Callable[[], object]]]:
+    """(name, op class, program) of representative ops, forward and backward, each program one kind of aten op
+    (allocations aside). Inputs are made once, outside the programs."""
+    d = device
+    (tokens, width), conv, bn, elems, heads = _SIZES[d.type, large]
+    rows = elems // width
+
+    x, w, bias = _leaf(tokens, width, device=d), _leaf(width, width, device=d), _leaf(width, device=d)
+    xc, wc = _leaf(*conv, device=d), _leaf(conv[1], conv[1], 3, 3, device=d)
+    xb, bn_w, bn_b = _leaf(*bn, device=d), _leaf(bn[1], device=d), _leaf(bn[1], device=d)
+    stats = torch.zeros(bn[1], device=d), torch.ones(bn[1], device=d)
+    e1, e2 = _leaf(rows, width, device=d), _leaf(rows, width, device=d)
+    ln_w, ln_b = _leaf(width, device=d), _leaf(width, device=d)
+    q, k, v = (_leaf(*heads, device=d) for _ in range(3))
+
+    def sdpa() -> torch.Tensor:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def batch_norm() -> torch.Tensor:
+        return F.batch_norm(xb, *stats, bn_w, bn_b, training=True)
+
+    # GELU has two kernels under one aten name, exact (erf, BERT) and tanh-approximated (GPT-2), four times apart
+    # on a CPU: both are timed, and the fit of "gelu" lies between them.
+    mm, cv, ew = f"{tokens}x{width}x{width}", f"{conv}", f"({rows}, {width})"
+    bns = f"{bn}"
+    forward: list[tuple[str, str, Callable[[], torch.Tensor]]] = [
+        (f"linear {mm}", "matmul", lambda: F.linear(x, w, bias)),
+        (f"conv3x3 {cv}", "matmul", lambda: F.conv2d(xc, wc, padding=1)),
+        (f"layer_norm {ew}", "norm", lambda: F.layer_norm(e1, (width,), ln_w, ln_b)),
+        (f"batch_norm {bns}", "norm", batch_norm),
+        (f"relu {ew}", "elementwise", lambda: torch.relu(e1)),
+        (f"gelu {ew}", "elementwise", lambda: F.gelu(e1)),
+        (f"gelu tanh {ew}", "elementwise", lambda: F.gelu(e1, approximate="tanh")),
+        (f"softmax {ew}", "elementwise", lambda: torch.softmax(e1, -1)),
+        (f"add {ew}", "elementwise", lambda: torch.add(e1, e2)),
+        (f"mul {ew}", "elementwise", lambda: torch.mul(e1, e2)),
+        (f"clone {ew}", "elementwise", lambda: e1.clone()),
+        (f"sum over rows {ew}", "elementwise", lambda: e1.sum(0)),
+        (f"sdpa causal {heads}", "attention", sdpa),
+    ]
+    backward = [
+        (f"mm {mm} backward", "matmul", lambda: (torch.mm(x, w), (x, w))),
+        (f"conv3x3 {cv} backward", "matmul", lambda: (F.conv2d(xc, wc, padding=1), (xc, wc))),
+        (f"layer_norm {ew} backward", "norm", lambda: (F.layer_norm(e1, (width,), ln_w, ln_b), (e1, ln_w, ln_b))),
+        (f"batch_norm {bns} backward", "norm", lambda: (batch_norm(), (xb, bn_w, bn_b))),
+        (f"relu {ew} backward", "elementwise", lambda: (torch.relu(e1), (e1,))),
+        (f"gelu {ew} backward", "elementwise", lambda: (F.gelu(e1), (e1,))),
+        (f"gelu tanh {ew} backward", "elementwise", lambda: (F.gelu(e1, approximate="tanh"), (e1,))),
+        (f"softmax {ew} backward", "elementwise", lambda: (torch.softmax(e1, -1), (e1,))),
+        (f"sdpa causal {heads} backward", "attention", lambda: (sdpa(), (q, k, v))),
+    ]
+
+    def no_grad(fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            with torch.no_grad():
+                return fn()
+
+        return run
+
+    programs = [(name, cls, no_grad(fn)) for name, cls, fn in forward]
+    return programs + [(name, cls, _backward_of(*build())) for name, cls, build in backward]
+
+
+def _op_name(ops: Sequence[OpCost]) -> str | None:
+    """The one aten op a program runs (allocations aside), or None when it runs several kinds."""
+    names = {op.name for op in ops if op.name not in ALLOCATIONS}
+    return names.pop() if len(names) == 1 else None
+
+
+# --- The link between two local processes -----------------------------------------------------------------
+
+
+def _link_sizes(quick: bool) -> list[int]:
+    return [4, 4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20] if quick else [4 * 8**k for k in range(9)]
+
+
+def _reps(nbytes: int, quick: bool) -> int:
+    base = 20 if nbytes <= 2**20 else 8
+    return base if quick else 3 * base
+
+
+def _link_worker(rank: int, out: str, init: str, backend: str, sizes: list[int], quick: bool, threads: int) -> None:
+    """One of the two processes: ping-pong and all-reduce at each size; rank 0 writes the medians to `out`."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    cuda = backend == "nccl"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=2)
+    try:
+        warm = torch.zeros(1, device=device)
+        for _ in range(10):  # the first messages set up connections: not timed
+            dist.all_reduce(warm)
+            dist.barrier()
+        p2p, allreduce = [], []
+        for nbytes in sizes:
+            buf = torch.zeros(max(1, nbytes // 4), device=device)
+            trips, reduces = [], []
+            for rep in range(2 + _reps(nbytes, quick)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                if rank == 0:
+                    dist.send(buf, 1)
+                    dist.recv(buf, 1)
+                else:
+                    dist.recv(buf, 0)
+                    dist.send(buf, 0)
+                _sync(device)
+                trip = (time.perf_counter() - t0) / 2
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(buf)
+                _sync(device)
+                if rep >= 2:
+                    trips.append(trip)
+                    reduces.append(time.perf_counter() - t0)
+            p2p.append(statistics.median(trips))
+            allreduce.append(statistics.median(reduces))
+        if rank == 0:
+            Path(out).write_text(json.dumps({"p2p": p2p, "allreduce": allreduce}))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_link(*, quick: bool = False, threads: int = 1, timeout_s: float = 180.0) -> LinkMeasurement:
+    """Point-to-point and all-reduce between two processes spawned on this machine: NCCL between two CUDA
+    GPUs when there are two, else gloo over CPU tensors. Each is fitted to α-β over several message sizes."""
+    import torch.multiprocessing as mp
+
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
+    sizes = _link_sizes(quick)
+    with tempfile.TemporaryDirectory(prefix="pyplan-calibrate-") as tmp:
+        out = os.path.join(tmp, "link.json")
+        args = (out, os.path.join(tmp, "store"), backend, sizes, quick, threads)
+        ctx = mp.start_processes(_link_worker, args=args, nprocs=2, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise PlanError(f"the {backend} link measurement between 2 processes took over {timeout_s:.0f} s")
+        except mp.ProcessRaisedException as exc:
+            last = str(exc).strip().splitlines()[-1]
+            raise PlanError(f"the {backend} link measurement between 2 processes failed: {last}") from None
+        except mp.ProcessExitedException as exc:
+            raise PlanError(f"the {backend} link measurement between 2 processes failed: {exc}") from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        data = json.loads(Path(out).read_text())
+    return LinkMeasurement(
+        backend=backend,
+        sizes_bytes=tuple(sizes),
+        p2p_time_s=tuple(data["p2p"]),
+        allreduce_time_s=tuple(data["allreduce"]),
+        p2p=fit_alpha_beta(sizes, data["p2p"]),
+        allreduce=fit_alpha_beta(sizes, data["allreduce"]),
+    )
+
+
+# --- Calibration ------------------------------------------------------------------------------------------
+
+
+def _measure(clock: _Clock, quick: bool) -> tuple[list[MatmulPeak], float, float, float, list[OpSample]]:
+    """Peaks, copy and add bandwidth, launch cost and op samples. Every figure is timed in each of several rounds
+    and the best round kept, so a burst of load from other processes spoils one round of a figure, not the figure."""
+    rounds, min_time_s = (2, 0.02) if quick else (4, 0.1)
+    device = clock.device
+    launch_fn = _launch_program(device)
+    n_launch = len(_recorded(launch_fn))
+    programs = [
+        (name, cls, fn, _recorded(fn), large) for large in (False, True) for name, cls, fn in _programs(device, large)
+    ]
+    peaks: dict[str, MatmulPeak] = {}
+    copy_bw = add_bw = 0.0
+    launch = math.inf
+    times = [math.inf] * len(programs)
+    for _ in range(rounds):
+        for p in _matmul_peaks(clock, quick, min_time_s):
+            if p.dtype not in peaks or p.flops_per_s > peaks[p.dtype].flops_per_s:
+                peaks[p.dtype] = p
+        copy, add = _bandwidth(clock, quick, 2 * min_time_s)
+        copy_bw, add_bw = max(copy_bw, copy), max(add_bw, add)
+        launch = min(launch, _time(launch_fn, clock, min_time_s=min_time_s) / n_launch)
+        for i, (_, _, fn, _, _) in enumerate(programs):
+            times[i] = min(times[i], _time(fn, clock, min_time_s=min_time_s))
+    unit = dict.fromkeys(OP_CLASSES, 1.0)
+    roof = Roofline({p.dtype: p.flops_per_s for p in peaks.values()}, max(copy_bw, add_bw), Efficiency(unit, unit, 0.0))
+    samples = [
+        OpSample(name, cls, _op_name(ops), large, len(ops), sum(roof.op_time_s(op) for op in ops), t)
+        for (name, cls, _, ops, large), t in zip(programs, times)
+    ]
+    return list(peaks.values()), copy_bw, add_bw, launch, samples
+
+
+def calibrate(options: CalibrationOptions | None = None) -> Calibration:
+    """Measure the local device (CUDA when present, else the CPU with `options.threads` threads)."""
+    options = options or CalibrationOptions()
+    if options.threads < 1:
+        raise PlanError(f"--threads must be at least 1, got {options.threads}")
+    start = time.perf_counter()
+    detected = _detect_local()
+    device = torch.device("cuda") if detected.device_type == "cuda" else torch.device("cpu")
+    with _threads(options.threads), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        peaks, copy_bw, add_bw, launch, samples = _measure(_Clock(device, options.threads), options.quick)
+    per_class = class_efficiency(samples, launch)
+    default = Efficiency()
+    efficiency = Efficiency(
+        compute={c: per_class.get(c, default.compute[c]) for c in OP_CLASSES},
+        memory={c: per_class.get(c, default.memory[c]) for c in OP_CLASSES},
+        launch_s=launch,
+        op=op_efficiency(samples, launch),
+    )
+    link = (
+        measure_link(quick=options.quick, threads=options.threads, timeout_s=options.link_timeout_s)
+        if options.link
+        else None
+    )
+    return Calibration(
+        device=detected.description,
+        device_type=device.type,
+        threads=options.threads if device.type == "cpu" else None,
+        peaks=tuple(peaks),
+        copy_bw_bytes_per_s=copy_bw,
+        add_bw_bytes_per_s=add_bw,
+        launch_s=launch,
+        samples=tuple(samples),
+        efficiency=efficiency,
+        link=link,
+        elapsed_s=time.perf_counter() - start,
+    )
+
+
+def write_calibration(calibration: Calibration, path: str | Path | None = None) -> Path:
+    """Write the calibration file atomically (a temporary file renamed over it) to `path` (default:
+    `local_calibration_path()`); returns the path written."""
+    target = Path(path) if path is not None else local_calibration_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(calibration.to_json(), f, indent=2)
+            f.write("\n")
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return target
+
+
+# --- Command line -----------------------------------------------------------------------------------------
+
+_EXAMPLES = """examples:
+  pyplan calibrate                       # about a minute; writes the local calibration file
+  pyplan calibrate --quick               # about 15 s on a 2-core CPU, smaller sizes and fewer repeats
+  pyplan calibrate --threads 2 --json    # CPU processes of 2 threads each; print the data
+  pyplan hardware show local             # the figures the catalog now gives the `local` GPU and link
+
+On a CPU with one thread, times are the thread's CPU time, so other processes' load does not inflate them.
+"""
+
+
+def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `calibrate` to the `pyplan` subcommands; returns its parser."""
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="measure this machine's device and local link; the `local` GPU and link use the figures",
+        description="Measure, on the local device (CUDA if present, else the CPU with a fixed thread count): "
+        "matmul FLOP/s per dtype, memory bandwidth, the launch cost of an op, the achieved efficiency of "
+        "representative ops per op class, and point-to-point and all-reduce latency and bandwidth between two "
+        "local processes (gloo on CPU, NCCL between two GPUs). Writes the calibration file that the catalog's "
+        "`local` GPU and link, and the analytic roofline, read.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--out", metavar="FILE", help=f"write here instead of {local_calibration_path()}")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads per process (default 1)")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (about 15 s)")
+    parser.add_argument("--no-link", action="store_true", help="skip the two-process link measurement")
+    parser.add_argument("--json", action="store_true", help="print the calibration file's data instead of tables")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.set_defaults(func=calibrate_command)
+    return parser
+
+
+def calibrate_command(args: argparse.Namespace) -> int:
+    """`pyplan calibrate`: measure, write the file, print what was measured."""
+    options = CalibrationOptions(threads=args.threads, quick=args.quick, link=not args.no_link)
+    result = calibrate(options)
+    path = write_calibration(result, args.out)
+    if args.json:
+        print(json.dumps({"path": str(path), **result.to_json()}, indent=2))
+    else:
+        _render(result, path, Console())
+    return 0
+
+
+def _render(cal: Calibration, path: Path, console: Console) -> None:
+    threads = f", {cal.threads} thread(s)" if cal.threads else ""
+    console.print(f"[bold]{cal.device}[/bold] ({cal.device_type}{threads}), measured in {cal.elapsed_s:.1f} s")
+    console.print(f"written to {path}")
+
+    t = Table(title="Roofs")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    t.add_column("how")
+    for p in cal.peaks:
+        t.add_row(f"peak {p.dtype}", f"{fmt_count(p.flops_per_s)}FLOP/s", f"best square matmul, n = {p.size}")
+    t.add_row("memory bandwidth", f"{fmt_bytes(cal.mem_bw_bytes_per_s)}/s", "the better of copy and add")
+    t.add_row("  copy", f"{fmt_bytes(cal.copy_bw_bytes_per_s)}/s", "bytes read + written")
+    t.add_row("  add", f"{fmt_bytes(cal.add_bw_bytes_per_s)}/s", "bytes read + written")
+    t.add_row("launch per op", fmt_seconds(cal.launch_s), "tiny ops, forward and backward under autograd")
+    console.print(t)
+
+    t = Table(title="Achieved fraction of the roofline")
+    t.add_column("op class / aten op")
+    t.add_column("efficiency", justify="right")
+    t.add_column("latency", justify="right")
+    for cls in OP_CLASSES:
+        t.add_row(f"[bold]{cls}[/bold]", f"{cal.efficiency.compute[cls]:.2f}", fmt_seconds(cal.efficiency.launch_s))
+        for name, fit in cal.efficiency.op.items():
+            if op_class(name) == cls:
+                t.add_row(f"  {name}", f"{fit.efficiency:.2f}", fmt_seconds(fit.latency_s))
+    console.print(t)
+
+    if cal.link is not None:
+        link = cal.link
+        t = Table(title=f"Link between 2 local processes ({link.backend})")
+        t.add_column("message", justify="right")
+        t.add_column("send/recv (one way)", justify="right")
+        t.add_column("all-reduce", justify="right")
+        for n, p2p, ar in zip(link.sizes_bytes, link.p2p_time_s, link.allreduce_time_s):
+            t.add_row(fmt_bytes(n), fmt_seconds(p2p), fmt_seconds(ar))
+        for what, fit in (("send/recv", link.p2p), ("all-reduce", link.allreduce)):
+            t.add_row(
+                f"α-β fit of {what}",
+                f"{fmt_seconds(fit.latency_s)} + n / {fmt_bytes(fit.bw_bytes_per_s)}/s",
+                "",
+                end_section=what == "send/recv",
+            )
+        console.print(t)

@@ -1,0 +1,238 @@
+"""`pyplan calibrate`: the α-β and per-op fits on synthetic data, the calibration file and what the catalog and
+the roofline read from it, and one quick calibration end to end with the 2-process gloo link."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from pyplan.errors import PlanError
+from pyplan.hardware.calibrate import (
+    AlphaBeta,
+    Calibration,
+    LinkMeasurement,
+    MatmulPeak,
+    OpSample,
+    add_calibrate_parser,
+    class_efficiency,
+    fit_alpha_beta,
+    fit_op,
+    op_efficiency,
+    write_calibration,
+)
+from pyplan.hardware.catalog import get_gpu, get_link, local_calibration_path, local_efficiency, local_gpu
+from pyplan.profile.analytic import Efficiency, OpCost, OpEfficiency, Roofline
+
+LAUNCH = 5e-6
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty pyplan cache directory, so no real calibration file is read or overwritten."""
+    monkeypatch.setenv("PYPLAN_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+# --- α-β fit ----------------------------------------------------------------------------------------------
+
+
+def test_alpha_beta_fit_recovers_exact_latency_and_bandwidth() -> None:
+    sizes = [4 * 8**k for k in range(8)]
+    fit = fit_alpha_beta(sizes, [30e-6 + n / 2.5e9 for n in sizes])
+    assert fit.latency_s == pytest.approx(30e-6, rel=1e-9)
+    assert fit.bw_bytes_per_s == pytest.approx(2.5e9, rel=1e-9)
+    assert fit.time_s(1e6) == pytest.approx(30e-6 + 1e6 / 2.5e9)
+
+
+def test_alpha_beta_fit_weighs_small_messages_as_much_as_large_ones() -> None:
+    # 5 % multiplicative noise: the latency of 4-byte messages and the bandwidth of 16 MB ones both survive.
+    rng = random.Random(0)
+    sizes = [4 * 4**k for k in range(12)]
+    times = [(20e-6 + n / 1e9) * (1 + rng.uniform(-0.05, 0.05)) for n in sizes]
+    fit = fit_alpha_beta(sizes, times)
+    assert fit.latency_s == pytest.approx(20e-6, rel=0.1)
+    assert fit.bw_bytes_per_s == pytest.approx(1e9, rel=0.1)
+
+
+def test_alpha_beta_fit_without_latency_goes_through_the_origin() -> None:
+    sizes = [1e3, 1e4, 1e5]
+    fit = fit_alpha_beta(sizes, [n / 1e9 * (0.9 if n == 1e3 else 1.0) for n in sizes])
+    assert fit.latency_s == 0.0 and fit.bw_bytes_per_s == pytest.approx(1e9, rel=0.05)
+
+
+def test_alpha_beta_fit_rejects_what_it_cannot_fit() -> None:
+    with pytest.raises(PlanError, match="two or more distinct sizes"):
+        fit_alpha_beta([8, 8], [1e-5, 1e-5])
+    with pytest.raises(PlanError, match="positive times"):
+        fit_alpha_beta([8, 16], [1e-5, 0.0])
+    with pytest.raises(PlanError, match="do not grow with size"):
+        fit_alpha_beta([8, 1e6], [1e-3, 1e-4])
+
+
+# --- Efficiencies -----------------------------------------------------------------------------------------
+
+
+def sample(op: str, cls: str, roofline_s: float, time_s: float, *, large: bool = True, n_ops: int = 1) -> OpSample:
+    return OpSample(f"{op} program", cls, op, large, n_ops, roofline_s, time_s)
+
+
+def test_class_efficiency_is_roofline_over_time_less_launches_of_large_programs() -> None:
+    samples = [
+        sample("mm", "matmul", 1e-3, 2e-3 + 2 * LAUNCH, n_ops=2),
+        sample("addmm", "matmul", 3e-3, 6e-3 + LAUNCH),
+        sample("addmm", "matmul", 1e-6, 1e-3, large=False),  # small programs set latencies, not the class
+        sample("relu", "elementwise", 1e-3, 1.25e-3 + LAUNCH),
+        sample("gelu", "elementwise", 1e-9, 1.05 * LAUNCH),  # all launch: no information
+    ]
+    found = class_efficiency(samples, LAUNCH)
+    assert found["matmul"] == pytest.approx(0.5)
+    assert found["elementwise"] == pytest.approx(0.8)
+    assert set(found) == {"matmul", "elementwise"}
+
+
+def test_op_fit_separates_a_fixed_cost_from_the_rate() -> None:
+    # Hockney: t = latency + roofline / efficiency, at a small and a large size.
+    small = OpSample("conv small", "matmul", "convolution", False, 1, 1e-4, 30e-6 + 1e-4 / 0.8)
+    large = OpSample("conv large", "matmul", "convolution", True, 1, 1e-2, 30e-6 + 1e-2 / 0.8)
+    fit = fit_op([small, large], LAUNCH)
+    assert fit.efficiency == pytest.approx(0.8) and fit.latency_s == pytest.approx(30e-6)
+
+
+def test_op_fit_keeps_the_launch_when_a_small_program_beats_the_roofline() -> None:
+    # Operands in cache: the small program runs faster than the memory roof allows. The large one sets the rate.
+    small = OpSample("relu small", "elementwise", "relu", False, 1, 10e-6, 6e-6)
+    large = OpSample("relu large", "elementwise", "relu", True, 1, 1e-3, 1.25e-3)
+    fit = fit_op([small, large], LAUNCH)
+    assert fit.latency_s == LAUNCH
+    assert fit.efficiency == pytest.approx(0.8, rel=0.01)
+
+
+def test_op_efficiency_fits_every_op_run_alone() -> None:
+    samples = [
+        OpSample("a", "elementwise", "add", False, 1, 1e-5, 2e-5),
+        OpSample("b", "elementwise", "add", True, 1, 1e-3, 1.1e-3),
+        OpSample("c", "elementwise", None, True, 3, 1e-3, 2e-3),
+    ]
+    assert list(op_efficiency(samples, LAUNCH)) == ["add"]
+
+
+# --- The calibration file ---------------------------------------------------------------------------------
+
+
+def synthetic(device: str) -> Calibration:
+    link = LinkMeasurement(
+        backend="gloo",
+        sizes_bytes=(4, 4096),
+        p2p_time_s=(1e-4, 1.1e-4),
+        allreduce_time_s=(2e-4, 2.2e-4),
+        p2p=AlphaBeta(latency_s=1e-4, bw_bytes_per_s=2e9),
+        allreduce=AlphaBeta(latency_s=2e-4, bw_bytes_per_s=1e9),
+    )
+    efficiency = Efficiency(
+        compute={"matmul": 0.9, "attention": 0.6, "norm": 0.5, "elementwise": 0.4},
+        memory={"matmul": 0.9, "attention": 0.6, "norm": 0.5, "elementwise": 0.4},
+        launch_s=LAUNCH,
+        op={"relu": OpEfficiency(efficiency=1.0, latency_s=LAUNCH)},
+    )
+    return Calibration(
+        device=device,
+        device_type="cpu",
+        threads=1,
+        peaks=(MatmulPeak("fp32", 1e11, 512), MatmulPeak("bf16", 1e9, 256)),
+        copy_bw_bytes_per_s=1.8e10,
+        add_bw_bytes_per_s=2e10,
+        launch_s=LAUNCH,
+        samples=(OpSample("relu x", "elementwise", "relu", True, 1, 1e-3, 1e-3),),
+        efficiency=efficiency,
+        link=link,
+        elapsed_s=1.0,
+    )
+
+
+def test_the_catalog_and_the_roofline_read_the_calibration_file(cache: Path) -> None:
+    path = write_calibration(synthetic(local_gpu().description))
+    assert path == local_calibration_path() == cache / "local.json"
+    assert [p.name for p in cache.iterdir()] == ["local.json"]  # the temporary file was renamed, not left
+
+    gpu = get_gpu("local")
+    assert gpu.calibrated and gpu.cpu_threads == 1
+    assert dict(gpu.peak_flops_per_s) == {"fp32": 1e11, "bf16": 1e9}
+    assert gpu.hbm_bw_bytes_per_s == 2e10
+    link = get_link("local")
+    assert (link.latency_s, link.bw_bytes_per_s) == (1e-4, 2e9) and "gloo" in link.source
+
+    roof = Roofline.from_gpu(gpu)
+    assert roof.efficiency.compute["matmul"] == 0.9 and roof.efficiency.launch_s == LAUNCH
+    relu = OpCost("relu", "elementwise", 0.0, 2e6, "float32")
+    gelu = OpCost("gelu", "elementwise", 0.0, 2e6, "float32")
+    assert roof.op_time_s(relu) == pytest.approx(2e6 / 2e10 + LAUNCH)  # the op's own fit
+    assert roof.op_time_s(gelu) == pytest.approx(2e6 / (2e10 * 0.4) + LAUNCH)  # its class
+    empty = OpCost("empty", "elementwise", 0.0, 2e6, "float32")
+    assert roof.op_time_s(empty) == LAUNCH  # an allocation moves no data
+
+
+def test_a_file_for_another_device_gives_no_efficiencies(cache: Path) -> None:
+    write_calibration(synthetic("some other machine"))
+    assert local_efficiency() is None and not local_gpu().calibrated
+    with pytest.raises(PlanError, match="run `pyplan calibrate`"):
+        Roofline.from_gpu(local_gpu())
+
+
+def test_a_catalog_gpu_gets_default_efficiencies(cache: Path) -> None:
+    write_calibration(synthetic(local_gpu().description))
+    roof = Roofline.from_gpu(get_gpu("a100-80g"))
+    assert roof.efficiency == Efficiency() and roof.peak("bfloat16") == get_gpu("a100-80g").peak_flops("bf16")
+
+
+def test_efficiency_json_round_trip_and_errors() -> None:
+    eff = synthetic("x").efficiency
+    assert Efficiency.from_json(json.loads(json.dumps(eff.to_json()))) == eff
+    assert Efficiency.from_json({"compute": {"matmul": 0.5}}).compute["norm"] == Efficiency().compute["norm"]
+    with pytest.raises(PlanError, match="'compute' must map op classes"):
+        Efficiency.from_json({"compute": {"conv": 0.5}})
+    with pytest.raises(PlanError, match=r"'memory\.norm' must be a positive number"):
+        Efficiency.from_json({"memory": {"norm": 0}})
+    with pytest.raises(PlanError, match="'op' must map aten op names"):
+        Efficiency.from_json({"op": {"relu": 1.0}})
+
+
+# --- End to end -------------------------------------------------------------------------------------------
+
+
+def run(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="pyplan")
+    add_calibrate_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["calibrate", *argv])
+    return int(args.func(args))
+
+
+@pytest.mark.distributed
+def test_quick_calibration_end_to_end(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`pyplan calibrate --quick --json`: the device figures, and gloo between 2 spawned processes."""
+    assert run("--quick", "--json") == 0
+    printed = json.loads(capsys.readouterr().out)
+    written = json.loads((cache / "local.json").read_text())
+    assert printed["path"] == str(cache / "local.json") and printed["gpu"] == written["gpu"]
+
+    gpu = get_gpu("local")
+    assert gpu.calibrated and {"fp32", "bf16", "fp16"} <= set(gpu.peak_flops_per_s)
+    assert 1e8 < gpu.peak_flops("fp32") < 1e15 and 1e8 < gpu.hbm_bw_bytes_per_s < 1e13
+    link = get_link("local")
+    assert link.calibrated and 0 < link.latency_s < 0.1 and link.bw_bytes_per_s > 1e7
+    assert written["measured"]["link"]["backend"] == "gloo"
+    allreduce = written["measured"]["link"]["allreduce"]
+    assert allreduce["latency_s"] >= 0 and allreduce["bw_bytes_per_s"] > 0
+
+    eff = Roofline.from_gpu(gpu).efficiency
+    assert 0 < eff.launch_s < 1e-3
+    assert {"addmm", "convolution", "native_layer_norm", "relu"} <= set(eff.op)
+    assert all(0 < e.efficiency < 10 and e.latency_s >= eff.launch_s for e in eff.op.values())
+
+
+def test_bad_threads_is_a_plan_error(cache: Path) -> None:
+    with pytest.raises(PlanError, match="--threads must be at least 1"):
+        run("--threads", "0")
