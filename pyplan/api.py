@@ -21,7 +21,7 @@ from pyplan.plan import OBJECTIVES, PLACEMENTS, Layout, Plan, Prediction, StageP
 from pyplan.profile import default_batch_sizes, profile
 from pyplan.profile.analytic import Roofline, block_times_analytic
 
-__all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "chain_for", "plan", "search"]
+__all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "chain_for", "memory_per_process", "plan", "search"]
 
 # The schedules the search evaluates; the zero-bubble ones need split input/weight-gradient times first.
 SEARCHED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
@@ -85,6 +85,15 @@ def chain_for(
     )
     blocks = [replace(b, fwd_time_s=f, bwd_time_s=g) for b, (f, g) in zip(chain.blocks, times)]
     return replace(chain, blocks=blocks), f"analytic roofline of {gpu.name}"
+
+
+def memory_per_process(cluster: Cluster) -> float:
+    """A GPU's memory, or for `local` on the CPU the machine's memory shared by the processes on it."""
+    gpu = cluster.gpu
+    assert gpu.memory_bytes is not None
+    if _is_local(gpu) and gpu.device_type == "cpu":
+        return gpu.memory_bytes / cluster.gpus_per_node
+    return float(gpu.memory_bytes)
 
 
 def _activation_scale(workload: Workload) -> float:
@@ -198,7 +207,7 @@ def search(
             [c.bytes.fixed * scale for c in chain.cuts],
             num_gpus=cluster.gpus,
             gpus_per_node=cluster.gpus_per_node,
-            gpu_mem_bytes=gpu.memory_bytes * memory_fraction,
+            gpu_mem_bytes=memory_per_process(cluster) * memory_fraction,
             mem_bw_bytes_per_s=gpu.hbm_bw_bytes_per_s,
             intra_latency_s=group.intra_link.latency_s,
             intra_bw_bytes_per_s=group.intra_link.bw_bytes_per_s,

@@ -88,7 +88,7 @@ def _cluster(args: argparse.Namespace) -> Cluster:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from pyplan.api import search
+    from pyplan.api import memory_per_process, search
     from pyplan.emit.planfile import PlanFile, write_plan_file
     from pyplan.load import load_model
     from pyplan.plan import Workload
@@ -140,7 +140,7 @@ def _plan(args: argparse.Namespace) -> int:
             f"{spec.name} on {cluster.gpus} x {cluster.gpu.name}, global batch {workload.global_batch} "
             f"({result.profiled_on}; {result.evaluated} of {result.candidates} configurations evaluated)"
         )
-        memory = (cluster.gpu.memory_bytes or 0) * args.memory_fraction
+        memory = memory_per_process(cluster) * args.memory_fraction
         render_plans([result.best, *result.alternatives], make_console(), title=title, memory_bytes=memory)
         if args.out:
             make_console().print(f"plan written to {args.out}")
@@ -256,9 +256,11 @@ def _parser() -> argparse.ArgumentParser:
 
     from pyplan.hardware.calibrate import add_calibrate_parser
     from pyplan.hardware.cli import add_hardware_parser
+    from pyplan.report.cli import add_show_parser
     from pyplan.zoo.cli import add_zoo_parser
 
     add_hardware_parser(sub)
+    add_show_parser(sub)
     add_calibrate_parser(sub)
     add_zoo_parser(sub)
     return parser
