@@ -114,7 +114,8 @@ def _plan(args: argparse.Namespace) -> int:
         workload,
         objective=args.objective,
         weight=args.weight,
-        top_k=args.top,
+        # The pictures show many configurations; the table shows --top of them.
+        top_k=max(args.top, 200) if args.pareto or args.report else args.top,
         allow_fewer_gpus=not args.all_gpus,
         memory_fraction=args.memory_fraction,
         leaf_modules=args.leaf,
@@ -128,20 +129,30 @@ def _plan(args: argparse.Namespace) -> int:
         from pyplan.emit.script import write_script
 
         write_script(args.emit, document)
+    if args.pareto or args.report:
+        from pyplan.report.pareto import parse_weights
+
+        weights = parse_weights(args.pareto_weights)
+        if args.pareto:
+            from pyplan.report.pareto import write_pareto
+
+            write_pareto(result, args.pareto, weights=weights)
+        if args.report:
+            from pyplan.report.html import write_html_report
+
+            write_html_report(document, args.report, search=result, weights=weights)
     if args.json:
-        print(
-            json.dumps(
-                {"model": args.model, "workload": workload.to_json(), "cluster": cluster.to_json(), **result.to_json()},
-                indent=2,
-            )
-        )
+        data = {"model": args.model, "workload": workload.to_json(), "cluster": cluster.to_json(), **result.to_json()}
+        data["alternatives"] = data["alternatives"][: args.top - 1]
+        print(json.dumps(data, indent=2))
     else:
         title = (
             f"{spec.name} on {cluster.gpus} x {cluster.gpu.name}, global batch {workload.global_batch} "
             f"({result.profiled_on}; {result.evaluated} of {result.candidates} configurations evaluated)"
         )
         memory = memory_per_process(cluster) * args.memory_fraction
-        render_plans([result.best, *result.alternatives], make_console(), title=title, memory_bytes=memory)
+        shown = [result.best, *result.alternatives][: args.top]
+        render_plans(shown, make_console(), title=title, memory_bytes=memory)
         if args.out:
             make_console().print(f"plan written to {args.out}")
     return 0
@@ -237,6 +248,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--leaf", action="append", default=[], metavar="NAME", help="module to keep whole when tracing")
     p.add_argument("--out", help="write the best plan to this plan.json")
     p.add_argument("--emit", metavar="TRAIN_PY", help="write a torchrun training script for the best plan")
+    p.add_argument("--pareto", metavar="FILE", help="draw predicted time against cost of the plans (.png or .svg)")
+    p.add_argument(
+        "--pareto-weights",
+        default="0,2^8,2^12,2^16",
+        metavar="W,...",
+        help="mark the best plan under cost + w x time for each w (--pareto, --report; default 0,2^8,2^12,2^16)",
+    )
+    p.add_argument("--report", metavar="FILE", help="write a self-contained HTML report: tables and pictures")
     p.add_argument("--json", action="store_true", help="print {plan, alternatives, pareto} as JSON")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.set_defaults(func=_plan)
