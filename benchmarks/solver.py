@@ -2,8 +2,9 @@
 
 Run: `python benchmarks/solver.py`. Targets (issue "The C++ planning core"): a 1,000-block chain for 1,024
 GPUs (8 per node) with every schedule and ZeRO stage in under 1 s; a 100-block chain for 64 GPUs in under
-50 ms. Also: how solve time grows with L, N and the number of micro-batch sizes, and the C++ partition
-against a straightforward Python implementation of the same exact DP.
+50 ms. Also: how solve time grows with L, N and the number of micro-batch sizes, one partition of the
+1,000-block chain as that search makes it, and the C++ partition against a straightforward Python
+implementation of the same exact DP.
 
 The chains are GPT-like: block i of ~100e9/L parameters with ±25 % variation, sequence 2048, hidden 8192,
 timed at 40 % of 1 PFLOP/s; the cluster has 80 GB GPUs, NVLink-class 300 GB/s inside a node and 25 GB/s
@@ -164,12 +165,54 @@ def main() -> None:
         row("growth in micro-batch sizes", mid, 64, 512, micro_batch_sizes=sizes)
     console.print(table)
 
+    scale = Table(title="stage partition of the 1,000-block chain (b=1, ZeRO-2 over d=1024/p, inter-node link, 80 GB)")
+    for col in ("p", "m", "schedule", "objective", "time", "pipeline time", "bottleneck"):
+        scale.add_column(col, justify="right")
+    for p, m, schedule in ((32, 64, "1F1B"), (64, 32, "1F1B"), (128, 16, "GPipe"), (256, 8, "1F1B")):
+        for objective in ("pipeline_time", "bottleneck"):
+            scale.add_row(*partition_at_scale(big, p, m, schedule, objective))
+    console.print(scale)
+
     speed = Table(title="stage partition: C++ core against a plain Python DP of the same algorithm (1F1B, m=8)")
     for col in ("L", "p", "python", "c++", "speedup", "same optimum"):
         speed.add_column(col, justify="right")
     for num_blocks, p in ((24, 4), (48, 4), (48, 8), (96, 8)):
         speed.add_row(*partition_speed(num_blocks, p))
     console.print(speed)
+
+
+def partition_at_scale(chain: Chain, p: int, m: int, schedule: str, objective: str) -> tuple[str, ...]:
+    """One row: the partition the target search asks for with p pipeline ranks and d = 1024/p replicas."""
+    d = 1024 // p
+    state = [x / 16 * (2 + 14 / d) for x in chain.state_bytes]  # ZeRO-2: fp16 weights, the rest sharded
+    fwd_beta, bwd_beta = chain.arrays[1], chain.arrays[3]
+
+    def solve() -> _core.PartitionResult:
+        return _core.partition(
+            [a + b for a, b in zip(chain.fwd_s, fwd_beta)],
+            [a + b for a, b in zip(chain.bwd_s, bwd_beta)],
+            chain.act_bytes,
+            state,
+            chain.cut_bytes,
+            num_stages=p,
+            num_microbatches=m,
+            mem_limit_bytes=[HARDWARE["gpu_mem_bytes"]] * p,
+            schedule=schedule,
+            objective=objective,
+            latency_s=HARDWARE["inter_latency_s"],
+            bw_bytes_per_s=HARDWARE["inter_bw_bytes_per_s"],
+        )
+
+    result, seconds = timed(solve, 5)
+    return (
+        str(p),
+        str(m),
+        schedule,
+        objective,
+        f"{seconds * 1e3:.2f} ms",
+        f"{result.pipeline_time_s:.4g} s",
+        f"{result.bottleneck_s * 1e3:.2f} ms",
+    )
 
 
 def partition_speed(num_blocks: int, p: int, m: int = 8) -> tuple[str, ...]:

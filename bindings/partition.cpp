@@ -67,13 +67,14 @@ void bind_partition(py::module_& m) {
         [](std::vector<double> fwd_time_s, std::vector<double> bwd_time_s, std::vector<double> act_bytes,
            std::vector<double> state_bytes, std::vector<double> cut_bytes, int num_stages, int num_microbatches,
            std::vector<double> mem_limit_bytes, const std::string& schedule, const std::string& objective,
-           double latency_s, double bw_bytes_per_s) {
+           double latency_s, double bw_bytes_per_s, std::vector<int> in_flight_per_stage) {
             const pyplan::Chain chain{std::move(fwd_time_s), std::move(bwd_time_s), std::move(act_bytes),
                                       std::move(state_bytes), std::move(cut_bytes)};
             pyplan::PartitionOptions options;
             options.num_stages = num_stages;
             options.num_microbatches = num_microbatches;
             options.in_flight = to_in_flight(schedule);
+            options.in_flight_per_stage = std::move(in_flight_per_stage);
             options.objective = to_objective(objective);
             options.mem_limit_bytes = std::move(mem_limit_bytes);
             options.link = {latency_s, bw_bytes_per_s};
@@ -84,11 +85,14 @@ void bind_partition(py::module_& m) {
         py::arg("cut_bytes"), py::kw_only(), py::arg("num_stages"), py::arg("num_microbatches"),
         py::arg("mem_limit_bytes"), py::arg("schedule") = "1F1B", py::arg("objective") = "pipeline_time",
         py::arg("latency_s") = 0.0, py::arg("bw_bytes_per_s") = std::numeric_limits<double>::infinity(),
+        py::arg("in_flight_per_stage") = std::vector<int>{},
         "Exact split of a chain of L blocks into num_stages contiguous stages minimizing\n"
         "sum(t_s) + (m-1) max(t_s) under each stage's memory limit (objective='pipeline_time'), or max(t_s)\n"
         "then sum(t_s) (objective='bottleneck', the limit m -> inf). Per block: fwd_time_s, bwd_time_s,\n"
         "act_bytes, state_bytes; per cut (L+1): cut_bytes. schedule 'GPipe' or '1F1B' sets the micro-batches\n"
-        "in flight per stage (m, or min(m, p-s)). A boundary at cut c costs latency_s + cut_bytes[c]/bw\n"
-        "each way; a stage pays the send of its output and the gradient send of its input.\n"
+        "in flight per stage (m, or min(m, p-s)); in_flight_per_stage, when not empty, gives them instead (one\n"
+        "per stage, each in [1, m]: e.g. an interleaved schedule's simulated peak). A boundary at cut c costs\n"
+        "latency_s + cut_bytes[c]/bw each way; a stage pays the send of its output and the gradient send of\n"
+        "its input.\n"
         "Raises ValueError on malformed input; returns feasible=False with a reason when nothing fits.");
 }

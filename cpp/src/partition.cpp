@@ -15,28 +15,19 @@ namespace pyplan {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-// Per-range sums for every stage range [begin, end); flat index end·(L+1) + begin, so that the DP's inner
-// loop over begin reads contiguous memory.
-struct RangeTables {
-    int num_cuts = 0;                 // L + 1
-    std::vector<double> time_s;       // t(begin, end)
-    std::vector<double> state_bytes;  // Σ state_bytes over the range
-    std::vector<double> act_bytes;    // Σ act_bytes + cut_bytes[begin]: bytes per micro-batch in flight
-
-    std::size_t index(int begin, int end) const {
-        return static_cast<std::size_t>(end) * num_cuts + begin;
-    }
-    double need_bytes(int begin, int end, int in_flight) const {
-        const std::size_t k = index(begin, end);
-        return state_bytes[k] + in_flight * act_bytes[k];
-    }
-};
+constexpr double kEps = std::numeric_limits<double>::epsilon();
+// Sums of the same stage times in another order differ by about L·ε of their value: two sums or bounds
+// closer than this share of the larger are a tie (partition.h).
+constexpr double kTie = 1e-12;
 
 // What stage s may hold.
 struct StageLimit {
     int in_flight = 0;
     double limit_bytes = 0.0;
+    // Prefix-sum estimates of mem_s within `slack` of the limit are summed block by block; below
+    // limit − slack a range surely fits, above limit + slack it surely does not (partition.h's ε).
+    double sure_limit_bytes = 0.0;
+    double loose_limit_bytes = 0.0;
 };
 
 // The first cut of the last stage in an optimal cover of [0, j) by s stages.
@@ -44,31 +35,105 @@ struct Choice {
     int begin_cut = -1;
 };
 
-// F[s][j] (or the overflow table H[s][j]) with its choices; flat index s·(L+1) + j.
+// F[s][j] (or the overflow table H[s][j]) with its choices, stored row by row: row s holds the cuts
+// [first[s], first[s] + its length), flat index offset[s] + (j − first[s]); an entry outside the stored
+// rows is ∞. The DP stores only the band of cuts a row can reach, not all L+1.
 struct DpTable {
-    int num_cuts = 0;
+    std::vector<int> first;                 // [rows] the first cut of row s
+    std::vector<std::size_t> offset = {0};  // [rows+1] row s is value[offset[s], offset[s+1])
     std::vector<double> value;
     std::vector<Choice> choice;
 
-    DpTable(int num_stages, int cuts, double fill)
-        : num_cuts(cuts),
-          value(static_cast<std::size_t>(num_stages + 1) * cuts, fill),
-          choice(value.size()) {}
-    std::size_t index(int stages, int cut) const {
-        return static_cast<std::size_t>(stages) * num_cuts + cut;
+    void clear() {
+        first.clear();
+        offset.assign(1, 0);
+        value.clear();
+        choice.clear();
     }
+    void begin_row(int first_cut) { first.push_back(first_cut); }
+    void push(double v, int begin_cut) {
+        value.push_back(v);
+        choice.push_back({begin_cut});
+    }
+    void end_row() { offset.push_back(value.size()); }
+    bool holds(int s, int cut) const {
+        return s + 1 < static_cast<int>(offset.size()) && cut >= first[s] &&
+               offset[s] + (cut - first[s]) < offset[s + 1];
+    }
+    std::size_t index(int s, int cut) const { return offset[s] + (cut - first[s]); }
+    double at(int s, int cut) const { return holds(s, cut) ? value[index(s, cut)] : kInf; }
 };
 
+// The buffers of least_sum_table, shared by the DPs of one partition() call: its table F and its scratch.
+struct Workspace {
+    DpTable table;
+    std::vector<double> start;  // [L+1] a_i of the row being built
+    std::vector<int> window;    // [L+1] the deque
+    std::vector<int> rest;      // [p+1] rest[q] of least_sum_table
+};
+
+// The chain as prefix sums (any range in O(1)), the sends, and each stage's limits.
 struct Problem {
-    RangeTables ranges;
-    std::vector<StageLimit> stages;  // [p]
+    const Chain* chain = nullptr;
     int num_blocks = 0;
     int num_microbatches = 1;
+    std::vector<StageLimit> stages;  // [p]
+    std::vector<double> work_s;      // [L+1] W[c] = Σ_{k<c} (fwd_k + bwd_k)
+    std::vector<double> state;       // [L+1] Σ_{k<c} state_bytes_k
+    std::vector<double> act;         // [L+1] Σ_{k<c} act_bytes_k
+    std::vector<double> send_s;      // [L+1] send(c), 0 at the chain's ends
+    double max_send_s = 0.0;         // σ
+    double max_cut_bytes = 0.0;      // κ
 
     int num_stages() const { return static_cast<int>(stages.size()); }
     // Stage s may cover [i, j) only if s blocks fit before i and p−1−s after j.
-    int first_end(int s) const { return s + 1; }
     int last_end(int s) const { return num_blocks - (num_stages() - 1 - s); }
+    // Some stage can cover [i, j).
+    bool coverable(int i, int j) const { return i + (num_blocks - j) >= num_stages() - 1; }
+
+    // W[j] − W[i]: non-increasing in i and non-decreasing in j (rounding is monotone); t(i, j) lies in
+    // [compute, most_time_s(compute)].
+    double compute_s(int i, int j) const { return work_s[j] - work_s[i]; }
+    double stage_time_s(int i, int j) const { return compute_s(i, j) + send_s[j] + send_s[i]; }
+    double most_time_s(double compute) const { return compute + max_send_s + max_send_s; }
+
+    // The definitions of partition.h, summed block by block.
+    double state_bytes(int i, int j) const {
+        double sum = 0.0;
+        for (int k = i; k < j; ++k) sum += chain->state_bytes[k];
+        return sum;
+    }
+    double act_bytes(int i, int j) const {  // per micro-batch in flight, with the input cut
+        double sum = 0.0;
+        for (int k = i; k < j; ++k) sum += chain->act_bytes[k];
+        return sum + chain->cut_bytes[i];
+    }
+    double need_bytes(int i, int j, int in_flight) const {
+        return state_bytes(i, j) + in_flight * act_bytes(i, j);
+    }
+    // The prefix-sum estimate of need_bytes with `cut` bytes for the input cut: non-increasing in i and
+    // non-decreasing in j and in cut.
+    double estimate_bytes(int i, int j, int in_flight, double cut) const {
+        return (state[j] - state[i]) + in_flight * ((act[j] - act[i]) + cut);
+    }
+
+    // i ∈ [loose(j), j): may stage s cover [i, j) under bound B? Necessary for it (partition.h).
+    bool may_fit(int i, int j, const StageLimit& stage, double bound_s) const {
+        return compute_s(i, j) <= bound_s && estimate_bytes(i, j, stage.in_flight, 0.0) <= stage.loose_limit_bytes;
+    }
+    // i ∈ [sure(j), j): sufficient for it.
+    bool surely_fits(int i, int j, const StageLimit& stage, double bound_s) const {
+        return most_time_s(compute_s(i, j)) <= bound_s &&
+               estimate_bytes(i, j, stage.in_flight, max_cut_bytes) <= stage.sure_limit_bytes;
+    }
+    // Exactly: t(i, j) ≤ B and mem ≤ limit.
+    bool fits(int i, int j, const StageLimit& stage, double bound_s) const {
+        if (!(stage_time_s(i, j) <= bound_s)) return false;
+        const double estimate = estimate_bytes(i, j, stage.in_flight, chain->cut_bytes[i]);
+        if (estimate <= stage.sure_limit_bytes) return true;
+        if (estimate > stage.loose_limit_bytes) return false;
+        return need_bytes(i, j, stage.in_flight) <= stage.limit_bytes;
+    }
 };
 
 // Callers test first and build the message only on failure: solvers validate in their hot paths.
@@ -123,6 +188,17 @@ void validate(const Chain& chain, const PartitionOptions& options) {
     if (!(options.link.bw_bytes_per_s > 0.0)) {
         fail("link bw_bytes_per_s must be > 0, got " + std::to_string(options.link.bw_bytes_per_s));
     }
+    const std::vector<int>& in_flight = options.in_flight_per_stage;
+    if (!in_flight.empty() && in_flight.size() != static_cast<std::size_t>(p)) {
+        fail("in_flight_per_stage must be empty or have one entry per stage (" + std::to_string(p) + "), got " +
+             std::to_string(in_flight.size()));
+    }
+    for (std::size_t s = 0; s < in_flight.size(); ++s) {
+        if (in_flight[s] < 1 || in_flight[s] > options.num_microbatches) {
+            fail("in_flight_per_stage[" + std::to_string(s) + "] must be in [1, " +
+                 std::to_string(options.num_microbatches) + "], got " + std::to_string(in_flight[s]));
+        }
+    }
 }
 
 // Cost of sending across cut c between two stages; nothing at the chain's ends.
@@ -131,95 +207,149 @@ double boundary_send_s(const Chain& chain, const Link& link, int cut) {
     return p2p_time_s(link, chain.cut_bytes[cut]);
 }
 
-RangeTables build_ranges(const Chain& chain, const Link& link) {
-    const int L = chain.num_blocks();
-    RangeTables r;
-    r.num_cuts = L + 1;
-    const std::size_t size = static_cast<std::size_t>(L + 1) * (L + 1);
-    r.time_s.assign(size, kInf);
-    r.state_bytes.assign(size, kInf);
-    r.act_bytes.assign(size, kInf);
-    std::vector<double> send_s(L + 1);
-    for (int c = 0; c <= L; ++c) send_s[c] = boundary_send_s(chain, link, c);
-    for (int begin = 0; begin < L; ++begin) {
-        double compute_s = 0.0;
-        double state = 0.0;
-        double act = 0.0;
-        for (int end = begin + 1; end <= L; ++end) {
-            compute_s += chain.fwd_time_s[end - 1] + chain.bwd_time_s[end - 1];
-            state += chain.state_bytes[end - 1];
-            act += chain.act_bytes[end - 1];
-            const std::size_t k = r.index(begin, end);
-            r.time_s[k] = compute_s + send_s[end] + send_s[begin];
-            r.state_bytes[k] = state;
-            r.act_bytes[k] = act + chain.cut_bytes[begin];
-        }
-    }
-    return r;
-}
-
 Problem build_problem(const Chain& chain, const PartitionOptions& options) {
-    Problem problem;
-    problem.ranges = build_ranges(chain, options.link);
-    problem.num_blocks = chain.num_blocks();
-    problem.num_microbatches = options.num_microbatches;
+    const int L = chain.num_blocks();
     const int p = options.num_stages;
+    Problem problem;
+    problem.chain = &chain;
+    problem.num_blocks = L;
+    problem.num_microbatches = options.num_microbatches;
+    problem.work_s.assign(L + 1, 0.0);
+    problem.state.assign(L + 1, 0.0);
+    problem.act.assign(L + 1, 0.0);
+    problem.send_s.assign(L + 1, 0.0);
+    for (int k = 0; k < L; ++k) {
+        problem.work_s[k + 1] = problem.work_s[k] + (chain.fwd_time_s[k] + chain.bwd_time_s[k]);
+        problem.state[k + 1] = problem.state[k] + chain.state_bytes[k];
+        problem.act[k + 1] = problem.act[k] + chain.act_bytes[k];
+    }
+    for (int c = 0; c <= L; ++c) {
+        problem.send_s[c] = boundary_send_s(chain, options.link, c);
+        problem.max_send_s = std::max(problem.max_send_s, problem.send_s[c]);
+        problem.max_cut_bytes = std::max(problem.max_cut_bytes, chain.cut_bytes[c]);
+    }
     for (int s = 0; s < p; ++s) {
-        problem.stages.push_back({in_flight_microbatches(options.in_flight, s, p, options.num_microbatches),
-                                  options.mem_limit_bytes[s]});
+        StageLimit stage;
+        stage.in_flight = options.in_flight_per_stage.empty()
+                              ? in_flight_microbatches(options.in_flight, s, p, options.num_microbatches)
+                              : options.in_flight_per_stage[s];
+        stage.limit_bytes = options.mem_limit_bytes[s];
+        // Each of S, A and the block-by-block sums is off by at most (L+1)·ε/2 of its total; the slack
+        // covers both sides, the product and the rounding of limit ± slack with a wide margin.
+        const double total = problem.state[L] + stage.in_flight * (problem.act[L] + problem.max_cut_bytes);
+        const double finite_limit = std::isfinite(stage.limit_bytes) ? stage.limit_bytes : 0.0;
+        const double slack = 16.0 * (L + 4) * kEps * (total + finite_limit);
+        stage.sure_limit_bytes = stage.limit_bytes - slack;
+        stage.loose_limit_bytes = stage.limit_bytes + slack;
+        problem.stages.push_back(stage);
     }
     return problem;
 }
 
-// F[s][j] of partition.h for the bound B: least Σ t with every t ≤ B and every stage within memory.
-DpTable least_sum_table(const Problem& problem, double bound_s) {
-    const RangeTables& r = problem.ranges;
+// F[s][j] of partition.h for the bound B, into ws.table: least Σ t with every t ≤ B and every stage within
+// memory, by the window argument there. `start` holds a_i = F[s−1][i] − W[i] + send(i), `window` the deque.
+// Row s keeps only the cuts j ≥ rest[s], a lower bound on where stage s can start in any partition:
+// rest[p] = L, and rest[q] is the least i < rest[q+1] with may_fit(i, rest[q+1]) for stage q, or rest[q+1]
+// when there is none. (If stage q started at some c < rest[q+1], its range would contain [c, rest[q+1]),
+// and may_fit only gets easier for a shorter range.) A bound above L − (p − q) or rest[0] > 0 means no
+// partition.
+void least_sum_table(const Problem& problem, double bound_s, Workspace& ws) {
     const int p = problem.num_stages();
-    DpTable f(p, r.num_cuts, kInf);
-    f.value[f.index(0, 0)] = 0.0;
+    const int L = problem.num_blocks;
+    DpTable& f = ws.table;
+    f.clear();
+    std::vector<int>& rest = ws.rest;
+    rest.assign(p + 1, L);
+    for (int q = p - 1; q >= 0; --q) {
+        int i = rest[q + 1];
+        while (i > q && problem.may_fit(i - 1, rest[q + 1], problem.stages[q], bound_s)) --i;
+        if (i > problem.last_end(q) - 1) return;
+        rest[q] = i;
+    }
+    if (rest[0] > 0) return;
+    f.begin_row(0);
+    f.push(0.0, -1);
+    f.end_row();
+    std::vector<double>& start = ws.start;
+    std::vector<int>& window = ws.window;
+    start.resize(L + 1);
+    window.resize(L + 1);
+    int first = 0;  // F[s−1][i] is ∞ outside [first, last]
+    int last = 0;
     for (int s = 1; s <= p; ++s) {
         const StageLimit& stage = problem.stages[s - 1];
-        for (int j = problem.first_end(s - 1); j <= problem.last_end(s - 1); ++j) {
-            double best = kInf;
-            int best_begin = -1;
-            // A range over the bound or over the memory limit costs ∞, as does an unreachable i (F = ∞).
-            for (int i = s - 1; i < j; ++i) {
-                const double t = r.time_s[r.index(i, j)];
-                const bool allowed = t <= bound_s && r.need_bytes(i, j, stage.in_flight) <= stage.limit_bytes;
-                const double total = allowed ? f.value[f.index(s - 1, i)] + t : kInf;
-                best_begin = total < best ? i : best_begin;
-                best = std::min(total, best);
-            }
-            f.value[f.index(s, j)] = best;
-            f.choice[f.index(s, j)].begin_cut = best_begin;
+        for (int i = first; i <= last; ++i) {
+            start[i] = f.at(s - 1, i) - problem.work_s[i] + problem.send_s[i];
         }
+        int head = 0;  // window[head, tail): starts in [sure, j), increasing in i and in a_i
+        int tail = 0;
+        int loose = first;
+        int sure = first;
+        int next_first = -1;
+        int next_last = -1;
+        const int row_first = std::max(first + 1, rest[s]);
+        f.begin_row(row_first);
+        for (int j = first + 1; j <= problem.last_end(s - 1); ++j) {
+            while (loose < j && !problem.may_fit(loose, j, stage, bound_s)) ++loose;
+            if (loose > last) break;  // so are the windows of every later j
+            sure = std::max(sure, loose);
+            while (sure < j && !problem.surely_fits(sure, j, stage, bound_s)) ++sure;
+            const int newest = j - 1;
+            if (newest >= sure && newest <= last && start[newest] < kInf) {
+                while (tail > head && start[window[tail - 1]] >= start[newest]) --tail;
+                window[tail++] = newest;
+            }
+            while (head < tail && window[head] < sure) ++head;
+            if (j < row_first) continue;
+            double best = head < tail ? start[window[head]] : kInf;
+            int best_begin = head < tail ? window[head] : -1;
+            for (int i = loose; i < std::min(sure, last + 1); ++i) {
+                if (start[i] < best && problem.fits(i, j, stage, bound_s)) {
+                    best = start[i];
+                    best_begin = i;
+                }
+            }
+            f.push(best == kInf ? kInf : best + (problem.work_s[j] + problem.send_s[j]), best_begin);
+            if (best == kInf) continue;
+            if (next_first < 0) next_first = j;
+            next_last = j;
+        }
+        f.end_row();
+        if (next_first < 0) return;  // F[p][L] = ∞
+        first = next_first;
+        last = next_last;
     }
-    return f;
 }
 
-// H[s][j]: least worst overflow max(mem − limit) over the first s stages covering [0, j).
-// H[0][0] = −∞, H[0][j>0] = ∞, H[s][j] = min_i max(H[s−1][i], mem_{s−1}(i, j) − limit_{s−1}).
+// H[s][j] of partition.h: least worst overflow max(mem − limit) over the first s stages covering [0, j),
+// with mem estimated by prefix sums (infeasible() reports the chosen partition's overflow exactly). The
+// scan over the last stage's first cut i goes down from j − 1 and stops once the stage alone, without its
+// input cut, overflows by the best found: that only grows as i falls.
 DpTable least_overflow_table(const Problem& problem) {
-    const RangeTables& r = problem.ranges;
     const int p = problem.num_stages();
-    DpTable h(p, r.num_cuts, kInf);
-    h.value[h.index(0, 0)] = -kInf;
+    DpTable h;
+    h.begin_row(0);
+    h.push(-kInf, -1);
+    h.end_row();
     for (int s = 1; s <= p; ++s) {
         const StageLimit& stage = problem.stages[s - 1];
-        for (int j = problem.first_end(s - 1); j <= problem.last_end(s - 1); ++j) {
+        h.begin_row(s);
+        for (int j = s; j <= problem.last_end(s - 1); ++j) {
             double best = kInf;
             int best_begin = -1;
-            for (int i = s - 1; i < j; ++i) {
-                const double before = h.value[h.index(s - 1, i)];
-                const double over = std::max(before, r.need_bytes(i, j, stage.in_flight) - stage.limit_bytes);
+            for (int i = j - 1; i >= s - 1; --i) {
+                if (problem.estimate_bytes(i, j, stage.in_flight, 0.0) - stage.limit_bytes >= best) break;
+                const double before = h.at(s - 1, i);
+                const double need = problem.estimate_bytes(i, j, stage.in_flight, problem.chain->cut_bytes[i]);
+                const double over = std::max(before, need - stage.limit_bytes);
                 if (over < best) {
                     best = over;
                     best_begin = i;
                 }
             }
-            h.value[h.index(s, j)] = best;
-            h.choice[h.index(s, j)].begin_cut = best_begin;
+            h.push(best, best_begin);
         }
+        h.end_row();
     }
     return h;
 }
@@ -233,16 +363,14 @@ std::vector<int> backtrack(const DpTable& table, int num_stages, int num_blocks)
 }
 
 PartitionResult describe(const Problem& problem, const std::vector<int>& cuts) {
-    const RangeTables& r = problem.ranges;
     PartitionResult result;
     result.feasible = true;
     result.cuts = cuts;
     for (int s = 0; s < problem.num_stages(); ++s) {
-        const std::size_t k = r.index(cuts[s], cuts[s + 1]);
         const int in_flight = problem.stages[s].in_flight;
-        result.stage_time_s.push_back(r.time_s[k]);
-        result.stage_state_bytes.push_back(r.state_bytes[k]);
-        result.stage_act_bytes.push_back(in_flight * r.act_bytes[k]);
+        result.stage_time_s.push_back(problem.stage_time_s(cuts[s], cuts[s + 1]));
+        result.stage_state_bytes.push_back(problem.state_bytes(cuts[s], cuts[s + 1]));
+        result.stage_act_bytes.push_back(in_flight * problem.act_bytes(cuts[s], cuts[s + 1]));
         result.stage_in_flight.push_back(in_flight);
     }
     result.pipeline_time_s = pipeline_time_s(result.stage_time_s, problem.num_microbatches);
@@ -270,40 +398,58 @@ PartitionResult infeasible(const Problem& problem) {
     double worst = -kInf;
     for (int s = 0; s < p; ++s) {
         const StageLimit& stage = problem.stages[s];
-        const double need = problem.ranges.need_bytes(cuts[s], cuts[s + 1], stage.in_flight);
+        const double need = problem.need_bytes(cuts[s], cuts[s + 1], stage.in_flight);
         if (need - stage.limit_bytes > worst) {
             worst = need - stage.limit_bytes;
             result.overflow = {s, cuts[s], cuts[s + 1], stage.in_flight, need, stage.limit_bytes};
         }
     }
     const Overflow& o = result.overflow;
-    const std::size_t k = problem.ranges.index(o.begin_cut, o.end_cut);
     const std::string blocks = o.end_cut - o.begin_cut == 1
                                    ? "block " + std::to_string(o.begin_cut)
                                    : "blocks " + std::to_string(o.begin_cut) + "-" + std::to_string(o.end_cut - 1);
+    const double state = problem.state_bytes(o.begin_cut, o.end_cut);
+    const double act = problem.act_bytes(o.begin_cut, o.end_cut);
     result.reason = "no partition into " + std::to_string(p) + " stages fits in memory; the best overflows by " +
                     format_bytes(o.overflow_bytes()) + ": stage " + std::to_string(o.stage) + " (" + blocks +
-                    ") needs " + format_bytes(o.need_bytes) + " (state " +
-                    format_bytes(problem.ranges.state_bytes[k]) + " + " + std::to_string(o.in_flight) +
-                    " micro-batches in flight x " + format_bytes(problem.ranges.act_bytes[k]) + "), limit " +
+                    ") needs " + format_bytes(o.need_bytes) + " (state " + format_bytes(state) + " + " +
+                    std::to_string(o.in_flight) + " micro-batches in flight x " + format_bytes(act) + "), limit " +
                     format_bytes(o.limit_bytes);
     return result;
 }
 
-// The distinct stage times t(i, j) of the ranges some stage can cover, in increasing order.
-std::vector<double> bottleneck_candidates(const Problem& problem) {
+// The least candidate t(i, j) > x, ∞ if none. For each j, i ≥ k(j) — the least i with
+// most_time_s(compute_s(i, j)) ≤ x, non-decreasing in j — has t ≤ x; below it, compute_s(i, j) ≤ t(i, j)
+// grows as i falls, so the scan down stops once it reaches the least candidate found.
+double next_candidate(const Problem& problem, double x) {
     const int L = problem.num_blocks;
-    std::vector<double> candidates;
-    for (int end = 1; end <= L; ++end) {
-        for (int begin = 0; begin < end; ++begin) {
-            if (begin + (L - end) >= problem.num_stages() - 1) {
-                candidates.push_back(problem.ranges.time_s[problem.ranges.index(begin, end)]);
-            }
+    double best = kInf;
+    int k = 0;
+    for (int j = 1; j <= L; ++j) {
+        while (k < j && problem.most_time_s(problem.compute_s(k, j)) > x) ++k;
+        for (int i = k - 1; i >= 0 && problem.coverable(i, j) && problem.compute_s(i, j) < best; --i) {
+            const double t = problem.stage_time_s(i, j);
+            if (t > x && t < best) best = t;
         }
     }
-    std::sort(candidates.begin(), candidates.end());
-    candidates.erase(std::unique(candidates.begin(), candidates.end()), candidates.end());
-    return candidates;
+    return best;
+}
+
+// The greatest candidate t(i, j) ≤ x, −∞ if none. For each j, i < r(j) — r(j) the least i with
+// compute_s(i, j) ≤ x, non-decreasing in j — has t > x; above it, most_time_s(compute_s(i, j)) ≥ t(i, j)
+// falls as i grows, so the scan up stops once it reaches the greatest candidate found.
+double prev_candidate(const Problem& problem, double x) {
+    const int L = problem.num_blocks;
+    double best = -kInf;
+    int r = 0;
+    for (int j = 1; j <= L; ++j) {
+        while (r < j && problem.compute_s(r, j) > x) ++r;
+        for (int i = r; i < j && problem.most_time_s(problem.compute_s(i, j)) > best; ++i) {
+            const double t = problem.stage_time_s(i, j);
+            if (problem.coverable(i, j) && t <= x && t > best) best = t;
+        }
+    }
+    return best;
 }
 
 }  // namespace
@@ -328,63 +474,73 @@ PartitionResult partition(const Chain& chain, const PartitionOptions& options) {
     const int p = problem.num_stages();
     const int L = problem.num_blocks;
     const int m = problem.num_microbatches;
+    const bool bottleneck = options.objective == PartitionObjective::kBottleneck;
 
-    // G(∞): the least sum with no bound; infinite when no partition fits in memory.
-    const DpTable unbounded = least_sum_table(problem, kInf);
-    const double least_sum_s = unbounded.value[unbounded.index(p, L)];
-    if (least_sum_s == kInf) return infeasible(problem);
-
-    PartitionResult best = describe(problem, backtrack(unbounded, p, L));
-    // G(B_k) by one DP; every feasible DP also offers its partition as a candidate answer.
-    const std::vector<double> candidates = bottleneck_candidates(problem);
-    auto least_sum = [&](int rank) {
-        const DpTable f = least_sum_table(problem, candidates[rank]);
-        const double g = f.value[f.index(p, L)];
-        if (g < kInf) {
-            PartitionResult offer = describe(problem, backtrack(f, p, L));
-            if (offer.pipeline_time_s < best.pipeline_time_s) best = std::move(offer);
-        }
-        return g;
+    PartitionResult best;  // feasible once some DP finds a partition
+    auto sum_s = [](const PartitionResult& r) {
+        double sum = 0.0;
+        for (double t : r.stage_time_s) sum += t;
+        return sum;
+    };
+    auto better = [&](const PartitionResult& a, const PartitionResult& b) {
+        if (!b.feasible) return true;
+        if (bottleneck) return std::make_pair(a.bottleneck_s, sum_s(a)) < std::make_pair(b.bottleneck_s, sum_s(b));
+        return a.pipeline_time_s < b.pipeline_time_s;
+    };
+    // G(B) by one DP, and the bottleneck of its partition (≤ B); every feasible DP offers its partition.
+    Workspace ws;
+    auto least_sum = [&](double bound_s) {
+        least_sum_table(problem, bound_s, ws);
+        const double g = ws.table.at(p, L);
+        if (g == kInf) return std::make_pair(kInf, kInf);
+        PartitionResult offer = describe(problem, backtrack(ws.table, p, L));
+        const double reached_s = offer.bottleneck_s;
+        if (better(offer, best)) best = std::move(offer);
+        return std::make_pair(g, reached_s);
     };
 
-    // B*: the least bound with a feasible partition; the largest candidate admits every range, so G = G(∞).
-    const int top = static_cast<int>(candidates.size()) - 1;
-    int low = 0;
-    int high = top;
-    double least_sum_at_high = least_sum_s;
-    while (low < high) {
-        const int mid = low + (high - low) / 2;
-        const double g = least_sum(mid);
-        if (g < kInf) {
-            high = mid;
-            least_sum_at_high = g;
-        } else {
-            low = mid + 1;
-        }
-    }
-    if (options.objective == PartitionObjective::kBottleneck) {
-        const DpTable f = least_sum_table(problem, candidates[low]);
-        return describe(problem, backtrack(f, p, L));
-    }
+    // Probes start from what balance needs, max_s t_s ≥ W/p and ≥ every block's time (a guess, not a
+    // claim): DPs under bounds near B* are the cheap ones, their rows narrow.
+    double floor_s = problem.work_s[L] / p;
+    for (int k = 0; k < L; ++k) floor_s = std::max(floor_s, problem.compute_s(k, k + 1));
+    floor_s *= 1.0 - 1e-9;
+    // No partition sums to less than W plus both sends of its p−1 inner cuts, at least the cheapest ones.
+    std::vector<double> sends(problem.send_s.begin() + 1, problem.send_s.end() - 1);
+    std::nth_element(sends.begin(), sends.begin() + (p - 1), sends.end());
+    double least_sum_floor_s = problem.work_s[L];
+    for (int k = 0; k < p - 1; ++k) least_sum_floor_s += 2 * sends[k];
 
-    // Runs of ranks (lo, hi) whose G(lo), G(hi) are known and whose inner ranks are still open.
+    // Runs (lo, hi) of bounds: G(lo) = g_lo (∞ for lo = −∞), g_hi ≤ G(B) for every B in (lo, hi] (G(hi)
+    // when hi is finite, the floor above for hi = ∞). A run is closed as partition.h says (g_lo ≤ g_hi,
+    // within a tie, means G is constant on it); otherwise a DP at a candidate c strictly inside splits it,
+    // at the middle of its values, or for hi = ∞ above lo by twice lo's distance from floor_s (galloping).
     struct Run {
-        int lo;
-        int hi;
+        double lo;
+        double hi;
         double g_lo;
         double g_hi;
     };
-    std::vector<Run> open = {{low, top, least_sum_at_high, least_sum_s}};
+    std::vector<Run> open = {{-kInf, kInf, kInf, least_sum_floor_s}};
     while (!open.empty()) {
         const Run run = open.back();
         open.pop_back();
-        if (run.hi - run.lo <= 1 || run.g_lo == run.g_hi) continue;
-        if (run.g_hi + (m - 1) * candidates[run.lo + 1] >= best.pipeline_time_s) continue;
-        const int mid = run.lo + (run.hi - run.lo) / 2;
-        const double g_mid = least_sum(mid);
-        open.push_back({mid, run.hi, g_mid, run.g_hi});
-        open.push_back({run.lo, mid, run.g_lo, g_mid});
+        if (run.g_hi >= run.g_lo * (1.0 - kTie) || (bottleneck && run.g_lo < kInf)) continue;
+        const double first = next_candidate(problem, run.lo);
+        if (!(first < run.hi)) continue;
+        const double least_time_s = run.g_hi + (m - 1) * first;
+        if (!bottleneck && best.feasible && least_time_s >= best.pipeline_time_s * (1.0 - kTie)) continue;
+        const double low = std::max(run.lo, floor_s);
+        const double probe_s = run.hi == kInf ? low + std::max(low - floor_s, floor_s / 128)
+                                              : (low < run.hi ? low + (run.hi - low) / 2 : first);
+        double bound_s = prev_candidate(problem, probe_s);
+        if (!(bound_s > run.lo && bound_s < run.hi)) bound_s = first;
+        const auto [g, reached_s] = least_sum(bound_s);
+        open.push_back({bound_s, run.hi, g, run.g_hi});
+        // reached_s ≤ bound_s < run.hi, so both runs hold fewer candidates: the loop ends.
+        const double split_s = std::min(reached_s, bound_s);
+        if (g < kInf && split_s > run.lo) open.push_back({run.lo, split_s, run.g_lo, g});
     }
+    if (!best.feasible) return infeasible(problem);
     return best;
 }
 

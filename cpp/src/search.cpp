@@ -172,6 +172,7 @@ struct Config {
     double bound_makespan_s = 0.0;  // its makespan part
     double bound_rest_s = 0.0;      // its exposed sync and optimizer parts
     double least_send_s = 0.0;      // the cheapest boundary send
+    double work_s = 0.0;            // Σ_i (f_i + g_i)
     bool fits_bound = true;         // false: no partition can fit in memory (its stages cannot hold the work)
     double need_bound_bytes = 0.0;  // the fullest GPU of any partition needs at least this much
 };
@@ -203,14 +204,18 @@ private:
     const Layout& layout(int d, int p, int v, Placement placement);
     std::vector<Config> enumerate();
     void bound(Config& config);
+    double capped_makespan_s(const Config& config, const Chain& chain, const std::vector<int>& in_flight);
+    void raise_makespan_bound(Config& config, double makespan_s);
+    void cap_exactly(Config& config);
     void tighten(Config& config);
     double block_time_s(const Config& config, const Layout& lay, int block, bool forward) const;
     const PartitionResult& partition_for(const Config& config, const Layout& lay, const Chain& chain);
     const PartitionResult& cached_partition(const Config& config, const Layout& lay, const Chain& chain);
-    bool stages_fit(const Config& config, const Chain& chain, const std::vector<int>& cuts) const;
+    bool stages_fit(const Config& config, const Chain& chain, const std::vector<int>& cuts);
     Chain chain_at(const Config& config, const Layout& lay) const;
     const Chain& chain_for(const Config& config, const Layout& lay);
     const RankOrder& order_for(Schedule schedule, int p, int m, int v);
+    const std::vector<int>& in_flight_of(const Config& config);
     void evaluate(const Config& config);
     void offer(Candidate candidate, long long index);
     bool prunable(int num_gpus, double bound_time_s) const;
@@ -225,6 +230,8 @@ private:
     std::map<std::vector<long long>, Chain> chains_;
     std::map<std::vector<long long>, PartitionResult> partitions_;
     std::map<std::tuple<int, int, int, int>, RankOrder> orders_;
+    std::map<std::tuple<int, int, int, int>, std::vector<int>> in_flight_;
+    std::map<const Chain*, std::vector<double>> caps_;  // [n] or NaN; chains_ never moves its chains
 
     SearchResult result_;
     std::vector<std::pair<Candidate, long long>> top_;     // best first, with enumeration index
@@ -325,23 +332,25 @@ double max_stage_work_s(const Chain& chain, int in_flight, double limit) {
 // it, its rank works m·w_s on it, and the backward of its last action must still pass back through them,
 // so V bounds the makespan of every searched schedule (with v = 2 a rank also works on its other stage,
 // which only adds). For a given V, taking w_s = min(cap_s, (V − Σ_{r<s} (w_r + 2σ))/m) in order covers
-// the most work; bisection finds the least V that covers W and returns its low end (a lower bound).
-// Infinite when the caps cannot cover W.
+// the most work (none once the budget V is spent); bisection finds the least V that covers W and returns
+// its low end (a lower bound). Infinite when the caps cannot cover W.
 double least_pipeline_makespan_s(const std::vector<double>& cap, int m, double work_s, double send_s) {
-    auto covered = [&](double v) {
+    auto covers = [&](double v) {
         double rest = v, total = 0.0;
         for (double c : cap) {
-            const double w = std::min(c, std::max(0.0, rest / m));
+            const double w = std::min(c, rest / m);
             total += w;
             rest -= w + 2 * send_s;
+            if (total >= work_s) return true;
+            if (rest <= 0.0) return false;
         }
-        return total;
+        return false;
     };
     double lo = work_s, hi = (m + 1.0) * work_s + 2 * send_s * cap.size();
-    if (covered(hi) < work_s) return kInf;
-    for (int it = 0; it < 200 && hi - lo > 1e-12 * hi; ++it) {
+    if (!covers(hi)) return kInf;
+    for (int it = 0; it < 200 && hi - lo > 1e-7 * hi; ++it) {
         const double mid = 0.5 * (lo + hi);
-        (covered(mid) >= work_s ? hi : lo) = mid;
+        (covers(mid) ? hi : lo) = mid;
     }
     return lo;
 }
@@ -357,8 +366,9 @@ double least_pipeline_makespan_s(const std::vector<double>& cap, int m, double w
 // without the input cut. Table D[s][j] = the least bound of s stages over blocks [0, j), D[0][0] = 0,
 // D[0][j>0] = ∞, D[s+1][j] = min_{i ∈ [lo_s(j), j]} max(D[s][i], stage bound of [i, j)), lo_s(j) the first
 // i whose range [i, j) fits with stage s's in-flight count. D[s][·] is non-decreasing (cut the last stage
-// short) and the stage bound non-increasing in i, so the minimum sits where they cross: a binary search.
-// O(S·L·log L). Infinite when no relaxed partition fits.
+// short) and the stage bound non-increasing in i, so the minimum sits where they cross; the stage bound of
+// a fixed i grows with j, so the crossing only moves forward as j grows: two pointers, O(S·L). Infinite
+// when no relaxed partition fits.
 double least_partition_makespan_s(const Chain& chain, const std::vector<int>& in_flight,
                                   const std::vector<int>& warmup, int m, double send_s, double limit) {
     const int L = chain.num_blocks();
@@ -378,6 +388,7 @@ double least_partition_makespan_s(const Chain& chain, const std::vector<int>& in
         const int n = in_flight[s];
         const double start_s = 2 * send_s * s;
         int lo = 0;
+        int a = 0;  // the first i in [lo, j] with before[i] >= stage_bound(i), or j + 1
         for (int j = 0; j <= L; ++j) {
             while (lo < j && state[j] - state[lo] + n * (act[j] - act[lo]) > fit_limit) ++lo;
             auto stage_bound = [&](int i) {
@@ -386,15 +397,8 @@ double least_partition_makespan_s(const Chain& chain, const std::vector<int>& in
                 if (!warmup.empty()) bound = std::max(bound, round_trip_s + (m - warmup[s]) * f + (m - 1) * b);
                 return bound;
             };
-            int a = lo, b = j + 1;  // the first i in [lo, j] with before[i] >= stage_bound(i), or j + 1
-            while (a < b) {
-                const int mid = a + (b - a) / 2;
-                if (before[mid] >= stage_bound(mid)) {
-                    b = mid;
-                } else {
-                    a = mid + 1;
-                }
-            }
+            a = std::max(a, lo);
+            while (a <= j && before[a] < stage_bound(a)) ++a;
             double best = kInf;
             if (a <= j) best = std::max(before[a], stage_bound(a));
             if (a > lo) best = std::min(best, std::max(before[a - 1], stage_bound(a - 1)));
@@ -405,17 +409,8 @@ double least_partition_makespan_s(const Chain& chain, const std::vector<int>& in
     return before[L];
 }
 
-// Replaces the makespan part of the bound by least_partition_makespan_s when that is larger; called
-// only for candidates the cheaper bound does not skip.
-void Searcher::tighten(Config& c) {
-    const Layout& lay = layout(c.d, c.p, c.v, c.placement);
-    const Chain& chain = chain_for(c, lay);
-    const int S = c.p * c.v;
-    std::vector<int> in_flight(S), warmup;
-    for (int s = 0; s < S; ++s) in_flight[s] = c.schedule == Schedule::OneFOneB ? std::min(c.m, c.p - s) : c.m;
-    if (c.v == 1) warmup = in_flight;  // GPipe runs all m forwards first, 1F1B min(m, p−s)
-    const double makespan_s =
-        least_partition_makespan_s(chain, in_flight, warmup, c.m, c.least_send_s, hw_.gpu_mem_bytes);
+// Raises the makespan part of the bound to `makespan_s`; ∞ means no partition fits.
+void Searcher::raise_makespan_bound(Config& c, double makespan_s) {
     if (makespan_s == kInf) {
         c.fits_bound = false;
         return;
@@ -423,6 +418,41 @@ void Searcher::tighten(Config& c) {
     c.bound_makespan_s = std::max(c.bound_makespan_s, makespan_s);
     c.bound_time_s = (c.bound_makespan_s + c.bound_rest_s) * (1.0 - 1e-9);
     c.bound_objective = objective_of(space_, hw_, c.d * c.p, c.bound_time_s);
+}
+
+// The pipeline bound with the stages' memory caps (least_pipeline_makespan_s), each stage at most the most
+// work that fits with the given in-flight count; ∞ when the caps cannot hold the work.
+double Searcher::capped_makespan_s(const Config& c, const Chain& chain, const std::vector<int>& in_flight) {
+    std::vector<double>& known = caps_[&chain];
+    std::vector<double> cap(in_flight.size());
+    double cap_total = 0.0;
+    for (std::size_t s = 0; s < cap.size(); ++s) {
+        const int n = in_flight[s];
+        if (n >= static_cast<int>(known.size())) known.resize(n + 1, std::nan(""));
+        if (std::isnan(known[n])) known[n] = max_stage_work_s(chain, n, hw_.gpu_mem_bytes);
+        cap[s] = known[n];
+        cap_total += cap[s];
+    }
+    if (cap_total < c.work_s) return kInf;
+    return least_pipeline_makespan_s(cap, c.m, c.work_s, c.least_send_s);
+}
+
+// With two stages per rank, bound() caps the stages at one micro-batch in flight; this uses their counts.
+void Searcher::cap_exactly(Config& c) {
+    const Chain& chain = chain_for(c, layout(c.d, c.p, c.v, c.placement));
+    raise_makespan_bound(c, capped_makespan_s(c, chain, in_flight_of(c)));
+}
+
+// Raises the makespan part of the bound to least_partition_makespan_s; called only for candidates the
+// cheaper bounds do not skip.
+void Searcher::tighten(Config& c) {
+    const Layout& lay = layout(c.d, c.p, c.v, c.placement);
+    const Chain& chain = chain_for(c, lay);
+    const std::vector<int>& in_flight = in_flight_of(c);
+    std::vector<int> warmup;
+    if (c.v == 1) warmup = in_flight;  // GPipe runs all m forwards first, 1F1B min(m, p−s)
+    raise_makespan_bound(c, least_partition_makespan_s(chain, in_flight, warmup, c.m, c.least_send_s,
+                                                       hw_.gpu_mem_bytes));
 }
 
 void Searcher::bound(Config& c) {
@@ -445,24 +475,18 @@ void Searcher::bound(Config& c) {
     c.need_bound_bytes = std::max(block_need, (state + least_in_flight * act) / S);
 
     // Makespan: micro-batch 0's dependency chain, the busiest rank, and the pipeline bound above with the
-    // stages' memory caps (each stage at most the most work that fits with the partition's in-flight rule).
+    // stages' memory caps; with two stages per rank, at one micro-batch in flight each (a lower bound that
+    // needs no schedule order; cap_exactly refines it for the candidates it does not skip).
     const Link& link = lay.pipeline_inter ? hw_.inter : hw_.intra;
     double send_s = kInf;
     for (int cut = 1; cut < L_; ++cut) send_s = std::min(send_s, p2p_time_s(link, chain.cut_bytes[cut]));
     if (S == 1) send_s = 0.0;
+    c.least_send_s = send_s;
+    c.work_s = work_s;
     double makespan_s = std::max(work_s + 2 * (S - 1) * send_s, c.m * std::max(work_s / c.p, block_max_s));
-    std::vector<double> cap(S);
-    std::map<int, double> cap_of;  // in flight -> cap
-    for (int s = 0; s < S; ++s) {
-        const int n = c.schedule == Schedule::OneFOneB ? std::min(c.m, c.p - s) : c.m;
-        auto it = cap_of.find(n);
-        if (it == cap_of.end()) it = cap_of.emplace(n, max_stage_work_s(chain, n, hw_.gpu_mem_bytes)).first;
-        cap[s] = it->second;
-    }
-    double cap_total = 0.0;
-    for (double x : cap) cap_total += x;
-    c.fits_bound = cap_total >= work_s;
-    if (c.fits_bound) makespan_s = std::max(makespan_s, least_pipeline_makespan_s(cap, c.m, work_s, send_s));
+    const double capped_s = capped_makespan_s(c, chain, c.v == 1 ? in_flight_of(c) : std::vector<int>(S, 1));
+    c.fits_bound = capped_s < kInf;
+    if (c.fits_bound) makespan_s = std::max(makespan_s, capped_s);
 
     // Exposed sync: at least the mean of sync_s − B_s; the all-reduce is affine in bytes, so Σ_s sync_s
     // is S·sync(0) plus the sync of all gradients less its latency part.
@@ -476,7 +500,6 @@ void Searcher::bound(Config& c) {
     // Optimizer: the rank with the most state holds at least the average and the largest block.
     const double rank_state = std::max(state / c.p, block_state);
     const double optimizer_s = optimizer_step_time_s(rank_state, rank_state, hw_.mem_bw_bytes_per_s);
-    c.least_send_s = send_s;
     c.bound_makespan_s = makespan_s;
     c.bound_rest_s = exposed_s + optimizer_s;
     c.bound_time_s = (makespan_s + exposed_s + optimizer_s) * (1.0 - 1e-9);  // summation order differs
@@ -537,41 +560,41 @@ const PartitionResult& Searcher::partition_for(const Config& c, const Layout& la
     return cached_partition(c, lay, chain);
 }
 
-// Every stage of `cuts` within gpu_mem_bytes under the partition's in-flight rule (partition.h's mem_s).
-bool Searcher::stages_fit(const Config& c, const Chain& chain, const std::vector<int>& cuts) const {
+// Every stage of `cuts` within gpu_mem_bytes with the partition's in-flight counts (partition.h's mem_s).
+bool Searcher::stages_fit(const Config& c, const Chain& chain, const std::vector<int>& cuts) {
     const int S = c.p * c.v;
-    const InFlight rule = c.schedule == Schedule::OneFOneB ? InFlight::kOneFOneB : InFlight::kGPipe;
+    const std::vector<int>& in_flight = in_flight_of(c);
     for (int s = 0; s < S; ++s) {
-        double state = 0.0, act = chain.cut_bytes[cuts[s]];
+        double state = 0.0, act = 0.0;
         for (int i = cuts[s]; i < cuts[s + 1]; ++i) {
             state += chain.state_bytes[i];
             act += chain.act_bytes[i];
         }
-        if (state + in_flight_microbatches(rule, s, S, c.m) * act > hw_.gpu_mem_bytes) return false;
+        if (state + in_flight[s] * (act + chain.cut_bytes[cuts[s]]) > hw_.gpu_mem_bytes) return false;
     }
     return true;
 }
 
 const PartitionResult& Searcher::cached_partition(const Config& c, const Layout& lay, const Chain& chain) {
     // Everything the partition depends on: the chain (b; the ZeRO stage and d through state bytes and
-    // ZeRO-3 times; the dp layout through ZeRO-3 times), the stage count, m, the in-flight rule, the link.
-    const bool one_f_one_b = c.schedule == Schedule::OneFOneB;
+    // ZeRO-3 times; the dp layout through ZeRO-3 times), m, the link and the in-flight counts (whose number
+    // is the stage count).
     const bool sharded = c.zero > 0;
-    const std::vector<long long> key = {c.b,
-                                        c.m,
-                                        c.p * c.v,
-                                        one_f_one_b,
-                                        c.zero,
-                                        sharded ? c.d : 0,
-                                        c.zero == 3 ? lay.dp_gpus_per_node : 0,
-                                        c.zero == 3 ? lay.dp_nodes : 0,
-                                        c.p > 1 && lay.pipeline_inter};
+    const std::vector<int>& in_flight = in_flight_of(c);
+    std::vector<long long> key = {c.b,
+                                  c.m,
+                                  c.zero,
+                                  sharded ? c.d : 0,
+                                  c.zero == 3 ? lay.dp_gpus_per_node : 0,
+                                  c.zero == 3 ? lay.dp_nodes : 0,
+                                  c.p > 1 && lay.pipeline_inter};
+    key.insert(key.end(), in_flight.begin(), in_flight.end());
     auto it = partitions_.find(key);
     if (it != partitions_.end()) return it->second;
     PartitionOptions options;
     options.num_stages = c.p * c.v;
     options.num_microbatches = c.m;
-    options.in_flight = one_f_one_b ? InFlight::kOneFOneB : InFlight::kGPipe;
+    options.in_flight_per_stage = in_flight;
     options.mem_limit_bytes.assign(options.num_stages, hw_.gpu_mem_bytes);
     options.link = lay.pipeline_inter ? hw_.inter : hw_.intra;
     ++result_.num_partitions;
@@ -583,6 +606,34 @@ const RankOrder& Searcher::order_for(Schedule schedule, int p, int m, int v) {
     auto it = orders_.find(key);
     if (it == orders_.end()) it = orders_.emplace(key, schedule_order(schedule, p, m, v)).first;
     return it->second;
+}
+
+// n_s of step 3: GPipe m and 1F1B min(m, p−s) (partition.h's rules); with two stages per rank the peak
+// simulate() reports. It depends only on the order: the F and B of a stage run on one rank, one at a
+// time, so walking each rank's order and counting, as simulate() counts its events in rank order, gives
+// it without timing anything.
+const std::vector<int>& Searcher::in_flight_of(const Config& c) {
+    const auto key = std::make_tuple(static_cast<int>(c.schedule), c.p, c.m, c.v);
+    auto it = in_flight_.find(key);
+    if (it != in_flight_.end()) return it->second;
+    const int S = c.p * c.v;
+    std::vector<int> in_flight(S, 0);
+    if (c.v == 1) {
+        const InFlight rule = c.schedule == Schedule::OneFOneB ? InFlight::kOneFOneB : InFlight::kGPipe;
+        for (int s = 0; s < S; ++s) in_flight[s] = in_flight_microbatches(rule, s, S, c.m);
+    } else {
+        std::vector<int> now(S, 0);
+        for (const std::vector<Action>& rank : order_for(c.schedule, c.p, c.m, c.v)) {
+            for (const Action& a : rank) {
+                if (a.op == Op::Forward) {
+                    in_flight[a.stage] = std::max(in_flight[a.stage], ++now[a.stage]);
+                } else if (a.op != Op::BackwardInput) {
+                    --now[a.stage];
+                }
+            }
+        }
+    }
+    return in_flight_.emplace(key, std::move(in_flight)).first->second;
 }
 
 std::string describe(const Config& c) {
@@ -635,7 +686,7 @@ void Searcher::evaluate(const Config& c) {
     auto send_s = [&](int cut) { return cut == 0 || cut == L_ ? 0.0 : p2p_time_s(link, chain.cut_bytes[cut]); };
     double before_s = 0.0, makespan_bound_s = 0.0;
     for (int s = 0; s < S; ++s) {
-        double f = 0, g = 0, state = 0, act = chain.cut_bytes[part.cuts[s]], params = 0;
+        double f = 0, g = 0, state = 0, act = 0, params = 0;
         for (int i = part.cuts[s]; i < part.cuts[s + 1]; ++i) {
             f += chain.fwd_time_s[i];
             g += chain.bwd_time_s[i];
@@ -643,6 +694,7 @@ void Searcher::evaluate(const Config& c) {
             act += chain.act_bytes[i];
             params += chain_.params[i];
         }
+        act += chain.cut_bytes[part.cuts[s]];  // summed as partition.h's mem_s
         times.forward_s.push_back(f);
         times.backward_s.push_back(g);
         if (s + 1 < S) times.send_forward_s.push_back(send_s(part.cuts[s + 1]));
@@ -675,18 +727,17 @@ void Searcher::evaluate(const Config& c) {
     const Simulation sim = simulate(order_for(c.schedule, c.p, c.m, c.v), cand.stage_rank, times, c.m);
     cand.stage_forward_s = times.forward_s;
     cand.stage_backward_s = times.backward_s;
-    const InFlight rule = c.schedule == Schedule::OneFOneB ? InFlight::kOneFOneB : InFlight::kGPipe;
     cand.rank_memory_bytes = rank_state;
+    const std::vector<int>& in_flight = in_flight_of(c);
     for (int s = 0; s < S; ++s) {
-        // One stage per rank: the partition's rule; two: the simulated peak (at most the partition's m).
-        const int n = c.v == 1 ? in_flight_microbatches(rule, s, S, c.m) : sim.peak_in_flight[s];
+        const int n = in_flight[s];  // the partition's, as the simulation finds them
         cand.stage_in_flight.push_back(n);
         cand.stage_act_bytes.push_back(n * act_per_microbatch[s]);
         cand.rank_memory_bytes[cand.stage_rank[s]] += cand.stage_act_bytes[s];
     }
     const auto fullest = std::max_element(cand.rank_memory_bytes.begin(), cand.rank_memory_bytes.end());
     cand.peak_memory_bytes = *fullest;
-    // One stage per rank: the partition has checked it (a recount could differ in the last bit).
+    // One stage per rank: the partition has checked it, with the same sums.
     if (c.v > 1 && cand.peak_memory_bytes > hw_.gpu_mem_bytes) {
         const int r = static_cast<int>(fullest - cand.rank_memory_bytes.begin());
         std::string stages;
@@ -773,15 +824,16 @@ SearchResult Searcher::run() {
     std::vector<Config> configs = enumerate();
     result_.num_candidates = static_cast<long long>(configs.size());
     for (Config& c : configs) bound(c);
-    // Best first by bound, refining lazily: a candidate popped with its cheap bound gets the partition
-    // bound and goes back in; popped again, it is evaluated unless it can be skipped by then.
+    // Best first by bound, refining lazily: a candidate popped with its cheap bound gets the next bound
+    // (with two stages per rank first its exact caps, then the partition bound) and goes back in; popped
+    // with every bound, it is evaluated unless it can be skipped by then.
     auto later = [&](std::size_t a, std::size_t b) {
         const Config &x = configs[a], &y = configs[b];
         return std::make_tuple(x.bound_objective, x.d * x.p, x.index) >
                std::make_tuple(y.bound_objective, y.d * y.p, y.index);
     };
     std::priority_queue<std::size_t, std::vector<std::size_t>, decltype(later)> queue(later);
-    std::vector<bool> tightened(configs.size(), false);
+    std::vector<int> refined(configs.size(), 0);  // 0: bound(), 1: cap_exactly(), 2: tighten()
     std::vector<const Config*> cannot_fit;
     for (std::size_t k = 0; k < configs.size(); ++k) {
         if (configs[k].fits_bound) queue.push(k); else cannot_fit.push_back(&configs[k]);
@@ -791,9 +843,14 @@ SearchResult Searcher::run() {
         queue.pop();
         Config& c = configs[k];
         if (prunable(c.d * c.p, c.bound_time_s)) continue;
-        if (!tightened[k]) {
-            tightened[k] = true;
-            tighten(c);
+        if (refined[k] < 2) {
+            if (refined[k] == 0 && c.v > 1) {
+                cap_exactly(c);
+                refined[k] = 1;
+            } else {
+                tighten(c);
+                refined[k] = 2;
+            }
             if (c.fits_bound) queue.push(k); else cannot_fit.push_back(&c);
             continue;
         }

@@ -135,8 +135,12 @@ def evaluate_partition(
     schedule: str = "1F1B",
     latency_s: float = 0.0,
     bw_bytes_per_s: float = math.inf,
+    in_flight_per_stage: Sequence[int] = (),
 ) -> Evaluated:
-    """Stage times and memory of the stages [cuts[s], cuts[s+1]), computed directly from the definitions."""
+    """Stage times and memory of the stages [cuts[s], cuts[s+1]), computed directly from the definitions.
+
+    Stage s holds `in_flight_per_stage[s]` micro-batches when given, else the schedule's rule.
+    """
     num_blocks, p = len(fwd_time_s), len(cuts) - 1
 
     def send_s(c: int) -> float:
@@ -148,7 +152,9 @@ def evaluate_partition(
     for s, (i, j) in enumerate(itertools.pairwise(cuts)):
         blocks = range(i, j)
         times.append(sum(fwd_time_s[k] + bwd_time_s[k] for k in blocks) + send_s(j) + send_s(i))
-        in_flight = in_flight_microbatches(schedule, s, p, num_microbatches)
+        in_flight = (
+            in_flight_per_stage[s] if in_flight_per_stage else in_flight_microbatches(schedule, s, p, num_microbatches)
+        )
         states.append(sum(state_bytes[k] for k in blocks))
         acts.append(in_flight * (sum(act_bytes[k] for k in blocks) + cut_bytes[i]))
         overflows.append(states[-1] + acts[-1] - mem_limit_bytes[s])
@@ -186,6 +192,7 @@ def partition_brute_force(
     schedule: str = "1F1B",
     latency_s: float = 0.0,
     bw_bytes_per_s: float = math.inf,
+    in_flight_per_stage: Sequence[int] = (),
 ) -> BruteForce:
     """Evaluates every split of the L blocks into num_stages non-empty contiguous stages."""
     num_blocks = len(fwd_time_s)
@@ -202,6 +209,7 @@ def partition_brute_force(
             schedule=schedule,
             latency_s=latency_s,
             bw_bytes_per_s=bw_bytes_per_s,
+            in_flight_per_stage=in_flight_per_stage,
         )
         for inner in itertools.combinations(range(1, num_blocks), num_stages - 1)
     ]

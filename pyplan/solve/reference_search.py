@@ -173,8 +173,14 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> P
     per_param = {"param_bytes": param_b, "grad_bytes": grad_b, "optim_bytes": optim_b}
     state = [sum(reference.zero_model_state_bytes(x, c.d, c.zero, **per_param)) for x in chain.params]
 
-    # 3. The partition with the least closed-form time among those whose stages fit.
+    # 3. The partition with the least closed-form time among those whose stages fit. In flight: the
+    # partition's rule with one stage per rank, the simulated peak (it depends only on the order) with two.
     stages = c.p * c.v
+    if c.v == 1:
+        in_flight = [reference.in_flight_microbatches(c.schedule, s, stages, c.m) for s in range(stages)]
+    else:
+        unit = [1.0] * stages
+        in_flight = list(simulate(c.schedule, unit, unit, num_microbatches=c.m, stages_per_rank=c.v).peak_in_flight)
     found = reference.partition_brute_force(
         fwd,
         bwd,
@@ -187,6 +193,7 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> P
         schedule="1F1B" if c.schedule == "1F1B" else "GPipe",
         latency_s=link[0],
         bw_bytes_per_s=link[1],
+        in_flight_per_stage=in_flight,
     )
     if found.best_pipeline_time is None:
         return hw.gpu_mem_bytes + found.least_overflow_bytes
@@ -206,10 +213,7 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> P
         send_forward_s=sends,
         send_backward_s=sends,
     )
-    # In flight: the partition's rule with one stage per rank, the simulated peak with two.
-    in_flight = [reference.in_flight_microbatches(c.schedule, s, stages, c.m) for s in range(stages)]
-    if c.v > 1:
-        in_flight = list(sim.peak_in_flight)
+    assert list(sim.peak_in_flight) == in_flight  # the peak depends only on the order
     rank_mem, rank_state = [0.0] * c.p, [0.0] * c.p
     for s, blocks in enumerate(spans):
         stage_state = sum(state[i] for i in blocks)

@@ -130,6 +130,52 @@ def test_equals_brute_force_when_communication_dominates() -> None:
         _check_against_brute_force(kwargs, "pipeline_time")
 
 
+@pytest.mark.parametrize("objective", ["pipeline_time", "bottleneck"])
+def test_per_stage_in_flight_equals_brute_force(objective: str) -> None:
+    # Any counts in [1, m] (an interleaved schedule's simulated peaks, say) replace the schedule's rule.
+    rng = random.Random(41)
+    feasible = 0
+    for _ in range(300):
+        kwargs = _instance(rng)
+        m = kwargs["num_microbatches"]
+        kwargs["in_flight_per_stage"] = [rng.randint(1, m) for _ in range(kwargs["num_stages"])]
+        _check_against_brute_force(kwargs, objective)
+        got = partition(*_chain(kwargs), **_without(kwargs, *_CHAIN))
+        feasible += got.feasible
+        if got.feasible:
+            assert got.stage_in_flight == kwargs["in_flight_per_stage"]
+    assert 50 < feasible < 250
+
+
+def test_equals_brute_force_when_sends_and_cuts_are_uneven() -> None:
+    # Boundaries that cost more than blocks and input cuts larger than a block's activations: the ranges a
+    # stage may cover are then not contiguous in their first cut, which the DP's window must get right.
+    rng = random.Random(5)
+    for _ in range(300):
+        num_blocks = rng.randint(5, 12)
+        num_stages = rng.randint(2, min(5, num_blocks))
+        kwargs: dict[str, Any] = {
+            "fwd_time_s": [rng.uniform(0.01, 0.5) for _ in range(num_blocks)],
+            "bwd_time_s": [rng.uniform(0.01, 0.5) for _ in range(num_blocks)],
+            "act_bytes": [float(rng.randint(0, 20)) for _ in range(num_blocks)],
+            "state_bytes": [float(rng.randint(0, 50)) for _ in range(num_blocks)],
+            "cut_bytes": [float(rng.choice([0, 1, 2, 200])) for _ in range(num_blocks + 1)],
+            "num_stages": num_stages,
+            "num_microbatches": rng.randint(1, 6),
+            "schedule": rng.choice(["GPipe", "1F1B"]),
+            "latency_s": rng.choice([0.0, 0.3]),
+            "bw_bytes_per_s": 100.0,
+        }
+        inner = sorted(rng.sample(range(1, num_blocks), num_stages - 1))
+        probe = evaluate_partition(
+            [0, *inner, num_blocks], **_without(kwargs, "num_stages"), mem_limit_bytes=[0.0] * num_stages
+        )
+        need = max(s + a for s, a in zip(probe.stage_state_bytes, probe.stage_act_bytes, strict=True))
+        kwargs["mem_limit_bytes"] = [float(round(need * rng.uniform(0.6, 1.3)))] * num_stages
+        for objective in ("pipeline_time", "bottleneck"):
+            _check_against_brute_force(kwargs, objective)
+
+
 @pytest.mark.parametrize("case", ["p=1", "p=L", "m=1"])
 def test_special_cases(case: str) -> None:
     rng = random.Random(case)
@@ -208,6 +254,9 @@ def test_infeasible_reason_names_the_stage_and_the_bytes() -> None:
         ({"schedule": "Interleaved1F1B"}, "partition knows the in-flight micro-batches of"),
         ({"objective": "cost"}, "objective must be 'pipeline_time' or 'bottleneck'"),
         ({"bw_bytes_per_s": 0.0}, "link bw_bytes_per_s must be > 0"),
+        ({"in_flight_per_stage": [1]}, "in_flight_per_stage must be empty or have one entry per stage (2), got 1"),
+        ({"in_flight_per_stage": [1, 0]}, "in_flight_per_stage[1] must be in [1, 2], got 0"),
+        ({"in_flight_per_stage": [3, 1]}, "in_flight_per_stage[0] must be in [1, 2], got 3"),
     ],
 )
 def test_bad_input_raises(change: dict[str, Any], message: str) -> None:

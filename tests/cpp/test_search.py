@@ -211,6 +211,34 @@ def test_pareto_frontier_is_non_dominated_and_has_the_extremes() -> None:
     ]
 
 
+def test_interleaved_stages_hold_their_simulated_peak_in_flight() -> None:
+    # Interleaved1F1B over p = 2 ranks with m = 8 keeps at most (4, 3, 2, 1) micro-batches on its four
+    # stages, not m: four blocks of 16 MB state and 16 MB activations each fit in 128 MB only with those
+    # counts (rank 0 holds 2 × 16 + (4 + 2) × 16 MB; one stage with 8 in flight alone needs 144 MB).
+    mb = 16e6
+    chain = ProfiledChain(
+        fwd_alpha_s=[1e-3] * 4,
+        fwd_beta_s=[0.0] * 4,
+        bwd_alpha_s=[2e-3] * 4,
+        bwd_beta_s=[0.0] * 4,
+        act_per_sample_bytes=[mb] * 4,
+        act_fixed_bytes=[0.0] * 4,
+        params=[mb / 16] * 4,
+        cut_per_sample_bytes=[0.0] * 5,
+        cut_fixed_bytes=[0.0] * 5,
+    )
+    hw = Hardware(2, 2, 8 * mb, 1e12, intra=(1e-6, 1e11), inter=(1e-5, 1e10), price_per_gpu_s=1e-3)
+    space = Space(8, (2.0, 2.0, 12.0), micro_batch_sizes=(1,), schedules=("Interleaved1F1B",))
+    result = _search(chain, hw, space)
+    assert result.feasible
+    best = result.best
+    assert (best.dp, best.pp, best.num_microbatches, best.schedule) == (1, 2, 8, "Interleaved1F1B")
+    assert best.stage_in_flight == [4, 3, 2, 1]
+    assert best.rank_memory_bytes == [8 * mb, 6 * mb]
+    (brute,) = search_brute_force(chain, hw, space).feasible
+    assert _close(best.iteration_s, brute.iteration_s) and brute.peak_memory_bytes == 8 * mb
+
+
 def test_nothing_fits_names_the_least_memory_needed() -> None:
     chain, hw, space = _small()
     tiny = Hardware(**{**asdict(hw), "gpu_mem_bytes": 1e6})

@@ -4,38 +4,77 @@
 // 0 = c_0 < c_1 < ... < c_p = L, minimizing the pipeline iteration time
 //     T = Σ_s t_s + (m−1)·max_s t_s                  (Huang et al., gradient accumulation paper, eq. 1)
 // subject to mem_s ≤ limit_s for every stage s, where for a stage over blocks [i, j):
-//     t(i, j) = Σ_{k∈[i,j)} (fwd_k + bwd_k) + send(j) + send(i),  send(c) = α + cut_bytes[c]/BW
-//               with send(0) = send(L) = 0: a stage pays the forward send of its output cut and the
-//               gradient send of its input cut, so each inner boundary is paid twice, once per direction;
+//     t(i, j) = (W[j] − W[i]) + send(j) + send(i),   W[c] = Σ_{k<c} (fwd_k + bwd_k) (prefix sums),
+//               send(c) = α + cut_bytes[c]/BW with send(0) = send(L) = 0: a stage pays the forward send of
+//               its output cut and the gradient send of its input cut, so each inner boundary is paid
+//               twice, once per direction;
 //     mem_s   = Σ_{k∈[i,j)} state_bytes_k + n_s·(Σ_{k∈[i,j)} act_bytes_k + cut_bytes[i]),
-//               n_s the micro-batches in flight in stage s (GPipe m, 1F1B min(m, p−s)); the stage keeps
-//               its input cut for backward. A tensor that is both in some act_bytes_k and in cut i
-//               is counted twice (an over-estimate, never an under-estimate).
+//               summed block by block in this order; n_s the micro-batches in flight in stage s
+//               (GPipe m, 1F1B min(m, p−s), or in_flight_per_stage[s] when given, e.g. the simulated
+//               peak of an interleaved schedule); the stage keeps its input cut for backward. A tensor
+//               that is both in some act_bytes_k and in cut i is counted twice (an over-estimate).
+// Times are these floating-point expressions, evaluated the same way everywhere (bounds, candidates,
+// results), so that "t ≤ B" means one thing; memory is compared in the block-by-block sum above.
 //
-// Algorithm (the bottleneck enumeration of Alpa's stage construction, Zheng et al. 2022, §5.2). Let G(B)
-// be the least Σ t_s over the partitions whose stages all have t_s ≤ B and fit in memory (∞ if none):
+// Least sum under a bound (the DP). G(B) is the least Σ t_s over the partitions whose stages all have
+// t_s ≤ B and fit in memory (∞ if none):
 //     F[s][j] = least Σ t over the first s stages covering blocks [0, j), each t ≤ B and within memory
-//               (s ∈ [0, p], j ∈ [0, L]; flat index s·(L+1) + j)
+//               (s ∈ [0, p], j ∈ [0, L])
 //     F[0][0] = 0,  F[0][j>0] = ∞
-//     F[s][j] = min_{s−1 ≤ i < j, t(i,j) ≤ B, mem_{s−1}(i,j) ≤ limit_{s−1}} F[s−1][i] + t(i, j)
+//     F[s][j] = min_{i ∈ A_s(j)} F[s−1][i] + t(i, j),
+//               A_s(j) = {i < j : t(i, j) ≤ B, mem_{s−1}(i, j) ≤ limit_{s−1}}
 //     Choice[s][j] = the i attaining the minimum (the first cut of stage s−1);  G(B) = F[p][L].
-// Each DP is O(p·L²). The optimum T* is min over the candidates B ∈ {t(i, j)} of G(B) + (m−1)·B (at the
-// optimum's own bottleneck the DP finds a sum no larger). Alpa scans the candidates in increasing order and
-// stops once (m−1)·B ≥ the best found; pyplan gets the same answer from fewer DPs:
-//   1. G(∞) by one DP; if it is ∞, nothing fits (see below).
-//   2. B*, the least feasible candidate, by bisection (feasibility is monotone in B).
-//   3. Above B*, G is non-increasing. For a run of candidate ranks lo < k < hi whose ends are evaluated, no k
-//      beats lo when G(lo) = G(hi) (same sum, larger bound), and no k beats the best T found when
-//      G(hi) + (m−1)·B_{lo+1} ≥ T (Alpa's stop rule, tightened by the sum); otherwise the run is bisected.
-// Every DP's partition is a candidate answer, scored by T on its own stage times. On L = 200, p = 16 this
-// takes 15-35 DPs where the increasing scan takes up to ~450 (m = 2 with costly boundaries).
+// The cost separates: F[s−1][i] + t(i, j) = a_i + (W[j] + send(j)) with a_i = F[s−1][i] − W[i] + send(i),
+// so F[s][j] is a minimum of a_i over A_s(j). A_s(j) itself need not be an interval (send(i) and
+// cut_bytes[i] jump with i), but it lies between two intervals whose ends move only forward:
+//     loose(j) = least i with W[j] − W[i] ≤ B and S(i, j) + n·A(i, j) ≤ limit + ε      (necessary)
+//     sure(j)  = least i with W[j] − W[i] + 2σ ≤ B and S(i, j) + n·(A(i, j) + κ) ≤ limit − ε  (sufficient)
+// with S, A the prefix-sum state and activation bytes of [i, j), n = n_{s−1}, σ the largest send, κ the
+// largest cut and ε a bound on the rounding of prefix sums against the block-by-block sum (a range
+// within ε of the limit is summed block by block). Every term is a difference of non-decreasing prefix
+// sums (rounding is monotone), so both conditions get harder as i falls or j grows: loose(j) ≤ sure(j)
+// are non-decreasing in j, and
+//     [sure(j), j)  ⊆  A_s(j)  ⊆  [loose(j), j).
+// Two pointers track them; a monotone deque (increasing i, increasing a_i) gives the minimum of a_i over
+// [sure(j), j) in amortized O(1); the few starts in the fringe [loose(j), sure(j)) (block times within 2σ
+// of B, or memory within one cut of the limit) are checked one by one. Rows are also cut to a band: row
+// s stops where the window passes the last finite F[s−1][i], and keeps only j ≥ rest[s], the least cut
+// from which stages s..p−1 could cover [j, L) under the necessary condition (computed from the last
+// stage back). The table stores each row's band only: row s holds cuts [first_s, first_s + its length)
+// at flat index offset_s + (j − first_s). One DP costs O(p·L) plus the fringe, and far less near B*
+// where the bands are narrow (it was O(p·L²) over all (i, j)).
 //
-// The objective kBottleneck is the limit m → ∞ (torchgpipe's balance): it returns the partition at B*,
-// i.e. least max_s t_s, then least Σ t_s; m still sets the in-flight micro-batches for memory.
+// The optimum (the bottleneck enumeration of Alpa's stage construction, Zheng et al. 2022, §5.2). The
+// candidates are the values t(i, j) of the ranges some stage can cover (i + L − j ≥ p − 1); G steps
+// only at candidates, G(B) = G(the largest candidate ≤ B), and G is non-increasing. T* = min over
+// candidates B of G(B) + (m−1)·B (at the optimum's own bottleneck the DP finds a sum no larger). Alpa
+// scans the candidates in increasing order and stops once (m−1)·B ≥ the best found; pyplan gets the same
+// answer from fewer DPs and never lists the O(L²) candidates: the least candidate above x and the
+// greatest at or below x are found in O(L + fringe) by the same two-pointer argument (next_candidate,
+// prev_candidate). It keeps runs (lo, hi] of bounds with G(lo) known and a lower bound g_hi on G over the
+// run (G(hi) when hi is finite), starting with (−∞, ∞]: G(−∞) = ∞ and no partition sums to less than W
+// plus both sends of the p−1 cheapest inner cuts. A run is closed when no candidate lies strictly inside,
+// when G(lo) ≤ g_hi (G is constant on it: same sum, larger bound), or when g_hi + (m−1)·(least candidate
+// above lo) ≥ the best T found (Alpa's stop rule, tightened by the sum). Otherwise one DP at a candidate
+// c strictly inside splits it: its partition has bottleneck b ≤ c and G(b) = G(c), giving runs (lo, b]
+// and (c, hi]. c is the candidate nearest the middle of the run's values; for hi = ∞ it gallops up from
+// max(W/p, largest block time), doubling its distance from there: DPs under bounds near B* are cheap (the
+// bands are narrow, and an infeasible bound usually fails in rest[]), the wide DPs under large bounds
+// are run only when the stop rule cannot exclude them (m = 1, or large sends). Every DP's partition is
+// a candidate answer, scored by T on its own stage times; none found means no partition fits in memory.
+// Both closing tests treat values within a relative 1e-12 as equal: the DP sums the same stage times in
+// another order than the result does (they differ by about L·ε), and many partitions often tie exactly
+// (equal cut sizes); the optimum is exact up to that share.
+//
+// The objective kBottleneck is the limit m → ∞ (torchgpipe's balance): the partition of least max_s t_s,
+// then least Σ t_s, i.e. the DP at the least feasible candidate B*; only runs with G(lo) = ∞ stay open.
+// m still sets the in-flight micro-batches for memory.
 //
 // When no partition fits in memory, a min-max DP over the same table layout finds the partition whose
 // worst overflow mem_s − limit_s is least, and the result names that stage: the smallest memory the chain
-// would need.
+// would need. H[0][0] = −∞, H[0][j>0] = ∞, H[s][j] = min_{i<j} max(H[s−1][i], mem_{s−1}(i, j) − limit_{s−1}),
+// with mem by prefix sums; the scan over i goes down from j − 1 and stops once the stage alone overflows
+// by the best found. O(p·L²) at worst, run only when nothing fits.
 #pragma once
 
 #include <string>
@@ -61,6 +100,7 @@ struct PartitionOptions {
     int num_stages = 1;        // p, 1 ≤ p ≤ L
     int num_microbatches = 1;  // m ≥ 1
     InFlight in_flight = InFlight::kOneFOneB;
+    std::vector<int> in_flight_per_stage;  // [p] n_s in [1, m] for each stage; empty: the in_flight rule
     PartitionObjective objective = PartitionObjective::kPipelineTime;
     std::vector<double> mem_limit_bytes;  // [p] memory available to each stage
     Link link;                            // between consecutive stages
@@ -94,7 +134,8 @@ struct PartitionResult {
 int in_flight_microbatches(InFlight rule, int stage, int num_stages, int num_microbatches);
 
 // The exact optimum. Throws std::invalid_argument on malformed input (array lengths, p outside [1, L],
-// m < 1, negative or NaN values); an input that fits no partition returns feasible = false and a reason.
+// m < 1, negative or NaN values, in_flight_per_stage of the wrong length or outside [1, m]); an input
+// that fits no partition returns feasible = false and a reason.
 PartitionResult partition(const Chain& chain, const PartitionOptions& options);
 
 }  // namespace pyplan

@@ -27,10 +27,10 @@
 //     group costs half its all-reduce.
 //  3. Stages: partition() of the chain into p·v stages (cost.h's closed form Σ t + (m−1)·max t, each
 //     stage within gpu_mem_bytes), with state bytes zero_model_state_bytes(params, d, zero) and
-//     activations n_s·(saved bytes + input cut bytes) at b. n_s: GPipe m, 1F1B min(m, p−s); LoopedBFS m;
-//     Interleaved1F1B m in the partition (an upper bound of its per-stage peak, until partition takes a
-//     per-stage vector) and the simulated peak in flight (depends only on the order) in the report.
-//     With v = 2 the two stages of a rank share its memory: a candidate whose rank sum exceeds
+//     activations n_s·(saved bytes + input cut bytes) at b. n_s: GPipe m, 1F1B min(m, p−s); with v = 2
+//     (Interleaved1F1B, LoopedBFS) the simulated peak in flight of stage s, which depends only on the
+//     order, given to the partition as its per-stage in-flight counts. The lower bounds below use the
+//     same n_s. With v = 2 the two stages of a rank share its memory: a candidate whose rank sum exceeds
 //     gpu_mem_bytes after partitioning is infeasible (not yet part of the partition itself).
 //  4. Makespan: simulate() of the schedule's per-rank order with the stages' F = Σ f_i and B = Σ g_i and
 //     boundary sends p2p(pipeline link, cut bytes at b). The closed form the partition minimizes can
@@ -54,17 +54,22 @@
 //    back), ≥ m·max(W/p, max_i w_i) (the busiest rank), and ≥ min over stage works w_s ≤ cap_s of
 //    max_s (m·w_s + Σ_{r<s} (w_r + 2σ)) (stage s cannot start before micro-batch 0 reaches it, works m·w_s,
 //    and its last backward must travel back), where cap_s is the most work of any block range that fits
-//    in memory with stage s's in-flight count; exposed sync ≥ the mean of sync_s − B_s; optimizer ≥ the
-//    average and the largest block's state. After partitioning, the same stage bound with the actual
-//    stages and sends, and the actual sync and optimizer times, can skip the simulation.
+//    in memory with stage s's in-flight count (at first, with v = 2, with one micro-batch: a weaker bound
+//    that needs no schedule order); exposed sync ≥ the mean of sync_s − B_s; optimizer ≥ the average and
+//    the largest block's state. After partitioning, the same stage bound with the actual stages and sends,
+//    and the actual sync and optimizer times, can skip the simulation.
 //    A candidate is skipped when its bound's objective is worse than the k-th best found and its bound's
 //    (T, C) is beaten by a frontier point found, so it could join neither.
+//  - Candidates are taken best bound first and refined lazily: popped the first time, one with v = 2 gets
+//    its caps at its exact in-flight counts; popped again (the first time for v = 1), the partition bound
+//    of search.cpp's least_partition_makespan_s; each time it goes back into the queue. Popped with every
+//    bound, it is evaluated unless it can be skipped by then.
 //  - A candidate whose caps cannot hold W fits in no partition; it is evaluated only when nothing fits,
 //    to name the least memory needed (in order of a lower bound on that need, stopping early).
-//  - Partitions are shared by candidates with the same chain, stage count, m, in-flight rule and link. For
-//    ZeRO 0-2 (same times, less state the higher the stage) the partition of the loosest allowed stage is
-//    reused when its stages fit under the tighter one: it is then optimal there too (among partitions tied
-//    in the closed form, it may be another than a fresh partition would pick).
+//  - Partitions are shared by candidates with the same chain, m, in-flight counts (so stage count) and
+//    link. For ZeRO 0-2 (same times, less state the higher the stage) the partition of the loosest allowed
+//    stage is reused when its stages fit under the tighter one: it is then optimal there too (among
+//    partitions tied in the closed form, it may be another than a fresh partition would pick).
 // Errors: invalid input (N ≤ 0, B ≤ 0, no d·b·m = B, unknown objective, malformed chain) throws
 // std::invalid_argument with a one-line message. A search where nothing fits returns feasible = false and
 // a reason naming the candidate that needs the least memory.
