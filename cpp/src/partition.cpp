@@ -1,6 +1,8 @@
 // Exact pipeline stage partitioning; the problem, tables and recurrences are stated in partition.h.
 #include "pyplan/partition.h"
 
+#include "pyplan/format.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -376,18 +378,6 @@ PartitionResult describe(const Problem& problem, const std::vector<int>& cuts) {
     result.pipeline_time_s = pipeline_time_s(result.stage_time_s, problem.num_microbatches);
     result.bottleneck_s = *std::max_element(result.stage_time_s.begin(), result.stage_time_s.end());
     return result;
-}
-
-std::string format_bytes(double bytes) {
-    static const char* const kUnits[] = {"B", "kB", "MB", "GB", "TB", "PB"};
-    int unit = 0;
-    while (std::fabs(bytes) >= 1000.0 && unit < 5) {
-        bytes /= 1000.0;
-        ++unit;
-    }
-    char text[64];
-    std::snprintf(text, sizeof text, "%.3g %s", bytes, kUnits[unit]);
-    return text;
 }
 
 PartitionResult infeasible(const Problem& problem) {

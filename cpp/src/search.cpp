@@ -1,6 +1,8 @@
 // The plan search; the enumeration, the model of a candidate and the pruning are stated in search.h.
 #include "pyplan/search.h"
 
+#include "pyplan/format.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -23,18 +25,6 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 
 [[noreturn]] void fail(const std::string& message) {
     throw std::invalid_argument(message);
-}
-
-std::string format_bytes(double bytes) {
-    static const char* const kUnits[] = {"B", "kB", "MB", "GB", "TB", "PB"};
-    int unit = 0;
-    while (std::fabs(bytes) >= 1000.0 && unit < 5) {
-        bytes /= 1000.0;
-        ++unit;
-    }
-    char text[64];
-    std::snprintf(text, sizeof text, "%.3g %s", bytes, kUnits[unit]);
-    return text;
 }
 
 std::string join(const std::vector<int>& values) {
