@@ -21,7 +21,7 @@ using pyplan::SearchResult;
 Schedule to_schedule(const std::string& name) {
     for (Schedule s : {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B, Schedule::LoopedBFS,
                        Schedule::InterleavedZeroBubble, Schedule::ZBVZeroBubble, Schedule::DualPipeV}) {
-        if (name == pyplan::schedule_label(s)) return s;
+        if (name == pyplan::schedule_name(s)) return s;
     }
     throw std::invalid_argument("unknown schedule '" + name + "' (searched: GPipe, 1F1B, Interleaved1F1B, LoopedBFS)");
 }
@@ -36,7 +36,7 @@ void bind_search(py::module_& m) {
         .def_readonly("stages_per_rank", &Candidate::stages_per_rank)
         .def_readonly("micro_batch_size", &Candidate::micro_batch_size)
         .def_readonly("num_microbatches", &Candidate::num_microbatches)
-        .def_property_readonly("schedule", [](const Candidate& c) { return pyplan::schedule_label(c.schedule); })
+        .def_property_readonly("schedule", [](const Candidate& c) { return pyplan::schedule_name(c.schedule); })
         .def_readonly("zero_stage", &Candidate::zero_stage)
         .def_property_readonly("placement", [](const Candidate& c) { return pyplan::placement_name(c.placement); })
         .def_property_readonly("num_gpus", &Candidate::num_gpus)
@@ -65,7 +65,7 @@ void bind_search(py::module_& m) {
         .def("__repr__", [](const Candidate& c) {
             return "Candidate(dp=" + std::to_string(c.dp) + ", pp=" + std::to_string(c.pp) +
                    ", b=" + std::to_string(c.micro_batch_size) + ", m=" + std::to_string(c.num_microbatches) +
-                   ", schedule='" + pyplan::schedule_label(c.schedule) + "', zero_stage=" +
+                   ", schedule='" + pyplan::schedule_name(c.schedule) + "', zero_stage=" +
                    std::to_string(c.zero_stage) + ", placement='" + pyplan::placement_name(c.placement) +
                    "', iteration_s=" + std::to_string(c.iteration_s) + ")";
         });

@@ -93,7 +93,7 @@ void validate(const ProfiledChain& c, const Hardware& hw, const SearchSpace& spa
     for (Schedule s : space.schedules) {
         if (s != Schedule::GPipe && s != Schedule::OneFOneB && s != Schedule::Interleaved1F1B &&
             s != Schedule::LoopedBFS) {
-            fail(std::string(schedule_label(s)) +
+            fail(std::string(schedule_name(s)) +
                  " is not searched: the zero-bubble schedules need split I/W times and give wrong gradients "
                  "with DDP/FSDP2 on torch 2.13");
         }
@@ -628,7 +628,7 @@ const std::vector<int>& Searcher::in_flight_of(const Config& c) {
 
 std::string describe(const Config& c) {
     std::string text = "dp=" + std::to_string(c.d) + ", pp=" + std::to_string(c.p) + ", b=" + std::to_string(c.b) +
-                       ", m=" + std::to_string(c.m) + ", " + schedule_label(c.schedule) + ", ZeRO-" +
+                       ", m=" + std::to_string(c.m) + ", " + schedule_name(c.schedule) + ", ZeRO-" +
                        std::to_string(c.zero);
     if (c.d > 1 && c.p > 1) text += std::string(", ") + placement_name(c.placement);
     return text;
@@ -890,19 +890,6 @@ Placement placement_from_name(const std::string& name) {
 
 const char* placement_name(Placement placement) {
     return placement == Placement::kPipelineInner ? "pp-inner" : "dp-inner";
-}
-
-const char* schedule_label(Schedule schedule) {
-    switch (schedule) {
-        case Schedule::GPipe: return "GPipe";
-        case Schedule::OneFOneB: return "1F1B";
-        case Schedule::Interleaved1F1B: return "Interleaved1F1B";
-        case Schedule::LoopedBFS: return "LoopedBFS";
-        case Schedule::InterleavedZeroBubble: return "InterleavedZeroBubble";
-        case Schedule::ZBVZeroBubble: return "ZBVZeroBubble";
-        case Schedule::DualPipeV: return "DualPipeV";
-    }
-    return "?";
 }
 
 SearchResult search(const ProfiledChain& chain, const Hardware& hardware, const SearchSpace& space) {

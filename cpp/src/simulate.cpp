@@ -223,6 +223,8 @@ bool is_v_shaped(Schedule s) { return s == Schedule::ZBVZeroBubble || s == Sched
 
 bool is_single_stage(Schedule s) { return s == Schedule::GPipe || s == Schedule::OneFOneB; }
 
+}  // namespace
+
 const char* schedule_name(Schedule s) {
     switch (s) {
         case Schedule::GPipe: return "GPipe";
@@ -235,8 +237,6 @@ const char* schedule_name(Schedule s) {
     }
     return "?";
 }
-
-}  // namespace
 
 std::vector<int> stage_placement(Schedule schedule, int num_ranks, int stages_per_rank) {
     if (num_ranks < 1 || stages_per_rank < 1)

@@ -181,8 +181,6 @@ Objective objective_from_name(const std::string& name);
 // "pp-inner" | "dp-inner"; throws std::invalid_argument otherwise.
 Placement placement_from_name(const std::string& name);
 const char* placement_name(Placement placement);
-// torch's class name less "Schedule" ("GPipe", "1F1B", ...).
-const char* schedule_label(Schedule schedule);
 
 SearchResult search(const ProfiledChain& chain, const Hardware& hardware, const SearchSpace& space);
 

@@ -57,6 +57,9 @@ enum class Schedule {
     DualPipeV,              // 2 stages per rank, V placement, F and B paired (DeepSeek-V3 report)
 };
 
+// torch's class name less "Schedule" ("GPipe", "1F1B", "Interleaved1F1B", ...).
+const char* schedule_name(Schedule schedule);
+
 // The rank that holds each stage: [stage] -> rank, for num_ranks * stages_per_rank stages.
 // Loop placement puts stage s on rank s mod p; V placement (ZBVZeroBubble, DualPipeV) puts
 // stages {r, 2p-1-r} on rank r.
