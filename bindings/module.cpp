@@ -8,6 +8,7 @@ void bind_cost(py::module_& m);
 void bind_partition(py::module_& m);
 void bind_simulate(py::module_& m);
 void bind_search(py::module_& m);
+void bind_remat(py::module_& m);
 
 PYBIND11_MODULE(_core, m) {
     m.doc() = "pyplan's C++17 planning core (private; use the pyplan package).";
@@ -16,4 +17,5 @@ PYBIND11_MODULE(_core, m) {
     bind_partition(m);
     bind_simulate(m);
     bind_search(m);
+    bind_remat(m);
 }

@@ -1,0 +1,77 @@
+// Bindings of remat.h: the chain as eight arrays, the plan as a list of (token, block) pairs.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "pyplan/remat.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// The plan as [("keep", i), ("offload", i), ("begin", -1), ("end", -1), ...].
+std::vector<std::pair<std::string, int>> steps_of(const std::vector<pyplan::RematStep>& plan) {
+    static const char* names[] = {"keep", "offload", "begin", "end"};
+    std::vector<std::pair<std::string, int>> out;
+    out.reserve(plan.size());
+    for (const auto& st : plan) out.emplace_back(names[static_cast<int>(st.token)], st.block);
+    return out;
+}
+
+}  // namespace
+
+void bind_remat(py::module_& m) {
+    using pyplan::RematSolution;
+    py::class_<RematSolution>(m, "RematSolution", "The best remat plan of a chain within a budget, or why none.")
+        .def_readonly("feasible", &RematSolution::feasible)
+        .def_readonly("time_s", &RematSolution::time_s)
+        .def_readonly("peak_bound_bytes", &RematSolution::peak_bound_bytes)
+        .def_readonly("after_forward_bytes", &RematSolution::after_forward_bytes)
+        .def_readonly("min_budget_bytes", &RematSolution::min_budget_bytes)
+        .def_readonly("reason", &RematSolution::reason)
+        .def_property_readonly("plan", [](const RematSolution& r) { return steps_of(r.plan); });
+
+    m.def(
+        "remat",
+        [](std::vector<double> fwd_s, std::vector<double> bwd_s, std::vector<double> kept_bytes,
+           std::vector<double> out_bytes, std::vector<double> fwd_peak_bytes, std::vector<double> fwd_nosave_peak_bytes,
+           std::vector<double> bwd_peak_bytes, std::vector<double> grad_bytes, double budget_bytes, int slots,
+           double offload_bw_bytes_per_s, int max_depth, int in_flight) {
+            const pyplan::RematChain chain{std::move(fwd_s),          std::move(bwd_s),
+                                           std::move(kept_bytes),     std::move(out_bytes),
+                                           std::move(fwd_peak_bytes), std::move(fwd_nosave_peak_bytes),
+                                           std::move(bwd_peak_bytes), std::move(grad_bytes)};
+            const pyplan::RematOptions options{budget_bytes, slots, offload_bw_bytes_per_s, max_depth};
+            py::gil_scoped_release release;
+            return pyplan::solve_remat(chain, options, in_flight);
+        },
+        py::arg("fwd_s"), py::arg("bwd_s"), py::arg("kept_bytes"), py::arg("out_bytes"), py::arg("fwd_peak_bytes"),
+        py::arg("fwd_nosave_peak_bytes"), py::arg("bwd_peak_bytes"), py::arg("grad_bytes"), py::kw_only(),
+        py::arg("budget_bytes"), py::arg("slots") = 500, py::arg("offload_bw_bytes_per_s") = 0.0,
+        py::arg("max_depth") = -1, py::arg("in_flight") = 1,
+        "The least-time rematerialization (and offloading) plan of a chain whose peak stays within budget_bytes,\n"
+        "memory discretized into `slots` (sizes rounded up, the budget down). Per block: fwd_s, bwd_s, kept,\n"
+        "out, fwd_peak, fwd_nosave_peak, bwd_peak bytes; per cut: grad_bytes (see pyplan/solve/remat.py).\n"
+        "offload_bw_bytes_per_s 0 disables offloading; max_depth limits checkpoint nesting (-1: none).\n"
+        "in_flight > 1 also requires peak + (in_flight-1)*after_forward <= budget.");
+
+    m.def(
+        "remat_min_peak",
+        [](std::vector<double> fwd_s, std::vector<double> bwd_s, std::vector<double> kept_bytes,
+           std::vector<double> out_bytes, std::vector<double> fwd_peak_bytes, std::vector<double> fwd_nosave_peak_bytes,
+           std::vector<double> bwd_peak_bytes, std::vector<double> grad_bytes, bool offload, int max_depth) {
+            const pyplan::RematChain chain{std::move(fwd_s),          std::move(bwd_s),
+                                           std::move(kept_bytes),     std::move(out_bytes),
+                                           std::move(fwd_peak_bytes), std::move(fwd_nosave_peak_bytes),
+                                           std::move(bwd_peak_bytes), std::move(grad_bytes)};
+            const pyplan::RematOptions options{1.0, 1, offload ? 1.0 : 0.0, max_depth};
+            return pyplan::min_peak_bytes(chain, options);
+        },
+        py::arg("fwd_s"), py::arg("bwd_s"), py::arg("kept_bytes"), py::arg("out_bytes"), py::arg("fwd_peak_bytes"),
+        py::arg("fwd_nosave_peak_bytes"), py::arg("bwd_peak_bytes"), py::arg("grad_bytes"), py::kw_only(),
+        py::arg("offload") = false, py::arg("max_depth") = -1,
+        "The least peak (bytes, exact) of any plan of the chain: the smallest feasible budget.");
+}

@@ -1,0 +1,495 @@
+"""Rematerialization and offloading plans for a chain: the memory model, the plan type and its exact replay.
+
+The model (Beaumont et al. 2019, "Optimal checkpointing for heterogeneous chains", with the offloading of
+Beaumont et al. 2021), counted strictly: a schedule is a sequence of operations on the blocks of a chain, and
+its peak is the most bytes ever live, transients included. Bytes are counted beyond what the caller holds
+anyway: the chain's input (cut 0) and the gradient of its output (cut L), both resident.
+
+Per block i (one micro-batch), with everything measured beyond the block's own inputs:
+  fwd_s / bwd_s        forward and backward time;
+  kept_bytes           what a *saving* forward leaves: the tensors autograd saves plus the block's outputs;
+  out_bytes            what a *non-saving* forward leaves: the outputs alone (the next cut);
+  fwd_peak_bytes       the peak during a saving forward (≥ kept_bytes);
+  fwd_nosave_peak_bytes  the peak during a non-saving forward (≥ out_bytes);
+  bwd_peak_bytes       the peak during backward, counting kept_bytes, the output gradient, the input gradient
+                       and the temporaries;
+and per cut c, grad_bytes[c], the gradient of the values live at cut c (what a backward leaves behind).
+
+Operations, with `cur` the live bytes before each:
+  F(i, save)    needs cut i's values; peak cur + fwd_peak (save) or cur + fwd_nosave_peak;
+                leaves kept_bytes (save) or out_bytes. A non-saving forward inside a checkpointed segment
+                frees its input (the previous block's output) once done, except the segment's own input.
+  F(i, offload) a saving forward whose saved tensors (kept − out) are copied to the host while the block
+                computes: exposed time max(0, τ − fwd_s), τ = (kept − out)/offload_bw; leaves out_bytes.
+  prefetch(i)   copies them back while the next operation (the backward of block i+1) computes:
+                exposed max(0, τ − that op's time); the bytes are live from the prefetch on.
+  B(i)          needs block i's kept bytes and the gradient of cut i+1; peak cur − kept − grad[i+1] + bwd_peak;
+                frees both, leaves grad[i] (the formula holds whether grad[i+1] is counted in cur or is the
+                resident output gradient of the chain).
+  free X(c)     drops the stored values of cut c (a checkpoint's output, once its consumers are done).
+
+A plan is a nested tree, which is also how it runs in torch: a sequence of items covering consecutive blocks,
+each `Keep(i)` (run block i saving), `Offload(i)` (run it saving, saved tensors moved to the host) or
+`Checkpoint(inner)` (run the blocks of `inner` without saving, keep only their output; in backward, recompute
+them following `inner` itself, with the output's gradient present). In torch: `Checkpoint` is
+`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` around `inner`, nested as deep as the tree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "Checkpoint",
+    "Keep",
+    "Offload",
+    "RematChain",
+    "RematItem",
+    "RematPlan",
+    "RematResult",
+    "Replay",
+    "full_remat",
+    "min_budget",
+    "no_remat",
+    "periodic",
+    "plan_ops",
+    "replay",
+    "replay_ops",
+    "solve",
+]
+
+
+@dataclass(frozen=True)
+class RematChain:
+    """The per-block figures of the model above, for one micro-batch (seconds and bytes)."""
+
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    kept_bytes: tuple[float, ...]
+    out_bytes: tuple[float, ...]
+    fwd_peak_bytes: tuple[float, ...]
+    fwd_nosave_peak_bytes: tuple[float, ...]
+    bwd_peak_bytes: tuple[float, ...]
+    grad_bytes: tuple[float, ...]  # [L + 1], per cut
+
+    def __post_init__(self) -> None:
+        n = len(self.fwd_s)
+        for name in ("bwd_s", "kept_bytes", "out_bytes", "fwd_peak_bytes", "fwd_nosave_peak_bytes", "bwd_peak_bytes"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries, the chain has {n} blocks")
+        if len(self.grad_bytes) != n + 1:
+            raise ValueError(f"grad_bytes needs one entry per cut ({n + 1}), got {len(self.grad_bytes)}")
+
+    def __len__(self) -> int:
+        return len(self.fwd_s)
+
+    def sub(self, start: int, stop: int) -> RematChain:
+        """Blocks [start, stop) as a chain of their own."""
+        return RematChain(
+            self.fwd_s[start:stop],
+            self.bwd_s[start:stop],
+            self.kept_bytes[start:stop],
+            self.out_bytes[start:stop],
+            self.fwd_peak_bytes[start:stop],
+            self.fwd_nosave_peak_bytes[start:stop],
+            self.bwd_peak_bytes[start:stop],
+            self.grad_bytes[start : stop + 1],
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: list(getattr(self, k)) for k in self.__dataclass_fields__}
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> RematChain:
+        return RematChain(**{k: tuple(float(v) for v in data[k]) for k in RematChain.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class Keep:
+    """Run block `block` saving what its backward needs."""
+
+    block: int
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Run block `block` saving, with its saved tensors moved to host memory until its backward."""
+
+    block: int
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Run the blocks of `inner` without saving; recompute them in backward following `inner`."""
+
+    inner: RematPlan
+
+
+RematItem = Keep | Offload | Checkpoint
+
+
+@dataclass(frozen=True)
+class RematPlan:
+    """Items covering consecutive blocks, in order (see the module docstring)."""
+
+    items: tuple[RematItem, ...]
+
+    def __post_init__(self) -> None:
+        if not self.items:
+            raise ValueError("a remat plan covers at least one block")
+        expected = self.first
+        for it in self.items:
+            if _first(it) != expected:
+                raise ValueError(f"remat plan items must cover consecutive blocks: expected {expected}, got {it}")
+            expected = _last(it) + 1
+
+    @property
+    def first(self) -> int:
+        return _first(self.items[0])
+
+    @property
+    def last(self) -> int:
+        return _last(self.items[-1])
+
+    @property
+    def blocks(self) -> range:
+        return range(self.first, self.last + 1)
+
+    def shifted(self, offset: int) -> RematPlan:
+        """The same plan with every block index moved by `offset`."""
+        return RematPlan(tuple(_shift(it, offset) for it in self.items))
+
+    def to_json(self) -> list[Any]:
+        """Nested lists: ["keep", i], ["offload", i], ["checkpoint", [...]]."""
+        out: list[Any] = []
+        for it in self.items:
+            if isinstance(it, Keep):
+                out.append(["keep", it.block])
+            elif isinstance(it, Offload):
+                out.append(["offload", it.block])
+            else:
+                out.append(["checkpoint", it.inner.to_json()])
+        return out
+
+    @staticmethod
+    def from_json(data: Any) -> RematPlan:
+        if not isinstance(data, list) or not data:
+            raise ValueError(f"a remat plan is a non-empty list of items, got {data!r}")
+        items: list[RematItem] = []
+        for entry in data:
+            if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in ("keep", "offload", "checkpoint")):
+                raise ValueError(f"remat plan item {entry!r} is not [keep|offload|checkpoint, value]")
+            kind, value = entry
+            if kind == "checkpoint":
+                items.append(Checkpoint(RematPlan.from_json(value)))
+            elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                items.append(Keep(value) if kind == "keep" else Offload(value))
+            else:
+                raise ValueError(f"remat plan item {entry!r} needs a block index")
+        return RematPlan(tuple(items))
+
+    def describe(self) -> str:
+        """Compact text: K3 keeps block 3, O3 offloads it, C[...] checkpoints what is inside."""
+        parts = []
+        for it in self.items:
+            if isinstance(it, Keep):
+                parts.append(f"K{it.block}")
+            elif isinstance(it, Offload):
+                parts.append(f"O{it.block}")
+            else:
+                parts.append(f"C[{it.inner.describe()}]")
+        return " ".join(parts)
+
+
+def _first(it: RematItem) -> int:
+    return it.inner.first if isinstance(it, Checkpoint) else it.block
+
+
+def _last(it: RematItem) -> int:
+    return it.inner.last if isinstance(it, Checkpoint) else it.block
+
+
+def _shift(it: RematItem, offset: int) -> RematItem:
+    if isinstance(it, Checkpoint):
+        return Checkpoint(it.inner.shifted(offset))
+    return type(it)(it.block + offset)
+
+
+def no_remat(start: int, stop: int) -> RematPlan:
+    """Keep every block of [start, stop)."""
+    return RematPlan(tuple(Keep(i) for i in range(start, stop)))
+
+
+def periodic(start: int, stop: int, segments: int) -> RematPlan:
+    """`torch.utils.checkpoint.checkpoint_sequential`: `segments` equal segments, all but the last
+    checkpointed (each recomputed keeping everything), the last run normally."""
+    n = stop - start
+    if not 1 <= segments <= n:
+        raise ValueError(f"{segments} segments for {n} blocks")
+    size = -(-n // segments)  # checkpoint_sequential's segment size: ceil(n / segments)
+    items: list[RematItem] = []
+    a = start
+    while a + size < stop:
+        items.append(Checkpoint(no_remat(a, a + size)))
+        a += size
+    items.extend(Keep(i) for i in range(a, stop))
+    return RematPlan(tuple(items))
+
+
+def full_remat(start: int, stop: int) -> RematPlan:
+    """Checkpoint every block on its own except the last: only block inputs are kept."""
+    items: list[RematItem] = [Checkpoint(RematPlan((Keep(i),))) for i in range(start, stop - 1)]
+    items.append(Keep(stop - 1))
+    return RematPlan(tuple(items))
+
+
+# One operation of a schedule: ("F", i, "save"|"nosave"|"offload"), ("B", i), ("prefetch", i), ("free", c).
+Op = tuple[Any, ...]
+
+
+def plan_ops(plan: RematPlan) -> list[Op]:
+    """The operations that running `plan` performs, in order (see the module docstring)."""
+    ops: list[Op] = []
+    _first_pass(plan, ops)
+    _backward(plan, ops)
+    return ops
+
+
+def _first_pass(plan: RematPlan, ops: list[Op]) -> None:
+    for it in plan.items:
+        if isinstance(it, Keep):
+            ops.append(("F", it.block, "save"))
+        elif isinstance(it, Offload):
+            ops.append(("F", it.block, "offload"))
+        else:
+            a, b = it.inner.first, it.inner.last
+            for j in range(a, b + 1):
+                ops.append(("F", j, "nosave"))
+                if j > a:
+                    ops.append(("free", j))
+
+
+def _backward(plan: RematPlan, ops: list[Op]) -> None:
+    for it in reversed(plan.items):
+        if isinstance(it, Checkpoint):
+            ops.append(("free", it.inner.last + 1))
+            _first_pass(it.inner, ops)
+            _backward(it.inner, ops)
+        else:
+            if isinstance(it, Offload):
+                # The prefetch overlaps the backward of the next block when that is the previous operation.
+                at = len(ops) - 1 if ops and ops[-1] == ("B", it.block + 1) else len(ops)
+                ops.insert(at, ("prefetch", it.block))
+            ops.append(("B", it.block))
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What a schedule costs: its time (compute, recompute, exposed transfers), peak and what it keeps."""
+
+    time_s: float
+    peak_bytes: float
+    recompute_s: float
+    transfer_s: float
+    after_forward_bytes: float  # live at the end of the first forward pass: what each micro-batch in flight holds
+
+
+def replay(chain: RematChain, plan: RematPlan, *, offload_bw_bytes_per_s: float = math.inf) -> Replay:
+    """Run `plan` on the model of the module docstring, operation by operation."""
+    if plan.first != 0 or plan.last != len(chain) - 1:
+        raise ValueError(f"the plan covers blocks {plan.first}..{plan.last}, the chain has {len(chain)}")
+    first: list[Op] = []
+    _first_pass(plan, first)
+    return replay_ops(chain, plan_ops(plan), offload_bw_bytes_per_s=offload_bw_bytes_per_s, forward_ops=len(first))
+
+
+def replay_ops(
+    chain: RematChain,
+    ops: Sequence[Op],
+    *,
+    offload_bw_bytes_per_s: float = math.inf,
+    forward_ops: int | None = None,
+) -> Replay:
+    """Replay any operation sequence; raise ValueError when an operation lacks what it needs.
+
+    Live objects: ("X", c) the stored values of cut c (c ≥ 1), ("A", i) block i's kept bytes (which hold cut
+    i+1's values), ("H", i) block i's saved bytes on the host, ("G", c) the gradient of cut c. Cut 0 and the
+    gradient of cut L are resident and not counted.
+    """
+    n = len(chain)
+    live: dict[tuple[str, int], float] = {}
+    cur = peak = 0.0
+    time_s = recompute_s = transfer_s = 0.0
+    after_forward = 0.0
+    computed: set[int] = set()
+
+    def has_cut(c: int) -> bool:
+        return c == 0 or ("X", c) in live or ("A", c - 1) in live
+
+    def add(key: tuple[str, int], size: float) -> None:
+        nonlocal cur
+        if key in live:
+            raise ValueError(f"{key} is computed twice without being freed")
+        live[key] = size
+        cur += size
+
+    def drop(key: tuple[str, int]) -> None:
+        nonlocal cur
+        cur -= live.pop(key)
+
+    def tau(i: int) -> float:
+        return (chain.kept_bytes[i] - chain.out_bytes[i]) / offload_bw_bytes_per_s
+
+    for k, op in enumerate(ops):
+        if forward_ops is not None and k == forward_ops:
+            after_forward = cur
+        kind, i = op[0], op[1]
+        if kind == "F":
+            if not has_cut(i):
+                raise ValueError(f"forward of block {i} without the values of cut {i}")
+            save = op[2]
+            t = chain.fwd_s[i]
+            if i in computed:
+                recompute_s += t
+            computed.add(i)
+            time_s += t
+            if save == "nosave":
+                peak = max(peak, cur + chain.fwd_nosave_peak_bytes[i])
+                add(("X", i + 1), chain.out_bytes[i])
+            else:
+                peak = max(peak, cur + chain.fwd_peak_bytes[i])
+                if save == "offload":
+                    exposed = max(0.0, tau(i) - t)
+                    time_s += exposed
+                    transfer_s += exposed
+                    add(("X", i + 1), chain.out_bytes[i])
+                    live[("H", i)] = 0.0
+                else:
+                    add(("A", i), chain.kept_bytes[i])
+        elif kind == "prefetch":
+            if ("H", i) not in live:
+                raise ValueError(f"prefetch of block {i}, which was not offloaded")
+            del live[("H", i)]
+            nxt = ops[k + 1] if k + 1 < len(ops) else None
+            overlap = chain.bwd_s[nxt[1]] if nxt is not None and nxt[0] == "B" and nxt[1] != i else 0.0
+            exposed = max(0.0, tau(i) - overlap)
+            time_s += exposed
+            transfer_s += exposed
+            drop(("X", i + 1))
+            add(("A", i), chain.kept_bytes[i])
+        elif kind == "B":
+            if ("A", i) not in live:
+                raise ValueError(f"backward of block {i} without its saved tensors")
+            if not has_cut(i):
+                raise ValueError(f"backward of block {i} without the values of cut {i}")
+            if i < n - 1 and ("G", i + 1) not in live:
+                raise ValueError(f"backward of block {i} before the gradient of cut {i + 1}")
+            peak = max(peak, cur - chain.kept_bytes[i] - chain.grad_bytes[i + 1] + chain.bwd_peak_bytes[i])
+            time_s += chain.bwd_s[i]
+            drop(("A", i))
+            if i < n - 1:
+                drop(("G", i + 1))
+            if i > 0:
+                add(("G", i), chain.grad_bytes[i])
+        elif kind == "free":
+            if ("X", i) not in live:
+                raise ValueError(f"free of cut {i}, which is not stored")
+            drop(("X", i))
+        else:
+            raise ValueError(f"unknown operation {op!r}")
+    if forward_ops is not None and forward_ops >= len(ops):
+        after_forward = cur
+    done = {key for key in live if key[0] != "X" or key[1] != 0}
+    if done:
+        raise ValueError(f"the schedule leaves {sorted(done)} live")
+    return Replay(time_s, peak, recompute_s, transfer_s, after_forward)
+
+
+@dataclass(frozen=True)
+class RematResult:
+    """The plan `solve` chose and what it costs, replayed in bytes (no slots)."""
+
+    plan: RematPlan
+    time_s: float
+    peak_bytes: float
+    recompute_s: float
+    transfer_s: float
+    after_forward_bytes: float
+    budget_bytes: float
+    min_budget_bytes: float  # the least peak any allowed plan reaches
+
+
+def _plan_of_steps(steps: Sequence[tuple[str, int]], offset: int) -> RematPlan:
+    stack: list[list[RematItem]] = [[]]
+    for token, block in steps:
+        if token == "keep":
+            stack[-1].append(Keep(block + offset))
+        elif token == "offload":
+            stack[-1].append(Offload(block + offset))
+        elif token == "begin":
+            stack.append([])
+        else:
+            inner = RematPlan(tuple(stack.pop()))
+            stack[-1].append(Checkpoint(inner))
+    return RematPlan(tuple(stack[0]))
+
+
+def _arrays(chain: RematChain) -> list[list[float]]:
+    return [list(getattr(chain, k)) for k in RematChain.__dataclass_fields__]
+
+
+def min_budget(chain: RematChain, *, offload: bool = False, max_depth: int | None = None) -> float:
+    """The least peak (bytes) of any plan: below it no budget is feasible."""
+    from pyplan import _core
+
+    return _core.remat_min_peak(*_arrays(chain), offload=offload, max_depth=-1 if max_depth is None else max_depth)
+
+
+def solve(
+    chain: RematChain,
+    budget_bytes: float,
+    *,
+    slots: int = 500,
+    offload_bw_bytes_per_s: float | None = None,
+    max_depth: int | None = None,
+    in_flight: int = 1,
+    first_block: int = 0,
+) -> RematResult:
+    """The least-time plan whose peak stays within `budget_bytes` (the C++ DP of pyplan/remat.h).
+
+    Memory is discretized into `slots` (sizes rounded up, the budget down), so the plan always fits in bytes; it
+    is optimal up to that rounding, exactly optimal when every size is a multiple of budget/slots. `offload_bw`
+    enables offloading over a link of that bandwidth; `max_depth` limits checkpoint nesting (1: checkpoint sets,
+    as checkpoint_sequential; None: unbounded, Rotor); `in_flight` micro-batches held at once must fit as
+    peak + (in_flight − 1)·after_forward. Block indices of the plan start at `first_block`.
+    Raises InfeasibleError naming the least budget when nothing fits.
+    """
+    from pyplan import _core
+    from pyplan.errors import InfeasibleError
+
+    bw = offload_bw_bytes_per_s or 0.0
+    r = _core.remat(
+        *_arrays(chain),
+        budget_bytes=budget_bytes,
+        slots=slots,
+        offload_bw_bytes_per_s=bw,
+        max_depth=-1 if max_depth is None else max_depth,
+        in_flight=in_flight,
+    )
+    if not r.feasible:
+        raise InfeasibleError(f"rematerialization: {r.reason}")
+    plan = _plan_of_steps(r.plan, 0)
+    rep = replay(chain, plan, offload_bw_bytes_per_s=bw if bw > 0 else math.inf)
+    return RematResult(
+        plan=plan.shifted(first_block) if first_block else plan,
+        time_s=rep.time_s,
+        peak_bytes=rep.peak_bytes,
+        recompute_s=rep.recompute_s,
+        transfer_s=rep.transfer_s,
+        after_forward_bytes=rep.after_forward_bytes,
+        budget_bytes=budget_bytes,
+        min_budget_bytes=r.min_budget_bytes,
+    )

@@ -1,0 +1,191 @@
+"""The remat DP (pyplan/remat.h) against brute force over every plan, replayed by pyplan.solve.remat.replay."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from functools import lru_cache
+
+import pytest
+
+from pyplan.errors import InfeasibleError
+from pyplan.solve.remat import (
+    Checkpoint,
+    Keep,
+    Offload,
+    RematChain,
+    RematItem,
+    RematPlan,
+    full_remat,
+    min_budget,
+    no_remat,
+    periodic,
+    replay,
+    solve,
+)
+
+
+def random_chain(rng: random.Random, n: int) -> RematChain:
+    """Integer sizes (so a budget of B bytes in B slots loses nothing to rounding), consistent with the model."""
+    grad = [rng.randint(1, 6) for _ in range(n + 1)]
+    out = [rng.randint(1, 8) for _ in range(n)]
+    kept = [o + rng.randint(0, 15) for o in out]
+    return RematChain(
+        fwd_s=tuple(float(rng.randint(1, 9)) for _ in range(n)),
+        bwd_s=tuple(float(rng.randint(1, 18)) for _ in range(n)),
+        kept_bytes=tuple(float(k) for k in kept),
+        out_bytes=tuple(float(o) for o in out),
+        fwd_peak_bytes=tuple(float(k + rng.randint(0, 5)) for k in kept),
+        fwd_nosave_peak_bytes=tuple(float(o + rng.randint(0, 5)) for o in out),
+        bwd_peak_bytes=tuple(float(kept[i] + grad[i] + grad[i + 1] + rng.randint(0, 5)) for i in range(n)),
+        grad_bytes=tuple(float(g) for g in grad),
+    )
+
+
+def all_plans(
+    s: int, t: int, *, offload: bool, depth: int | None, trailing: bool = False
+) -> list[tuple[RematItem, ...]]:
+    """Every item sequence covering blocks s..t, nesting at most `depth`. A checkpoint with nothing after it
+    is recomputed at once (same peak, more time): left out unless `trailing`."""
+
+    @lru_cache(maxsize=None)
+    def plans(s: int, t: int, depth: int) -> tuple[tuple[RematItem, ...], ...]:
+        if s > t:
+            return ((),)
+        out: list[tuple[RematItem, ...]] = []
+        leaves: list[RematItem] = [Keep(s)] + ([Offload(s)] if offload else [])
+        for leaf in leaves:
+            out.extend((leaf, *rest) for rest in plans(s + 1, t, depth))
+        if depth > 0:
+            for k in range(s + 1, t + 2 if trailing else t + 1):
+                for inner in plans(s, k - 1, depth - 1):
+                    out.extend((Checkpoint(RematPlan(inner)), *rest) for rest in plans(k, t, depth))
+        return tuple(out)
+
+    return list(plans(s, t, t - s + 1 if depth is None else depth))
+
+
+def brute_force(chain: RematChain, budget: float, *, bw: float, offload: bool, depth: int | None):
+    best = (math.inf, None)
+    least_peak = math.inf
+    for items in all_plans(0, len(chain) - 1, offload=offload, depth=depth):
+        rep = replay(chain, RematPlan(items), offload_bw_bytes_per_s=bw)
+        least_peak = min(least_peak, rep.peak_bytes)
+        if rep.peak_bytes <= budget and rep.time_s < best[0]:
+            best = (rep.time_s, RematPlan(items))
+    return best, least_peak
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_dp_equals_brute_force_over_every_plan(seed: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(1, 5)
+    chain = random_chain(rng, n)
+    offload = seed % 2 == 0
+    bw = rng.uniform(0.5, 4.0) if offload else math.inf
+    depth = None if seed % 3 else rng.randint(0, 2)
+    (_, _), least = brute_force(chain, math.inf, bw=bw, offload=offload, depth=depth)
+    assert min_budget(chain, offload=offload, max_depth=depth) == least
+    top = replay(chain, no_remat(0, n)).peak_bytes
+    for budget in sorted({int(least), int(least) + rng.randint(0, 10), int((least + top) / 2), int(top) + 3}):
+        (want, _), _ = brute_force(chain, budget, bw=bw, offload=offload, depth=depth)
+        if want == math.inf:
+            with pytest.raises(InfeasibleError, match="the least any plan needs"):
+                solve(chain, budget, slots=budget, offload_bw_bytes_per_s=bw if offload else None, max_depth=depth)
+            continue
+        got = solve(chain, budget, slots=budget, offload_bw_bytes_per_s=bw if offload else None, max_depth=depth)
+        assert got.time_s == pytest.approx(want, rel=1e-12)
+        assert got.peak_bytes <= budget
+
+
+@pytest.mark.parametrize("n", [6, 7])
+def test_dp_equals_brute_force_on_longer_chains(n: int) -> None:
+    rng = random.Random(n)
+    chain = random_chain(rng, n)
+    (_, _), least = brute_force(chain, math.inf, bw=math.inf, offload=False, depth=None)
+    top = int(replay(chain, no_remat(0, n)).peak_bytes)
+    for budget in range(int(least), top + 1, max(1, (top - int(least)) // 6)):
+        (want, _), _ = brute_force(chain, budget, bw=math.inf, offload=False, depth=None)
+        assert solve(chain, budget, slots=budget).time_s == pytest.approx(want, rel=1e-12)
+
+
+def checkpoint_sets(n: int) -> list[tuple[RematItem, ...]]:
+    """One-level plans (checkpoint_sequential generalized): kept blocks and checkpointed segments, no nesting."""
+    out = []
+    # Each boundary between blocks: 0 same segment, 1 new segment; each segment kept or checkpointed.
+    for cuts in itertools.product((0, 1), repeat=n - 1):
+        bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [n]
+        segments = list(itertools.pairwise(bounds))
+        for kinds in itertools.product((0, 1), repeat=len(segments)):
+            if any(k == 0 and b - a > 1 for k, (a, b) in zip(kinds, segments)):
+                continue  # a kept segment of several blocks is the same plan as single kept blocks
+            items: list[RematItem] = []
+            for k, (a, b) in zip(kinds, segments):
+                items.append(Keep(a) if k == 0 else Checkpoint(no_remat(a, b)))
+            out.append(tuple(items))
+    return out
+
+
+@pytest.mark.parametrize("n", [9, 12])
+def test_checkpoint_set_dp_equals_brute_force_up_to_12_blocks(n: int) -> None:
+    rng = random.Random(100 + n)
+    chain = random_chain(rng, n)
+    plans = [(replay(chain, RematPlan(items)), items) for items in checkpoint_sets(n)]
+    least = min(r.peak_bytes for r, _ in plans)
+    top = int(replay(chain, no_remat(0, n)).peak_bytes)
+    for budget in (int(least), int(least) + 5, (int(least) + top) // 2, top):
+        want = min(r.time_s for r, _ in plans if r.peak_bytes <= budget)
+        assert solve(chain, budget, slots=budget, max_depth=1).time_s == pytest.approx(want, rel=1e-12)
+        # Nesting (Rotor) can only help.
+        assert solve(chain, budget, slots=budget).time_s <= want + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_never_worse_than_the_baselines_and_monotone(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    n = rng.randint(2, 24)
+    chain = random_chain(rng, n)
+    baselines = [no_remat(0, n), full_remat(0, n)] + [periodic(0, n, k) for k in range(1, n + 1)]
+    least = min_budget(chain)
+    top = replay(chain, no_remat(0, n)).peak_bytes
+    last = math.inf
+    for budget in range(int(least), int(top) + 2):
+        got = solve(chain, budget, slots=budget)
+        assert got.peak_bytes <= budget
+        assert got.time_s <= last + 1e-9  # more memory never costs time
+        last = got.time_s
+        for plan in baselines:
+            rep = replay(chain, plan)
+            if rep.peak_bytes <= budget:
+                assert got.time_s <= rep.time_s + 1e-9, plan.describe()
+    with pytest.raises(InfeasibleError, match=f"the least any plan needs is {least:.3g} B".replace("e+", "e")):
+        solve(chain, least - 1, slots=100) if least > 1 else solve(chain, 0.5, slots=1)
+
+
+def test_in_flight_micro_batches_fit_with_their_leftovers() -> None:
+    rng = random.Random(7)
+    chain = random_chain(rng, 10)
+    top = replay(chain, no_remat(0, 10)).peak_bytes
+    for k in (1, 2, 4):
+        budget = int(top * 1.5)
+        got = solve(chain, budget, slots=budget, in_flight=k)
+        assert got.peak_bytes + (k - 1) * got.after_forward_bytes <= budget
+    one = solve(chain, int(top), slots=int(top))
+    assert one.plan == no_remat(0, 10)
+
+
+def test_slots_round_towards_safety() -> None:
+    rng = random.Random(3)
+    chain = random_chain(rng, 30)
+    scaled = RematChain(**{k: tuple(v * 1e6 + 0.37 for v in getattr(chain, k)) for k in ("kept_bytes", "out_bytes",
+        "fwd_peak_bytes", "fwd_nosave_peak_bytes", "bwd_peak_bytes", "grad_bytes")}, fwd_s=chain.fwd_s,
+        bwd_s=chain.bwd_s)
+    least = min_budget(scaled)
+    for budget in (least * 1.05, least * 1.5, least * 3):
+        for slots in (7, 50, 500):
+            try:
+                got = solve(scaled, budget, slots=slots)
+            except InfeasibleError:
+                continue
+            assert got.peak_bytes <= budget
