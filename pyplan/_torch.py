@@ -19,6 +19,7 @@ from torch.utils.flop_counter import conv_flop_count, flop_registry, shape_wrapp
 __all__ = [
     "FLOP_FORMULAS",
     "OpRecorder",
+    "TorchDispatchMode",
     "is_meta_module",
     "is_view",
     "run_without_compute",

@@ -18,8 +18,9 @@ from pyplan.graph.trace import ExampleInputs, LeafSpec, trace
 from pyplan.hardware.catalog import GPU, LOCAL
 from pyplan.hardware.cluster import Cluster
 from pyplan.plan import OBJECTIVES, PLACEMENTS, Layout, Plan, Prediction, StagePlan, Workload
-from pyplan.profile import default_batch_sizes, profile
+from pyplan.profile import TimingOptions, default_batch_sizes, local_device, profile
 from pyplan.profile.analytic import Roofline, block_times_analytic
+from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, measured_target
 
 __all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "chain_for", "memory_per_process", "plan", "search"]
 
@@ -64,27 +65,56 @@ def chain_for(
     leaf_modules: Iterable[LeafSpec] = (),
     min_blocks: int = 16,
     max_blocks: int = 128,
+    cache: ProfileCache | None = None,
 ) -> tuple[Chain, str]:
     """Trace, linearize and profile `model` for the cluster's GPU: measured on this machine for `local`,
-    analytic (a roofline over the recorded ops) for a catalog GPU. Returns the chain and how it was timed."""
+    analytic (a roofline over the recorded ops) for a catalog GPU. Returns the chain and how it was timed.
+
+    With `cache`, a profile made before for the same model, inputs and target is reused (the model is still
+    traced, and the cached blocks checked against the fresh ones), and a new one is stored."""
+    leaf_modules = tuple(leaf_modules)
     trace_batch = min(4, workload.global_batch)
     graph = trace(model, example_inputs, leaf_modules=leaf_modules, batch_size=trace_batch)
     chain = linearize(graph, min_blocks=min_blocks, max_blocks=max_blocks)
     sizes = default_batch_sizes(trace_batch)
     gpu = cluster.gpu
-    if _is_local(gpu) and not is_meta_module(model):
-        if workload.precision != "fp32":
-            raise PlanError("measured profiling on this machine runs in fp32; plan `local` with --precision fp32")
-        return profile(chain, example_inputs, batch_sizes=sizes), "measured on this machine"
-    chain = profile(chain, example_inputs, measure=False, batch_sizes=sizes)
-    if not gpu.peak_flops_per_s or not gpu.hbm_bw_bytes_per_s:
+    measured = _is_local(gpu) and not is_meta_module(model)
+    if measured and workload.precision != "fp32":
+        raise PlanError("measured profiling on this machine runs in fp32; plan `local` with --precision fp32")
+    if not measured and (not gpu.peak_flops_per_s or not gpu.hbm_bw_bytes_per_s):
         raise PlanError(f"GPU '{gpu.name}' has no peak FLOP/s or memory bandwidth; run `pyplan calibrate` first")
-    roofline = Roofline.from_gpu(gpu)
-    times = block_times_analytic(
-        chain, example_inputs, roofline, sizes, compute_dtype=_COMPUTE_DTYPE[workload.precision]
-    )
-    blocks = [replace(b, fwd_time_s=f, bwd_time_s=g) for b, (f, g) in zip(chain.blocks, times)]
-    return replace(chain, blocks=blocks), f"analytic roofline of {gpu.name}"
+    compute_dtype = _COMPUTE_DTYPE[workload.precision]
+    roofline = None if measured else Roofline.from_gpu(gpu)
+    key = None
+    if cache is not None:
+        target = (
+            measured_target(gpu, local_device(), TimingOptions())
+            if roofline is None
+            else analytic_target(gpu, roofline, compute_dtype)
+        )
+        key = ProfileKey.of(
+            model,
+            example_inputs,
+            trace_batch=trace_batch,
+            batch_sizes=sizes,
+            target=target,
+            leaf_modules=leaf_modules,
+            min_blocks=min_blocks,
+            max_blocks=max_blocks,
+        )
+        hit = cache.load(key, chain)
+        if hit is not None:
+            return hit
+    if roofline is None:
+        profiled, how = profile(chain, example_inputs, batch_sizes=sizes), "measured on this machine"
+    else:
+        profiled = profile(chain, example_inputs, measure=False, batch_sizes=sizes)
+        times = block_times_analytic(profiled, example_inputs, roofline, sizes, compute_dtype=compute_dtype)
+        blocks = [replace(b, fwd_time_s=f, bwd_time_s=g) for b, (f, g) in zip(profiled.blocks, times)]
+        profiled, how = replace(profiled, blocks=blocks), f"analytic roofline of {gpu.name}"
+    if cache is not None and key is not None:
+        cache.store(key, chain, profiled, how)
+    return profiled, how
 
 
 def memory_per_process(cluster: Cluster) -> float:

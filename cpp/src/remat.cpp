@@ -62,7 +62,7 @@ double exposed_transfer(const RematChain& c, int s, double bw) {
 void backtrack(const RematChain& c, const RematTable& tab, const Slots& slots, bool unbounded, int d, int s, int t,
                int m, std::vector<RematStep>& out) {
     while (true) {
-        const RematChoice ch = tab.what[tab.index(d, s, t, m)];
+        const RematChoice ch = RematChoice::unpack(tab.what[tab.index(d, s, t, m)]);
         if (ch.kind == kKeepChoice || ch.kind == kOffloadChoice) {
             const bool keep = ch.kind == kKeepChoice;
             out.push_back({keep ? RematToken::kKeep : RematToken::kOffload, s});
@@ -118,7 +118,7 @@ RematTable remat_table(const RematChain& c, const RematOptions& o) {
     const Slots slots{tab.slot_bytes};
     const std::size_t size = tab.index(tab.layers, 0, 0, 0);
     tab.time.assign(size, kInf);
-    tab.what.assign(size, RematChoice{});
+    tab.what.assign(size, 0);
 
     const Counted ct = counted_of(c);
     std::vector<int> kept(n), out(n);
@@ -130,14 +130,14 @@ RematTable remat_table(const RematChain& c, const RematOptions& o) {
     for (int i = 0; i < n; ++i) fwd_prefix[i + 1] = fwd_prefix[i] + c.fwd_s[i];
 
     // Relax row `dst` with value + src[m − shift] for m ≥ lo (src may be null: a constant).
-    auto relax = [S](double* dst, RematChoice* what, const double* src, double value, int lo, int shift,
+    auto relax = [S](double* dst, std::uint32_t* what, const double* src, double value, int lo, int shift,
                      RematChoice choice) {
         lo = std::max(lo, shift);
         for (int m = lo; m <= S; ++m) {
             const double v = value + (src ? src[m - shift] : 0.0);
             if (v < dst[m]) {
                 dst[m] = v;
-                what[m] = choice;
+                what[m] = choice.packed();
             }
         }
     };
@@ -148,7 +148,7 @@ RematTable remat_table(const RematChain& c, const RematOptions& o) {
             const double g = ct.grad_after[t];  // live until B(t)
             for (int d = 0; d < tab.layers; ++d) {
                 double* row = &tab.time[tab.index(d, s, t, 0)];
-                RematChoice* what = &tab.what[tab.index(d, s, t, 0)];
+                std::uint32_t* what = &tab.what[tab.index(d, s, t, 0)];
                 const double fb = c.fwd_s[s] + c.bwd_s[s];
                 const int keep_need = slots(std::max(g + c.fwd_peak_bytes[s], ct.bwd_peak[s]));
                 if (s == t) {
@@ -171,13 +171,15 @@ RematTable remat_table(const RematChain& c, const RematOptions& o) {
                     const double* recompute = &tab.time[tab.index(inner, s, k - 1, 0)];
                     const double f = fwd_prefix[k] - fwd_prefix[s];
                     const int a = out[k - 1];
-                    const RematChoice choice{kCheckpointChoice, static_cast<std::uint16_t>(k)};
+                    // Branch-free so that the compiler vectorizes it: this loop is the O(L³·S) part.
+                    const std::uint32_t choice =
+                        RematChoice{kCheckpointChoice, static_cast<std::uint16_t>(k)}.packed();
+                    const double* shifted = after - a;
                     for (int m = std::max(slots(g + nosave), a); m <= S; ++m) {
-                        const double v = f + after[m - a] + recompute[m];
-                        if (v < row[m]) {
-                            row[m] = v;
-                            what[m] = choice;
-                        }
+                        const double v = f + shifted[m] + recompute[m];
+                        const bool better = v < row[m];
+                        row[m] = better ? v : row[m];
+                        what[m] = better ? choice : what[m];
                     }
                 }
             }

@@ -1,4 +1,4 @@
-"""Profiling a Chain: measured time per block, exact saved bytes, parameters and FLOPs."""
+"""Profiling a Chain: measured time per block, exact saved bytes, live memory for remat, parameters and FLOPs."""
 
 from __future__ import annotations
 
@@ -12,11 +12,16 @@ from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
 from pyplan.graph.trace import ExampleInputs
 from pyplan.profile.flops import block_flops
+from pyplan.profile.live import LiveMemory
 from pyplan.profile.measure import TimingOptions, block_times, local_device
 from pyplan.profile.memory import ModelState, model_state_bytes, saved_bytes
+from pyplan.profile.remat import RematBytes, RematProfile, remat_bytes, remat_chain
 
 __all__ = [
+    "LiveMemory",
     "ModelState",
+    "RematBytes",
+    "RematProfile",
     "TimingOptions",
     "block_flops",
     "block_times",
@@ -24,6 +29,8 @@ __all__ = [
     "local_device",
     "model_state_bytes",
     "profile",
+    "remat_bytes",
+    "remat_chain",
     "saved_bytes",
 ]
 

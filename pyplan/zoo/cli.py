@@ -1,9 +1,10 @@
-"""`pyplan zoo list`: the zoo's models with parameter counts (built on the meta device) and input shapes."""
+"""`pyplan zoo list` (the zoo's models, parameter counts and input shapes) and `pyplan zoo NAMES|all` (a sweep)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,54 +13,120 @@ from rich.console import Console
 from rich.table import Table
 
 from pyplan import zoo
-from pyplan.report.units import fmt_count
+from pyplan.errors import PlanError
+from pyplan.profile.memory import OPTIMIZERS, PRECISIONS
+from pyplan.report.console import make_console
+from pyplan.report.units import fmt_bytes, fmt_count
 
-__all__ = ["add_zoo_parser", "list_data", "zoo_list"]
+__all__ = ["add_zoo_parser", "list_data", "zoo_list", "zoo_main", "zoo_sweep"]
 
 _ZOO_EXAMPLES = """examples:
   pyplan zoo list                          # every model: parameters and input shapes
   pyplan zoo list gpt2-xl llama-70b-style  # only these
-  pyplan zoo list --json
+  pyplan zoo list resnet50 --json
+  pyplan zoo gpt2-small bert-base --gpus 8,64 --gpu a100-80g,h100
+  pyplan zoo all --gpus 8,64,512 --out results.csv --resume   # the whole zoo; rerun to finish an interrupted sweep
+  pyplan zoo resnet50 vgg16 --gpus 16 --instance p4d.24xlarge --objective cost --json
 
 Use a zoo model anywhere a model file goes, as zoo:NAME:
   pyplan inspect zoo:gpt2-xl --analytic
 """
 
-_LIST_EXAMPLES = """examples:
-  pyplan zoo list
-  pyplan zoo list resnet50 resnet50-cifar10 --json
+_SWEEP_DESCRIPTION = """\
+Plan every model named (or all) on every cluster (--gpus sizes x --gpu types, and --instance types) and print
+the best plan of each pair, or why there is none. Pairs are planned as `pyplan plan zoo:NAME` plans them, in
+--jobs worker processes; each model is profiled once per GPU type, and its profile is kept in a cache on disk
+(--cache-dir, default $PYPLAN_CACHE_DIR/profiles or ~/.cache/pyplan/profiles) for later sweeps. With --out,
+each pair is written as soon as it is planned, so an interrupted sweep keeps what it finished, and --resume
+plans only the pairs the file lacks (pairs that failed with an internal error are tried again).
 
+`pyplan zoo list [NAME ...] [--json]` prints the zoo instead."""
+
+_LIST_NOTES = """\
 Parameters are counted on a model built on the meta device (no weights allocated), tied weights once.
 "published" is the count of the architecture the model reproduces, which the test suite checks it against
 ("equal" when the model has exactly that count; "-" where none exists: MNIST variants, AmoebaNet-D-like).
 Input shapes are per batch, B the batch size; inputs are float32 unless a dtype is shown.
 """
 
+# Sweep options, with their defaults: None in the parser, so `zoo list` can tell that none was given.
+_SWEEP_DEFAULTS: dict[str, Any] = {
+    "gpus": None,
+    "gpu": None,
+    "instance": None,
+    "gpus_per_node": None,
+    "price_per_gpu_hour": None,
+    "currency": None,
+    "global_batch": 32,
+    "optimizer": "adamw",
+    "precision": "fp32",
+    "objective": "time",
+    "weight": 0.0,
+    "memory_fraction": 0.9,
+    "out": None,
+    "resume": False,
+    "jobs": None,
+    "cache_dir": None,
+    "no_cache": False,
+}
+_DEFAULT_GPU = "a100-80g"
+
 
 def add_zoo_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `zoo list` to the `pyplan` subcommands; returns the `zoo` parser, to which more modes can be added."""
+    """Add `zoo list` and `zoo NAMES|all` (the sweep) to the `pyplan` subcommands; returns the `zoo` parser."""
     parser = subparsers.add_parser(
         "zoo",
-        help="list the built-in models (use them as zoo:NAME)",
-        description="The model zoo: reference architectures in plain torch with random weights, no downloads. "
-        "Any command that takes a model file takes zoo:NAME.",
-        epilog=_ZOO_EXAMPLES,
+        help="list the built-in models (zoo list), or plan many of them on many clusters",
+        description=_SWEEP_DESCRIPTION,
+        epilog=_ZOO_EXAMPLES + "\n" + _LIST_NOTES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s list [NAME ...] [--json]\n       %(prog)s NAME ...|all --gpus N,... [options]",
     )
-    sub = parser.add_subparsers(dest="zoo_command", required=True, metavar="{list}")
-    p = sub.add_parser(
-        "list",
-        help="print the zoo's models, parameter counts and input shapes",
-        description="Print every zoo model (or the NAMES given) with its parameter count, the published count it "
-        "is tested against, and the shapes of its example inputs.",
-        epilog=_LIST_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser.add_argument("names", nargs="*", metavar="NAME", help="zoo models to plan, or all; or `list` [NAME ...]")
+    p = parser.add_argument_group("clusters (every size x every type)")
+    p.add_argument("--gpus", metavar="N,...", help="cluster sizes in GPUs, e.g. 8,16,64 (required)")
+    p.add_argument("--gpu", metavar="NAME,...", help=f"catalog GPU types (default {_DEFAULT_GPU} without --instance)")
+    p.add_argument("--instance", metavar="NAME,...", help="catalog cloud instances: GPU, node size and price")
+    p.add_argument("--gpus-per-node", type=int, metavar="N", help="GPUs per node of --gpu clusters (default: up to 8)")
+    p.add_argument(
+        "--price-per-gpu-hour",
+        type=float,
+        metavar="PRICE",
+        help="price of one GPU-hour of --gpu clusters (with --currency)",
     )
-    p.add_argument("names", nargs="*", metavar="NAME", help="only these models (default: all)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    p.set_defaults(func=zoo_list)
+    p.add_argument("--currency", metavar="CODE", help="ISO currency code of --price-per-gpu-hour, e.g. USD")
+    p = parser.add_argument_group("workload and search (as in pyplan plan)")
+    p.add_argument("--global-batch", type=int, metavar="B", help="samples per optimizer step (default 32)")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), help="default adamw")
+    p.add_argument("--precision", choices=sorted(PRECISIONS), help="default fp32")
+    p.add_argument("--objective", metavar="NAME", help="time, cost, or weighted (cost + weight x time); default time")
+    p.add_argument("--weight", type=float, metavar="W", help="w of the weighted objective (default 0)")
+    p.add_argument(
+        "--memory-fraction", type=float, metavar="F", help="share of each GPU's memory to plan for (default 0.9)"
+    )
+    p = parser.add_argument_group("running and results")
+    p.add_argument("--out", metavar="FILE", help="write one record per pair to FILE (.csv, .json or .parquet)")
+    p.add_argument("--resume", action="store_true", help="keep the pairs already in --out and plan the rest")
+    p.add_argument("--jobs", "-j", type=int, metavar="J", help="worker processes (default: the CPU count)")
+    p.add_argument("--cache-dir", metavar="DIR", help="profile cache directory (default $PYPLAN_CACHE_DIR/profiles)")
+    p.add_argument("--no-cache", action="store_true", help="profile every model afresh and keep nothing")
+    parser.add_argument("--json", action="store_true", help="print the records (or the list) as JSON")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.set_defaults(func=zoo_main, **{k: None for k in _SWEEP_DEFAULTS if k not in ("resume", "no_cache")})
     return parser
+
+
+def zoo_main(args: argparse.Namespace) -> int:
+    """`pyplan zoo list ...` or `pyplan zoo NAMES|all ...`."""
+    if args.names[:1] == ["list"]:
+        given = [k for k, default in _SWEEP_DEFAULTS.items() if getattr(args, k, None) not in (None, False)]
+        if given:
+            raise PlanError(f"`pyplan zoo list` takes names and --json only, not --{given[0].replace('_', '-')}")
+        return zoo_list(argparse.Namespace(names=args.names[1:], json=args.json))
+    for key, default in _SWEEP_DEFAULTS.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, default)
+    return zoo_sweep(args)
 
 
 # --- Data (pure) ------------------------------------------------------------------------------------------
@@ -122,3 +189,208 @@ def zoo_list(args: argparse.Namespace) -> int:
     else:
         Console().print(_table(entries))
     return 0
+
+
+# --- The sweep --------------------------------------------------------------------------------------------
+
+
+def _split(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def _sizes(value: str | None) -> list[int]:
+    if not value:
+        raise PlanError("give the cluster sizes to plan for, e.g. --gpus 8,16,64")
+    sizes = []
+    for v in _split(value):
+        if not v.isdigit() or int(v) < 1:
+            raise PlanError(f"--gpus takes positive numbers of GPUs separated by commas, got '{v}'")
+        sizes.append(int(v))
+    return list(dict.fromkeys(sizes))
+
+
+def _model_names(names: Sequence[str]) -> list[str]:
+    if not names:
+        raise PlanError("name the zoo models to plan, or all (pyplan zoo list shows them)")
+    if "all" in names:
+        return zoo.names()
+    for name in names:
+        zoo.get(name.removeprefix("zoo:"))  # an unknown name raises, with the closest names
+    return list(dict.fromkeys(n.removeprefix("zoo:") for n in names))
+
+
+def _clusters(args: argparse.Namespace) -> list[Any]:
+    from pyplan.hardware.cluster import Cluster
+
+    gpus = _sizes(args.gpus)
+    types = _split(args.gpu)
+    instances = _split(args.instance)
+    if not types and not instances:
+        types = [_DEFAULT_GPU]
+    clusters = [
+        Cluster.from_catalog(
+            gpu=gpu,
+            gpus=n,
+            gpus_per_node=args.gpus_per_node,
+            price_per_gpu_hour=args.price_per_gpu_hour,
+            currency=args.currency,
+        )
+        for gpu in types
+        for n in gpus
+    ]
+    clusters += [Cluster.from_catalog(instance=inst, gpus=n) for inst in instances for n in gpus]
+    return clusters
+
+
+def _cache(args: argparse.Namespace) -> Any:
+    from pyplan.profile.cache import ProfileCache
+
+    if args.no_cache:
+        if args.cache_dir:
+            raise PlanError("--no-cache and --cache-dir contradict each other; give one")
+        return None
+    return ProfileCache(args.cache_dir) if args.cache_dir else ProfileCache()
+
+
+def zoo_sweep(args: argparse.Namespace) -> int:
+    """`pyplan zoo NAMES|all --gpus ...`: plan every model on every cluster, write and print the records."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from pyplan.plan import Workload
+    from pyplan.sweep import ModelRef, ResultsFile, SearchOptions, Sweep, cluster_label, identity, is_finished
+
+    names = _model_names(args.names)
+    clusters = _clusters(args)
+    workload = Workload(global_batch=args.global_batch, optimizer=args.optimizer, precision=args.precision)
+    sweep = Sweep(
+        models=tuple(ModelRef(name, ref=f"zoo:{name}") for name in names),
+        clusters=tuple((cluster_label(c), c) for c in clusters),
+        workloads=dict.fromkeys(names, workload),
+        options=SearchOptions(objective=args.objective, weight=args.weight, memory_fraction=args.memory_fraction),
+    )
+    jobs = args.jobs if args.jobs is not None else os.cpu_count() or 1
+    if jobs < 1:
+        raise PlanError(f"--jobs must be at least 1, got {jobs}")
+    if args.resume and not args.out:
+        raise PlanError("--resume needs --out FILE: the results of the sweep to finish")
+    cache = _cache(args)
+    results = ResultsFile(args.out) if args.out else None
+    kept = [r for r in results.read() if is_finished(r)] if results and args.resume else []
+    wanted = set(sweep.identities())
+    done = [identity(r) for r in kept if identity(r) in wanted]
+    err = make_console(stderr=True)
+    if results is not None:
+        results.begin(kept)
+        if results.dropped:
+            err.print(f"{args.out}: dropped {results.dropped} incomplete line(s) left by an interrupted sweep")
+    total = len(wanted) - len(done)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("pairs"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=not err.is_terminal,
+    )
+    bar = progress.add_task(f"planning {len(names)} models on {len(clusters)} clusters", total=total)
+
+    def on_record(record: dict[str, Any]) -> None:
+        if results is not None:
+            results.add(record)
+        progress.update(bar, advance=1, description=f"planned {record['model']}")
+
+    try:
+        with progress:
+            run = sweep.run(jobs=jobs, cache=cache, done=done, on_record=on_record)
+    finally:
+        if results is not None:
+            results.close()
+    records = sweep.ordered([*kept, *run.records])
+    if results is not None:
+        results.finish(records)
+    mine = [r for r in records if identity(r) in wanted]
+    if args.json:
+        print(json.dumps(mine, indent=2))
+    else:
+        console = make_console()
+        console.print(_sweep_table(mine, workload=workload, objective=args.objective))
+        failures = [r for r in mine if r["status"] != "ok"]
+        if failures:
+            console.print(_failure_table(failures))
+    stats = run.cache
+    note = f"{total} pairs planned in {run.seconds:.1f} s"
+    if len(done):
+        note += f", {len(done)} kept from {args.out}"
+    if cache is not None:
+        note += f"; profiles: {stats.hits} from the cache in {cache.directory}, {stats.misses} profiled"
+        if stats.discarded:
+            note += f", {stats.discarded} cache entries discarded ({stats.reasons[0]})"
+    if results is not None:
+        note += f"; records in {args.out}"
+    err.print(note, soft_wrap=True, highlight=False)
+    failed = sum(r["status"] == "failed" for r in mine)
+    if failed:
+        err.print(
+            f"{failed} pairs failed with an internal error; `pyplan plan zoo:NAME ... --debug` shows the traceback",
+            style="red",
+        )
+        return 1
+    return 0
+
+
+def _money(value: float | None, currency: str | None) -> str:
+    return "-" if value is None else f"{value:,.2f} {currency}"
+
+
+def _sweep_table(records: list[dict[str, Any]], *, workload: Any, objective: str) -> Table:
+    planned = [r for r in records if r["status"] == "ok"]
+    priced = any(r["cost_per_1m_samples"] is not None for r in planned)
+    table = Table(
+        title=f"Best plan per pair: global batch {workload.global_batch}, {workload.precision}, "
+        f"{workload.optimizer}, objective {objective}",
+        caption="dp x pp GPUs (xN stages per rank); mb micro-batch size; GA micro-batches per step; "
+        "memory is the peak per GPU",
+    )
+    for name, justify in (
+        ("model", "left"),
+        ("cluster", "left"),
+        ("dp x pp", "right"),
+        ("mb", "right"),
+        ("GA", "right"),
+        ("schedule", "left"),
+        ("ZeRO", "right"),
+        ("samples/s", "right"),
+        ("memory/GPU", "right"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=name in ("model", "cluster"))
+    if priced:
+        table.add_column("cost / 1M samples", justify="right")
+    for r in planned:
+        shape = f"{r['dp']} x {r['pp']}" + (f" (x{r['stages_per_rank']})" if r["stages_per_rank"] > 1 else "")
+        row = [
+            r["model"],
+            r["cluster"],
+            shape,
+            str(r["micro_batch_size"]),
+            str(r["num_microbatches"]),
+            r["schedule"],
+            str(r["zero_stage"]),
+            f"{r['samples_per_s']:,.1f}",
+            fmt_bytes(r["peak_memory_bytes"]),
+        ]
+        if priced:
+            row.append(_money(r["cost_per_1m_samples"], r["currency"]))
+        table.add_row(*row)
+    return table
+
+
+def _failure_table(records: list[dict[str, Any]]) -> Table:
+    table = Table(title="Pairs without a plan")
+    table.add_column("model", no_wrap=True)
+    table.add_column("cluster", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("why")
+    for r in records:
+        table.add_row(r["model"], r["cluster"], r["status"], r["message"] or "")
+    return table

@@ -76,9 +76,15 @@ struct RematStep {
     int block;  // for kKeep/kOffload; −1 otherwise
 };
 
+// A table entry's first item, packed in 32 bits (kind in the low byte, the split above) so the DP's inner loop
+// stays branch-free and vectorizes.
 struct RematChoice {
-    std::uint8_t kind = 0;   // 0: none (infeasible), 1: Keep, 2: Offload, 3: Checkpoint
-    std::uint16_t split = 0; // Checkpoint: k, the first block after the checkpointed segment
+    std::uint8_t kind = 0;    // 0: none (infeasible), 1: Keep, 2: Offload, 3: Checkpoint
+    std::uint16_t split = 0;  // Checkpoint: k, the first block after the checkpointed segment
+    std::uint32_t packed() const { return kind | (static_cast<std::uint32_t>(split) << 8); }
+    static RematChoice unpack(std::uint32_t v) {
+        return {static_cast<std::uint8_t>(v & 0xff), static_cast<std::uint16_t>(v >> 8)};
+    }
 };
 
 // The DP tables for one chain and options (see the header comment).
@@ -88,7 +94,7 @@ struct RematTable {
     int layers = 1;
     double slot_bytes = 0;
     std::vector<double> time;          // C, flat: index(d, s, t, m)
-    std::vector<RematChoice> what;     // What, same layout
+    std::vector<std::uint32_t> what;   // What (RematChoice::packed), same layout
     std::size_t index(int d, int s, int t, int m) const {
         const std::size_t tri = static_cast<std::size_t>(t) * (t + 1) / 2 + s;
         const std::size_t rows = static_cast<std::size_t>(num_blocks) * (num_blocks + 1) / 2;
