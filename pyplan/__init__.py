@@ -14,6 +14,7 @@ from pyplan.load import load_model
 from pyplan.plan import Layout, Plan, Prediction, StagePlan, Workload
 from pyplan.profile import TimingOptions, model_state_bytes, profile
 from pyplan.spec import ModelSpec
+from pyplan.sweep import plan_many
 
 __version__ = "0.1.0"
 
@@ -46,6 +47,7 @@ __all__ = [
     "piece",
     "pieces",
     "plan",
+    "plan_many",
     "profile",
     "run_pieces",
     "search",

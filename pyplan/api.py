@@ -21,6 +21,8 @@ from pyplan.plan import OBJECTIVES, PLACEMENTS, Layout, Plan, Prediction, StageP
 from pyplan.profile import TimingOptions, default_batch_sizes, local_device, profile
 from pyplan.profile.analytic import Roofline, block_times_analytic
 from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, measured_target
+from pyplan.profile.remat import remat_bytes
+from pyplan.solve.remat_search import OFFLOAD_MODES, RELAXED_SHARES, REMAT_MODES, refine_plan, relaxed_chain
 
 __all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "chain_for", "memory_per_process", "plan", "search"]
 
@@ -190,13 +192,24 @@ def search(
     memory_fraction: float = 0.9,
     leaf_modules: Iterable[LeafSpec] = (),
     chain: Chain | None = None,
+    remat: str = "none",
+    offload: str = "none",
+    offload_bw_bytes_per_s: float = 25e9,
 ) -> PlanSearch:
     """Every way to train `model` on `cluster` that fits, ranked by `objective`.
 
     `objective` is "time" (iteration time), "cost" (money per iteration) or "weighted" (cost + weight·time, the
     objective of Huang et al.). `memory_fraction` of each GPU's memory is planned for (the rest is left to the
     CUDA context, allocator fragmentation and temporaries). Pass `chain` to reuse a profile.
+    `remat` "auto" also plans configurations that fit only with recomputation, each stage with its optimal
+    remat plan (and, with `offload` "auto", activation offloading to host memory over a link of
+    `offload_bw_bytes_per_s`, PCIe 4.0 x16 by default); "full" and "periodic" force that plan on every stage
+    (see pyplan/solve/remat_search.py).
     """
+    if remat not in REMAT_MODES:
+        raise PlanError(f"unknown remat mode '{remat}'; choose one of {', '.join(REMAT_MODES)}")
+    if offload not in OFFLOAD_MODES:
+        raise PlanError(f"unknown offload mode '{offload}'; choose one of {', '.join(OFFLOAD_MODES)}")
     if objective not in OBJECTIVES:
         raise PlanError(f"unknown objective '{objective}'; choose one of {', '.join(OBJECTIVES)}")
     if not 0 < memory_fraction <= 1:
@@ -224,53 +237,133 @@ def search(
     per_param = workload.bytes_per_param()
     scale = _activation_scale(workload)
     blocks = chain.blocks
-    try:
-        result = _core.search(
-            [b.fwd_time_s.per_sample for b in blocks],
-            [b.fwd_time_s.fixed for b in blocks],
-            [b.bwd_time_s.per_sample for b in blocks],
-            [b.bwd_time_s.fixed for b in blocks],
-            [b.saved_bytes.per_sample * scale for b in blocks],
-            [b.saved_bytes.fixed * scale for b in blocks],
-            [float(b.param_numel) for b in blocks],
-            [c.bytes.per_sample * scale for c in chain.cuts],
-            [c.bytes.fixed * scale for c in chain.cuts],
-            num_gpus=cluster.gpus,
-            gpus_per_node=cluster.gpus_per_node,
-            gpu_mem_bytes=memory_per_process(cluster) * memory_fraction,
-            mem_bw_bytes_per_s=gpu.hbm_bw_bytes_per_s,
-            intra_latency_s=group.intra_link.latency_s,
-            intra_bw_bytes_per_s=group.intra_link.bw_bytes_per_s,
-            inter_latency_s=group.inter_link.latency_s,
-            inter_bw_bytes_per_s=group.inter_link.bw_bytes_per_s,
-            price_per_gpu_s=price,
-            global_batch=workload.global_batch,
-            param_bytes=float(per_param.param_bytes),
-            grad_bytes=float(per_param.grad_bytes),
-            optim_bytes=float(per_param.optimizer_bytes),
-            micro_batch_sizes=list(micro_batch_sizes),
-            schedules=list(schedules),
-            zero_stages=list(zero_stages),
-            placements=list(placements),
-            allow_fewer_gpus=allow_fewer_gpus,
-            objective=objective,
-            weight=weight,
-            top_k=top_k,
-        )
-    except ValueError as exc:
-        raise PlanError(str(exc)) from exc
-    if not result.feasible or result.best is None:
-        raise InfeasibleError(result.reason)
-    plans = [_plan_of(c, chain, currency, workload) for c in result.top]
+    fwd_a = [b.fwd_time_s.per_sample for b in blocks]
+    fwd_b = [b.fwd_time_s.fixed for b in blocks]
+    bwd_a = [b.bwd_time_s.per_sample for b in blocks]
+    bwd_b = [b.bwd_time_s.fixed for b in blocks]
+    act_a = [b.saved_bytes.per_sample * scale for b in blocks]
+    act_b = [b.saved_bytes.fixed * scale for b in blocks]
+    gpu_mem = memory_per_process(cluster) * memory_fraction
+
+    def run(act_a: list[float], act_b: list[float], bwd_a: list[float], bwd_b: list[float], top: int) -> Any:
+        try:
+            return _core.search(
+                fwd_a,
+                fwd_b,
+                bwd_a,
+                bwd_b,
+                act_a,
+                act_b,
+                [float(b.param_numel) for b in blocks],
+                [c.bytes.per_sample * scale for c in chain.cuts],
+                [c.bytes.fixed * scale for c in chain.cuts],
+                num_gpus=cluster.gpus,
+                gpus_per_node=cluster.gpus_per_node,
+                gpu_mem_bytes=gpu_mem,
+                mem_bw_bytes_per_s=gpu.hbm_bw_bytes_per_s,
+                intra_latency_s=group.intra_link.latency_s,
+                intra_bw_bytes_per_s=group.intra_link.bw_bytes_per_s,
+                inter_latency_s=group.inter_link.latency_s,
+                inter_bw_bytes_per_s=group.inter_link.bw_bytes_per_s,
+                price_per_gpu_s=price,
+                global_batch=workload.global_batch,
+                param_bytes=float(per_param.param_bytes),
+                grad_bytes=float(per_param.grad_bytes),
+                optim_bytes=float(per_param.optimizer_bytes),
+                micro_batch_sizes=list(micro_batch_sizes),
+                schedules=list(schedules),
+                zero_stages=list(zero_stages),
+                placements=list(placements),
+                allow_fewer_gpus=allow_fewer_gpus,
+                objective=objective,
+                weight=weight,
+                top_k=top,
+            )
+        except ValueError as exc:
+            raise PlanError(str(exc)) from exc
+
+    def plans_of(candidates: Iterable[Any]) -> list[Plan]:
+        return [_plan_of(c, chain, currency, workload) for c in candidates]
+
+    plain = run(act_a, act_b, bwd_a, bwd_b, top_k) if remat in ("none", "auto") else None
+    if remat == "none":
+        assert plain is not None
+        if not plain.feasible or plain.best is None:
+            raise InfeasibleError(plain.reason)
+        top, pareto = plans_of(plain.top), plans_of(plain.pareto)
+        candidates, evaluated = plain.num_candidates, plain.num_evaluated
+    else:
+        profile_ = remat_bytes(chain, example_inputs, (1, 2))
+        relaxed = [
+            run(*relaxed_chain(fwd_a, fwd_b, bwd_a, bwd_b, profile_, scale, share), max(4 * top_k, 20))
+            for share in RELAXED_SHARES
+        ]
+        seen: set[tuple[Any, ...]] = set()
+        refined: list[Plan] = []
+        for c in [cand for r in relaxed for cand in (*r.top, *r.pareto)]:
+            start = _plan_of(c, chain, currency, workload)
+            if _key(start) in seen:
+                continue
+            seen.add(_key(start))
+            link = group.inter_link if c.pipeline_inter else group.intra_link
+            got = refine_plan(
+                start,
+                profile_,
+                lambda b: [f(b) for f in (blk.fwd_time_s for blk in blocks)],
+                lambda b: [g(b) for g in (blk.bwd_time_s for blk in blocks)],
+                scale=scale,
+                gpu_mem_bytes=gpu_mem,
+                cut_bytes=lambda b: [cut.bytes(b) * scale for cut in chain.cuts],
+                positions=[cut.position for cut in chain.cuts],
+                send_s=lambda nbytes, link=link: link.latency_s + nbytes / link.bw_bytes_per_s,
+                stage_sync_s=list(c.stage_sync_s),
+                mode=remat,
+                offload_bw_bytes_per_s=offload_bw_bytes_per_s if offload == "auto" else None,
+            )
+            if got is not None:
+                refined.append(got)
+        every = refined + (plans_of([*plain.top, *plain.pareto]) if plain is not None and plain.feasible else [])
+        if not every:
+            reason = plain.reason if plain is not None and plain.reason else relaxed[0].reason
+            raise InfeasibleError(f"{reason or 'no configuration fits'} (even with rematerialization: {remat})")
+        top, pareto = _rank(every, objective, weight)[:top_k], _frontier(every)
+        candidates = sum(r.num_candidates for r in relaxed) + (plain.num_candidates if plain is not None else 0)
+        evaluated = sum(r.num_evaluated for r in relaxed) + (plain.num_evaluated if plain is not None else 0)
     return PlanSearch(
-        best=plans[0],
-        alternatives=tuple(plans[1:]),
-        pareto=tuple(_plan_of(c, chain, currency, workload) for c in result.pareto),
-        candidates=result.num_candidates,
-        evaluated=result.num_evaluated,
+        best=top[0],
+        alternatives=tuple(top[1:]),
+        pareto=tuple(pareto),
+        candidates=candidates,
+        evaluated=evaluated,
         chain=chain,
         profiled_on=profiled_on,
     )
+
+
+def _key(p: Plan) -> tuple[Any, ...]:
+    """Identity of a configuration: the same plan found by both searches counts once."""
+    lay = p.layout
+    return (lay.dp, lay.pp, lay.micro_batch_size, lay.schedule, lay.zero_stage, lay.placement, lay.cut_positions,
+            tuple(r.plan.describe() if r else "" for r in lay.remat))
+
+
+def _rank(plans: list[Plan], objective: str, weight: float) -> list[Plan]:
+    def score(p: Plan) -> tuple[float, int, float]:
+        t, c = p.predicted.iteration_s, p.predicted.cost_per_iteration
+        value = t if objective == "time" else c if objective == "cost" else c + weight * t
+        return (value, p.layout.num_gpus, p.predicted.peak_memory_bytes)
+
+    unique = {_key(p): p for p in sorted(plans, key=score, reverse=True)}
+    return sorted(unique.values(), key=score)
+
+
+def _frontier(plans: list[Plan]) -> list[Plan]:
+    """The plans no other beats in both time and cost, by increasing time."""
+    out: list[Plan] = []
+    for p in _rank(plans, "time", 0.0):
+        if not out or p.predicted.cost_per_iteration < out[-1].predicted.cost_per_iteration:
+            out.append(p)
+    return out
 
 
 def plan(

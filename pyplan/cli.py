@@ -16,6 +16,7 @@ from pyplan.errors import PlanError
 from pyplan.hardware.cluster import Cluster
 from pyplan.profile.memory import OPTIMIZERS, PRECISIONS
 from pyplan.report.console import make_console
+from pyplan.solve.remat_search import OFFLOAD_MODES, REMAT_MODES
 
 __all__ = ["main"]
 
@@ -119,6 +120,8 @@ def _plan(args: argparse.Namespace) -> int:
         allow_fewer_gpus=not args.all_gpus,
         memory_fraction=args.memory_fraction,
         leaf_modules=args.leaf,
+        remat=args.remat,
+        offload=args.offload,
     )
     document = PlanFile(
         model=args.model, workload=workload, cluster=cluster, plan=result.best, leaf_modules=tuple(args.leaf)
@@ -246,6 +249,16 @@ def _parser() -> argparse.ArgumentParser:
         "--memory-fraction", type=float, default=0.9, help="share of each GPU's memory to plan for (default 0.9)"
     )
     p.add_argument("--leaf", action="append", default=[], metavar="NAME", help="module to keep whole when tracing")
+    p.add_argument(
+        "--remat",
+        choices=REMAT_MODES,
+        default="none",
+        help="recompute activations: auto (optimal per stage, also finds plans that only fit with it), full, "
+        "periodic (checkpoint_sequential), none (default)",
+    )
+    p.add_argument(
+        "--offload", choices=OFFLOAD_MODES, default="none", help="with --remat auto: offload activations to host"
+    )
     p.add_argument("--out", help="write the best plan to this plan.json")
     p.add_argument("--emit", metavar="TRAIN_PY", help="write a torchrun training script for the best plan")
     p.add_argument("--pareto", metavar="FILE", help="draw predicted time against cost of the plans (.png or .svg)")

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from typing import Any
 
 from pyplan.errors import PlanError
 from pyplan.profile.memory import OPTIMIZERS, PRECISIONS, ModelState, model_state_bytes
+from pyplan.solve.remat import RematPlan
 
-__all__ = ["OBJECTIVES", "PLACEMENTS", "SCHEMA_VERSION", "Layout", "Plan", "Prediction", "StagePlan", "Workload"]
+__all__ = [
+    "OBJECTIVES",
+    "PLACEMENTS",
+    "SCHEMA_VERSION",
+    "Layout",
+    "Plan",
+    "Prediction",
+    "StagePlan",
+    "StageRemat",
+    "Workload",
+]
 
 SCHEMA_VERSION = 1
 OBJECTIVES = ("time", "cost", "weighted")
@@ -57,7 +68,9 @@ class StagePlan:
 
     `time_s` is the stage's time per micro-batch in the partition's model: `forward_s` + `backward_s` plus the
     boundary sends; `memory_bytes` = `state_bytes` (weights, gradients, optimizer state after ZeRO sharding)
-    + `activation_bytes` (`in_flight` micro-batches of saved activations and received inputs).
+    + `activation_bytes` (`in_flight` micro-batches of saved activations and received inputs). With a
+    rematerialization plan (the layout's `remat`), `backward_s` includes `recompute_s` and the exposed offload
+    `transfer_s` per micro-batch.
     """
 
     first_block: int
@@ -69,9 +82,43 @@ class StagePlan:
     in_flight: int
     forward_s: float = 0.0
     backward_s: float = 0.0
+    recompute_s: float = 0.0
+    transfer_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class StageRemat:
+    """One stage's rematerialization plan, for the runtime: `positions` are the boundaries of the blocks the plan
+    numbers (node positions as `Layout.cut_positions`, from the stage's first cut to its last), `plan` numbers
+    those blocks from 0 (pyplan/solve/remat.py: which keep their activations, which are checkpointed, which
+    offloaded)."""
+
+    positions: tuple[int, ...]
+    plan: RematPlan
+
+    def __post_init__(self) -> None:
+        if list(self.positions) != sorted(set(self.positions)) or len(self.positions) < 2:
+            raise PlanError(f"remat positions must be at least 2 increasing positions, got {list(self.positions)}")
+        if (self.plan.first, self.plan.last) != (0, len(self.positions) - 2):
+            raise PlanError(
+                f"the remat plan covers blocks {self.plan.first}..{self.plan.last}, "
+                f"its positions make blocks 0..{len(self.positions) - 2}"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"positions": list(self.positions), "plan": self.plan.to_json()}
+
+    @staticmethod
+    def from_json(data: Any) -> StageRemat:
+        if not isinstance(data, dict) or set(data) != {"positions", "plan"}:
+            raise PlanError(f"layout.remat[]: expected {{positions, plan}}, got {data!r}")
+        try:
+            return StageRemat(tuple(int(x) for x in data["positions"]), RematPlan.from_json(data["plan"]))
+        except (ValueError, TypeError) as exc:
+            raise PlanError(f"layout.remat[]: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -88,6 +135,7 @@ class Prediction:
     cost_per_iteration: float
     currency: str
     cost_per_epoch: float | None = None
+    recompute_s: float = 0.0  # recomputation and exposed offload transfers on the busiest stage, per iteration
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,6 +152,7 @@ class Layout:
     pipeline's ranks next to each other (inside a node when they fit), "dp-inner" the replicas of a stage.
     `cut_positions` are the stage boundaries as positions in the traced graph's node order (see `Cut`),
     pp · stages_per_rank + 1 of them from 0 to the end, so a runtime re-traces the model and cuts it there.
+    `remat`, when not empty, has one entry per stage: its rematerialization plan, or None to keep everything.
     """
 
     dp: int
@@ -115,6 +164,7 @@ class Layout:
     zero_stage: int = 0
     placement: str = "pp-inner"
     stages_per_rank: int = 1
+    remat: tuple[StageRemat | None, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dp < 1 or self.pp < 1 or self.micro_batch_size < 1 or self.num_microbatches < 1:
@@ -132,6 +182,14 @@ class Layout:
                 f"cut_positions must be {stages + 1} increasing positions for {stages} stages, "
                 f"got {list(self.cut_positions)}"
             )
+        if self.remat and len(self.remat) != stages:
+            raise PlanError(f"remat has {len(self.remat)} entries, the layout has {stages} stages")
+        for k, r in enumerate(self.remat):
+            if r is not None and (r.positions[0], r.positions[-1]) != self.cut_positions[k : k + 2]:
+                raise PlanError(
+                    f"stage {k}'s remat positions {r.positions[0]}..{r.positions[-1]} are not its cuts "
+                    f"{self.cut_positions[k]}..{self.cut_positions[k + 1]}"
+                )
 
     @property
     def num_gpus(self) -> int:
@@ -146,14 +204,19 @@ class Layout:
         return self.dp * self.num_microbatches * self.micro_batch_size
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = asdict(replace(self, remat=()))
         data["cut_positions"] = list(self.cut_positions)
+        data["remat"] = [None if r is None else r.to_json() for r in self.remat]
         return data
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> Layout:
         known = _known(Layout, data, "layout", extra=_PLAN_ONLY)
         known["cut_positions"] = tuple(known.get("cut_positions", ()))
+        remat = known.get("remat") or []
+        if not isinstance(remat, list):
+            raise PlanError(f"layout.remat: expected a list, got {type(remat).__name__}")
+        known["remat"] = tuple(None if r is None else StageRemat.from_json(r) for r in remat)
         return Layout(**known)
 
 

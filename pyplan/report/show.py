@@ -91,7 +91,8 @@ def show_data(document: PlanFile) -> dict[str, Any]:
 
     Memory is per GPU of one pipeline (every data-parallel replica holds the same) against the GPU's whole
     memory (for `local` on a CPU, its share of the machine's). The time breakdown splits one iteration,
-    `iteration_s = compute_s + bubble_s + exposed_comm_s + optimizer_s`: compute and bubble are the pipeline's
+    `iteration_s = compute_s + recompute_s + bubble_s + exposed_comm_s + optimizer_s`: compute (with
+    recompute, the busiest stage's recomputation and exposed offload transfers) and bubble are the pipeline's
     makespan shared out by the predicted bubble fraction (the bubble includes waiting for sends), exposed
     communication is the gradient sync not hidden behind the backward, optimizer the step of the GPU with the
     most state.
@@ -115,6 +116,8 @@ def show_data(document: PlanFile) -> dict[str, Any]:
             "send_s": max(st.time_s - st.forward_s - st.backward_s, 0.0),
             "time_s": st.time_s,
             "in_flight": st.in_flight,
+            "recompute_s": st.recompute_s + st.transfer_s,
+            "remat": lay.remat[s].plan.describe() if lay.remat and lay.remat[s] is not None else None,
             "state_bytes": st.state_bytes,
             "activation_bytes": st.activation_bytes,
             "memory_bytes": st.memory_bytes,
@@ -167,7 +170,8 @@ def show_data(document: PlanFile) -> dict[str, Any]:
         "memory": memory,
         "time": {
             "iteration_s": pred.iteration_s,
-            "compute_s": pred.pipeline_s * (1.0 - pred.bubble_fraction),
+            "compute_s": pred.pipeline_s * (1.0 - pred.bubble_fraction) - pred.recompute_s,
+            "recompute_s": pred.recompute_s,
             "bubble_s": pred.pipeline_s * pred.bubble_fraction,
             "exposed_comm_s": pred.exposed_comm_s,
             "optimizer_s": pred.optimizer_s,
@@ -208,7 +212,20 @@ def state_convention(data: dict[str, Any]) -> str:
     )
 
 
-STAGE_COLUMNS = ("stage", "rank", "blocks", "#", "forward", "backward", "sends", "in flight", "state", "act", "memory")
+STAGE_COLUMNS = (
+    "stage",
+    "rank",
+    "blocks",
+    "#",
+    "forward",
+    "backward",
+    "recompute",
+    "sends",
+    "in flight",
+    "state",
+    "act",
+    "memory",
+)
 
 
 def summary_rows(data: dict[str, Any]) -> list[tuple[str, str]]:
@@ -241,6 +258,7 @@ def stage_rows(data: dict[str, Any]) -> list[tuple[str, ...]]:
             str(x["blocks"]),
             fmt_seconds(x["forward_s"]),
             fmt_seconds(x["backward_s"]),
+            fmt_seconds(x["recompute_s"]),
             fmt_seconds(x["send_s"]),
             str(x["in_flight"]),
             fmt_bytes(x["state_bytes"]),
@@ -269,7 +287,10 @@ def cost_rows(data: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-STAGES_CAPTION = "times per micro-batch; blocks: the chain's blocks first..last; sends: both boundaries"
+STAGES_CAPTION = (
+    "times per micro-batch; blocks: the chain's blocks first..last; backward includes recompute (and exposed "
+    "offload transfers); sends: both boundaries"
+)
 NO_PRICE = "no price: give --price-per-gpu-hour with --currency, or an --instance"
 
 
@@ -289,6 +310,19 @@ def _stages_table(data: dict[str, Any]) -> Table:
     for row in stage_rows(data):
         table.add_row(*row)
     return table
+
+
+def _remat_table(data: dict[str, Any]) -> list[Table]:
+    """The stages' rematerialization plans, when there are any (none: every activation kept)."""
+    rows = [(str(x["stage"]), x["remat"]) for x in data["stages"] if x["remat"] is not None]
+    if not rows:
+        return []
+    table = Table(title="rematerialization", caption="K: keep, C[...]: checkpoint, O: offload; stage's blocks from 0")
+    table.add_column("stage", justify="right")
+    table.add_column("plan")
+    for row in rows:
+        table.add_row(*row)
+    return [table]
 
 
 def _memory_table(data: dict[str, Any]) -> Table:
@@ -311,6 +345,7 @@ def time_rows(data: dict[str, Any]) -> list[tuple[str, float]]:
     t = data["time"]
     return [
         ("compute", t["compute_s"]),
+        ("recompute", t["recompute_s"]),
         ("pipeline bubble", t["bubble_s"]),
         ("exposed communication", t["exposed_comm_s"]),
         ("optimizer", t["optimizer_s"]),
@@ -349,6 +384,7 @@ def render_show(data: dict[str, Any], console: Console) -> None:
         Group(
             _summary(data),
             _stages_table(data),
+            *_remat_table(data),
             _memory_table(data),
             _time_table(data),
             _cost_table(data),

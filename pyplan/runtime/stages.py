@@ -12,10 +12,12 @@ from torch import fx, nn
 from pyplan._torch import is_view
 from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
+from pyplan.graph.layergraph import LayerGraph
 from pyplan.graph.linearize import linearize
 from pyplan.graph.split import piece
 from pyplan.graph.trace import ExampleInputs, LeafSpec, trace
 from pyplan.plan import Layout
+from pyplan.runtime.remat import RematModule, apply_remat
 from pyplan.solve.schedules import stage_placement
 
 __all__ = ["StageModule", "cut_model", "local_stages", "stage_io", "tied_parameters"]
@@ -33,7 +35,7 @@ class StageModule(nn.Module):
 
     def __init__(
         self,
-        piece: fx.GraphModule,
+        piece: fx.GraphModule | RematModule,
         *,
         last: bool,
         copy_shared_outputs: bool = False,
@@ -90,13 +92,32 @@ def cut_model(
     n = len(chain)
     return chain, [
         StageModule(
-            piece(chain, s, s + 1),
+            module,
             last=s == n - 1,
             copy_shared_outputs=copy_shared_outputs,
             autocast_dtype=autocast_dtype,
         )
-        for s in range(n)
+        for s, module in enumerate(_stage_modules(graph, chain, layout))
     ]
+
+
+def _stage_modules(graph: LayerGraph, chain: Chain, layout: Layout) -> list[nn.Module]:
+    """Each stage's piece, or with a remat plan the stage's blocks run following it (apply_remat)."""
+    if not layout.remat:
+        return [piece(chain, s, s + 1) for s in range(len(chain))]
+    positions = sorted(set(layout.cut_positions).union(*(r.positions for r in layout.remat if r is not None)))
+    fine = linearize(graph, positions=positions[1:-1])
+    index = {p: k for k, p in enumerate(positions)}
+    modules: list[nn.Module] = []
+    for s, r in enumerate(layout.remat):
+        first, stop = index[layout.cut_positions[s]], index[layout.cut_positions[s + 1]]
+        if r is None:
+            modules.append(piece(fine, first, stop))
+        elif [index[p] for p in r.positions] != list(range(first, stop + 1)):
+            raise PlanError(f"stage {s}'s remat positions {list(r.positions)} overlap another stage's blocks")
+        else:
+            modules.append(apply_remat(fine, r.plan.shifted(first)))
+    return modules
 
 
 def local_stages(layout: Layout, pp_rank: int) -> list[int]:

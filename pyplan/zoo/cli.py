@@ -319,13 +319,17 @@ def zoo_sweep(args: argparse.Namespace) -> int:
         if failures:
             console.print(_failure_table(failures))
     stats = run.cache
-    note = f"{total} pairs planned in {run.seconds:.1f} s"
-    if len(done):
-        note += f", {len(done)} kept from {args.out}"
+    counts = {status: sum(r["status"] == status for r in run.records) for status in ("ok", "infeasible", "error")}
+    note = (
+        f"{len(run.records)} pairs in {run.seconds:.1f} s: {counts['ok']} planned, {counts['infeasible']} do not "
+        f"fit, {counts['error']} cannot be planned, {len(run.records) - sum(counts.values())} failed"
+    )
+    if done:
+        note += f"; {len(done)} kept from {args.out}"
     if cache is not None:
-        note += f"; profiles: {stats.hits} from the cache in {cache.directory}, {stats.misses} profiled"
+        note += f"; profiles: {stats.hits} from the cache ({cache.directory}), {stats.misses} made"
         if stats.discarded:
-            note += f", {stats.discarded} cache entries discarded ({stats.reasons[0]})"
+            note += f", {stats.discarded} bad cache entries replaced ({stats.reasons[0]})"
     if results is not None:
         note += f"; records in {args.out}"
     err.print(note, soft_wrap=True, highlight=False)
@@ -340,7 +344,10 @@ def zoo_sweep(args: argparse.Namespace) -> int:
 
 
 def _money(value: float | None, currency: str | None) -> str:
-    return "-" if value is None else f"{value:,.2f} {currency}"
+    """Two decimals, or three significant digits below one unit (a tiny model costs fractions of a cent)."""
+    if value is None:
+        return "-"
+    return f"{value:,.2f} {currency}" if value >= 1 else f"{value:.3g} {currency}"
 
 
 def _sweep_table(records: list[dict[str, Any]], *, workload: Any, objective: str) -> Table:

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from pyplan import cut_points, load_model, trace
-from pyplan.plan import Layout
+from pyplan.plan import Layout, StageRemat
 from pyplan.runtime.trainer import OptimizerSpec, build_trainer, replica_slice
+from pyplan.solve.remat import Checkpoint, Keep, Offload, RematPlan, full_remat, no_remat, periodic
 from pyplan.solve.schedules import torch_rejection
 
 STEPS = 3
@@ -41,6 +42,25 @@ def even_cuts(spec_name: str, num_stages: int, micro_batch: int) -> tuple[int, .
     inner = [c.position for c in points.candidates if 0 < c.position < len(points.order)]
     picks = [inner[round(k * len(inner) / num_stages)] for k in range(1, num_stages)]
     return (0, *picks, len(points.order))
+
+
+def stage_remat(spec_name: str, cuts: tuple[int, ...], micro_batch: int, kinds: list[str]) -> tuple:
+    """A remat plan per stage: each stage cut into 4 blocks at valid cuts, planned as `kinds[s]` says."""
+    spec = load_model(f"zoo:{spec_name}")
+    points = cut_points(trace(spec.build(), spec.example_inputs, batch_size=micro_batch))
+    out = []
+    for s, kind in enumerate(kinds):
+        inner = [c.position for c in points.candidates if cuts[s] < c.position < cuts[s + 1]]
+        picks = [inner[round(k * len(inner) / 4)] for k in range(1, 4)]
+        positions = (cuts[s], *picks, cuts[s + 1])
+        plan = {
+            "periodic": periodic(0, 4, 2),
+            "full": full_remat(0, 4),
+            "nested": RematPlan((Checkpoint(RematPlan((Checkpoint(no_remat(0, 1)), Keep(1)))), Offload(2), Keep(3))),
+            "none": None,
+        }[kind]
+        out.append(None if plan is None else StageRemat(positions, plan))
+    return tuple(out)
 
 
 def configs(world: int) -> list[dict]:
@@ -92,6 +112,16 @@ def configs(world: int) -> list[dict]:
                 precision="bf16-mixed",
             )
         )
+        # Rematerialization (checkpointed, nested, offloaded blocks) inside the stages: the same training.
+        for model, dp, pp, schedule, kinds in (
+            ("gpt-tiny", 1, 2, "1F1B", ["periodic", "nested"]),
+            ("resnet-tiny", 1, 2, "GPipe", ["nested", "full"]),
+            ("resnet-tiny", 2, 1, "GPipe", ["full"]),
+        ):
+            out.append(
+                dict(model=model, dp=dp, pp=pp, schedule=schedule, v=1, m=4, b=2, optimizer="adamw", zero=0,
+                     remat=kinds)
+            )
     if world == 4:
         # ZeRO-1/2 (ZeroRedundancyOptimizer beside DDP) and ZeRO-3 (FSDP2) over the dp axis of a 2 x 2 mesh.
         # Tied weights across stages are refused with ZeRO-3, so gpt-tiny (tied embeddings) runs ZeRO-1 only.
@@ -128,6 +158,7 @@ def _double(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 
 def run(cfg: dict) -> dict:
     spec = load_model(f"zoo:{cfg['model']}")
+    cuts = even_cuts(cfg["model"], cfg["pp"] * cfg["v"], cfg["b"])
     layout = Layout(
         dp=cfg["dp"],
         pp=cfg["pp"],
@@ -137,7 +168,8 @@ def run(cfg: dict) -> dict:
         stages_per_rank=cfg["v"],
         zero_stage=cfg["zero"],
         placement=cfg.get("placement", "pp-inner"),
-        cut_positions=even_cuts(cfg["model"], cfg["pp"] * cfg["v"], cfg["b"]),
+        cut_positions=cuts,
+        remat=stage_remat(cfg["model"], cuts, cfg["b"], cfg["remat"]) if "remat" in cfg else (),
     )
     mixed = cfg.get("precision", "fp32") != "fp32"
     torch.manual_seed(0)

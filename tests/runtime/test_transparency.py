@@ -40,5 +40,9 @@ def test_pipelines_train_like_one_process(world: int, tmp_path: Path) -> None:
     assert {r.get("placement", "pp-inner") for r in results} == (
         {"pp-inner"} if world == 2 else {"pp-inner", "dp-inner"}
     )
+    # Plans with rematerialization (checkpointed, nested and offloaded blocks) train the same parameters.
+    assert {tuple(r["remat"]) for r in results if "remat" in r} == (
+        {("periodic", "nested"), ("nested", "full"), ("full",)} if world == 2 else set()
+    )
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed[:3]

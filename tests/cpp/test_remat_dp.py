@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from functools import lru_cache
+from functools import cache
 
 import pytest
 
@@ -49,7 +49,7 @@ def all_plans(
     """Every item sequence covering blocks s..t, nesting at most `depth`. A checkpoint with nothing after it
     is recomputed at once (same peak, more time): left out unless `trailing`."""
 
-    @lru_cache(maxsize=None)
+    @cache
     def plans(s: int, t: int, depth: int) -> tuple[tuple[RematItem, ...], ...]:
         if s > t:
             return ((),)

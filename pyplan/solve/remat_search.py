@@ -1,0 +1,219 @@
+"""Rematerialization in the plan search: configurations that fit only with recomputation, and each stage's plan.
+
+The search of pyplan/search.h sees one additive memory model per block. With remat it runs on relaxed models
+of full recomputation, where every backward also recomputes its forward (an upper bound on time) and a
+micro-batch in flight holds a share of each block's output (RELAXED_SHARES: from full recomputation's holding
+down to nothing, a lower bound on memory); then each candidate they rank is refined exactly, stage by stage:
+the stage's blocks get the plan of the chosen mode that fits its memory with its in-flight micro-batches
+(`solve` of pyplan/remat.h for "auto", the best `checkpoint_sequential` segment count for "periodic", one
+checkpoint per block for "full"), the stage times become compute + recompute + exposed transfers, and the
+pipeline is simulated again. Candidates that fit no plan are dropped. The refined candidates are ranked among
+themselves and with the plain search's. The ranking is exact among the candidates refined, not over every
+configuration: a configuration that none of the relaxed searches ranks near the top is not refined.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from pyplan.errors import InfeasibleError, PlanError
+from pyplan.plan import Plan, StagePlan, StageRemat
+from pyplan.profile.remat import RematProfile
+from pyplan.solve.remat import RematChain, RematPlan, full_remat, no_remat, periodic, replay, solve
+from pyplan.solve.schedules import simulate
+
+__all__ = [
+    "OFFLOAD_MODES",
+    "RELAXED_SHARES",
+    "REMAT_MODES",
+    "StageChoice",
+    "refine_plan",
+    "relaxed_chain",
+    "stage_remat",
+]
+
+REMAT_MODES = ("none", "full", "periodic", "auto")
+OFFLOAD_MODES = ("none", "auto")
+
+
+# The shares of each block's output the relaxed searches charge per micro-batch in flight: 1 is full
+# recomputation's holding (a block's output kept as the next checkpoint's input), 0 charges no activation at all
+# (a lower bound on every plan's memory), the share between catches plans that store a few segment inputs.
+RELAXED_SHARES = (1.0, 0.25, 0.0)
+
+
+def relaxed_chain(
+    fwd_alpha: Sequence[float],
+    fwd_beta: Sequence[float],
+    bwd_alpha: Sequence[float],
+    bwd_beta: Sequence[float],
+    profile: RematProfile,
+    scale: float,
+    share: float,
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """The search's per-block (act per sample, act fixed, bwd alpha, bwd beta) under full recomputation, with
+    `share` of each block's output charged per micro-batch in flight."""
+    out_ps = [b.out_bytes.per_sample * scale * share for b in profile.blocks]
+    out_fx = [b.out_bytes.fixed * scale * share for b in profile.blocks]
+    return out_ps, out_fx, [g + f for g, f in zip(bwd_alpha, fwd_alpha)], [g + f for g, f in zip(bwd_beta, fwd_beta)]
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    """A stage's remat plan and what it costs per micro-batch (replayed in bytes); `activation_bytes` is the
+    peak of one micro-batch plus what the others in flight hold after their forward."""
+
+    plan: RematPlan
+    time_s: float
+    recompute_s: float
+    transfer_s: float
+    activation_bytes: float
+
+
+def stage_remat(
+    chain: RematChain,
+    budget_bytes: float,
+    in_flight: int,
+    *,
+    mode: str,
+    offload_bw_bytes_per_s: float | None,
+    slots: int = 200,
+) -> StageChoice | None:
+    """The plan of `mode` for one stage's blocks (numbered from 0) within `budget_bytes` (activations only), or
+    None."""
+    n = len(chain)
+    bw = offload_bw_bytes_per_s or math.inf
+
+    def fits(plan: RematPlan) -> StageChoice | None:
+        rep = replay(chain, plan, offload_bw_bytes_per_s=bw)
+        need = rep.peak_bytes + (in_flight - 1) * rep.after_forward_bytes
+        if need > budget_bytes:
+            return None
+        return StageChoice(plan, rep.time_s, rep.recompute_s, rep.transfer_s, need)
+
+    if mode == "none":
+        return fits(no_remat(0, n))
+    if mode == "full":
+        return fits(full_remat(0, n))
+    if mode == "periodic":
+        options = [r for k in range(1, n + 1) if (r := fits(periodic(0, n, k))) is not None]
+        return min(options, key=lambda r: r.time_s, default=None)
+    if mode != "auto":
+        raise PlanError(f"unknown remat mode '{mode}'; choose one of {', '.join(REMAT_MODES)}")
+    if budget_bytes <= 0:
+        return None
+    try:
+        got = solve(chain, budget_bytes, slots=slots, offload_bw_bytes_per_s=offload_bw_bytes_per_s,
+                    in_flight=in_flight)
+    except InfeasibleError:
+        return None
+    plain = fits(no_remat(0, n))
+    if plain is not None and plain.time_s <= got.time_s:
+        return plain  # the discretized DP never beats keeping everything when that fits
+    return fits(got.plan)
+
+
+def refine_plan(
+    plan: Plan,
+    profile: RematProfile,
+    fwd_s: Callable[[int], list[float]],
+    bwd_s: Callable[[int], list[float]],
+    *,
+    scale: float,
+    gpu_mem_bytes: float,
+    cut_bytes: Callable[[int], list[float]],
+    positions: Sequence[int],
+    send_s: Callable[[float], float],
+    stage_sync_s: Sequence[float],
+    mode: str,
+    offload_bw_bytes_per_s: float | None,
+) -> Plan | None:
+    """`plan` (from the search on the relaxed chain) with each stage's remat plan, times and memory; None
+    when some stage fits no plan of `mode`. `fwd_s(b)`/`bwd_s(b)` give the blocks' seconds at micro-batch b,
+    `cut_bytes(b)` every cut's bytes, `positions` every cut's node position; `send_s(bytes)` a boundary transfer
+    on the plan's pipeline link."""
+    lay = plan.layout
+    b = lay.micro_batch_size
+    f_all, g_all, cuts = fwd_s(b), bwd_s(b), cut_bytes(b)
+    grads = [g(b) * scale for g in profile.grad_bytes]
+    mems = [blk.at(b) for blk in profile.blocks]
+    ranks: dict[int, list[int]] = {}
+    stage_rank = _stage_ranks(plan)
+    for s, r in enumerate(stage_rank):
+        ranks.setdefault(r, []).append(s)
+    stages: list[StagePlan] = []
+    remat: list[StageRemat | None] = []
+    for s, st in enumerate(plan.stages):
+        lo, hi = st.first_block, st.last_block + 1
+        rank_stages = ranks[stage_rank[s]]
+        rank_state = sum(plan.stages[x].state_bytes for x in rank_stages)
+        rank_inputs = sum(plan.stages[x].in_flight * cuts[plan.stages[x].first_block] for x in rank_stages)
+        budget = (gpu_mem_bytes - rank_state - rank_inputs) / len(rank_stages)
+        chain = RematChain(
+            fwd_s=tuple(f_all[lo:hi]),
+            bwd_s=tuple(g_all[lo:hi]),
+            kept_bytes=tuple(m.kept_bytes * scale for m in mems[lo:hi]),
+            out_bytes=tuple(m.out_bytes * scale for m in mems[lo:hi]),
+            fwd_peak_bytes=tuple(m.fwd_peak_bytes * scale for m in mems[lo:hi]),
+            fwd_nosave_peak_bytes=tuple(m.fwd_nosave_peak_bytes * scale for m in mems[lo:hi]),
+            bwd_peak_bytes=tuple(m.bwd_peak_bytes * scale for m in mems[lo:hi]),
+            grad_bytes=tuple(grads[lo : hi + 1]),
+        )
+        got = stage_remat(chain, budget, st.in_flight, mode=mode, offload_bw_bytes_per_s=offload_bw_bytes_per_s)
+        if got is None:
+            return None
+        remat.append(None if got.plan == no_remat(0, hi - lo) else StageRemat(tuple(positions[lo : hi + 1]), got.plan))
+        fwd = sum(chain.fwd_s)
+        bwd = got.time_s - fwd
+        activation = got.activation_bytes + st.in_flight * cuts[lo]
+        sends = send_s(cuts[lo]) * (lo > 0) + send_s(cuts[hi]) * (hi < len(cuts) - 1)
+        stages.append(
+            replace(
+                st,
+                forward_s=fwd,
+                backward_s=bwd,
+                time_s=fwd + bwd + sends,
+                activation_bytes=activation,
+                memory_bytes=st.state_bytes + activation,
+                recompute_s=got.recompute_s,
+                transfer_s=got.transfer_s,
+            )
+        )
+    boundaries = [send_s(cuts[st.last_block + 1]) for st in stages[:-1]]
+    sim = simulate(
+        lay.schedule,
+        [st.forward_s for st in stages],
+        [st.backward_s for st in stages],
+        num_microbatches=lay.num_microbatches,
+        stages_per_rank=lay.stages_per_rank,
+        send_forward_s=boundaries or 0.0,
+        send_backward_s=boundaries or 0.0,
+    )
+    exposed = max((max(0.0, y - st.backward_s) for y, st in zip(stage_sync_s, stages)), default=0.0)
+    pred = plan.predicted
+    iteration = sim.makespan_s + exposed + pred.optimizer_s
+    peak = max(sum(stages[x].memory_bytes for x in xs) for xs in ranks.values())
+    per_s = pred.cost_per_iteration / pred.iteration_s if pred.iteration_s > 0 else 0.0
+    predicted = replace(
+        pred,
+        iteration_s=iteration,
+        samples_per_s=lay.global_batch / iteration,
+        peak_memory_bytes=peak,
+        bubble_fraction=sim.bubble_fraction,
+        pipeline_s=sim.makespan_s,
+        exposed_comm_s=exposed,
+        cost_per_iteration=per_s * iteration,
+        cost_per_epoch=None if pred.cost_per_epoch is None else pred.cost_per_epoch / pred.iteration_s * iteration,
+        recompute_s=lay.num_microbatches * max(st.recompute_s + st.transfer_s for st in stages),
+    )
+    layout = replace(lay, remat=tuple(remat) if any(r is not None for r in remat) else ())
+    return replace(plan, layout=layout, stages=tuple(stages), predicted=predicted)
+
+
+def _stage_ranks(plan: Plan) -> list[int]:
+    from pyplan.solve.schedules import stage_placement
+
+    lay = plan.layout
+    return stage_placement(lay.schedule, lay.pp, lay.stages_per_rank)

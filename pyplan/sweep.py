@@ -1,0 +1,639 @@
+"""Batch planning: every model on every cluster, in parallel processes, one record per pair (`plan_many`).
+
+A sweep plans models x clusters. The work is split into tasks of one model on one GPU type, so a model is
+traced and profiled once per GPU type (or read from a `ProfileCache`) and then searched for each cluster of
+that type; tasks run in worker processes (`jobs`), started with forkserver (spawn where there is none), never
+fork, so no torch state is inherited. Each pair gives one flat record (`COLUMNS`): the best plan's layout and
+predictions, or why there is none. `ResultsFile` writes records as they arrive, so an interrupted sweep keeps
+what it finished and a resumed one skips it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import multiprocessing
+import os
+import pickle
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pyplan.api import chain_for, search
+from pyplan.errors import InfeasibleError, PlanError
+from pyplan.graph.trace import ExampleInputs
+from pyplan.hardware.catalog import LOCAL
+from pyplan.hardware.cluster import Cluster
+from pyplan.plan import OBJECTIVES, Plan, Workload
+from pyplan.profile.cache import CacheStats, ProfileCache
+
+__all__ = [
+    "COLUMNS",
+    "IDENTITY",
+    "ModelRef",
+    "ResultsFile",
+    "SearchOptions",
+    "Sweep",
+    "SweepResult",
+    "cluster_label",
+    "identity",
+    "is_finished",
+    "plan_many",
+]
+
+# The record of one (model, cluster) pair, as CSV columns with their types; absent values are None (empty in CSV).
+COLUMNS: tuple[tuple[str, type], ...] = (
+    ("model", str),
+    ("cluster", str),
+    ("gpu", str),
+    ("gpus", int),
+    ("gpus_per_node", int),
+    ("global_batch", int),
+    ("precision", str),
+    ("optimizer", str),
+    ("objective", str),
+    ("weight", float),
+    ("memory_fraction", float),
+    # "ok"; "infeasible" (no plan fits); "error" (PlanError: the pair cannot be planned as asked);
+    # "failed" (an internal error: a resumed sweep tries the pair again).
+    ("status", str),
+    ("dp", int),
+    ("pp", int),
+    ("gpus_used", int),
+    ("stages_per_rank", int),
+    ("micro_batch_size", int),
+    ("num_microbatches", int),
+    ("schedule", str),
+    ("zero_stage", int),
+    ("placement", str),
+    ("iteration_s", float),
+    ("samples_per_s", float),
+    ("peak_memory_bytes", float),
+    ("bubble_fraction", float),
+    ("cost_per_iteration", float),
+    ("cost_per_1m_samples", float),
+    ("currency", str),
+    ("profiled_on", str),
+    ("message", str),
+)
+COLUMN_NAMES = tuple(name for name, _ in COLUMNS)
+# The columns that name a pair: a resumed sweep skips the pairs whose identity is already in the file.
+IDENTITY = ("model", "cluster", "global_batch", "precision", "optimizer", "objective", "weight", "memory_fraction")
+_RETRIED = "failed"
+
+Identity = tuple[Any, ...]
+Record = dict[str, Any]
+
+
+def identity(record: Mapping[str, Any]) -> Identity:
+    return tuple(record[k] for k in IDENTITY)
+
+
+def cluster_label(cluster: Cluster) -> str:
+    """A short name of a cluster: "64 x a100-80g-sxm", "16 x p4d.24xlarge" (instance clusters by instance)."""
+    return " + ".join(f"{g.gpus} x {g.instance or g.gpu.name}" for g in cluster.groups)
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """The search's objective (see `pyplan.search`) and the share of each GPU's memory planned for."""
+
+    objective: str = "time"
+    weight: float = 0.0
+    memory_fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise PlanError(f"unknown objective '{self.objective}'; choose one of {', '.join(OBJECTIVES)}")
+        if not 0 < self.memory_fraction <= 1:
+            raise PlanError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model of a sweep: `ref` is what `load_model` reads ("zoo:NAME", "model.py"), loaded in the worker;
+    or `module` with its `example_inputs` (pickled to the workers when jobs > 1)."""
+
+    name: str
+    ref: str | None = None
+    module: nn.Module | None = field(default=None, repr=False)
+    example_inputs: ExampleInputs | None = field(default=None, repr=False)
+
+    def load(self, *, meta: bool) -> tuple[nn.Module, ExampleInputs]:
+        """The module and its inputs; a referenced model is built on the meta device when `meta` (an analytic
+        profile needs no weights), as `pyplan plan` builds it."""
+        if self.module is not None:
+            assert self.example_inputs is not None
+            return self.module, self.example_inputs
+        from pyplan.load import load_model
+
+        assert self.ref is not None
+        spec = load_model(self.ref)
+        if meta:
+            with torch.device("meta"):
+                return spec.build(), spec.example_inputs
+        return spec.build(), spec.example_inputs
+
+
+@dataclass(frozen=True)
+class _Task:
+    """One model on clusters of one GPU type: profiled once, then searched for each cluster. Clusters travel
+    as JSON (the catalog's read-only mappings do not pickle)."""
+
+    model: ModelRef
+    clusters: tuple[tuple[str, dict[str, Any]], ...]
+    workload: Workload
+    options: SearchOptions
+    cache_dir: str | None
+
+
+@dataclass
+class _TaskResult:
+    records: list[Record]
+    cache: CacheStats
+    seconds: float
+    cpu_seconds: float
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if isinstance(exc, PlanError) else f"{type(exc).__name__}: {text}"
+
+
+def _status(exc: BaseException) -> str:
+    if isinstance(exc, InfeasibleError):
+        return "infeasible"
+    return "error" if isinstance(exc, PlanError) else _RETRIED
+
+
+def _base(model: str, label: str, cluster: Cluster, workload: Workload, options: SearchOptions) -> Record:
+    """A record of the pair with nothing planned yet: what names it and its cluster."""
+    sizes = {g.gpus_per_node for g in cluster.groups}
+    record: Record = dict.fromkeys(COLUMN_NAMES)
+    record.update(
+        model=model,
+        cluster=label,
+        gpu=",".join(dict.fromkeys(g.gpu.name for g in cluster.groups)),
+        gpus=cluster.gpus,
+        gpus_per_node=sizes.pop() if len(sizes) == 1 else None,
+        global_batch=workload.global_batch,
+        precision=workload.precision,
+        optimizer=workload.optimizer,
+        objective=options.objective,
+        weight=float(options.weight),
+        memory_fraction=float(options.memory_fraction),
+    )
+    return record
+
+
+def _failed(base: Record, exc: BaseException, profiled_on: str | None = None) -> Record:
+    return {**base, "status": _status(exc), "message": _one_line(exc), "profiled_on": profiled_on}
+
+
+def _planned(base: Record, plan: Plan, workload: Workload, profiled_on: str) -> Record:
+    layout, predicted = plan.layout, plan.predicted
+    priced = bool(predicted.currency)
+    return {
+        **base,
+        "status": "ok",
+        "dp": layout.dp,
+        "pp": layout.pp,
+        "gpus_used": layout.num_gpus,
+        "stages_per_rank": layout.stages_per_rank,
+        "micro_batch_size": layout.micro_batch_size,
+        "num_microbatches": layout.num_microbatches,
+        "schedule": layout.schedule,
+        "zero_stage": layout.zero_stage,
+        "placement": layout.placement,
+        "iteration_s": predicted.iteration_s,
+        "samples_per_s": predicted.samples_per_s,
+        "peak_memory_bytes": predicted.peak_memory_bytes,
+        "bubble_fraction": predicted.bubble_fraction,
+        "cost_per_iteration": predicted.cost_per_iteration if priced else None,
+        "cost_per_1m_samples": predicted.cost_per_iteration / workload.global_batch * 1e6 if priced else None,
+        "currency": predicted.currency or None,
+        "profiled_on": profiled_on,
+    }
+
+
+def is_finished(record: Mapping[str, Any]) -> bool:
+    """Whether a resumed sweep keeps this record: every outcome but an internal error, which is tried again."""
+    return record["status"] != _RETRIED
+
+
+def _run_task(task: _Task) -> _TaskResult:
+    """Profile the task's model once and search each of its clusters (runs in a worker process)."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    cache = ProfileCache(Path(task.cache_dir)) if task.cache_dir is not None else None
+    stats = cache.stats if cache is not None else CacheStats()
+
+    def base(label: str, cluster: Cluster) -> Record:
+        return _base(task.model.name, label, cluster, task.workload, task.options)
+
+    clusters = [(label, Cluster.from_json(data)) for label, data in task.clusters]
+    first = clusters[0][1]
+    try:
+        module, inputs = task.model.load(meta=first.groups[0].gpu.name != LOCAL)
+        chain, how = chain_for(module, inputs, first, task.workload, cache=cache)
+    except Exception as exc:
+        records = [_failed(base(label, cluster), exc) for label, cluster in clusters]
+        return _TaskResult(records, stats, time.perf_counter() - start, time.process_time() - cpu_start)
+    records = []
+    for label, cluster in clusters:
+        try:
+            result = search(
+                module,
+                inputs,
+                cluster,
+                task.workload,
+                objective=task.options.objective,
+                weight=task.options.weight,
+                memory_fraction=task.options.memory_fraction,
+                chain=chain,
+            )
+        except Exception as exc:
+            records.append(_failed(base(label, cluster), exc, how))
+        else:
+            records.append(_planned(base(label, cluster), result.best, task.workload, how))
+    return _TaskResult(records, stats, time.perf_counter() - start, time.process_time() - cpu_start)
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+
+
+def _run_tasks(tasks: Sequence[_Task], jobs: int, on_result: Callable[[_Task, _TaskResult], None]) -> None:
+    """Run `tasks` in `jobs` worker processes (in this process for one job), calling `on_result` here as each
+    finishes."""
+    if jobs <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            on_result(task, _run_task(task))
+        return
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=_context())
+    try:
+        futures = {pool.submit(_run_task, task): task for task in tasks}
+        for future in as_completed(futures):
+            on_result(futures[future], future.result())
+    finally:
+        # On an error or an interrupt, what has not started is dropped rather than waited for.
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass
+class SweepResult:
+    """The records a run produced (in the order they finished), what the profile caches did, the wall time, the
+    seconds each task (a model on one GPU type: profile and searches) took in its worker, and the CPU seconds of
+    all tasks."""
+
+    records: list[Record]
+    cache: CacheStats
+    seconds: float
+    task_seconds: list[tuple[str, float]] = field(default_factory=list)
+    task_cpu_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """Models x clusters with a workload per model and the search options: the pairs to plan."""
+
+    models: tuple[ModelRef, ...]
+    clusters: tuple[tuple[str, Cluster], ...]
+    workloads: Mapping[str, Workload]
+    options: SearchOptions = SearchOptions()
+
+    def __post_init__(self) -> None:
+        for kind, names in (("models", [m.name for m in self.models]), ("clusters", [c for c, _ in self.clusters])):
+            seen: set[str] = set()
+            for name in names:
+                if name in seen:
+                    raise PlanError(f"two {kind} are called '{name}'; name them apart")
+                seen.add(name)
+        missing = [m.name for m in self.models if m.name not in self.workloads]
+        if missing:
+            raise PlanError(f"no workload for model '{missing[0]}'")
+
+    def identities(self) -> list[Identity]:
+        """Every pair's identity, in the sweep's order: models in the order given, clusters within each."""
+        return [self._identity(m, label, c) for m in self.models for label, c in self.clusters]
+
+    def _identity(self, model: ModelRef, label: str, cluster: Cluster) -> Identity:
+        return identity(_base(model.name, label, cluster, self.workloads[model.name], self.options))
+
+    def tasks(self, *, done: Iterable[Identity] = (), cache_dir: str | None = None) -> list[_Task]:
+        """The tasks of the pairs not `done`: one per model and GPU type."""
+        finished = set(done)
+        tasks = []
+        for model in self.models:
+            by_gpu: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+            for label, cluster in self.clusters:
+                if self._identity(model, label, cluster) not in finished:
+                    gpus = json.dumps([g.gpu.to_json() for g in cluster.groups], sort_keys=True)
+                    by_gpu.setdefault(gpus, []).append((label, cluster.to_json()))
+            tasks += [
+                _Task(model, tuple(group), self.workloads[model.name], self.options, cache_dir)
+                for group in by_gpu.values()
+            ]
+        return tasks
+
+    def ordered(self, records: Iterable[Record]) -> list[Record]:
+        """`records` in the sweep's order; records of pairs outside the sweep follow in their own order."""
+        rank = {key: i for i, key in enumerate(self.identities())}
+        return sorted(records, key=lambda r: rank.get(identity(r), len(rank)))
+
+    def run(
+        self,
+        *,
+        jobs: int = 1,
+        cache: ProfileCache | None = None,
+        done: Iterable[Identity] = (),
+        on_record: Callable[[Record], None] | None = None,
+    ) -> SweepResult:
+        """Plan every pair not `done`; `on_record` is called here with each record as it arrives."""
+        if jobs < 1:
+            raise PlanError(f"jobs must be at least 1, got {jobs}")
+        tasks = self.tasks(done=done, cache_dir=str(cache.directory) if cache is not None else None)
+        if jobs > 1:
+            _check_picklable(tasks)
+        start = time.perf_counter()
+        records: list[Record] = []
+        stats = CacheStats()
+        task_seconds: list[tuple[str, float]] = []
+        cpu = 0.0
+
+        def collect(task: _Task, result: _TaskResult) -> None:
+            nonlocal cpu
+            stats.add(result.cache)
+            task_seconds.append((task.model.name, result.seconds))
+            cpu += result.cpu_seconds
+            for record in result.records:
+                records.append(record)
+                if on_record is not None:
+                    on_record(record)
+
+        _run_tasks(tasks, jobs, collect)
+        if cache is not None:
+            cache.stats.add(stats)
+        return SweepResult(records, stats, time.perf_counter() - start, task_seconds, cpu)
+
+
+def _check_picklable(tasks: Sequence[_Task]) -> None:
+    for model in {id(t.model): t.model for t in tasks if t.model.module is not None}.values():
+        try:
+            pickle.dumps((model.module, model.example_inputs))
+        except Exception as exc:
+            raise PlanError(
+                f"model '{model.name}' cannot be sent to a worker process ({type(exc).__name__}: {exc}); "
+                "plan it with jobs=1, or build its example inputs with a module-level function"
+            ) from None
+
+
+# --- Inputs of plan_many ----------------------------------------------------------------------------------
+
+ModelLike = str | tuple[nn.Module, ExampleInputs]
+
+
+def _model_ref(name: str | None, model: ModelLike) -> ModelRef:
+    if isinstance(model, str):
+        from pyplan import zoo
+        from pyplan.load import load_model
+
+        ref = model if model.startswith("zoo:") or model.endswith(".py") or ".py:" in model else f"zoo:{model}"
+        if ref.startswith("zoo:"):
+            zoo.get(ref.removeprefix("zoo:"))  # an unknown name raises here, with the closest names
+        else:
+            load_model(ref)
+        return ModelRef(name or model.removeprefix("zoo:"), ref=ref)
+    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[0], nn.Module):
+        return ModelRef(name or type(model[0]).__name__, module=model[0], example_inputs=model[1])
+    raise PlanError(
+        f"a model must be a zoo name, a model file, or a (module, example_inputs) pair; got {type(model).__name__}"
+    )
+
+
+def _model_refs(models: Iterable[ModelLike] | Mapping[str, ModelLike]) -> tuple[ModelRef, ...]:
+    if isinstance(models, Mapping):
+        return tuple(_model_ref(name, m) for name, m in models.items())
+    refs: list[ModelRef] = []
+    counts: dict[str, int] = {}
+    for m in models:
+        ref = _model_ref(None, m)
+        if ref.module is not None:  # modules are named by class: GPT, GPT-2, ...
+            counts[ref.name] = counts.get(ref.name, 0) + 1
+            if counts[ref.name] > 1:
+                ref = ModelRef(f"{ref.name}-{counts[ref.name]}", module=ref.module, example_inputs=ref.example_inputs)
+        refs.append(ref)
+    return tuple(refs)
+
+
+def _labelled(clusters: Iterable[Cluster] | Mapping[str, Cluster]) -> tuple[tuple[str, Cluster], ...]:
+    if isinstance(clusters, Mapping):
+        return tuple(clusters.items())
+    return tuple((cluster_label(c), c) for c in clusters)
+
+
+def _frame(records: list[Record]) -> Any:
+    try:
+        import pandas as pd
+    except ImportError:
+        raise PlanError("as_frame=True needs pandas: pip install pandas (or take the records)") from None
+    return pd.DataFrame.from_records(records, columns=list(COLUMN_NAMES))
+
+
+def plan_many(
+    models: Iterable[ModelLike] | Mapping[str, ModelLike],
+    clusters: Iterable[Cluster] | Mapping[str, Cluster],
+    workload: Workload | Mapping[str, Workload],
+    *,
+    objective: str = "time",
+    weight: float = 0.0,
+    memory_fraction: float = 0.9,
+    jobs: int = 1,
+    cache: ProfileCache | None = None,
+    as_frame: bool = False,
+) -> Any:
+    """The best plan of every model on every cluster: one record (a dict with the keys of `COLUMNS`) per pair,
+    models in the order given and clusters within each.
+
+    `models` are zoo names ("gpt2-xl", or "zoo:gpt2-xl"), model files, or `(module, example_inputs)` pairs
+    (named by class), or a mapping from names to those. `clusters` are Clusters (named by `cluster_label`) or a
+    mapping from names to Clusters. `workload` is one Workload for all models or a mapping from model names to
+    Workloads. A pair that cannot be planned gives a record whose `status` says why ("infeasible", "error",
+    "failed") and whose `message` is the error in one line; the call raises only for bad arguments.
+
+    `jobs` > 1 plans in that many worker processes (modules given as pairs must then pickle). With `cache`
+    (e.g. `ProfileCache()`: ~/.cache/pyplan/profiles), profiles are read from and written to disk, so a model
+    is profiled once for every cluster of a GPU type, and once across calls. `as_frame=True` returns a pandas
+    DataFrame instead of the list of records (needs pandas).
+    """
+    refs = _model_refs(models)
+    workloads = dict(workload) if isinstance(workload, Mapping) else {m.name: workload for m in refs}
+    sweep = Sweep(
+        refs,
+        _labelled(clusters),
+        workloads,
+        SearchOptions(objective=objective, weight=weight, memory_fraction=memory_fraction),
+    )
+    records = sweep.ordered(sweep.run(jobs=jobs, cache=cache).records)
+    return _frame(records) if as_frame else records
+
+
+# --- Results files -------------------------------------------------------------------------------------------
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to a temporary file beside `path` and rename it over `path`: readers see all or nothing."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _csv_text(records: Iterable[Record], *, header: bool = True) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    if header:
+        writer.writerow(COLUMN_NAMES)
+    for r in records:
+        writer.writerow(["" if r[k] is None else r[k] for k in COLUMN_NAMES])
+    return out.getvalue()
+
+
+def _typed(row: list[str]) -> Record:
+    if len(row) != len(COLUMNS):
+        raise ValueError(f"{len(row)} fields, expected {len(COLUMNS)}")
+    return {name: None if value == "" else kind(value) for (name, kind), value in zip(COLUMNS, row)}
+
+
+class ResultsFile:
+    """Where a sweep's records go (.csv, .json or .parquet), kept valid while the sweep runs.
+
+    CSV is appended one line per record and flushed; a line cut short by an interrupted write is dropped when
+    the file is read back. JSON and Parquet are rewritten whole for each record, through a temporary file and
+    a rename. `finish` rewrites the file once more, in the sweep's order, so a resumed sweep ends with the
+    same file as one that ran through. `dropped` counts the incomplete lines `read` skipped.
+    """
+
+    SUFFIXES = (".csv", ".json", ".parquet")
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.format = self.path.suffix.lower()
+        if self.format not in self.SUFFIXES:
+            raise PlanError(f"--out {self.path}: the name must end in {', '.join(self.SUFFIXES)}")
+        if self.format == ".parquet":
+            try:
+                import pyarrow  # noqa: F401
+            except ImportError:
+                raise PlanError("writing .parquet needs pyarrow: pip install pyarrow (or use .csv)") from None
+        self.dropped = 0
+        self._records: list[Record] = []
+        self._append: io.TextIOWrapper | None = None
+
+    def read(self) -> list[Record]:
+        """The complete records in the file (none if it does not exist)."""
+        if not self.path.exists():
+            return []
+        what = f"--resume: {self.path}"
+        if self.format == ".csv":
+            return self._read_csv(what)
+        if self.format == ".json":
+            try:
+                data = json.loads(self.path.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise PlanError(f"{what} cannot be read ({exc}); delete it or write to another file") from None
+        else:
+            import pyarrow.parquet as pq
+
+            try:
+                data = pq.read_table(self.path).to_pylist()
+            except Exception as exc:
+                raise PlanError(f"{what} cannot be read ({exc}); delete it or write to another file") from None
+        if not isinstance(data, list) or not all(isinstance(r, dict) and set(r) == set(COLUMN_NAMES) for r in data):
+            raise PlanError(f"{what} does not hold this pyplan's sweep records; write to another file")
+        return data
+
+    def _read_csv(self, what: str) -> list[Record]:
+        try:
+            text = self.path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PlanError(f"{what} cannot be read ({exc}); delete it or write to another file") from None
+        lines = text.split("\n")
+        # Every complete line ends in a newline; what follows the last one was cut short.
+        self.dropped = int(lines[-1] != "")
+        lines = lines[:-1]
+        if not lines:
+            return []
+        rows = list(csv.reader(lines))
+        if tuple(rows[0]) != COLUMN_NAMES:
+            raise PlanError(f"{what} has other columns than this pyplan writes; write to another file")
+        records = []
+        for row in rows[1:]:
+            try:
+                records.append(_typed(row))
+            except ValueError:
+                self.dropped += 1
+        return records
+
+    def begin(self, records: Sequence[Record]) -> None:
+        """Start the file afresh with `records` (those kept from an earlier run)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._records = list(records)
+        self._rewrite(self._records)
+        if self.format == ".csv":
+            self._append = self.path.open("a", newline="")
+
+    def add(self, record: Record) -> None:
+        self._records.append(record)
+        if self._append is not None:
+            self._append.write(_csv_text([record], header=False))
+            self._append.flush()
+        else:
+            self._rewrite(self._records)
+
+    def finish(self, records: Sequence[Record]) -> None:
+        """Close the file and write it once more as `records` (the whole sweep, in its order)."""
+        self.close()
+        self._records = list(records)
+        self._rewrite(self._records)
+
+    def close(self) -> None:
+        if self._append is not None:
+            self._append.close()
+            self._append = None
+
+    def _rewrite(self, records: Sequence[Record]) -> None:
+        if self.format == ".csv":
+            data = _csv_text(records).encode()
+        elif self.format == ".json":
+            data = (json.dumps(list(records), indent=1) + "\n").encode()
+        else:
+            data = _parquet_bytes(records)
+        _write_atomic(self.path, data)
+
+
+def _parquet_bytes(records: Sequence[Record]) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    kinds = {str: pa.string(), int: pa.int64(), float: pa.float64()}
+    schema = pa.schema([(name, kinds[kind]) for name, kind in COLUMNS])
+    sink = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(list(records), schema=schema), sink)
+    return sink.getvalue()

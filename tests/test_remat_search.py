@@ -1,0 +1,78 @@
+"""The plan search with rematerialization: plans that only fit with recomputation, and faster plans with it."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyplan import zoo
+from pyplan.api import chain_for, search
+from pyplan.errors import InfeasibleError, PlanError
+from pyplan.hardware import Cluster
+from pyplan.plan import Plan, Workload
+from pyplan.profile.remat import remat_bytes
+from pyplan.solve.remat import replay
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    spec = zoo.get("gpt-tiny")
+    model = spec.build()
+    cluster = Cluster.from_catalog("t4", 1)
+    workload = Workload(global_batch=64)
+    chain, _ = chain_for(model, spec.example_inputs, cluster, workload)
+    return spec, model, cluster, workload, chain
+
+
+def test_remat_finds_plans_that_only_fit_with_it(gpt) -> None:
+    spec, model, cluster, workload, chain = gpt
+    options = dict(chain=chain, memory_fraction=0.0008, micro_batch_sizes=[64])
+    with pytest.raises(InfeasibleError):
+        search(model, spec.example_inputs, cluster, workload, **options)
+    best = search(model, spec.example_inputs, cluster, workload, remat="auto", **options).best
+    limit = cluster.gpu.memory_bytes * 0.0008
+    assert best.predicted.peak_memory_bytes <= limit
+    assert best.layout.remat and any(r is not None for r in best.layout.remat)
+    # Each stage's activations are its plan replayed: one micro-batch's peak plus the others' leftovers.
+    profile = remat_bytes(chain, spec.example_inputs, (1, 2))
+    b = best.layout.micro_batch_size
+    fwd = [blk.fwd_time_s(b) for blk in chain.blocks]
+    bwd = [blk.bwd_time_s(b) for blk in chain.blocks]
+    full = profile.chain(b, fwd, bwd)
+    for st, r in zip(best.stages, best.layout.remat):
+        sub = full.sub(st.first_block, st.last_block + 1)
+        assert r.positions == tuple(c.position for c in chain.cuts[st.first_block : st.last_block + 2])
+        rep = replay(sub, r.plan)
+        assert st.recompute_s == pytest.approx(rep.recompute_s)
+        assert st.backward_s == pytest.approx(rep.time_s - sum(sub.fwd_s))
+        cut_in = chain.cuts[st.first_block].bytes(b)
+        assert st.activation_bytes == pytest.approx(rep.peak_bytes + (st.in_flight - 1) * rep.after_forward_bytes
+                                                     + st.in_flight * cut_in)
+    assert Plan.from_json(best.to_json()) == best
+    # Forced modes are no faster than the optimal plan, when they fit at all.
+    fitted = 0
+    for mode in ("full", "periodic"):
+        try:
+            forced = search(model, spec.example_inputs, cluster, workload, remat=mode, **options).best
+        except InfeasibleError as exc:
+            assert "even with rematerialization" in str(exc)
+            continue
+        fitted += 1
+        assert forced.predicted.iteration_s >= best.predicted.iteration_s - 1e-12
+    assert fitted
+
+
+def test_auto_is_never_slower_than_no_remat(gpt) -> None:
+    spec, model, cluster, workload, chain = gpt
+    for fraction in (0.0006, 0.001, 0.9):
+        plain = search(model, spec.example_inputs, cluster, workload, chain=chain, memory_fraction=fraction).best
+        auto = search(model, spec.example_inputs, cluster, workload, chain=chain, memory_fraction=fraction,
+                      remat="auto").best
+        assert auto.predicted.iteration_s <= plain.predicted.iteration_s + 1e-12
+    # With memory to spare the plan keeps everything.
+    assert auto.layout.remat == ()
+
+
+def test_bad_remat_mode(gpt) -> None:
+    spec, model, cluster, workload, chain = gpt
+    with pytest.raises(PlanError, match="unknown remat mode 'some'"):
+        search(model, spec.example_inputs, cluster, workload, chain=chain, remat="some")
