@@ -38,23 +38,27 @@ void bind_remat(py::module_& m) {
         "remat",
         [](std::vector<double> fwd_s, std::vector<double> bwd_s, std::vector<double> kept_bytes,
            std::vector<double> out_bytes, std::vector<double> fwd_peak_bytes, std::vector<double> fwd_nosave_peak_bytes,
-           std::vector<double> bwd_peak_bytes, std::vector<double> grad_bytes, double budget_bytes, int slots,
+           std::vector<double> bwd_peak_bytes, std::vector<double> grad_bytes, std::vector<double> free_bytes, std::vector<double> live_from,
+           double budget_bytes, int slots,
            double offload_bw_bytes_per_s, int max_depth, int in_flight) {
             const pyplan::RematChain chain{std::move(fwd_s),          std::move(bwd_s),
                                            std::move(kept_bytes),     std::move(out_bytes),
                                            std::move(fwd_peak_bytes), std::move(fwd_nosave_peak_bytes),
-                                           std::move(bwd_peak_bytes), std::move(grad_bytes)};
+                                           std::move(bwd_peak_bytes), std::move(grad_bytes),
+                                           std::move(free_bytes),     std::move(live_from)};
             const pyplan::RematOptions options{budget_bytes, slots, offload_bw_bytes_per_s, max_depth};
             py::gil_scoped_release release;
             return pyplan::solve_remat(chain, options, in_flight);
         },
         py::arg("fwd_s"), py::arg("bwd_s"), py::arg("kept_bytes"), py::arg("out_bytes"), py::arg("fwd_peak_bytes"),
-        py::arg("fwd_nosave_peak_bytes"), py::arg("bwd_peak_bytes"), py::arg("grad_bytes"), py::kw_only(),
+        py::arg("fwd_nosave_peak_bytes"), py::arg("bwd_peak_bytes"), py::arg("grad_bytes"), py::arg("free_bytes"),
+        py::arg("live_from"),
+        py::kw_only(),
         py::arg("budget_bytes"), py::arg("slots") = 500, py::arg("offload_bw_bytes_per_s") = 0.0,
         py::arg("max_depth") = -1, py::arg("in_flight") = 1,
         "The least-time rematerialization (and offloading) plan of a chain whose peak stays within budget_bytes,\n"
         "memory discretized into `slots` (sizes rounded up, the budget down). Per block: fwd_s, bwd_s, kept,\n"
-        "out, fwd_peak, fwd_nosave_peak, bwd_peak bytes; per cut: grad_bytes (see pyplan/solve/remat.py).\n"
+        "out, fwd_peak, fwd_nosave_peak, bwd_peak, free bytes; per cut: grad_bytes (see pyplan/solve/remat.py).\n"
         "offload_bw_bytes_per_s 0 disables offloading; max_depth limits checkpoint nesting (-1: none).\n"
         "in_flight > 1 also requires peak + (in_flight-1)*after_forward <= budget.");
 
@@ -62,16 +66,20 @@ void bind_remat(py::module_& m) {
         "remat_min_peak",
         [](std::vector<double> fwd_s, std::vector<double> bwd_s, std::vector<double> kept_bytes,
            std::vector<double> out_bytes, std::vector<double> fwd_peak_bytes, std::vector<double> fwd_nosave_peak_bytes,
-           std::vector<double> bwd_peak_bytes, std::vector<double> grad_bytes, bool offload, int max_depth) {
+           std::vector<double> bwd_peak_bytes, std::vector<double> grad_bytes, std::vector<double> free_bytes, std::vector<double> live_from,
+           bool offload, int max_depth) {
             const pyplan::RematChain chain{std::move(fwd_s),          std::move(bwd_s),
                                            std::move(kept_bytes),     std::move(out_bytes),
                                            std::move(fwd_peak_bytes), std::move(fwd_nosave_peak_bytes),
-                                           std::move(bwd_peak_bytes), std::move(grad_bytes)};
+                                           std::move(bwd_peak_bytes), std::move(grad_bytes),
+                                           std::move(free_bytes),     std::move(live_from)};
             const pyplan::RematOptions options{1.0, 1, offload ? 1.0 : 0.0, max_depth};
             return pyplan::min_peak_bytes(chain, options);
         },
         py::arg("fwd_s"), py::arg("bwd_s"), py::arg("kept_bytes"), py::arg("out_bytes"), py::arg("fwd_peak_bytes"),
-        py::arg("fwd_nosave_peak_bytes"), py::arg("bwd_peak_bytes"), py::arg("grad_bytes"), py::kw_only(),
+        py::arg("fwd_nosave_peak_bytes"), py::arg("bwd_peak_bytes"), py::arg("grad_bytes"), py::arg("free_bytes"),
+        py::arg("live_from"),
+        py::kw_only(),
         py::arg("offload") = false, py::arg("max_depth") = -1,
         "The least peak (bytes, exact) of any plan of the chain: the smallest feasible budget.");
 }

@@ -7,9 +7,10 @@ inputs need none). `LiveMemory` counts what the block allocates beyond those inp
   kept_bytes             live after a saving forward, with the outputs held: saved tensors and outputs;
   fwd_peak_bytes         the peak of that forward;
   out_bytes              live after a non-saving forward, as a checkpointed segment runs it the first time (grad
-                         enabled, every saved tensor dropped by a saved-tensors hook): the outputs, counted as
-                         the whole cut i+1 (values passed through or aliasing an input included: a checkpoint
-                         holds its whole input tuple, so a stored cut is all of it);
+                         enabled, every saved tensor dropped by a saved-tensors hook): the new output storages
+                         (a value passed through or a view of an input is held by whoever made it);
+  out_values             those storages one by one with the last cut each is live at (a residual stream lives
+                         across several cuts: a checkpointed segment holds it at its output cut);
   fwd_nosave_peak_bytes  the peak of that forward;
   bwd_peak_bytes         the peak of the backward from the saving forward's outputs: kept bytes, output gradients
                          (ones of the outputs' shapes, made by autograd when the backward starts and freed once
@@ -17,6 +18,8 @@ inputs need none). `LiveMemory` counts what the block allocates beyond those inp
                          as `.grad` of the inputs) and temporaries; parameter gradients are left out (model
                          state). An output that is an input passed through is not backpropagated; its gradient
                          (in the cut's gradient on both sides) is added once;
+  free_bytes             what of kept_bytes a saving forward of block i+1 frees (outputs neither block saves nor
+                         passes on), measured by running blocks i and i+1 together;
   grad_bytes[c]          the gradients of cut c's values that require grad: the float values a pipeline stage
                          would send back (numel x element size; the model's own inputs get none).
 
@@ -26,8 +29,9 @@ Bytes are exactly affine in the batch size, so two batch sizes give `RematBytes`
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -54,6 +58,8 @@ class BlockMemory:
     fwd_peak_bytes: int
     fwd_nosave_peak_bytes: int
     bwd_peak_bytes: int
+    free_bytes: int = 0
+    out_values: tuple[tuple[int, int], ...] = ()  # (bytes, last cut live) per new output storage
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,8 @@ class RematBytes:
     fwd_peak_bytes: Affine
     fwd_nosave_peak_bytes: Affine
     bwd_peak_bytes: Affine
+    free_bytes: Affine
+    out_values: tuple[tuple[Affine, int], ...] = ()
 
     def at(self, batch_size: int) -> BlockMemory:
         def value(a: Affine) -> int:
@@ -76,6 +84,8 @@ class RematBytes:
             value(self.fwd_peak_bytes),
             value(self.fwd_nosave_peak_bytes),
             value(self.bwd_peak_bytes),
+            value(self.free_bytes),
+            tuple((value(b), last) for b, last in self.out_values),
         )
 
 
@@ -118,8 +128,11 @@ class _OutputGradients(torch.autograd.Function):
         return tuple(torch.ones(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like)
 
 
-def _measure_block(mod: fx.GraphModule, args: Sequence[Any], first: bool) -> tuple[BlockMemory, int]:
-    """One block's figures, and the gradient bytes of its outputs (the next cut)."""
+def _measure_block(
+    mod: fx.GraphModule, args: Sequence[Any], first: bool, lasts: Iterable[int]
+) -> tuple[BlockMemory, int]:
+    """One block's figures, and the gradient bytes of its outputs (the next cut); `lasts[v]` is the last cut
+    where output v is live."""
     params = list(mod.parameters())
     for p in params:
         p.grad = None
@@ -148,20 +161,50 @@ def _measure_block(mod: fx.GraphModule, args: Sequence[Any], first: bool) -> tup
     leaves = leaf_inputs(args, first=first)
     with LiveMemory() as mem, torch.autograd.graph.saved_tensors_hooks(_discard, _never_unpacked):
         out = mod(*leaves)
-        nosave = (mem.current_bytes, mem.peak_bytes)
-    # A checkpoint keeps its whole input tuple, values passed through or aliased included (a residual stream,
-    # an Identity's output): a stored cut is all of it, whatever this block allocated.
-    whole = _unique_bytes(tensor_leaves(out))
+        nosave_peak = mem.peak_bytes
+    # The outputs a non-saving forward leaves, value by value with the last cut each is live at: new storages
+    # only (a value passed through, or a view of an input, is held by whoever made it).
+    inputs = {storage_key(t) for t in tensor_leaves(list(leaves))}
+    values: dict[Any, list[int]] = {}
+    for t, last in zip(tensor_leaves(out), lasts):
+        key = storage_key(t)
+        if key not in inputs:
+            size_last = values.setdefault(key, [t.untyped_storage().nbytes(), last])
+            size_last[1] = max(size_last[1], last)
     del out
-    out_bytes = max(nosave[0], whole)
-    return BlockMemory(kept, out_bytes, fwd_peak, max(nosave[1], out_bytes), bwd_peak), out_grad
+    out_values = tuple((size, last) for size, last in values.values())
+    out_bytes = sum(size for size, _ in out_values)
+    return BlockMemory(kept, out_bytes, fwd_peak, max(nosave_peak, out_bytes), bwd_peak, 0, out_values), out_grad
 
 
-def _unique_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    seen: dict[Any, int] = {}
-    for t in tensors:
-        seen[storage_key(t)] = t.untyped_storage().nbytes()
-    return sum(seen.values())
+def _last_cuts(args: Sequence[Sequence[Any]], i: int) -> Iterable[int]:
+    """For each value block i returns (cut i+1's values, in order), the last cut where its storage is live,
+    under any name (a later block may pass it on as a view or as itself). `args[c]` are cut c's values."""
+    n = len(args)
+    if i == n - 1:
+        return itertools.repeat(n)  # the model's outputs: live at the last cut only
+    last: dict[Any, int] = {}
+    for c in range(i + 1, n):
+        for t in tensor_leaves(list(args[c])):
+            last[storage_key(t)] = c
+    return [last[storage_key(t)] for t in tensor_leaves(list(args[i + 1]))]
+
+
+def _freed_by_next(
+    a: fx.GraphModule, b: fx.GraphModule, args: Sequence[Any], first: bool, kept_a: int, kept_b: int
+) -> int:
+    """What of block a's kept bytes a saving forward of block b (the next one) frees: a's outputs that neither
+    saves nor passes on. Live after both, beyond a's inputs, is kept(a) + kept(b) − that."""
+    leaves = leaf_inputs(args, first=first)
+    with LiveMemory() as mem:
+        out = a(*leaves)
+        values = out if isinstance(out, tuple) else (out,)
+        del out
+        out_b = b(*values)
+        del values
+        both = mem.current_bytes
+    del out_b
+    return max(0, kept_a + kept_b - both)
 
 
 @contextlib.contextmanager
@@ -199,9 +242,13 @@ def block_memory(
         figures, grads = [], [0]
         with torch.enable_grad():
             for i, (mod, a) in enumerate(zip(mods, args)):
-                fig, g = _measure_block(mod, a, first=i == 0)
+                fig, g = _measure_block(mod, a, first=i == 0, lasts=_last_cuts(args, i))
                 figures.append(fig)
                 grads.append(g)
+            for i in range(len(mods) - 1):
+                kept = figures[i].kept_bytes, figures[i + 1].kept_bytes
+                freed = _freed_by_next(mods[i], mods[i + 1], args[i], i == 0, *kept)
+                figures[i] = replace(figures[i], free_bytes=freed)
         return figures, grads
 
     if fake:
@@ -223,8 +270,16 @@ def remat_bytes(
     def line(name: str, x: BlockMemory, y: BlockMemory) -> Affine:
         return Affine.from_two(b1, getattr(x, name), b2, getattr(y, name))
 
-    names = BlockMemory.__dataclass_fields__
-    blocks = tuple(RematBytes(**{n: line(n, x, y) for n in names}) for x, y in zip(m1, m2))
+    names = [n for n in BlockMemory.__dataclass_fields__ if n != "out_values"]
+
+    def values(x: BlockMemory, y: BlockMemory) -> tuple[tuple[Affine, int], ...]:
+        if [last for _, last in x.out_values] != [last for _, last in y.out_values]:
+            raise ValueError("a block's outputs differ between the two batch sizes")
+        return tuple((Affine.from_two(b1, bx, b2, by), last) for (bx, last), (by, _) in zip(x.out_values, y.out_values))
+
+    blocks = tuple(
+        RematBytes(**{n: line(n, x, y) for n in names}, out_values=values(x, y)) for x, y in zip(m1, m2)
+    )
     return RematProfile(blocks, tuple(Affine.from_two(b1, x, b2, y) for x, y in zip(g1, g2)))
 
 
@@ -247,6 +302,8 @@ def _remat_chain(
         fwd_nosave_peak_bytes=tuple(float(m.fwd_nosave_peak_bytes) for m in mems),
         bwd_peak_bytes=tuple(float(m.bwd_peak_bytes) for m in mems),
         grad_bytes=tuple(float(g) for g in grads),
+        free_bytes=tuple(float(m.free_bytes) for m in mems),
+        out_values=tuple(tuple((float(b), last) for b, last in m.out_values) for m in mems),
     )
 
 

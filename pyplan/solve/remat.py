@@ -13,17 +13,28 @@ Per block i (one micro-batch), with everything measured beyond the block's own i
   fwd_nosave_peak_bytes  the peak during a non-saving forward (≥ out_bytes);
   bwd_peak_bytes       the peak during backward, counting kept_bytes, the output gradient, the input gradient
                        and the temporaries;
-and per cut c, grad_bytes[c], the gradient of the values live at cut c (what a backward leaves behind).
+and per cut c, grad_bytes[c], the gradient of the values live at cut c (what a backward leaves behind); and
+  free_bytes           what of block i's kept bytes is freed once block i+1 has run a saving forward on them:
+                       outputs that neither block saves (a BatchNorm output read by a ReLU, a residual sum) and
+                       that no checkpoint holds;
+  out_values           block i's outputs as (bytes, last cut they are live at): a value passed through later
+                       blocks (a residual stream) stays live across several cuts. live_from(s, k), the bytes at
+                       cut k made by blocks s..k−1, is what a checkpointed segment starting at s holds at cut k:
+                       the segment's input values are held by whoever held them before.
 
 Operations, with `cur` the live bytes before each:
   F(i, save)    needs cut i's values; peak cur + fwd_peak (save) or cur + fwd_nosave_peak;
-                leaves kept_bytes (save) or out_bytes. A non-saving forward inside a checkpointed segment
-                frees its input (the previous block's output) once done, except the segment's own input.
+                leaves kept_bytes (save), or for a non-saving forward the stored cut i+1: live_from(a, i+1)
+                with a the first block of its checkpointed segment (out_bytes when a = i). Inside a segment
+                the input (cut i) is freed once done, except the segment's own input.
+                A saving forward whose input is block i−1's kept bytes frees free_bytes[i−1] of them, unless
+                a checkpoint starting at block i holds that input (it then stays whole until released).
   F(i, offload) a saving forward whose saved tensors (kept − out) are copied to the host while the block
                 computes: exposed time max(0, τ − fwd_s), τ = (kept − out)/offload_bw; leaves out_bytes.
   prefetch(i)   copies them back while the next operation (the backward of block i+1) computes:
                 exposed max(0, τ − that op's time); the bytes are live from the prefetch on.
-  B(i)          needs block i's kept bytes and the gradient of cut i+1; peak cur − kept − grad[i+1] + bwd_peak;
+  B(i)          needs block i's kept bytes and the gradient of cut i+1; peak cur − kept − grad[i+1] + bwd_peak
+                (kept as live now: less what a saving forward of block i+1 freed);
                 frees both, leaves grad[i] (the formula holds whether grad[i+1] is counted in cur or is the
                 resident output gradient of the chain).
   free X(c)     drops the stored values of cut c (a checkpoint's output, once its consumers are done).
@@ -74,9 +85,44 @@ class RematChain:
     fwd_nosave_peak_bytes: tuple[float, ...]
     bwd_peak_bytes: tuple[float, ...]
     grad_bytes: tuple[float, ...]  # [L + 1], per cut
+    free_bytes: tuple[float, ...] = ()  # [L]; empty: nothing freed
+    out_values: tuple[tuple[tuple[float, int], ...], ...] = ()  # [L] (bytes, last cut); empty: live one cut
 
     def __post_init__(self) -> None:
         n = len(self.fwd_s)
+        if not self.free_bytes:
+            object.__setattr__(self, "free_bytes", (0.0,) * n)
+        if len(self.free_bytes) != n:
+            raise ValueError(f"free_bytes has {len(self.free_bytes)} entries, the chain has {n} blocks")
+        if not self.out_values:
+            object.__setattr__(self, "out_values", tuple(((b, i + 1),) for i, b in enumerate(self.out_bytes)))
+        if len(self.out_values) != n:
+            raise ValueError(f"out_values has {len(self.out_values)} entries, the chain has {n} blocks")
+        for i, values in enumerate(self.out_values):
+            if any(not i + 1 <= last <= n for _, last in values):
+                raise ValueError(f"block {i}'s output values must be live from cut {i + 1} to at most cut {n}")
+            if abs(sum(b for b, _ in values) - self.out_bytes[i]) > 1e-9 * max(1.0, self.out_bytes[i]):
+                raise ValueError(f"block {i}'s output values do not add up to its out_bytes")
+
+    def live_from(self, start: int, cut: int) -> float:
+        """Bytes live at `cut` made by blocks start..cut−1."""
+        return sum(b for j in range(start, cut) for b, last in self.out_values[j] if last >= cut)
+
+    def live_from_matrix(self) -> list[float]:
+        """live_from(s, k) for every s ≤ k−1, flat as [s·(L+1) + k] (0 elsewhere): what the C++ DP reads."""
+        n = len(self)
+        out = [0.0] * (n * (n + 1))
+        for s in range(n):
+            total = 0.0
+            # live_from(s, k) = Σ_{j=s}^{k-1} (values of j live at k): add block k−1's values, drop the ended.
+            ending = [0.0] * (n + 2)
+            for k in range(s + 1, n + 1):
+                for b, last in self.out_values[k - 1]:
+                    total += b
+                    ending[last + 1] += b
+                total -= ending[k]
+                out[s * (n + 1) + k] = total
+        return out
         for name in ("bwd_s", "kept_bytes", "out_bytes", "fwd_peak_bytes", "fwd_nosave_peak_bytes", "bwd_peak_bytes"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries, the chain has {n} blocks")
@@ -97,14 +143,20 @@ class RematChain:
             self.fwd_nosave_peak_bytes[start:stop],
             self.bwd_peak_bytes[start:stop],
             self.grad_bytes[start : stop + 1],
+            self.free_bytes[start:stop],
+            tuple(tuple((b, min(last, stop) - start) for b, last in v) for v in self.out_values[start:stop]),
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {k: list(getattr(self, k)) for k in self.__dataclass_fields__}
+        out: dict[str, Any] = {k: list(getattr(self, k)) for k in self.__dataclass_fields__ if k != "out_values"}
+        out["out_values"] = [[list(v) for v in vs] for vs in self.out_values]
+        return out
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> RematChain:
-        return RematChain(**{k: tuple(float(v) for v in data[k]) for k in RematChain.__dataclass_fields__})
+        fields = {k: tuple(float(v) for v in data[k]) for k in RematChain.__dataclass_fields__ if k in data}
+        fields["out_values"] = tuple(tuple((float(b), int(c)) for b, c in vs) for vs in data.get("out_values", []))
+        return RematChain(**fields)
 
 
 @dataclass(frozen=True)
@@ -325,6 +377,9 @@ def replay_ops(
     time_s = recompute_s = transfer_s = 0.0
     after_forward = 0.0
     computed: set[int] = set()
+    pinned: set[int] = set()  # blocks whose kept bytes a checkpoint holds whole (its input)
+    segment_start: dict[int, int] = {}  # stored cut c → the first block of the segment that made it
+    shrunk: set[int] = set()  # blocks whose kept bytes already lost free_bytes
 
     def has_cut(c: int) -> bool:
         return c == 0 or ("X", c) in live or ("A", c - 1) in live
@@ -356,16 +411,28 @@ def replay_ops(
                 recompute_s += t
             computed.add(i)
             time_s += t
+            held_by_previous = i > 0 and ("X", i) not in live and ("A", i - 1) in live
             if save == "nosave":
                 peak = max(peak, cur + chain.fwd_nosave_peak_bytes[i])
-                add(("X", i + 1), chain.out_bytes[i])
+                # Inside a segment (its input is freed right after), the segment's values live on.
+                inside = k + 1 < len(ops) and ops[k + 1] == ("free", i) and ("X", i) in live
+                start = segment_start[i] if inside else i
+                segment_start[i + 1] = start
+                add(("X", i + 1), chain.live_from(start, i + 1))
+                if held_by_previous:
+                    pinned.add(i - 1)
             else:
                 peak = max(peak, cur + chain.fwd_peak_bytes[i])
+                if held_by_previous and i - 1 not in pinned and i - 1 not in shrunk:
+                    shrunk.add(i - 1)
+                    live[("A", i - 1)] -= chain.free_bytes[i - 1]
+                    cur -= chain.free_bytes[i - 1]
                 if save == "offload":
                     exposed = max(0.0, tau(i) - t)
                     time_s += exposed
                     transfer_s += exposed
                     add(("X", i + 1), chain.out_bytes[i])
+                    segment_start[i + 1] = i
                     live[("H", i)] = 0.0
                 else:
                     add(("A", i), chain.kept_bytes[i])
@@ -387,9 +454,11 @@ def replay_ops(
                 raise ValueError(f"backward of block {i} without the values of cut {i}")
             if i < n - 1 and ("G", i + 1) not in live:
                 raise ValueError(f"backward of block {i} before the gradient of cut {i + 1}")
-            peak = max(peak, cur - chain.kept_bytes[i] - chain.grad_bytes[i + 1] + chain.bwd_peak_bytes[i])
+            peak = max(peak, cur - live[("A", i)] - chain.grad_bytes[i + 1] + chain.bwd_peak_bytes[i])
             time_s += chain.bwd_s[i]
             drop(("A", i))
+            pinned.discard(i)
+            shrunk.discard(i)
             if i < n - 1:
                 drop(("G", i + 1))
             if i > 0:
@@ -397,6 +466,8 @@ def replay_ops(
         elif kind == "free":
             if ("X", i) not in live:
                 raise ValueError(f"free of cut {i}, which is not stored")
+            if i < n and ("A", i) in live:
+                raise ValueError(f"free of cut {i} while block {i}'s saved tensors (which hold it) are live")
             drop(("X", i))
         else:
             raise ValueError(f"unknown operation {op!r}")
@@ -438,7 +509,9 @@ def _plan_of_steps(steps: Sequence[tuple[str, int]], offset: int) -> RematPlan:
 
 
 def _arrays(chain: RematChain) -> list[list[float]]:
-    return [list(getattr(chain, k)) for k in RematChain.__dataclass_fields__]
+    """The chain as the C++ core takes it: the per-block and per-cut vectors, then live_from flat."""
+    plain = [list(getattr(chain, k)) for k in RematChain.__dataclass_fields__ if k != "out_values"]
+    return [*plain, chain.live_from_matrix()]
 
 
 def min_budget(chain: RematChain, *, offload: bool = False, max_depth: int | None = None) -> float:

@@ -40,7 +40,16 @@ def random_chain(rng: random.Random, n: int) -> RematChain:
         fwd_nosave_peak_bytes=tuple(float(o + rng.randint(0, 5)) for o in out),
         bwd_peak_bytes=tuple(float(kept[i] + grad[i] + grad[i + 1] + rng.randint(0, 5)) for i in range(n)),
         grad_bytes=tuple(float(g) for g in grad),
+        free_bytes=tuple(float(rng.randint(0, o)) if rng.random() < 0.7 else 0.0 for o in out),
+        out_values=tuple(_values(rng, i, n, o) for i, o in enumerate(out)),
     )
+
+
+def _values(rng: random.Random, i: int, n: int, out: int) -> tuple[tuple[float, int], ...]:
+    """Block i's output split into values, some passed on through later blocks (a skip, a residual stream)."""
+    first = rng.randint(0, out)
+    lasts = [min(n, i + 1 + rng.choice((0, 0, 1, 2, 4))) for _ in range(2)]
+    return tuple((float(b), last) for b, last in zip((first, out - first), lasts) if b > 0) or ((0.0, i + 1),)
 
 
 def all_plans(
@@ -178,9 +187,13 @@ def test_in_flight_micro_batches_fit_with_their_leftovers() -> None:
 def test_slots_round_towards_safety() -> None:
     rng = random.Random(3)
     chain = random_chain(rng, 30)
-    scaled = RematChain(**{k: tuple(v * 1e6 + 0.37 for v in getattr(chain, k)) for k in ("kept_bytes", "out_bytes",
-        "fwd_peak_bytes", "fwd_nosave_peak_bytes", "bwd_peak_bytes", "grad_bytes")}, fwd_s=chain.fwd_s,
-        bwd_s=chain.bwd_s)
+    sizes = ("kept_bytes", "out_bytes", "fwd_peak_bytes", "fwd_nosave_peak_bytes", "bwd_peak_bytes", "grad_bytes")
+    scaled = RematChain(
+        **{k: tuple(v * 1e6 + 0.37 for v in getattr(chain, k)) for k in sizes},
+        fwd_s=chain.fwd_s,
+        bwd_s=chain.bwd_s,
+        free_bytes=tuple(v * 1e6 for v in chain.free_bytes),
+    )
     least = min_budget(scaled)
     for budget in (least * 1.05, least * 1.5, least * 3):
         for slots in (7, 50, 500):

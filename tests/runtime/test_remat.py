@@ -18,9 +18,11 @@ from pyplan.solve.remat import (
     Offload,
     RematPlan,
     full_remat,
+    min_budget,
     no_remat,
     periodic,
     replay,
+    solve,
 )
 from pyplan.spec import ModelSpec
 from pyplan.zoo.transformer import GPT, GPTConfig
@@ -271,33 +273,23 @@ def test_offloading_on_cuda_frees_device_memory(plan: str) -> None:
     assert mem.peak_bytes <= predicted.peak_bytes * 1.05
 
 
-# --- where the plan's model and torch part ways, on blocks finer than layers ---
+# --- blocks finer than layers (what the search plans on): the model never under-predicts ---
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kept_bytes counts a block's outputs until its backward; torch frees an output that no later op saves "
-    "once its consumer ran (BatchNorm outputs read by ReLU, residual sums): 1,769,472 of the 4,246,696 bytes "
-    "predicted after the forward of resnet-tiny's 30 blocks at batch 4; peak predicted 4,344,068, measured 2,622,596",
-)
-def test_fine_resnet_without_remat_peaks_as_predicted() -> None:
-    model, example = _with_loss("resnet-tiny")
+@pytest.mark.parametrize("name", ["resnet-tiny", "gpt-tiny", "vgg-tiny", "mlp-tiny"])
+def test_fine_chains_never_peak_above_the_prediction(name: str) -> None:
+    """On the default chain every plan's measured peak is at most the prediction (4 bytes of slack: the loss),
+    and the plans the DP chooses are predicted within 20 %. The model over-counts where torch frees early: a
+    recomputed segment's last output (checkpoint's early stop) and outputs read by two later blocks."""
+    model, example = _with_loss(name)
     chain = linearize(trace(model, example, batch_size=4))
-    plan = no_remat(0, len(chain))
-    peak, _ = _training_step_bytes(apply_remat(chain, plan), example(4))
-    assert peak == pytest.approx(replay(remat_chain(chain, example, 4), plan).peak_bytes, rel=0.05)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="a checkpoint holds every value of its input cut and each block passes on the whole cut, but the model "
-    "counts at a cut only the values the block before it made (out_bytes) and frees them at the next block: "
-    "residual streams passed through a block, and outputs that alias their input (dropout p=0), are missed. "
-    "gpt-tiny's 19 blocks, periodic(7), batch 4: peak predicted 630,788, measured 729,092 (+15.6 %)",
-)
-def test_fine_gpt_checkpoints_peak_as_predicted() -> None:
-    model, example = _with_loss("gpt-tiny")
-    chain = linearize(trace(model, example, batch_size=4))
-    plan = periodic(0, len(chain), 7)
-    peak, _ = _training_step_bytes(apply_remat(chain, plan), example(4))
-    assert peak == pytest.approx(replay(remat_chain(chain, example, 4), plan).peak_bytes, rel=0.05)
+    figures = remat_chain(chain, example, 4)
+    n = len(chain)
+    least, top = min_budget(figures), replay(figures, no_remat(0, n)).peak_bytes
+    chosen = [solve(figures, least + (top - least) * f, slots=300).plan for f in (0.2, 0.5, 0.8)]
+    for plan in [no_remat(0, n), full_remat(0, n), *(periodic(0, n, k) for k in (2, 3, 4)), *chosen]:
+        peak, _ = _training_step_bytes(apply_remat(chain, plan), example(4))
+        predicted = replay(figures, plan).peak_bytes
+        assert peak <= predicted + 4, plan.describe()
+        if plan in chosen:
+            assert peak >= 0.8 * predicted, plan.describe()

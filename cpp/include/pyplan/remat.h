@@ -28,13 +28,17 @@
 //                   resident and not counted: g_t = grad[t+1] for t < L−1, g_{L−1} = 0, and B(L−1)'s peak is
 //                   bwd_peak − grad[L]; write bp_i for B(i)'s peak so counted);  ∞ if none.
 //   What[d][s][t][m] = the first item of that plan (RematChoice).
-// Base (s = t):  C = fwd_s + bwd_s  if  max(g_t + fwd_peak[s], bp_s) ≤ m.
+// Two variants of each entry, by how the input of s is held (kHeldWhole, kHeldByKept): held by block s−1's
+// kept bytes, a saving forward of s frees φ = free_bytes[s−1] of them, so the rest of the subproblem has φ
+// more, backward peaks included (φ = 0 when held whole). A checkpoint holds its input whole.
+// Base (s = t):  C = fwd_s + bwd_s  if  g_t + fwd_peak[s] ≤ m and bp_s − φ ≤ m.
 // Recurrence (s < t), the least of
-//   Keep:       fwd_s + bwd_s + C[d][s+1][t][m − kept[s]]         if max(g_t + fwd_peak[s], bp_s) ≤ m
-//   Offload:    fwd_s + bwd_s + max(0, τ_s − fwd_s) + max(0, τ_s − bwd_s[s+1]) + C[d][s+1][t][m − out[s]]
-//               if also kept[s] + bp_{s+1} ≤ m (the prefetched bytes are live during B(s+1))
-//   Checkpoint(s..k−1), s < k ≤ t:  Σ_{j=s}^{k−1} fwd_s[j] + C[d][k][t][m − out[k−1]] + C[d−1][s][k−1][m]
-//               if g_t + max_{s≤j<k} (fwd_nosave_peak[j] + (j > s ? out[j−1] : 0)) ≤ m; the recomputation
+//   Keep:       fwd_s + bwd_s + C^Kept[d][s+1][t][m − kept[s] + φ]      if g_t + fwd_peak[s] ≤ m, bp_s − φ ≤ m
+//   Offload:    fwd_s + bwd_s + max(0, τ_s − fwd_s) + max(0, τ_s − bwd_s[s+1])
+//               + C^Whole[d][s+1][t][m − out[s] + φ]                   if also kept[s] + bp_{s+1} − φ ≤ m (the prefetched bytes are live during B(s+1))
+//   Checkpoint(s..k−1), s < k ≤ t:  Σ_{j=s}^{k−1} fwd_s[j] + C^Whole[d][k][t][m − λ(s,k)] + C^Whole[d−1][s][k−1][m]
+//               with λ(s, k) = live_from(s, k), the segment's values at cut k (its input's are held outside),
+//               if g_t + max_{s≤j<k} (fwd_nosave_peak[j] + (j > s ? λ(s, j) : 0)) ≤ m; the recomputation
 //               holds the gradient of cut k, which its own table entry counts (g_{k−1}).
 // O(L³·S) time (L³/6 triples (s, k, t), S budgets each, an inner loop the compiler vectorizes), O(L²·S) memory.
 // C is non-increasing in m (every condition is "something ≤ m"), so one table answers every budget up to S.
@@ -58,6 +62,9 @@ struct RematChain {
     std::vector<double> fwd_nosave_peak_bytes;  // [L]
     std::vector<double> bwd_peak_bytes;      // [L]
     std::vector<double> grad_bytes;          // [L+1] per cut
+    std::vector<double> free_bytes;          // [L] or empty: freed from kept[i] by a saving forward of block i+1
+    std::vector<double> live_from;           // [L·(L+1)] or empty: [s·(L+1) + k] the bytes at cut k made by
+                                             // blocks s..k−1 (empty: out[k−1], no value outlives its cut)
 
     int num_blocks() const { return static_cast<int>(fwd_s.size()); }
 };
@@ -88,17 +95,24 @@ struct RematChoice {
 };
 
 // The DP tables for one chain and options (see the header comment).
+// How the input of a subproblem's first block is held: whole (the chain's input, a checkpoint's input or
+// output, an offloaded block's output) or by the previous block's kept bytes, which that block's saving
+// forward shrinks by free_bytes.
+constexpr int kHeldWhole = 0;
+constexpr int kHeldByKept = 1;
+
 struct RematTable {
     int num_blocks = 0;
-    int slots = 0;
+    int slots = 0;   // S: the budget
+    int width = 0;   // W ≥ S: budgets are tabled up to W (a subproblem's budget grows by what is freed)
     int layers = 1;
     double slot_bytes = 0;
-    std::vector<double> time;          // C, flat: index(d, s, t, m)
+    std::vector<double> time;          // C, flat: index(v, d, s, t, m), v the held variant
     std::vector<std::uint32_t> what;   // What (RematChoice::packed), same layout
-    std::size_t index(int d, int s, int t, int m) const {
+    std::size_t index(int v, int d, int s, int t, int m) const {
         const std::size_t tri = static_cast<std::size_t>(t) * (t + 1) / 2 + s;
         const std::size_t rows = static_cast<std::size_t>(num_blocks) * (num_blocks + 1) / 2;
-        return ((static_cast<std::size_t>(d) * rows + tri) * (slots + 1)) + m;
+        return ((static_cast<std::size_t>(v * layers + d) * rows + tri) * (width + 1)) + m;
     }
 };
 
