@@ -30,7 +30,19 @@ from pyplan.solve.ilp import (
     stage_dag_from_layergraph,
 )
 from pyplan.solve.reference import evaluate_partition
-from pyplan.solve.remat import Checkpoint, Keep, RematChain, RematItem, RematPlan, plan_ops, replay, replay_ops
+from pyplan.solve.remat import (
+    Checkpoint,
+    Keep,
+    RematChain,
+    RematItem,
+    RematPlan,
+    min_budget,
+    no_remat,
+    plan_ops,
+    replay,
+    replay_ops,
+    solve,
+)
 
 REL = 1e-9  # stage times: only the rounding of seconds to CP-SAT's integer units may differ
 LIMIT_S = 20.0  # a safety net: every instance here solves to optimality in well under a second
@@ -429,6 +441,19 @@ def test_remat_of_a_chain_equals_the_best_tree_plan() -> None:
         got = _check_chain_schedule(chain, budget, warm_start=k % 2 == 0)
         assert got.time_s == min(fits), (chain, budget)
     assert 1 <= infeasible <= 8
+
+
+def test_remat_of_a_chain_equals_the_dp() -> None:
+    # The ILP (persistent checkpoints, as nested torch checkpoints run) and the C++ DP of pyplan/remat.h agree
+    # exactly on chains, with one memory slot per byte so the DP loses nothing to rounding.
+    rng = random.Random(23)
+    for n in [rng.randint(2, 8) for _ in range(24)]:
+        chain = _remat_chain(rng, n)
+        least = min_budget(chain)
+        top = replay(chain, no_remat(0, n)).peak_bytes
+        budget = int(least + (top - least) * rng.random())
+        got = _check_chain_schedule(chain, budget)
+        assert got.time_s == solve(chain, budget, slots=budget).time_s, (chain, budget)
 
 
 # A chain and budget where a schedule that is no tree plan beats every tree plan (found among random chains).
