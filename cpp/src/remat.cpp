@@ -81,29 +81,128 @@ double exposed_transfer(const RematChain& c, int s, double bw) {
     return std::max(0.0, tau - c.fwd_s[s]) + std::max(0.0, tau - c.bwd_s[s + 1]);
 }
 
-// Emit the plan of table entry (v, d, s, t, m) as flat steps.
-void backtrack(const RematChain& c, const RematTable& tab, const Slots& slots, bool unbounded, int v, int d, int s,
-               int t, int m, std::vector<RematStep>& out) {
+
+// The recurrence of remat.h for one entry (v, d, s, t), in slots: each option is worth
+// base + first[min(m − shift, W)] + second[m] (a null row counts 0) where lo ≤ m ≤ hi. The table is filled
+// from these and the plan read back from them, so both agree by construction.
+struct Option {
+    RematToken token;      // kKeep, kOffload or kBegin (a checkpoint of s..split−1)
+    int split = 0;
+    double base = 0;
+    int lo = 0, hi = 0, shift = 0;
+    const double* first = nullptr;
+    const double* second = nullptr;
+    double at(int m, int width) const {
+        return base + (first ? first[std::min(m - shift, width)] : 0.0) + (second ? second[m] : 0.0);
+    }
+};
+
+struct Recurrence {
+    const RematChain& c;
+    const RematTable& tab;
+    Slots slots;
+    bool unbounded;
+    bool offload;
+    double bw;
+    std::vector<int> kept, freed;
+    std::vector<double> fwd_prefix;
+    Counted ct;
+
+    Recurrence(const RematChain& chain, const RematTable& table, const RematOptions& o)
+        : c(chain), tab(table), slots{table.slot_bytes}, unbounded(o.max_depth < 0),
+          offload(o.offload_bw_bytes_per_s > 0), bw(o.offload_bw_bytes_per_s), ct(counted_of(chain)) {
+        const int n = c.num_blocks();
+        fwd_prefix.assign(n + 1, 0.0);
+        for (int i = 0; i < n; ++i) {
+            kept.push_back(slots(c.kept_bytes[i]));
+            freed.push_back(slots.down(free_of(c, i)));
+            fwd_prefix[i + 1] = fwd_prefix[i] + c.fwd_s[i];
+        }
+    }
+
+    const double* row(int v, int d, int s, int t) const { return &tab.time[tab.index(v, d, s, t, 0)]; }
+
+    // The least budget (slots) from which keeping every block of s..t fits, held as v.
+    long long all_keep(int v, int s, int t) const { return tab.all_keep[tab.keep_index(v, s, t)]; }
+
+    // Keep and Offload of block s; held by kept bytes, its saving forward frees fr slots of them.
+    void first_block(int v, int d, int s, int t, std::vector<Option>& out) const {
+        const int fr = v == kHeldByKept && s > 0 ? freed[s - 1] : 0;
+        const double g = ct.grad_after[t];
+        const double fb = c.fwd_s[s] + c.bwd_s[s];
+        const int fwd_need = slots(g + c.fwd_peak_bytes[s]);
+        const int W = tab.width;
+        if (s == t) {
+            out.push_back({RematToken::kKeep, 0, fb, std::max({fwd_need, slots(ct.bwd_peak[s]) - fr, 0}), W, 0});
+            return;
+        }
+        const int keep_need = std::max(fwd_need, slots(c.bwd_peak_bytes[s]) - fr);
+        const int shift = kept[s] - fr;
+        out.push_back({RematToken::kKeep, 0, fb, std::max({keep_need, shift, 0}), W, shift,
+                       row(kHeldByKept, d, s + 1, t)});
+        if (offload) {
+            const int need = std::max(keep_need, slots(c.kept_bytes[s] + ct.bwd_peak[s + 1]) - fr);
+            const int o_shift = slots(c.out_bytes[s]) - fr;
+            out.push_back({RematToken::kOffload, 0, fb + exposed_transfer(c, s, bw), std::max({need, o_shift, 0}), W,
+                           o_shift, row(kHeldWhole, d, s + 1, t)});
+        }
+    }
+
+    // Checkpoint(s..k−1) for every k (none at d = 0 with a bounded depth); up to all_keep − 1, beyond which
+    // keeping everything is as fast as anything.
+    void checkpoints(int d, int s, int t, std::vector<Option>& out) const {
+        if (s == t || (!unbounded && d == 0)) return;
+        const int inner = unbounded ? 0 : d - 1;
+        const double g = ct.grad_after[t];
+        const int hi = static_cast<int>(std::min<long long>(tab.width, all_keep(kHeldWhole, s, t) - 1));
+        double nosave = c.fwd_nosave_peak_bytes[s];
+        for (int k = s + 1; k <= t; ++k) {
+            if (k > s + 1) nosave = std::max(nosave, live_from(c, s, k - 1) + c.fwd_nosave_peak_bytes[k - 1]);
+            const int a = slots(live_from(c, s, k));
+            out.push_back({RematToken::kBegin, k, fwd_prefix[k] - fwd_prefix[s], std::max(slots(g + nosave), a), hi,
+                           a, row(kHeldWhole, d, k, t), row(kHeldWhole, inner, s, k - 1)});
+        }
+    }
+};
+
+// row[m] = min(row[m], f + after[m − shift] + recompute[m]) for m in [lo, hi]: branch-free over non-aliasing rows
+// so that the compiler vectorizes it (this loop is the O(L³·S) part).
+void relax_checkpoint(double* __restrict row, const double* __restrict after, const double* __restrict recompute,
+                      double f, int lo, int hi) {
+    for (int m = lo; m <= hi; ++m) row[m] = std::min(row[m], f + after[m] + recompute[m]);
+}
+
+// Emit the plan of table entry (v, d, s, t, m) as flat steps: at each entry the first option (Keep, Offload,
+// then checkpoints by increasing split) whose value is the entry's own, computed by the same expression.
+void backtrack(const Recurrence& rec, int v, int d, int s, int t, int m, std::vector<RematStep>& out) {
+    std::vector<Option> options;
     while (true) {
-        const RematChoice ch = RematChoice::unpack(tab.what[tab.index(v, d, s, t, std::min(m, tab.width))]);
-        if (ch.kind == kKeepChoice || ch.kind == kOffloadChoice) {
-            const bool keep = ch.kind == kKeepChoice;
-            out.push_back({keep ? RematToken::kKeep : RematToken::kOffload, s});
+        const double want = rec.tab.time[rec.tab.index(v, d, s, t, m)];
+        options.clear();
+        rec.first_block(v, d, s, t, options);
+        rec.checkpoints(d, s, t, options);
+        const Option* pick = nullptr;
+        for (const Option& opt : options) {
+            if (m >= opt.lo && m <= opt.hi && opt.at(m, rec.tab.width) == want) {
+                pick = &opt;
+                break;
+            }
+        }
+        if (pick == nullptr) throw std::logic_error("remat: backtracking found no option of the entry's value");
+        if (pick->token != RematToken::kBegin) {
+            out.push_back({pick->token, s});
             if (s == t) return;
-            const int fr = v == kHeldByKept && s > 0 ? slots.down(free_of(c, s - 1)) : 0;
-            m -= slots(keep ? c.kept_bytes[s] : c.out_bytes[s]) - fr;
-            v = keep ? kHeldByKept : kHeldWhole;
+            m = std::min(m - pick->shift, rec.tab.width);
+            v = pick->token == RematToken::kKeep ? kHeldByKept : kHeldWhole;
             ++s;
-        } else if (ch.kind == kCheckpointChoice) {
-            const int k = ch.split;
+        } else {
+            const int k = pick->split;
             out.push_back({RematToken::kBegin, -1});
-            backtrack(c, tab, slots, unbounded, kHeldWhole, unbounded ? 0 : d - 1, s, k - 1, m, out);
+            backtrack(rec, kHeldWhole, rec.unbounded ? 0 : d - 1, s, k - 1, m, out);
             out.push_back({RematToken::kEnd, -1});
-            m -= slots(live_from(c, s, k));
+            m -= pick->shift;
             v = kHeldWhole;
             s = k;
-        } else {
-            throw std::logic_error("remat: backtracking reached an infeasible entry");
         }
     }
 }
@@ -145,101 +244,60 @@ RematTable remat_table(const RematChain& c, const RematOptions& o) {
     if (o.slots < 1) throw std::invalid_argument("remat: slots must be at least 1");
     if (!(o.budget_bytes > 0)) throw std::invalid_argument("remat: the budget must be positive");
     const int n = c.num_blocks();
-    const bool unbounded = o.max_depth < 0;
-    const bool offload = o.offload_bw_bytes_per_s > 0;
     RematTable tab;
     tab.num_blocks = n;
     tab.slots = o.slots;
-    tab.layers = unbounded ? 1 : o.max_depth + 1;
+    tab.layers = o.max_depth < 0 ? 1 : o.max_depth + 1;
     tab.slot_bytes = o.budget_bytes / o.slots;
     const Slots slots{tab.slot_bytes};
     // Freed bytes are rounded down; the rows reach past the budget by the most any block frees.
-    std::vector<int> freed(n, 0);
-    for (int i = 0; i < n; ++i) freed[i] = slots.down(free_of(c, i));
-    tab.width = o.slots + *std::max_element(freed.begin(), freed.end());
+    int most_freed = 0;
+    for (int i = 0; i < n; ++i) most_freed = std::max(most_freed, slots.down(free_of(c, i)));
+    tab.width = o.slots + most_freed;
     const int W = tab.width;
-    const std::size_t size = tab.index(2, tab.layers, 0, 0, 0);
-    tab.time.assign(size, kInf);
-    tab.what.assign(size, 0);
+    tab.time.assign(tab.index(2, tab.layers, 0, 0, 0), kInf);
+    tab.all_keep.assign(2 * tab.rows(), 0);
+    const Recurrence rec(c, tab, o);
+    const Counted& ct = rec.ct;
 
-    const Counted ct = counted_of(c);
-    std::vector<int> kept(n), out(n);
-    for (int i = 0; i < n; ++i) {
-        kept[i] = slots(c.kept_bytes[i]);
-        out[i] = slots(c.out_bytes[i]);
-    }
-    std::vector<double> fwd_prefix(n + 1, 0.0);
-    for (int i = 0; i < n; ++i) fwd_prefix[i + 1] = fwd_prefix[i] + c.fwd_s[i];
-
-    // Relax row `dst` with value + src[m − shift] for m ≥ lo (src may be null: a constant); src is read at
-    // most at W (a larger budget answers no worse).
-    auto relax = [W](double* dst, std::uint32_t* what, const double* src, double value, int lo, int shift,
-                     RematChoice choice) {
-        lo = std::max({lo, shift, 0});
-        for (int m = lo; m <= W; ++m) {
-            const double v = value + (src ? src[std::min(m - shift, W)] : 0.0);
-            if (v < dst[m]) {
-                dst[m] = v;
-                what[m] = choice.packed();
-            }
-        }
-    };
-
+    // Below first_finite[row] an entry is ∞: the checkpoint loop starts there.
+    std::vector<int> first_finite(2 * tab.layers * tab.rows(), W + 1);
+    std::vector<Option> options;
     for (int len = 1; len <= n; ++len) {
         for (int s = 0; s + len <= n; ++s) {
             const int t = s + len - 1;
-            const double g = ct.grad_after[t];  // live until B(t)
+            for (int v = 0; v < 2; ++v) {
+                const int fr = v == kHeldByKept && s > 0 ? rec.freed[s - 1] : 0;
+                const long long fwd_need = slots(ct.grad_after[t] + c.fwd_peak_bytes[s]);
+                tab.all_keep[tab.keep_index(v, s, t)] =
+                    s == t ? std::max<long long>(fwd_need, slots(ct.bwd_peak[s]) - fr)
+                           : std::max({fwd_need, static_cast<long long>(slots(c.bwd_peak_bytes[s]) - fr),
+                                       rec.kept[s] - fr + tab.all_keep[tab.keep_index(kHeldByKept, s + 1, t)]});
+            }
             for (int d = 0; d < tab.layers; ++d) {
-                // Checkpoint(s..k−1) first: the same for both variants (the checkpoint holds its input whole).
+                // Checkpoints first: the same for both variants (a checkpoint holds its input whole).
                 double* row = &tab.time[tab.index(kHeldWhole, d, s, t, 0)];
-                std::uint32_t* what = &tab.what[tab.index(kHeldWhole, d, s, t, 0)];
-                if (s < t && (unbounded || d > 0)) {
-                    const int inner = unbounded ? 0 : d - 1;
-                    double nosave = c.fwd_nosave_peak_bytes[s];
-                    for (int k = s + 1; k <= t; ++k) {
-                        if (k > s + 1) {
-                            nosave = std::max(nosave, live_from(c, s, k - 1) + c.fwd_nosave_peak_bytes[k - 1]);
-                        }
-                        const double* after = &tab.time[tab.index(kHeldWhole, d, k, t, 0)];
-                        const double* recompute = &tab.time[tab.index(kHeldWhole, inner, s, k - 1, 0)];
-                        const double f = fwd_prefix[k] - fwd_prefix[s];
-                        const int a = slots(live_from(c, s, k));
-                        // Branch-free so that the compiler vectorizes it: this loop is the O(L³·S) part.
-                        const std::uint32_t choice =
-                            RematChoice{kCheckpointChoice, static_cast<std::uint16_t>(k)}.packed();
-                        const double* shifted = after - a;
-                        for (int m = std::max(slots(g + nosave), a); m <= W; ++m) {
-                            const double v = f + shifted[m] + recompute[m];
-                            const bool better = v < row[m];
-                            row[m] = better ? v : row[m];
-                            what[m] = better ? choice : what[m];
-                        }
-                    }
+                options.clear();
+                rec.checkpoints(d, s, t, options);
+                const int inner = rec.unbounded ? 0 : d - 1;
+                for (const Option& opt : options) {
+                    const int k = opt.split;
+                    const int lo = std::max({opt.lo, opt.shift + first_finite[tab.row(kHeldWhole, d, k, t)],
+                                             first_finite[tab.row(kHeldWhole, inner, s, k - 1)]});
+                    relax_checkpoint(row, opt.first - opt.shift, opt.second, opt.base, lo, opt.hi);
                 }
                 double* row_k = &tab.time[tab.index(kHeldByKept, d, s, t, 0)];
-                std::uint32_t* what_k = &tab.what[tab.index(kHeldByKept, d, s, t, 0)];
                 std::copy(row, row + W + 1, row_k);
-                std::copy(what, what + W + 1, what_k);
-                // Keep and Offload. Held by kept bytes, the saving forward frees fr slots of them.
-                const double fb = c.fwd_s[s] + c.bwd_s[s];
                 for (int v = 0; v < 2; ++v) {
-                    const int fr = v == kHeldByKept && s > 0 ? freed[s - 1] : 0;
                     double* r = v == kHeldByKept ? row_k : row;
-                    std::uint32_t* w = v == kHeldByKept ? what_k : what;
-                    const int fwd_need = slots(g + c.fwd_peak_bytes[s]);
-                    if (s == t) {
-                        relax(r, w, nullptr, fb, std::max(fwd_need, slots(ct.bwd_peak[s]) - fr), 0, {kKeepChoice, 0});
-                        continue;
+                    options.clear();
+                    rec.first_block(v, d, s, t, options);
+                    for (const Option& opt : options) {
+                        for (int m = opt.lo; m <= opt.hi; ++m) r[m] = std::min(r[m], opt.at(m, W));
                     }
-                    const int keep_need = std::max(fwd_need, slots(c.bwd_peak_bytes[s]) - fr);
-                    relax(r, w, &tab.time[tab.index(kHeldByKept, d, s + 1, t, 0)], fb, keep_need, kept[s] - fr,
-                          {kKeepChoice, 0});
-                    if (offload) {
-                        const int need = std::max(keep_need, slots(c.kept_bytes[s] + ct.bwd_peak[s + 1]) - fr);
-                        relax(r, w, &tab.time[tab.index(kHeldWhole, d, s + 1, t, 0)],
-                              fb + exposed_transfer(c, s, o.offload_bw_bytes_per_s), need, out[s] - fr,
-                              {kOffloadChoice, 0});
-                    }
+                    int m = 0;
+                    while (m <= W && !std::isfinite(r[m])) ++m;
+                    first_finite[tab.row(v, d, s, t)] = m;
                 }
             }
         }
@@ -262,7 +320,7 @@ RematSolution remat_at(const RematChain& c, const RematOptions& o, const RematTa
     r.feasible = true;
     r.time_s = t;
     r.peak_bound_bytes = slot * tab.slot_bytes;
-    backtrack(c, tab, Slots{tab.slot_bytes}, o.max_depth < 0, kHeldWhole, top, 0, n - 1, slot, r.plan);
+    backtrack(Recurrence(c, tab, o), kHeldWhole, top, 0, n - 1, slot, r.plan);
     r.after_forward_bytes = after_forward(c, r.plan);
     return r;
 }

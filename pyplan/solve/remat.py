@@ -530,6 +530,7 @@ def solve(
     max_depth: int | None = None,
     in_flight: int = 1,
     first_block: int = 0,
+    baselines: bool = True,
 ) -> RematResult:
     """The least-time plan whose peak stays within `budget_bytes` (the C++ DP of pyplan/remat.h).
 
@@ -537,7 +538,9 @@ def solve(
     is optimal up to that rounding, exactly optimal when every size is a multiple of budget/slots. `offload_bw`
     enables offloading over a link of that bandwidth; `max_depth` limits checkpoint nesting (1: checkpoint sets,
     as checkpoint_sequential; None: unbounded, Rotor); `in_flight` micro-batches held at once must fit as
-    peak + (in_flight − 1)·after_forward. Block indices of the plan start at `first_block`.
+    peak + (in_flight − 1)·after_forward. Block indices of the plan start at `first_block`. With `baselines`,
+    no remat, full remat and every `checkpoint_sequential` segment count are replayed too (in bytes), and one of
+    them is returned when it is faster and fits: slot rounding can hide such a plan from the DP.
     Raises InfeasibleError naming the least budget when nothing fits.
     """
     from pyplan import _core
@@ -556,6 +559,16 @@ def solve(
         raise InfeasibleError(f"rematerialization: {r.reason}")
     plan = _plan_of_steps(r.plan, 0)
     rep = replay(chain, plan, offload_bw_bytes_per_s=bw if bw > 0 else math.inf)
+    if baselines:
+        # Slots round every size up: a plan that fits in bytes may not fit in slots. Never return worse than
+        # the plans everyone has (keep all, checkpoint_sequential's segment counts, checkpoint every block).
+        n = len(chain)
+        checkpoints = max_depth is None or max_depth >= 1
+        others = (full_remat(0, n), *(periodic(0, n, k) for k in range(1, n + 1))) if checkpoints else ()
+        for other in (no_remat(0, n), *others):
+            got = replay(chain, other)
+            if got.time_s < rep.time_s and got.peak_bytes + (in_flight - 1) * got.after_forward_bytes <= budget_bytes:
+                plan, rep = other, got
     return RematResult(
         plan=plan.shifted(first_block) if first_block else plan,
         time_s=rep.time_s,

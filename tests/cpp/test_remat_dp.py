@@ -101,9 +101,23 @@ def test_dp_equals_brute_force_over_every_plan(seed: int) -> None:
         (want, _), _ = brute_force(chain, budget, bw=bw, offload=offload, depth=depth)
         if want == math.inf:
             with pytest.raises(InfeasibleError, match="the least any plan needs"):
-                solve(chain, budget, slots=budget, offload_bw_bytes_per_s=bw if offload else None, max_depth=depth)
+                solve(
+                    chain,
+                    budget,
+                    slots=budget,
+                    offload_bw_bytes_per_s=bw if offload else None,
+                    max_depth=depth,
+                    baselines=False,
+                )
             continue
-        got = solve(chain, budget, slots=budget, offload_bw_bytes_per_s=bw if offload else None, max_depth=depth)
+        got = solve(
+            chain,
+            budget,
+            slots=budget,
+            offload_bw_bytes_per_s=bw if offload else None,
+            max_depth=depth,
+            baselines=False,
+        )
         assert got.time_s == pytest.approx(want, rel=1e-12)
         assert got.peak_bytes <= budget
 
@@ -116,7 +130,7 @@ def test_dp_equals_brute_force_on_longer_chains(n: int) -> None:
     top = int(replay(chain, no_remat(0, n)).peak_bytes)
     for budget in range(int(least), top + 1, max(1, (top - int(least)) // 6)):
         (want, _), _ = brute_force(chain, budget, bw=math.inf, offload=False, depth=None)
-        assert solve(chain, budget, slots=budget).time_s == pytest.approx(want, rel=1e-12)
+        assert solve(chain, budget, slots=budget, baselines=False).time_s == pytest.approx(want, rel=1e-12)
 
 
 def checkpoint_sets(n: int) -> list[tuple[RematItem, ...]]:
@@ -145,9 +159,9 @@ def test_checkpoint_set_dp_equals_brute_force_up_to_12_blocks(n: int) -> None:
     top = int(replay(chain, no_remat(0, n)).peak_bytes)
     for budget in (int(least), int(least) + 5, (int(least) + top) // 2, top):
         want = min(r.time_s for r, _ in plans if r.peak_bytes <= budget)
-        assert solve(chain, budget, slots=budget, max_depth=1).time_s == pytest.approx(want, rel=1e-12)
+        assert solve(chain, budget, slots=budget, max_depth=1, baselines=False).time_s == pytest.approx(want, rel=1e-12)
         # Nesting (Rotor) can only help.
-        assert solve(chain, budget, slots=budget).time_s <= want + 1e-9
+        assert solve(chain, budget, slots=budget, baselines=False).time_s <= want + 1e-9
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -160,7 +174,7 @@ def test_never_worse_than_the_baselines_and_monotone(seed: int) -> None:
     top = replay(chain, no_remat(0, n)).peak_bytes
     last = math.inf
     for budget in range(int(least), int(top) + 2):
-        got = solve(chain, budget, slots=budget)
+        got = solve(chain, budget, slots=budget, baselines=False)
         assert got.peak_bytes <= budget
         assert got.time_s <= last + 1e-9  # more memory never costs time
         last = got.time_s

@@ -27,7 +27,8 @@
 //                   (in a recomputation it is; in the first pass at the top it is the chain's output gradient,
 //                   resident and not counted: g_t = grad[t+1] for t < L−1, g_{L−1} = 0, and B(L−1)'s peak is
 //                   bwd_peak − grad[L]; write bp_i for B(i)'s peak so counted);  ∞ if none.
-//   What[d][s][t][m] = the first item of that plan (RematChoice).
+// The plan is read back from C: at each entry, the first option (Keep, Offload, checkpoints by increasing k)
+// whose value, computed by the same expression, is the entry's own.
 // Two variants of each entry, by how the input of s is held (kHeldWhole, kHeldByKept): held by block s−1's
 // kept bytes, a saving forward of s frees φ = free_bytes[s−1] of them, so the rest of the subproblem has φ
 // more, backward peaks included (φ = 0 when held whole). A checkpoint holds its input whole.
@@ -83,18 +84,6 @@ struct RematStep {
     int block;  // for kKeep/kOffload; −1 otherwise
 };
 
-// A table entry's first item, packed in 32 bits (kind in the low byte, the split above) so the DP's inner loop
-// stays branch-free and vectorizes.
-struct RematChoice {
-    std::uint8_t kind = 0;    // 0: none (infeasible), 1: Keep, 2: Offload, 3: Checkpoint
-    std::uint16_t split = 0;  // Checkpoint: k, the first block after the checkpointed segment
-    std::uint32_t packed() const { return kind | (static_cast<std::uint32_t>(split) << 8); }
-    static RematChoice unpack(std::uint32_t v) {
-        return {static_cast<std::uint8_t>(v & 0xff), static_cast<std::uint16_t>(v >> 8)};
-    }
-};
-
-// The DP tables for one chain and options (see the header comment).
 // How the input of a subproblem's first block is held: whole (the chain's input, a checkpoint's input or
 // output, an offloaded block's output) or by the previous block's kept bytes, which that block's saving
 // forward shrinks by free_bytes.
@@ -108,11 +97,14 @@ struct RematTable {
     int layers = 1;
     double slot_bytes = 0;
     std::vector<double> time;          // C, flat: index(v, d, s, t, m), v the held variant
-    std::vector<std::uint32_t> what;   // What (RematChoice::packed), same layout
-    std::size_t index(int v, int d, int s, int t, int m) const {
-        const std::size_t tri = static_cast<std::size_t>(t) * (t + 1) / 2 + s;
-        const std::size_t rows = static_cast<std::size_t>(num_blocks) * (num_blocks + 1) / 2;
-        return ((static_cast<std::size_t>(v * layers + d) * rows + tri) * (width + 1)) + m;
+    std::vector<long long> all_keep;   // [v][tri(s, t)]: the least m from which keeping every block fits
+    std::size_t rows() const { return static_cast<std::size_t>(num_blocks) * (num_blocks + 1) / 2; }
+    std::size_t row(int v, int d, int s, int t) const {
+        return static_cast<std::size_t>(v * layers + d) * rows() + static_cast<std::size_t>(t) * (t + 1) / 2 + s;
+    }
+    std::size_t index(int v, int d, int s, int t, int m) const { return row(v, d, s, t) * (width + 1) + m; }
+    std::size_t keep_index(int v, int s, int t) const {
+        return static_cast<std::size_t>(v) * rows() + static_cast<std::size_t>(t) * (t + 1) / 2 + s;
     }
 };
 
