@@ -102,10 +102,12 @@ def main():
     try:
         train()
     except PlanError as exc:
-        # Every rank meets the same bad input (plan, model, world size), so none waits for another.
+        # Every rank meets the same bad input (plan, model, world size), so none waits for another. Rank 0 says
+        # it and fails the launch; the others leave quietly, since torchrun stops every rank at the first failure
+        # and could stop rank 0 before it has said why.
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {{exc}}", file=sys.stderr, flush=True)
-        code = 2
+            code = 2
     if dist.is_initialized():
         dist.destroy_process_group()
     # Meshes sometimes abort at exit after a clean shutdown on torch 2.13; leave at once.

@@ -133,12 +133,16 @@ def test_plan_emit_then_torchrun(tmp_path: Path) -> None:
         "a100-80g",
         "--global-batch",
         "8",
+        "--remat",
+        "full",
         "--emit",
         str(script),
         "--out",
         str(plan),
     ]
     assert main(argv) == 0
+    # Every stage checkpoints its blocks: the script runs them under torch.utils.checkpoint.
+    assert all(r is not None for r in json.loads(plan.read_text())["plan"]["remat"])
     done = _torchrun(script, 4, "--steps", "2")
     assert done.returncode == 0, [line for line in done.stderr.splitlines() if "error" in line.lower()][:5]
     losses = [float(line.split()[-1]) for line in done.stdout.splitlines() if line.startswith("step ")]
