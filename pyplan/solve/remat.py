@@ -48,6 +48,7 @@ them following `inner` itself, with the output's gradient present). In torch: `C
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -106,10 +107,14 @@ class RematChain:
 
     def live_from(self, start: int, cut: int) -> float:
         """Bytes live at `cut` made by blocks start..cut−1."""
-        return sum(b for j in range(start, cut) for b, last in self.out_values[j] if last >= cut)
+        return self._live[start * (len(self) + 1) + cut]
 
     def live_from_matrix(self) -> list[float]:
         """live_from(s, k) for every s ≤ k−1, flat as [s·(L+1) + k] (0 elsewhere): what the C++ DP reads."""
+        return list(self._live)
+
+    @functools.cached_property
+    def _live(self) -> tuple[float, ...]:
         n = len(self)
         out = [0.0] * (n * (n + 1))
         for s in range(n):
@@ -122,12 +127,7 @@ class RematChain:
                     ending[last + 1] += b
                 total -= ending[k]
                 out[s * (n + 1) + k] = total
-        return out
-        for name in ("bwd_s", "kept_bytes", "out_bytes", "fwd_peak_bytes", "fwd_nosave_peak_bytes", "bwd_peak_bytes"):
-            if len(getattr(self, name)) != n:
-                raise ValueError(f"{name} has {len(getattr(self, name))} entries, the chain has {n} blocks")
-        if len(self.grad_bytes) != n + 1:
-            raise ValueError(f"grad_bytes needs one entry per cut ({n + 1}), got {len(self.grad_bytes)}")
+        return tuple(out)
 
     def __len__(self) -> int:
         return len(self.fwd_s)
