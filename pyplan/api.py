@@ -72,12 +72,11 @@ def chain_for(
     """Trace, linearize and profile `model` for the cluster's GPU: measured on this machine for `local`,
     analytic (a roofline over the recorded ops) for a catalog GPU. Returns the chain and how it was timed.
 
-    With `cache`, a profile made before for the same model, inputs and target is reused (the model is still
-    traced, and the cached blocks checked against the fresh ones), and a new one is stored."""
+    With `cache`, a profile made before for the same model, inputs and target is reused (the model is traced
+    symbolically again and checked against the cached graph, see pyplan/profile/cache.py), and a new one is
+    stored."""
     leaf_modules = tuple(leaf_modules)
     trace_batch = min(4, workload.global_batch)
-    graph = trace(model, example_inputs, leaf_modules=leaf_modules, batch_size=trace_batch)
-    chain = linearize(graph, min_blocks=min_blocks, max_blocks=max_blocks)
     sizes = default_batch_sizes(trace_batch)
     gpu = cluster.gpu
     measured = _is_local(gpu) and not is_meta_module(model)
@@ -104,9 +103,11 @@ def chain_for(
             min_blocks=min_blocks,
             max_blocks=max_blocks,
         )
-        hit = cache.load(key, chain)
+        hit = cache.load(key, model, leaf_modules=leaf_modules, min_blocks=min_blocks, max_blocks=max_blocks)
         if hit is not None:
             return hit
+    graph = trace(model, example_inputs, leaf_modules=leaf_modules, batch_size=trace_batch)
+    chain = linearize(graph, min_blocks=min_blocks, max_blocks=max_blocks)
     if roofline is None:
         profiled, how = profile(chain, example_inputs, batch_sizes=sizes), "measured on this machine"
     else:

@@ -2,10 +2,10 @@
 
 A sweep plans models x clusters. The work is split into tasks of one model on one GPU type, so a model is
 traced and profiled once per GPU type (or read from a `ProfileCache`) and then searched for each cluster of
-that type; tasks run in worker processes (`jobs`), started with forkserver (spawn where there is none), never
-fork, so no torch state is inherited. Each pair gives one flat record (`COLUMNS`): the best plan's layout and
-predictions, or why there is none. `ResultsFile` writes records as they arrive, so an interrupted sweep keeps
-what it finished and a resumed one skips it.
+that type; tasks run in worker processes (`jobs`), started with forkserver (spawn where there is none), not
+fork, so they inherit none of the parent's torch threads or state. Each pair gives one flat record (`COLUMNS`):
+the best plan's layout and predictions, or why there is none. `ResultsFile` writes records as they arrive, so
+an interrupted sweep keeps what it finished and a resumed one skips it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import io
 import json
 import multiprocessing
 import os
-import pickle
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -35,6 +34,7 @@ from pyplan.hardware.catalog import LOCAL
 from pyplan.hardware.cluster import Cluster
 from pyplan.plan import OBJECTIVES, Plan, Workload
 from pyplan.profile.cache import CacheStats, ProfileCache
+from pyplan.solve.remat_search import OFFLOAD_MODES, REMAT_MODES
 
 __all__ = [
     "COLUMNS",
@@ -63,6 +63,8 @@ COLUMNS: tuple[tuple[str, type], ...] = (
     ("objective", str),
     ("weight", float),
     ("memory_fraction", float),
+    ("remat", str),
+    ("offload", str),
     # "ok"; "infeasible" (no plan fits); "error" (PlanError: the pair cannot be planned as asked);
     # "failed" (an internal error: a resumed sweep tries the pair again).
     ("status", str),
@@ -87,7 +89,18 @@ COLUMNS: tuple[tuple[str, type], ...] = (
 )
 COLUMN_NAMES = tuple(name for name, _ in COLUMNS)
 # The columns that name a pair: a resumed sweep skips the pairs whose identity is already in the file.
-IDENTITY = ("model", "cluster", "global_batch", "precision", "optimizer", "objective", "weight", "memory_fraction")
+IDENTITY = (
+    "model",
+    "cluster",
+    "global_batch",
+    "precision",
+    "optimizer",
+    "objective",
+    "weight",
+    "memory_fraction",
+    "remat",
+    "offload",
+)
 _RETRIED = "failed"
 
 Identity = tuple[Any, ...]
@@ -105,23 +118,30 @@ def cluster_label(cluster: Cluster) -> str:
 
 @dataclass(frozen=True)
 class SearchOptions:
-    """The search's objective (see `pyplan.search`) and the share of each GPU's memory planned for."""
+    """What `pyplan.search` is asked for each pair: the objective, the share of each GPU's memory planned for,
+    and the rematerialization and offloading modes."""
 
     objective: str = "time"
     weight: float = 0.0
     memory_fraction: float = 0.9
+    remat: str = "none"
+    offload: str = "none"
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise PlanError(f"unknown objective '{self.objective}'; choose one of {', '.join(OBJECTIVES)}")
         if not 0 < self.memory_fraction <= 1:
             raise PlanError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.remat not in REMAT_MODES:
+            raise PlanError(f"unknown remat mode '{self.remat}'; choose one of {', '.join(REMAT_MODES)}")
+        if self.offload not in OFFLOAD_MODES:
+            raise PlanError(f"unknown offload mode '{self.offload}'; choose one of {', '.join(OFFLOAD_MODES)}")
 
 
 @dataclass(frozen=True)
 class ModelRef:
     """A model of a sweep: `ref` is what `load_model` reads ("zoo:NAME", "model.py"), loaded in the worker;
-    or `module` with its `example_inputs` (pickled to the workers when jobs > 1)."""
+    or `module` with its `example_inputs` (planned in the calling process)."""
 
     name: str
     ref: str | None = None
@@ -191,6 +211,8 @@ def _base(model: str, label: str, cluster: Cluster, workload: Workload, options:
         objective=options.objective,
         weight=float(options.weight),
         memory_fraction=float(options.memory_fraction),
+        remat=options.remat,
+        offload=options.offload,
     )
     return record
 
@@ -259,6 +281,8 @@ def _run_task(task: _Task) -> _TaskResult:
                 weight=task.options.weight,
                 memory_fraction=task.options.memory_fraction,
                 chain=chain,
+                remat=task.options.remat,
+                offload=task.options.offload,
             )
         except Exception as exc:
             records.append(_failed(base(label, cluster), exc, how))
@@ -274,19 +298,40 @@ def _context() -> multiprocessing.context.BaseContext:
 
 def _run_tasks(tasks: Sequence[_Task], jobs: int, on_result: Callable[[_Task, _TaskResult], None]) -> None:
     """Run `tasks` in `jobs` worker processes (in this process for one job), calling `on_result` here as each
-    finishes."""
-    if jobs <= 1 or len(tasks) <= 1:
-        for task in tasks:
+    finishes. Models given as modules are planned in this process: they need not pickle, nor their classes
+    import in a worker."""
+    here: list[_Task] = []
+    away: list[_Task] = []
+    for task in tasks:
+        (here if task.model.module is not None or jobs <= 1 else away).append(task)
+    if not away:
+        for task in here:
             on_result(task, _run_task(task))
         return
-    pool = ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=_context())
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(away)), mp_context=_context())
     try:
-        futures = {pool.submit(_run_task, task): task for task in tasks}
+        futures = {pool.submit(_run_task, task): task for task in away}
+        for task in here:
+            on_result(task, _run_task(task))
         for future in as_completed(futures):
             on_result(futures[future], future.result())
-    finally:
-        # On an error or an interrupt, what has not started is dropped rather than waited for.
-        pool.shutdown(wait=True, cancel_futures=True)
+    except BaseException:
+        _stop(pool)
+        raise
+    pool.shutdown(wait=True)
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Stop the workers now: an interrupted or failed sweep neither waits for the models being planned nor
+    starts the others."""
+    terminate = getattr(pool, "terminate_workers", None)  # Python 3.14
+    if terminate is not None:
+        terminate()
+        return
+    # Before 3.14 the executor offers no way to stop a running task but to end its process.
+    for process in list((pool._processes or {}).values()):
+        process.terminate()
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass
@@ -362,8 +407,6 @@ class Sweep:
         if jobs < 1:
             raise PlanError(f"jobs must be at least 1, got {jobs}")
         tasks = self.tasks(done=done, cache_dir=str(cache.directory) if cache is not None else None)
-        if jobs > 1:
-            _check_picklable(tasks)
         start = time.perf_counter()
         records: list[Record] = []
         stats = CacheStats()
@@ -384,17 +427,6 @@ class Sweep:
         if cache is not None:
             cache.stats.add(stats)
         return SweepResult(records, stats, time.perf_counter() - start, task_seconds, cpu)
-
-
-def _check_picklable(tasks: Sequence[_Task]) -> None:
-    for model in {id(t.model): t.model for t in tasks if t.model.module is not None}.values():
-        try:
-            pickle.dumps((model.module, model.example_inputs))
-        except Exception as exc:
-            raise PlanError(
-                f"model '{model.name}' cannot be sent to a worker process ({type(exc).__name__}: {exc}); "
-                "plan it with jobs=1, or build its example inputs with a module-level function"
-            ) from None
 
 
 # --- Inputs of plan_many ----------------------------------------------------------------------------------
@@ -457,6 +489,8 @@ def plan_many(
     objective: str = "time",
     weight: float = 0.0,
     memory_fraction: float = 0.9,
+    remat: str = "none",
+    offload: str = "none",
     jobs: int = 1,
     cache: ProfileCache | None = None,
     as_frame: bool = False,
@@ -467,10 +501,12 @@ def plan_many(
     `models` are zoo names ("gpt2-xl", or "zoo:gpt2-xl"), model files, or `(module, example_inputs)` pairs
     (named by class), or a mapping from names to those. `clusters` are Clusters (named by `cluster_label`) or a
     mapping from names to Clusters. `workload` is one Workload for all models or a mapping from model names to
-    Workloads. A pair that cannot be planned gives a record whose `status` says why ("infeasible", "error",
+    Workloads. `objective`, `weight`, `memory_fraction`, `remat` and `offload` are `pyplan.search`'s, for every
+    pair. A pair that cannot be planned gives a record whose `status` says why ("infeasible", "error",
     "failed") and whose `message` is the error in one line; the call raises only for bad arguments.
 
-    `jobs` > 1 plans in that many worker processes (modules given as pairs must then pickle). With `cache`
+    `jobs` > 1 plans named models in that many worker processes (modules given as pairs are planned in this
+    process meanwhile). With `cache`
     (e.g. `ProfileCache()`: ~/.cache/pyplan/profiles), profiles are read from and written to disk, so a model
     is profiled once for every cluster of a GPU type, and once across calls. `as_frame=True` returns a pandas
     DataFrame instead of the list of records (needs pandas).
@@ -481,7 +517,7 @@ def plan_many(
         refs,
         _labelled(clusters),
         workloads,
-        SearchOptions(objective=objective, weight=weight, memory_fraction=memory_fraction),
+        SearchOptions(objective, weight, memory_fraction, remat, offload),
     )
     records = sweep.ordered(sweep.run(jobs=jobs, cache=cache).records)
     return _frame(records) if as_frame else records

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pyplan._torch import OpRecorder, run_without_compute
@@ -22,7 +23,7 @@ from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import Affine
 from pyplan.graph.trace import ExampleInputs, inputs_at
 from pyplan.hardware.catalog import GPU, LOCAL, local_efficiency
-from pyplan.profile.pieces import backward, block_inputs, block_modules, forward, leaf_inputs
+from pyplan.profile.pieces import RepeatedBlocks, backward, block_inputs, block_modules, forward, leaf_inputs
 
 __all__ = [
     "ALLOCATIONS",
@@ -187,23 +188,35 @@ def _costs(recorder: OpRecorder, compute_dtype: str | None) -> list[OpCost]:
 
 
 def block_op_costs(
-    chain: Chain, example_inputs: ExampleInputs, batch_size: int, *, compute_dtype: str | None = None
+    chain: Chain,
+    example_inputs: ExampleInputs,
+    batch_size: int,
+    *,
+    compute_dtype: str | None = None,
+    mods: list[fx.GraphModule] | None = None,
 ) -> list[tuple[list[OpCost], list[OpCost]]]:
     """The ops of each block's forward and backward at `batch_size`, recorded without computing.
 
-    `compute_dtype` ("bfloat16", "float16") models mixed precision: fp32 ops are costed in that dtype.
+    `compute_dtype` ("bfloat16", "float16") models mixed precision: fp32 ops are costed in that dtype. `mods`
+    are the chain's `block_modules`, when the caller has them already.
     """
-    mods = block_modules(chain)
+    mods = block_modules(chain) if mods is None else mods
     inputs = inputs_at(example_inputs, batch_size)
 
     def record(convert: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple[list[OpCost], list[OpCost]]]:
         result = []
-        args = block_inputs(mods, [convert(t) for t in inputs])
+        repeated = RepeatedBlocks(mods, chain.graph.module)
+        done: dict[str, tuple[list[OpCost], list[OpCost]]] = {}
+        args = block_inputs(mods, [convert(t) for t in inputs], repeated)
         # Fused attention where it applies, as on a GPU: the math kernel's (B, H, T, T) scores never exist there.
         attention = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
         attention.__enter__()
         for i, (mod, a) in enumerate(zip(mods, args)):
             leaves = leaf_inputs(a, first=i == 0)
+            key = repeated.key(i, leaves)
+            if key is not None and key in done:
+                result.append(done[key])
+                continue
             with OpRecorder() as fwd:
                 _, roots = forward(mod, leaves)
             # The incoming gradient is made outside, as measure.py times it: in a pipeline it comes from the next stage.
@@ -211,6 +224,8 @@ def block_op_costs(
             with OpRecorder() as bwd:
                 backward(roots, grads)
             result.append((_costs(fwd, compute_dtype), _costs(bwd, compute_dtype)))
+            if key is not None:
+                done[key] = result[-1]
         attention.__exit__(None, None, None)
         return result
 
@@ -227,7 +242,8 @@ def block_times_analytic(
 ) -> list[tuple[Affine, Affine]]:
     """Forward and backward seconds of every block on `device` as `α·b + β`, least squares over `batch_sizes`."""
     sizes = sorted(set(batch_sizes))
-    per_size = [block_op_costs(chain, example_inputs, b, compute_dtype=compute_dtype) for b in sizes]
+    mods = block_modules(chain)
+    per_size = [block_op_costs(chain, example_inputs, b, compute_dtype=compute_dtype, mods=mods) for b in sizes]
 
     def total(ops: list[OpCost]) -> float:
         return sum(device.op_time_s(op) for op in ops)

@@ -1,9 +1,12 @@
-"""An on-disk cache of profiles: what profiling measured of each block, keyed by everything it depends on.
+"""An on-disk cache of profiles: a traced model's graph and what profiling measured of each block.
 
-Profiling is the slow step of planning (tracing is cheap), so an entry keeps only the numbers profiling adds
-to a freshly traced and linearized chain: every Block field it changed (FLOPs, saved bytes, fitted times, ...)
-and the chain's `input_saved_bytes`. A hit re-applies them to the fresh chain after checking that the blocks
-(names, node lists) and cuts (positions, bytes) are the ones the entry was made from.
+Profiling is the slow step of planning, and most of tracing is recording every node's output shapes on the meta
+device; the symbolic trace itself (torch.fx) is cheap. So an entry keeps the traced graph's nodes (with their
+recorded shapes) and the numbers profiling adds to the linearized chain: every Block field it changed (FLOPs,
+saved bytes, fitted times, ...) and the chain's `input_saved_bytes`. A hit traces the model symbolically again
+and checks that the fresh fx graph is node for node the one the entry was made from (names, ops, targets,
+arguments), linearizes the cached graph onto it, checks that the blocks (names, node lists) and cuts (positions,
+bytes) are the cached ones, and applies the cached numbers: the chain equals a fresh profile's.
 
 The key holds the model's structure (module paths and classes, their `extra_repr`, parameter and buffer names,
 shapes and dtypes, tied weights, and a digest of the source files that define its classes), the example inputs'
@@ -12,7 +15,7 @@ analytic GPU with its roofline figures and compute dtype, or the measuring devic
 versions of pyplan and torch with a digest of pyplan's tracing and profiling code. One entry is one JSON file,
 `{"format", "key", "sha256", "payload"}`, with `sha256` the digest of the payload; it is written to a temporary
 file and renamed, so a reader sees a whole entry or none. An entry that cannot be read, fails its checksum,
-holds another key or does not match the chain is deleted and the chain profiled again, never trusted.
+holds another key or does not match the model is deleted and the model profiled again, never trusted.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from pyplan.graph.chain import Block, Chain
-from pyplan.graph.layergraph import Affine
-from pyplan.graph.trace import ExampleInputs, LeafSpec, inputs_at
+from pyplan.graph.layergraph import Affine, GraphNode, LayerGraph, TensorInfo
+from pyplan.graph.linearize import linearize
+from pyplan.graph.trace import ExampleInputs, LeafSpec, _symbolic_trace, inputs_at
 from pyplan.hardware.catalog import GPU, cache_dir
 from pyplan.profile.analytic import Roofline
 from pyplan.profile.measure import TimingOptions
@@ -55,12 +59,16 @@ __all__ = [
 ]
 
 # Version of the entry layout; an entry of another format is a miss.
-FORMAT = 1
+FORMAT = 2
 
 _PYPLAN_DIR = Path(__file__).resolve().parents[1]
 _TORCH_DIR = Path(torch.__file__).resolve().parent
-# pyplan's code that a profile depends on: tracing, linearizing, profiling and how chain_for combines them.
-_PROFILING_CODE = ("_torch.py", "api.py", "graph/*.py", "profile/*.py")
+# pyplan's code that a profile depends on: tracing, linearizing and profiling (and `chain_for`, which combines
+# them: its own source is part of the digest, not the rest of api.py).
+_PROFILING_CODE = ("_torch.py", "graph/*.py", "profile/*.py")
+# The fields of GraphNode and TensorInfo, in the order an entry lists them.
+_NODE_FIELDS = ("name", "op", "target", "module_path", "inputs", "outputs", "is_tensor", "static")
+_TENSOR_FIELDS = ("shape", "dtype", "bytes")
 # Chain fields that are structure, checked rather than stored.
 _CHAIN_STRUCTURE = frozenset({"blocks", "cuts", "order", "candidates", "graph"})
 
@@ -78,17 +86,25 @@ def _sha256(text: str | bytes) -> str:
     return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
 
 
-@functools.cache
 def _file_digest(path: str) -> str:
+    """SHA-256 of a file's bytes, computed again only when its size or modification time changes."""
+    st = os.stat(path)
+    return _digest_of_file(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.cache
+def _digest_of_file(path: str, size: int, mtime_ns: int) -> str:
     return _sha256(Path(path).read_bytes())
 
 
-@functools.cache
 def _code_digest() -> str:
     """Digest of pyplan's tracing and profiling sources, so an edit to them (no version bump in a development
     install) invalidates what they profiled."""
+    from pyplan.api import chain_for
+
     files = sorted({p for pattern in _PROFILING_CODE for p in _PYPLAN_DIR.glob(pattern)})
-    return _sha256("".join(f"{p.relative_to(_PYPLAN_DIR)}:{_file_digest(str(p))}\n" for p in files))
+    digests = "".join(f"{p.relative_to(_PYPLAN_DIR)}:{_file_digest(str(p))}\n" for p in files)
+    return _sha256(digests + inspect.getsource(chain_for))
 
 
 def _class_source(cls: type) -> str:
@@ -311,11 +327,71 @@ def _cut_json(chain: Chain) -> list[list[Any]]:
     return [[c.position, c.bytes.per_sample, c.bytes.fixed] for c in chain.cuts]
 
 
+def _target(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
+
+
+def _fx_signature(gm: fx.GraphModule) -> list[list[str]]:
+    """Each fx node's name, op, target and arguments (other nodes by name; addresses dropped from reprs)."""
+    return [
+        [
+            n.name,
+            n.op,
+            _target(n.target),
+            re.sub(r" at 0x[0-9a-f]+", "", repr(fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{a.name}"))),
+        ]
+        for n in gm.graph.nodes
+    ]
+
+
+def _check_fields(cls: type, expected: tuple[str, ...]) -> None:
+    names = tuple(f.name for f in dataclasses.fields(cls))
+    if names != expected:
+        raise TypeError(f"{cls.__name__} has the fields {names}; teach pyplan/profile/cache.py to store them")
+
+
+def _node_row(n: GraphNode) -> list[Any]:
+    outputs = [[list(t.shape), t.dtype, t.bytes.per_sample, t.bytes.fixed] for t in n.outputs]
+    return [n.name, n.op, n.target, n.module_path, list(n.inputs), outputs, n.is_tensor, n.static]
+
+
+def _node(row: Any) -> GraphNode:
+    try:
+        name, op, target, module_path, inputs, outputs, is_tensor, static = row
+        infos = tuple(
+            TensorInfo(tuple(int(d) for d in shape), str(dtype), Affine(_number(ps), _number(fixed)))
+            for shape, dtype, ps, fixed in outputs
+        )
+        return GraphNode(
+            str(name),
+            str(op),
+            str(target),
+            str(module_path),
+            tuple(map(str, inputs)),
+            infos,
+            bool(is_tensor),
+            bool(static),
+        )
+    except (TypeError, ValueError) as exc:
+        raise _Invalid(f"a graph node cannot be read ({exc})") from None
+
+
 def _payload(fresh: Chain, profiled: Chain, profiled_on: str) -> dict[str, Any]:
     if len(fresh) != len(profiled):
         raise ValueError(f"profiling changed the chain's length from {len(fresh)} to {len(profiled)} blocks")
+    _check_fields(GraphNode, _NODE_FIELDS)
+    _check_fields(TensorInfo, _TENSOR_FIELDS)
+    graph = fresh.graph
     return {
         "profiled_on": profiled_on,
+        "fx": _fx_signature(graph.module),
+        "graph": {
+            "batch_size": graph.batch_size,
+            "leaf_modules": list(graph.leaf_modules),
+            "nodes": [_node_row(n) for n in graph.nodes],
+        },
         "blocks": [
             {"name": b.name, "nodes": list(b.nodes), "fields": _changed(b, p, frozenset({"name", "nodes"}))}
             for b, p in zip(fresh.blocks, profiled.blocks)
@@ -325,9 +401,25 @@ def _payload(fresh: Chain, profiled: Chain, profiled_on: str) -> dict[str, Any]:
     }
 
 
-def _apply(payload: Any, chain: Chain) -> tuple[Chain, str]:
+def _graph(payload: dict[str, Any], gm: fx.GraphModule) -> LayerGraph:
+    """The cached LayerGraph on the freshly traced `gm`, after checking that `gm` is the graph it was made of."""
+    if payload.get("fx") != _fx_signature(gm):
+        raise _Invalid("the model's fx graph differs from the cached one")
+    graph = payload.get("graph")
+    if not isinstance(graph, dict) or not isinstance(graph.get("nodes"), list):
+        raise _Invalid("the payload has no graph")
+    nodes = [_node(row) for row in graph["nodes"]]
+    if [n.name for n in nodes] != [n.name for n in gm.graph.nodes]:
+        raise _Invalid("the cached graph's nodes are not the fx graph's")
+    batch_size, leaves = graph.get("batch_size"), graph.get("leaf_modules")
+    if not isinstance(batch_size, int) or not isinstance(leaves, list):
+        raise _Invalid("the cached graph has no batch size or leaf modules")
+    return LayerGraph(nodes=nodes, batch_size=batch_size, module=gm, leaf_modules=tuple(map(str, leaves)))
+
+
+def _apply(payload: dict[str, Any], chain: Chain) -> tuple[Chain, str]:
     """`chain` with the payload's profile, after checking that it was made from the same blocks and cuts."""
-    if not isinstance(payload, dict) or not isinstance(payload.get("blocks"), list):
+    if not isinstance(payload.get("blocks"), list):
         raise _Invalid("the payload has no blocks")
     entries = payload["blocks"]
     if len(entries) != len(chain):
@@ -364,9 +456,18 @@ class ProfileCache:
     def path(self, key: ProfileKey) -> Path:
         return self.directory / f"{_slug(key.label)}-{key.digest[:24]}.json"
 
-    def load(self, key: ProfileKey, chain: Chain) -> tuple[Chain, str] | None:
-        """The cached profile of `key` applied to the freshly linearized `chain`, and how it was profiled; None
-        when there is none. An entry that is unreadable or does not match is deleted (and counted)."""
+    def load(
+        self,
+        key: ProfileKey,
+        model: nn.Module,
+        *,
+        leaf_modules: Iterable[LeafSpec] = (),
+        min_blocks: int,
+        max_blocks: int,
+    ) -> tuple[Chain, str] | None:
+        """The cached profile of `key` as a chain of `model` (traced symbolically, its shapes not recorded
+        again, linearized with `min_blocks` and `max_blocks`), and how it was profiled; None when there is none.
+        An entry that cannot be read or does not match the model is deleted (and counted)."""
         path = self.path(key)
         try:
             text = path.read_text()
@@ -381,9 +482,11 @@ class ProfileCache:
                 raise _Invalid(f"not a format-{FORMAT} entry")
             if entry.get("key") != key.data:
                 raise _Invalid("it holds another key")
-            if entry.get("sha256") != _sha256(_canonical(entry.get("payload"))):
+            payload = entry.get("payload")
+            if not isinstance(payload, dict) or entry.get("sha256") != _sha256(_canonical(payload)):
                 raise _Invalid("its checksum does not match")
-            result = _apply(entry["payload"], chain)
+            graph = _graph(payload, _symbolic_trace(model, tuple(leaf_modules)))
+            result = _apply(payload, linearize(graph, min_blocks=min_blocks, max_blocks=max_blocks))
         except json.JSONDecodeError as exc:
             return self._discard(path, f"not valid JSON ({exc})")
         except _Invalid as exc:
@@ -392,8 +495,8 @@ class ProfileCache:
         return result
 
     def store(self, key: ProfileKey, fresh: Chain, profiled: Chain, profiled_on: str) -> None:
-        """Keep what profiling added to `fresh` (giving `profiled`). A cache that cannot be written is skipped:
-        it only saves time."""
+        """Keep the traced graph of `fresh` (a linearized chain) and what profiling added to it (giving
+        `profiled`). A cache that cannot be written is skipped: it only saves time."""
         payload = _payload(fresh, profiled, profiled_on)
         entry = {"format": FORMAT, "key": key.data, "sha256": _sha256(_canonical(payload)), "payload": payload}
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -12,27 +13,36 @@ from pyplan._torch import FLOP_FORMULAS, run_without_compute
 from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import Affine
 from pyplan.graph.trace import ExampleInputs, inputs_at
-from pyplan.profile.pieces import backward, block_inputs, block_modules, forward, leaf_inputs
+from pyplan.profile.pieces import RepeatedBlocks, backward, block_inputs, block_modules, forward, leaf_inputs
 
 __all__ = ["block_flops"]
 
 
-def _flops_at(chain: Chain, example_inputs: ExampleInputs, batch_size: int) -> list[tuple[int, int]]:
-    mods = block_modules(chain)
+def _flops_at(
+    chain: Chain, mods: list[fx.GraphModule], example_inputs: ExampleInputs, batch_size: int
+) -> list[tuple[int, int]]:
     inputs = inputs_at(example_inputs, batch_size)
 
     def count(convert: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple[int, int]]:
         fwd_bwd = []
+        repeated = RepeatedBlocks(mods, chain.graph.module)
+        done: dict[str, tuple[int, int]] = {}
         # The math kernel, because FlopCounterMode does not see inside CPU's fused attention kernel.
         with sdpa_kernel(SDPBackend.MATH):
-            args = block_inputs(mods, [convert(t) for t in inputs])
+            args = block_inputs(mods, [convert(t) for t in inputs], repeated)
             for i, (mod, a) in enumerate(zip(mods, args)):
                 leaves = leaf_inputs(a, first=i == 0)
+                key = repeated.key(i, leaves)
+                if key is not None and key in done:
+                    fwd_bwd.append(done[key])
+                    continue
                 with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as fwd:
                     _, roots = forward(mod, leaves)
                 with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as bwd:
                     backward(roots)
                 fwd_bwd.append((fwd.get_total_flops(), bwd.get_total_flops()))
+                if key is not None:
+                    done[key] = fwd_bwd[-1]
         return fwd_bwd
 
     return run_without_compute(chain.graph.module, count)
@@ -43,5 +53,6 @@ def block_flops(
 ) -> list[tuple[Affine, Affine]]:
     """Forward and backward FLOPs of every block as `per_sample·b + fixed` (matmul/conv FLOPs, as torch counts)."""
     b1, b2 = batch_sizes[0], batch_sizes[-1]
-    f1, f2 = _flops_at(chain, example_inputs, b1), _flops_at(chain, example_inputs, b2)
+    mods = block_modules(chain)
+    f1, f2 = _flops_at(chain, mods, example_inputs, b1), _flops_at(chain, mods, example_inputs, b2)
     return [(Affine.from_two(b1, x[0], b2, y[0]), Affine.from_two(b1, x[1], b2, y[1])) for x, y in zip(f1, f2)]

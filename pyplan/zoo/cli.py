@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
@@ -17,6 +17,13 @@ from pyplan.errors import PlanError
 from pyplan.profile.memory import OPTIMIZERS, PRECISIONS
 from pyplan.report.console import make_console
 from pyplan.report.units import fmt_bytes, fmt_count
+from pyplan.solve.remat_search import OFFLOAD_MODES, REMAT_MODES
+
+if TYPE_CHECKING:
+    from pyplan.hardware.cluster import Cluster
+    from pyplan.plan import Workload
+    from pyplan.profile.cache import ProfileCache
+    from pyplan.sweep import SearchOptions
 
 __all__ = ["add_zoo_parser", "list_data", "zoo_list", "zoo_main", "zoo_sweep"]
 
@@ -63,6 +70,8 @@ _SWEEP_DEFAULTS: dict[str, Any] = {
     "objective": "time",
     "weight": 0.0,
     "memory_fraction": 0.9,
+    "remat": "none",
+    "offload": "none",
     "out": None,
     "resume": False,
     "jobs": None,
@@ -104,6 +113,8 @@ def add_zoo_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--memory-fraction", type=float, metavar="F", help="share of each GPU's memory to plan for (default 0.9)"
     )
+    p.add_argument("--remat", choices=REMAT_MODES, help="recompute activations, as in pyplan plan (default none)")
+    p.add_argument("--offload", choices=OFFLOAD_MODES, help="with --remat auto: offload activations (default none)")
     p = parser.add_argument_group("running and results")
     p.add_argument("--out", metavar="FILE", help="write one record per pair to FILE (.csv, .json or .parquet)")
     p.add_argument("--resume", action="store_true", help="keep the pairs already in --out and plan the rest")
@@ -219,7 +230,7 @@ def _model_names(names: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(n.removeprefix("zoo:") for n in names))
 
 
-def _clusters(args: argparse.Namespace) -> list[Any]:
+def _clusters(args: argparse.Namespace) -> list[Cluster]:
     from pyplan.hardware.cluster import Cluster
 
     gpus = _sizes(args.gpus)
@@ -242,7 +253,7 @@ def _clusters(args: argparse.Namespace) -> list[Any]:
     return clusters
 
 
-def _cache(args: argparse.Namespace) -> Any:
+def _cache(args: argparse.Namespace) -> ProfileCache | None:
     from pyplan.profile.cache import ProfileCache
 
     if args.no_cache:
@@ -266,7 +277,7 @@ def zoo_sweep(args: argparse.Namespace) -> int:
         models=tuple(ModelRef(name, ref=f"zoo:{name}") for name in names),
         clusters=tuple((cluster_label(c), c) for c in clusters),
         workloads=dict.fromkeys(names, workload),
-        options=SearchOptions(objective=args.objective, weight=args.weight, memory_fraction=args.memory_fraction),
+        options=SearchOptions(args.objective, args.weight, args.memory_fraction, args.remat, args.offload),
     )
     jobs = args.jobs if args.jobs is not None else os.cpu_count() or 1
     if jobs < 1:
@@ -314,7 +325,7 @@ def zoo_sweep(args: argparse.Namespace) -> int:
         print(json.dumps(mine, indent=2))
     else:
         console = make_console()
-        console.print(_sweep_table(mine, workload=workload, objective=args.objective))
+        console.print(_sweep_table(mine, workload=workload, options=sweep.options))
         failures = [r for r in mine if r["status"] != "ok"]
         if failures:
             console.print(_failure_table(failures))
@@ -350,12 +361,14 @@ def _money(value: float | None, currency: str | None) -> str:
     return f"{value:,.2f} {currency}" if value >= 1 else f"{value:.3g} {currency}"
 
 
-def _sweep_table(records: list[dict[str, Any]], *, workload: Any, objective: str) -> Table:
+def _sweep_table(records: list[dict[str, Any]], *, workload: Workload, options: SearchOptions) -> Table:
     planned = [r for r in records if r["status"] == "ok"]
     priced = any(r["cost_per_1m_samples"] is not None for r in planned)
+    objective = options.objective + (f" (w = {options.weight:g})" if options.objective == "weighted" else "")
+    remat = "" if options.remat == "none" else f", remat {options.remat}, offload {options.offload}"
     table = Table(
         title=f"Best plan per pair: global batch {workload.global_batch}, {workload.precision}, "
-        f"{workload.optimizer}, objective {objective}",
+        f"{workload.optimizer}, objective {objective}{remat}",
         caption="dp x pp GPUs (xN stages per rank); mb micro-batch size; GA micro-batches per step; "
         "memory is the peak per GPU",
     )

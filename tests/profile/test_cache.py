@@ -43,9 +43,12 @@ def profiled(cache: ProfileCache, cluster: Cluster = A100, workload: Workload = 
 
 
 def no_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Profiling, and recording the traced graph's shapes, fail from here on: a hit needs neither."""
+
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("profiled although the cache holds the profile")
 
+    monkeypatch.setattr("pyplan.api.trace", refuse)
     monkeypatch.setattr("pyplan.api.profile", refuse)
     monkeypatch.setattr("pyplan.api.block_times_analytic", refuse)
 
@@ -115,6 +118,11 @@ CORRUPTIONS: dict[str, Callable[[dict[str, Any], str], str]] = {
     "another key": lambda entry, text: _set(entry, ("key", "trace_batch"), 2),
     "another format": lambda entry, text: _set(entry, ("format",), 0),
     "other nodes": lambda entry, text: _payload_edit(lambda p: p["blocks"][2]["nodes"].append("extra"))(entry),
+    "other fx graph": lambda entry, text: _payload_edit(lambda p: p["fx"][3].__setitem__(2, "torch.relu"))(entry),
+    "other shapes": lambda entry, text: _payload_edit(lambda p: p["graph"]["nodes"][1][5][0].__setitem__(2, 1.0))(
+        entry
+    ),
+    "bad graph node": lambda entry, text: _payload_edit(lambda p: p["graph"]["nodes"][2].pop())(entry),
     "fewer blocks": lambda entry, text: _payload_edit(lambda p: p["blocks"].pop())(entry),
     "other cuts": lambda entry, text: _payload_edit(lambda p: p["cuts"][1].__setitem__(1, 1.0))(entry),
     "unknown field": lambda entry, text: _payload_edit(lambda p: p["blocks"][0]["fields"].update(speed=[1, 2]))(entry),
