@@ -108,13 +108,22 @@ def chain_for(
             return hit
     graph = trace(model, example_inputs, leaf_modules=leaf_modules, batch_size=trace_batch)
     chain = linearize(graph, min_blocks=min_blocks, max_blocks=max_blocks)
-    if roofline is None:
-        profiled, how = profile(chain, example_inputs, batch_sizes=sizes), "measured on this machine"
-    else:
-        profiled = profile(chain, example_inputs, measure=False, batch_sizes=sizes)
-        times = block_times_analytic(profiled, example_inputs, roofline, sizes, compute_dtype=compute_dtype)
-        blocks = [replace(b, fwd_time_s=f, bwd_time_s=g) for b, (f, g) in zip(profiled.blocks, times)]
-        profiled, how = replace(profiled, blocks=blocks), f"analytic roofline of {gpu.name}"
+    try:
+        if roofline is None:
+            profiled, how = profile(chain, example_inputs, batch_sizes=sizes), "measured on this machine"
+        else:
+            profiled = profile(chain, example_inputs, measure=False, batch_sizes=sizes)
+            times = block_times_analytic(profiled, example_inputs, roofline, sizes, compute_dtype=compute_dtype)
+            blocks = [replace(b, fwd_time_s=f, bwd_time_s=g) for b, (f, g) in zip(profiled.blocks, times)]
+            profiled, how = replace(profiled, blocks=blocks), f"analytic roofline of {gpu.name}"
+    except ValueError as exc:
+        if "Expected more than 1 value per channel" not in str(exc):
+            raise
+        # Planning considers micro-batches down to one sample, which a BatchNorm over a 1x1 map cannot train on.
+        raise PlanError(
+            f"the model cannot train on a micro-batch of {min(sizes)} sample (a BatchNorm sees one value per "
+            "channel); pyplan plans micro-batches down to 1, so enlarge the input or the last feature map"
+        ) from None
     if cache is not None and key is not None:
         cache.store(key, chain, profiled, how)
     return profiled, how
