@@ -3,6 +3,13 @@
 Each block runs alone on the inputs it receives in the full model, as a pipeline stage would run it: warm-up
 runs first, then `repeats` timed forward and backward passes whose medians are kept. On CUDA the times come from
 CUDA events; on the CPU with a fixed number of threads, from the thread's CPU time (one thread) or wall time.
+
+On the CPU a block timed alone also pays for being called alone: the module call and, above all, one autograd
+engine run per backward (about 50 µs on a 2-core x86 VM, against a few µs per op), which a stage running many
+blocks in one forward and one backward pays once. Summed over a stage's blocks, that overhead made stage times
+20-45 % too long (benchmarks/accuracy.py). It is measured on programs of one and two trivial ops timed the same
+way (the overhead is what a program of zero ops would take, 2·t₁ − t₂) and taken off every block's times, down to
+at least the cost of one trivial op.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import fx, nn
 
 from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import Affine
@@ -70,6 +78,62 @@ class _Clock:
             out.append(self.now() - t0)
 
 
+def _time_block(
+    mod: nn.Module, args: Sequence[object], clock: _Clock, warmup: int, repeats: int, *, first: bool
+) -> tuple[float, float]:
+    """Median forward and backward seconds of one block run alone on `args`."""
+    fwd: list[float] = []
+    bwd: list[float] = []
+    for rep in range(warmup + repeats):
+        f_out: list[float] = fwd if rep >= warmup else []
+        b_out: list[float] = bwd if rep >= warmup else []
+        leaves = leaf_inputs(args, first=first)
+        with clock.region(f_out):
+            _, roots = forward(mod, leaves)
+        grads = [torch.ones_like(t) for t in roots]
+        with clock.region(b_out):
+            backward(roots, grads)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+class _Ops(nn.Module):
+    """`n` trivial ops on a small tensor: the programs that measure the overhead of timing a block alone."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.n):
+            x = x * 1.5
+        return x
+
+
+@dataclass(frozen=True)
+class _Overhead:
+    """Seconds of forward and backward a block pays for being timed alone, and the cost of one trivial op (the
+    least a block is charged)."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    op_forward_s: float = 0.0
+    op_backward_s: float = 0.0
+
+    def remove(self, fwd: float, bwd: float) -> tuple[float, float]:
+        return max(fwd - self.forward_s, self.op_forward_s), max(bwd - self.backward_s, self.op_backward_s)
+
+
+def _overhead(device: torch.device, clock: _Clock) -> _Overhead:
+    """The call overhead of a block timed alone on the CPU (see the module docstring); none on CUDA, whose events
+    time the kernels alone. Many repeats: the figures are a few µs apart."""
+    if device.type == "cuda":
+        return _Overhead()
+    x = torch.randn(8, device=device)
+    t1, t2 = (_time_block(fx.symbolic_trace(_Ops(n)), (x,), clock, 5, 51, first=False) for n in (1, 2))
+    over_f, over_b = max(0.0, 2 * t1[0] - t2[0]), max(0.0, 2 * t1[1] - t2[1])
+    return _Overhead(over_f, over_b, t1[0] - over_f, t1[1] - over_b)
+
+
 def _times_at(
     chain: Chain, example_inputs: ExampleInputs, batch_size: int, device: torch.device, opts: TimingOptions
 ) -> list[tuple[float, float]]:
@@ -77,20 +141,11 @@ def _times_at(
     inputs = [t.to(device) for t in inputs_at(example_inputs, batch_size)]
     args = block_inputs(mods, inputs)
     clock = _Clock(device, opts.threads)
-    result = []
-    for i, (mod, a) in enumerate(zip(mods, args)):
-        fwd: list[float] = []
-        bwd: list[float] = []
-        for rep in range(opts.warmup + opts.repeats):
-            f_out: list[float] = fwd if rep >= opts.warmup else []
-            b_out: list[float] = bwd if rep >= opts.warmup else []
-            leaves = leaf_inputs(a, first=i == 0)
-            with clock.region(f_out):
-                _, roots = forward(mod, leaves)
-            grads = [torch.ones_like(t) for t in roots]
-            with clock.region(b_out):
-                backward(roots, grads)
-        result.append((statistics.median(fwd), statistics.median(bwd)))
+    overhead = _overhead(device, clock)
+    result = [
+        overhead.remove(*_time_block(mod, a, clock, opts.warmup, opts.repeats, first=i == 0))
+        for i, (mod, a) in enumerate(zip(mods, args))
+    ]
     for p in chain.graph.module.parameters():
         p.grad = None
     return result

@@ -1,0 +1,991 @@
+"""Prediction accuracy: plans run on 2 CPU processes, predicted against measured time and memory; prints tables.
+
+Run: `python benchmarks/accuracy.py` (2-15 minutes on 2 cores, longer while it waits for a quiet machine; `--help`
+for the options). It calibrates this machine (`pyplan calibrate`, into a temporary cache directory, so the `local`
+GPU and link carry today's figures), profiles each model with `chain_for` on the `local` GPU (block times measured
+with 1 thread, as the ranks run), and for each model and remat policy ("none", "full") runs one `pyplan.search`
+over 2 processes constrained to the matrix (dp x pp in {2x1, 1x2}, GPipe and 1F1B, the case's micro-batch sizes,
+ZeRO 0, every GPU used). Every plan the search returns is a configuration of the matrix: its Layout is what runs,
+so the prediction printed is the prediction of the configuration measured. All configurations run in one torchrun
+launch (2 ranks, gloo, one thread each), each rank building its stages from the Layout with `build_trainer` as
+the emitted script does.
+
+Measurement, per configuration and rank:
+  time     blocks of `warmup` untimed and `steps` timed steps (Protocol), each step started after a barrier; a
+           step is the wall clock around `PipelineTrainer.step` (zero_grad, the schedule, gradient sync, optimizer
+           step) and its iteration time the max over ranks. The blocks run in rounds over the whole matrix, so a
+           burst of load elsewhere falls on every configuration alike. On a shared 2-core machine other processes
+           take a rank's core and stretch the steps of both ranks (one waits for the other) by up to 3x: a block
+           is quiet when other processes used at most `quiet_cores` cores during it (the machine's busy time in
+           /proc/stat less both ranks' CPU time), rounds go on until every configuration has `quiet_blocks` quiet
+           blocks, and before each round the benchmark waits for a quiet second. The figure is the median over the
+           quiet steps (over every step, said so by the "quiet steps" column, when fewer than 3 were quiet); the
+           median over every step is printed beside it.
+  memory   the two first steps run under `LiveMemory` (pyplan/profile/live.py: every storage torch allocates, from
+           its allocation to its death); the peak is taken over the second step, so it holds what the first step
+           left (optimizer state, the pipeline's receive buffers, DDP's buckets, gradients) and every transient
+           of a steady step; the rank's parameter bytes, allocated before, are added. That is compared with the
+           plan's memory of the rank: Σ StagePlan.memory_bytes = weights + gradients + optimizer state (AdamW,
+           16 bytes per parameter) + activations of the micro-batches in flight. Not seen: memory inside kernels
+           and allocations made by gloo's threads. "+ buffers" adds what the plan leaves out and can be computed
+           (see Planned): torch's receive buffers, one per micro-batch.
+  busy     per stage, wall and CPU time of the stage module's forward (+ the loss on the last stage), of its
+           autograd backward (torch's stage_backward) and of recomputation inside it (checkpointed blocks run
+           again); the rest of forward_one_chunk / backward_one_chunk and of the step outside them, the loss, the
+           optimizer step and the waits for sends and receives is framework overhead (schedule, stage
+           bookkeeping, posting sends, zero_grad, gradient scaling). With dp > 1 the last micro-batch's backward
+           also waits for DDP's all-reduce: backward is taken from the other micro-batches, the excess is "dp sync".
+
+Diagnosis. The iteration's error is split into terms by re-simulating the planned schedule (pyplan's simulator,
+with the plan's send times) with measured per-micro-batch stage times: compute = makespan(CPU-time F and B less
+recompute, plus the predicted recompute) − the predicted makespan (CPU time is what the profile measures: what
+the stages cost); contention = the same in wall-clock time, less that (other threads held the core while a stage
+computed); recompute = makespan(wall F, B) − that; framework = makespan with each stage's framework overhead per
+micro-batch added to its F and B, less that; optimizer = measured − predicted optimizer step; dp sync = measured
+all-reduce wait − predicted exposed sync; the rest (measured − everything above) is "p2p" for pipelines (time the
+ranks wait for sends and receives beyond what the schedule with the real compute and overhead implies) and "other"
+for dp x 1. A row whose error exceeds 10 % names its largest term as the wrong one.
+
+Targets (issue "Predictions users can trust"): median |error| of iteration time <= 10 %, worst <= 25 %; peak
+memory |error| <= 10 %; the plan ranked first is the measured fastest, or within 5 % of it, in >= 90 % of the
+decisions (each search, model x remat policy, and each model over both policies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import faulthandler
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+LR = 1e-3
+MESHES = ((2, 1), (1, 2))
+SCHEDULES = ("GPipe", "1F1B")
+REMATS = ("none", "full")
+TARGET_TIME_MEDIAN, TARGET_TIME_WORST, TARGET_MEMORY, TARGET_RIGHT = 0.10, 0.25, 0.10, 0.90
+WITHIN = 0.05  # a recommendation is right when its measured time is within 5 % of the fastest
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model of the zoo, the global batch it trains, and the micro-batch sizes the matrix tries."""
+
+    model: str
+    global_batch: int
+    micro_batch_sizes: tuple[int, ...]
+
+
+# Global batches chosen so a step takes 20-120 ms on a 2-core x86 VM, one thread per rank.
+CASES = (
+    Case("resnet-tiny", 32, (4, 8)),
+    Case("vgg-tiny", 64, (8, 16)),
+    Case("gpt-tiny", 64, (8, 16)),
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration of the matrix."""
+
+    model: str
+    dp: int
+    pp: int
+    schedule: str
+    micro_batch_size: int
+    num_microbatches: int
+    remat: str
+
+    @property
+    def label(self) -> str:
+        return (
+            f"{self.model} {self.dp}x{self.pp} {self.schedule} b{self.micro_batch_size}x{self.num_microbatches} "
+            f"remat={self.remat}"
+        )
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A configuration with pyplan's plan for it and what the diagnosis needs of the chain."""
+
+    config: Config
+    global_batch: int
+    plan: dict[str, Any]  # Plan.to_json()
+    send_s: tuple[float, ...]  # predicted transfer time of each stage boundary, per micro-batch
+    stage_rank: tuple[int, ...]
+    # Per pipeline rank, memory the plan does not count: torch's PipelineStage keeps one receive buffer per
+    # micro-batch (activations into a non-first stage, gradients into a non-last one) where the plan counts the
+    # in-flight inputs only. (DDP's buckets hold the gradients themselves: build_trainer asks for
+    # gradient_as_bucket_view.)
+    buffer_bytes: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """One stage's measured times in one step (seconds, summed over its micro-batches)."""
+
+    forward_s: float  # the stage module's forward, and the loss on the last stage
+    forward_cpu_s: float
+    backward_s: float  # autograd's backward of the stage (recomputation included), DDP's wait left out
+    backward_cpu_s: float
+    backward_sync_s: float  # the last micro-batch's backward beyond the others' mean (DDP's all-reduce wait)
+    recompute_s: float
+    recompute_cpu_s: float
+    overhead_s: float  # the rest of forward_one_chunk and backward_one_chunk: the stage's framework overhead
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """What one rank measured for one configuration."""
+
+    step_s: tuple[float, ...]
+    quiet: tuple[bool, ...]  # per step: whether other processes left the machine alone meanwhile
+    optimizer_s: float
+    outside_s: float  # the step outside chunks, loss, optimizer and waits (zero_grad, posting sends, ...)
+    wait_s: float  # blocked in the schedule's waits for sends and receives
+    stages: dict[int, StageTimes]  # medians over the quiet steps (every step when fewer than 3 were quiet)
+    other_cores: tuple[float, ...]  # per block: cores other processes kept busy
+    peak_bytes: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: int
+
+
+@dataclass(frozen=True)
+class Terms:
+    """The iteration-time error split into terms: measured minus predicted seconds (see the module docstring).
+
+    `forward_err`/`backward_err`: measured (CPU time, what the profile measures) over predicted, less one, of the
+    busiest stage's forward and backward per micro-batch, recomputation left out. `other_cores`: how many cores
+    other processes kept busy on average while the configuration ran (2 cores in all)."""
+
+    compute_s: float
+    contention_s: float
+    recompute_s: float
+    framework_s: float
+    optimizer_s: float
+    sync_s: float
+    rest_s: float
+    rest_name: str
+    forward_err: float
+    backward_err: float
+    other_cores: float
+    stage_overhead_s: float  # framework overhead inside the busiest stage's chunks, per micro-batch
+    outside_s: float  # framework overhead outside the chunks, per step, on the rank where it is largest
+
+    def named(self) -> dict[str, float]:
+        return {
+            "compute": self.compute_s,
+            "contention": self.contention_s,
+            "recompute": self.recompute_s,
+            "framework": self.framework_s,
+            "optimizer": self.optimizer_s,
+            "dp sync": self.sync_s,
+            self.rest_name: self.rest_s,
+        }
+
+    def describe(self, measured_s: float, error: float) -> str:
+        terms = self.named()
+        parts = [f"{k} {v / measured_s:+.0%}" for k, v in terms.items() if v]
+        text = ", ".join(parts) + (
+            f" (CPU F {self.forward_err:+.0%}, B {self.backward_err:+.0%}; framework "
+            f"{self.stage_overhead_s * 1e3:.2f} ms/micro-batch in a stage + {self.outside_s * 1e3:.1f} ms/step)"
+        )
+        if abs(error) > TARGET_TIME_MEDIAN:
+            worst = max(terms, key=lambda k: abs(terms[k]))
+            text = f"{worst} wrong: {text}"
+        return text
+
+
+@dataclass(frozen=True)
+class Row:
+    """A configuration's predicted and measured figures."""
+
+    config: Config
+    predicted_s: float
+    measured_s: float  # median over the quiet steps (over every step when fewer than 3 were quiet)
+    all_steps_s: float  # median over every step
+    quiet_steps: int
+    steps: int
+    predicted_bytes: float
+    measured_bytes: float
+    predicted_activation_bytes: float
+    measured_activation_bytes: float
+    predicted_with_buffers_bytes: float  # the plan's peak plus the buffers it leaves out (see Planned)
+    terms: Terms
+
+    @property
+    def time_error(self) -> float:
+        """(predicted − measured) / measured."""
+        return self.predicted_s / self.measured_s - 1
+
+    @property
+    def memory_error(self) -> float:
+        return self.predicted_bytes / self.measured_bytes - 1
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One ranking: the configurations of a group by predicted time; right when the first is the measured fastest
+    or within WITHIN of it."""
+
+    group: str
+    chosen: str
+    fastest: str
+    slower_by: float
+
+    @property
+    def right(self) -> bool:
+        return self.slower_by <= WITHIN
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Aggregates over the rows and whether each target is met."""
+
+    time_median: float
+    time_worst: float
+    memory_median: float
+    memory_worst: float
+    decisions: tuple[Decision, ...]
+    targets: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def right_rate(self) -> float:
+        return sum(d.right for d in self.decisions) / len(self.decisions) if self.decisions else math.nan
+
+
+# --- Planning (in this process) -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def calibration_dir(calibration: str | None, quick: bool) -> Iterator[str]:
+    """A temporary pyplan cache directory holding a calibration file, set as $PYPLAN_CACHE_DIR while inside: the
+    given file, or a fresh `pyplan calibrate` (1 thread per process, as the ranks run)."""
+    from pyplan.hardware.calibrate import CalibrationOptions, calibrate, write_calibration
+
+    before = os.environ.get("PYPLAN_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="pyplan-accuracy-") as tmp:
+        target = Path(tmp) / "local.json"
+        if calibration is not None:
+            shutil.copyfile(calibration, target)
+        else:
+            write_calibration(calibrate(CalibrationOptions(threads=1, quick=quick)), target)
+        os.environ["PYPLAN_CACHE_DIR"] = tmp
+        try:
+            yield str(target)
+        finally:
+            if before is None:
+                del os.environ["PYPLAN_CACHE_DIR"]
+            else:
+                os.environ["PYPLAN_CACHE_DIR"] = before
+
+
+def plan_case(case: Case, remats: Sequence[str], keep: Callable[[Config], bool] = lambda c: True) -> list[Planned]:
+    """The matrix of one model: one search per remat policy, constrained to the matrix, every plan it returns."""
+    import torch
+
+    from pyplan import load_model, search
+    from pyplan.api import chain_for
+    from pyplan.hardware import Cluster
+    from pyplan.plan import Plan, Workload
+    from pyplan.solve.schedules import stage_placement
+
+    spec = load_model(f"zoo:{case.model}")
+    torch.manual_seed(0)
+    model = spec.build()
+    cluster = Cluster.from_catalog("local", 2)
+    workload = Workload(global_batch=case.global_batch, optimizer="adamw", precision="fp32")
+    chain, _ = chain_for(model, spec.example_inputs, cluster, workload)
+    link = cluster.groups[0].intra_link
+    assert link.latency_s is not None and link.bw_bytes_per_s is not None
+    out = []
+    for remat in remats:
+        found = search(
+            model,
+            spec.example_inputs,
+            cluster,
+            workload,
+            chain=chain,
+            schedules=SCHEDULES,
+            zero_stages=(0,),
+            placements=("pp-inner",),
+            micro_batch_sizes=case.micro_batch_sizes,
+            allow_fewer_gpus=False,
+            top_k=1000,
+            remat=remat,
+        )
+        plans: list[Plan] = [found.best, *found.alternatives]
+        seen = set()
+        for p in plans:
+            lay = p.layout
+            config = Config(case.model, lay.dp, lay.pp, lay.schedule, lay.micro_batch_size, lay.num_microbatches, remat)
+            if (lay.dp, lay.pp) not in MESHES or config in seen or not keep(config):
+                continue
+            seen.add(config)
+            b = lay.micro_batch_size
+            sends = tuple(
+                link.latency_s + chain.cuts[st.last_block + 1].bytes(b) / link.bw_bytes_per_s for st in p.stages[:-1]
+            )
+            placement = stage_placement(lay.schedule, lay.pp, lay.stages_per_rank)
+            buffers = [0.0] * lay.pp
+            m, last = lay.num_microbatches, len(p.stages) - 1
+            for s, st in enumerate(p.stages):
+                if s > 0:
+                    buffers[placement[s]] += (m - st.in_flight) * chain.cuts[st.first_block].bytes(b)
+                if s < last:
+                    buffers[placement[s]] += m * chain.cuts[st.last_block + 1].bytes(b)
+            out.append(Planned(config, case.global_batch, p.to_json(), sends, tuple(placement), tuple(buffers)))
+    return out
+
+
+# --- Measuring (under torchrun) -------------------------------------------------------------------------------
+
+
+class _Probe:
+    """Where a rank's step goes. Wall and CPU time of each local stage's module forward (and the loss, on the last
+    stage), of its autograd backward (torch's stage_backward), of recomputation inside it, and of the whole
+    forward_one_chunk / backward_one_chunk calls (the rest of them is the stage's framework overhead); the time
+    blocked in the schedule's waits for sends and receives; the optimizer step. Methods are wrapped on this rank's
+    objects; the schedule's wait and torch's stage_backward are module functions, replaced in this worker process
+    only."""
+
+    def __init__(self, trainer: Any) -> None:
+        import torch.distributed.pipelining.schedules as schedules
+        import torch.distributed.pipelining.stage as stage_module
+        from torch.nn.parallel import DistributedDataParallel
+
+        from pyplan.runtime.remat import RematModule
+
+        sched = trainer.schedule
+        self.stages = list(sched._stages) if hasattr(sched, "_stages") else [sched._stage]
+        self.current = -1  # the stage whose chunk runs
+        self.in_backward = 0
+        self.remat_depth = 0
+        self.reset()
+        for st in self.stages:
+            s = st.stage_index
+            st.forward_one_chunk = self._timed(st.forward_one_chunk, s, "chunk F")
+            st.backward_one_chunk = self._timed(st.backward_one_chunk, s, "chunk B", backward=True)
+            module = st.submod.module if isinstance(st.submod, DistributedDataParallel) else st.submod
+            module.register_forward_pre_hook(lambda *_: self._start())
+            module.register_forward_hook(lambda *_, s=s: self._stop((s, "F")))
+            for m in st.submod.modules():
+                if isinstance(m, RematModule):
+                    m._run = self._recompute(m._run)
+        if any(st.is_last for st in self.stages):
+            last = next(st.stage_index for st in self.stages if st.is_last)
+            sched._compute_loss = self._timed(sched._compute_loss, last, "L")
+        trainer.optimizer.step = self._timed(trainer.optimizer.step, -1, "O")
+        if not hasattr(stage_module.stage_backward, "_probe"):
+            stage_module.stage_backward = _Probe._patched(stage_module.stage_backward, "B")
+            schedules._wait_batch_p2p = _Probe._patched(schedules._wait_batch_p2p, "W")
+
+    active: _Probe | None = None  # the probe the module functions report to (set while a block is timed)
+
+    @staticmethod
+    def _patched(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            probe = _Probe.active
+            if probe is None:
+                return fn(*args, **kwargs)
+            probe._start()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                probe._stop((probe.current if kind == "B" else -1, kind))
+
+        run._probe = True  # type: ignore[attr-defined]
+        return run
+
+    def reset(self) -> None:
+        self.wall: dict[tuple[int, str], list[float]] = {}
+        self.cpu: dict[tuple[int, str], list[float]] = {}
+        self.marks: list[tuple[float, float]] = []
+
+    def _start(self) -> None:
+        self.marks.append((time.perf_counter(), time.thread_time()))
+
+    def _stop(self, key: tuple[int, str]) -> None:
+        t0, c0 = self.marks.pop()
+        self.wall.setdefault(key, []).append(time.perf_counter() - t0)
+        self.cpu.setdefault(key, []).append(time.thread_time() - c0)
+
+    def _timed(self, fn: Callable[..., Any], stage: int, kind: str, backward: bool = False) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.in_backward += backward
+            self.current = stage
+            self._start()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._stop((stage, kind))
+                self.in_backward -= backward
+
+        return run
+
+    def _recompute(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not self.in_backward or self.remat_depth:
+                return fn(*args, **kwargs)
+            self.remat_depth += 1
+            self._start()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._stop((self.current, "R"))
+                self.remat_depth -= 1
+
+        return run
+
+    def total(self, stage: int, kind: str, cpu: bool = False) -> float:
+        return sum((self.cpu if cpu else self.wall).get((stage, kind), []))
+
+    def stage_times(self, dp: int) -> dict[int, StageTimes]:
+        out = {}
+        for st in self.stages:
+            s = st.stage_index
+            bwd = self.wall.get((s, "B"), [0.0])
+            sync = 0.0
+            if dp > 1 and len(bwd) > 1:
+                # The last backward also waits for DDP's gradient all-reduce: charge its excess to communication.
+                sync = max(0.0, bwd[-1] - statistics.mean(bwd[:-1]))
+            chunks = self.total(s, "chunk F") + self.total(s, "chunk B")
+            out[s] = StageTimes(
+                forward_s=self.total(s, "F") + self.total(s, "L"),
+                forward_cpu_s=self.total(s, "F", True) + self.total(s, "L", True),
+                backward_s=sum(bwd) - sync,
+                backward_cpu_s=self.total(s, "B", True),
+                backward_sync_s=sync,
+                recompute_s=self.total(s, "R"),
+                recompute_cpu_s=self.total(s, "R", True),
+                overhead_s=chunks - self.total(s, "F") - sum(bwd),
+            )
+        return out
+
+    def outside_s(self, step_s: float) -> float:
+        """The step's time outside the stages' chunks, the loss, the optimizer and the waits: framework."""
+        inside = sum(self.total(st.stage_index, k) for st in self.stages for k in ("chunk F", "chunk B", "L"))
+        return step_s - inside - self.total(-1, "O") - self.total(-1, "W")
+
+
+_FIELDS = tuple(StageTimes.__dataclass_fields__)
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds every core of the machine has been busy since boot (/proc/stat: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How the configurations are timed: in blocks of `warmup` untimed and `steps` timed steps, in rounds over the
+    matrix until each configuration has `quiet_blocks` quiet blocks (other processes used at most `quiet_cores`
+    cores meanwhile) or `max_rounds` rounds have run; before each round, up to `wait_s` seconds of waiting for
+    the machine to be quiet."""
+
+    steps: int = 3
+    warmup: int = 1
+    quiet_blocks: int = 2
+    max_rounds: int = 8
+    quiet_cores: float = 0.15
+    wait_s: float = 60.0
+
+
+@dataclass
+class _Run:
+    """One configuration on this rank: its trainer and batch, and what was measured so far."""
+
+    item: dict[str, Any]
+    trainer: Any
+    batch: tuple[Any, Any]
+    probe: _Probe | None = None
+    memory: dict[str, int] = field(default_factory=dict)
+    step_s: list[float] = field(default_factory=list)
+    quiet: list[bool] = field(default_factory=list)
+    optimizer_s: list[float] = field(default_factory=list)
+    outside_s: list[float] = field(default_factory=list)
+    wait_s: list[float] = field(default_factory=list)
+    stage_steps: list[dict[int, StageTimes]] = field(default_factory=list)
+    other_cores: list[float] = field(default_factory=list)  # per block
+
+
+def _build(item: dict[str, Any]) -> _Run:
+    """Build this rank's stages from the plan's Layout, as the emitted script does, and measure the memory of a
+    steady step: the first step leaves the state a steady step starts from; the peak is taken over the second."""
+    import torch
+    import torch.distributed as dist
+
+    from pyplan import load_model
+    from pyplan.plan import Plan
+    from pyplan.profile.live import LiveMemory
+    from pyplan.runtime.trainer import build_trainer, optimizer_factory, replica_slice
+
+    layout = Plan.from_json(item["plan"]).layout
+    spec = load_model(f"zoo:{item['config']['model']}")
+    torch.manual_seed(0)
+    trainer = build_trainer(spec, spec.build(), layout, optimizer_factory("adamw", LR))
+    batch = item["global_batch"]
+    inputs, target = spec.example_inputs(batch), spec.target(batch)
+    mine = replica_slice(layout, trainer.dp_rank)
+    x, y = tuple(t[mine] for t in inputs), target[mine]
+    dist.barrier()
+    with LiveMemory() as mem:
+        trainer.step(x, y)
+        start = mem.mark()
+        trainer.step(x, y)
+        stop = mem.mark()
+    params = list({id(p): p for mod in trainer.modules for p in mod.parameters()}.values())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    state = trainer.optimizer.state.values()
+    run = _Run(item, trainer, (x, y))
+    run.memory = {
+        "peak_bytes": param_bytes + mem.peak_bytes_since(start, stop),
+        "param_bytes": param_bytes,
+        "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+        "optimizer_state_bytes": sum(
+            v.numel() * v.element_size() for s in state for v in s.values() if torch.is_tensor(v)
+        ),
+    }
+    run.probe = _Probe(trainer)
+    return run
+
+
+def _time_block(run: _Run, protocol: Protocol) -> None:
+    """One block of `protocol.warmup` untimed and `protocol.steps` timed steps, each after a barrier. Other
+    processes' load over the timed steps is the machine's busy CPU time less both ranks' (every thread)."""
+    import torch.distributed as dist
+
+    assert run.probe is not None
+    trainer, probe, (x, y) = run.trainer, run.probe, run.batch
+    for _ in range(protocol.warmup):
+        dist.barrier()
+        trainer.step(x, y)
+    dist.barrier()
+    _Probe.active = probe
+    busy0, cpu0, wall0 = _machine_busy_s(), time.process_time(), time.perf_counter()
+    for _ in range(protocol.steps):
+        dist.barrier()
+        probe.reset()
+        t0 = time.perf_counter()
+        trainer.step(x, y)
+        step = time.perf_counter() - t0
+        run.step_s.append(step)
+        run.optimizer_s.append(probe.total(-1, "O"))
+        run.outside_s.append(probe.outside_s(step))
+        run.wait_s.append(probe.total(-1, "W"))
+        run.stage_steps.append(probe.stage_times(trainer.layout.dp))
+    dist.barrier()
+    _Probe.active = None
+    wall, cpu, busy = time.perf_counter() - wall0, time.process_time() - cpu0, _machine_busy_s() - busy0
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (cpu, busy))
+    others = max(0.0, gathered[0][1] - sum(c for c, _ in gathered)) / wall
+    run.other_cores.append(others)
+    run.quiet.extend([others <= protocol.quiet_cores] * protocol.steps)
+
+
+def _wait_quiet(protocol: Protocol) -> float:
+    """Wait (up to protocol.wait_s) until the machine has been quiet for a second; returns the seconds waited. Only
+    rank 0 calls it; the other rank waits in the next barrier."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < protocol.wait_s:
+        busy0 = _machine_busy_s()
+        time.sleep(1.0)
+        if _machine_busy_s() - busy0 <= protocol.quiet_cores:
+            break
+    return time.perf_counter() - start
+
+
+def _result(run: _Run) -> RankResult:
+    # The quiet steps if there are enough of them (the rows say how many), else every step.
+    keep = [i for i, q in enumerate(run.quiet) if q]
+    if len(keep) < len(run.quiet) and len(keep) < 3:
+        keep = list(range(len(run.quiet)))
+    stages = {
+        s: StageTimes(*(statistics.median(getattr(run.stage_steps[i][s], f) for i in keep) for f in _FIELDS))
+        for s in run.stage_steps[0]
+    }
+    return RankResult(
+        step_s=tuple(run.step_s),
+        quiet=tuple(run.quiet),
+        optimizer_s=statistics.median(run.optimizer_s[i] for i in keep),
+        outside_s=statistics.median(run.outside_s[i] for i in keep),
+        wait_s=statistics.median(run.wait_s[i] for i in keep),
+        stages=stages,
+        other_cores=tuple(run.other_cores),
+        **run.memory,
+    )
+
+
+def _worker(job_path: str, out_path: str) -> None:
+    """One rank: build every configuration, then time them in rounds, each round every configuration that still
+    needs quiet blocks in turn, so that a burst of load from other processes falls on all configurations alike."""
+    import torch
+    import torch.distributed as dist
+
+    faulthandler.dump_traceback_later(float(os.environ.get("PYPLAN_HANG_S", "1800")), exit=True)
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    job = json.loads(Path(job_path).read_text())
+    protocol = Protocol(**job["protocol"])
+    runs: list[_Run] = []
+    item: dict[str, Any] = {}
+    try:
+        for item in job["items"]:
+            runs.append(_build(item))
+        for _ in range(protocol.max_rounds):
+            pending = [r for r in runs if sum(c <= protocol.quiet_cores for c in r.other_cores) < protocol.quiet_blocks]
+            if not pending:
+                break
+            if rank == 0:
+                _wait_quiet(protocol)
+            for run in pending:
+                item = run.item
+                _time_block(run, protocol)
+    except Exception:
+        # The other rank may wait in a send or receive of the pipeline: record and stop the launch.
+        Path(f"{out_path}.rank{rank}.error").write_text(f"{item.get('config')}\n{traceback.format_exc()}")
+        os._exit(1)
+    results = []
+    for run in runs:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, asdict(_result(run)))
+        results.append(gathered)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+    # Meshes sometimes abort the process at exit after a clean shutdown (TORCH_FACTS.md); exit at once.
+    os._exit(0)
+
+
+def run_matrix(planned: Sequence[Planned], protocol: Protocol, *, timeout_s: float = 3600) -> list[list[dict]]:
+    """Every planned configuration in one torchrun launch of 2 ranks, timed following `protocol`; per
+    configuration, each rank's RankResult as a dict."""
+    with tempfile.TemporaryDirectory(prefix="pyplan-accuracy-") as tmp:
+        job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        items = [{**asdict(p), "config": asdict(p.config)} for p in planned]
+        job.write_text(json.dumps({"items": items, "protocol": asdict(protocol)}))
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                __file__,
+                "--worker",
+                str(job),
+                str(out),
+            ],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        errors = sorted(Path(tmp).glob("out.json.rank*.error"))
+        if errors:
+            raise RuntimeError(f"a configuration failed:\n{errors[0].read_text()}")
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(f"the torchrun launch failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+# --- Analysis -------------------------------------------------------------------------------------------------
+
+
+def _stage_times(data: dict[str, Any]) -> dict[int, StageTimes]:
+    return {int(s): StageTimes(**t) for s, t in data.items()}
+
+
+def analyse(planned: Planned, ranks: Sequence[dict[str, Any]]) -> Row:
+    """The row of one configuration from its plan and every rank's measurement."""
+    from pyplan.plan import Plan
+    from pyplan.solve.schedules import simulate
+
+    plan = Plan.from_json(planned.plan)
+    lay, pred = plan.layout, plan.predicted
+    m = lay.num_microbatches
+    per_step = [max(t) for t in zip(*(r["step_s"] for r in ranks))]
+    quiet = [t for t, q in zip(per_step, ranks[0]["quiet"]) if q]
+    measured_s = statistics.median(quiet if len(quiet) >= 3 else per_step)
+    stages: dict[int, StageTimes] = {}
+    for r in ranks:
+        stages.update(_stage_times(r["stages"]))
+    n = len(plan.stages)
+
+    # Per micro-batch stage times: predicted; measured in CPU time and in wall time; recompute apart; framework
+    # overhead (the stage's, and its rank's outside the chunks, shared by the rank's stages) split between F and B.
+    f_pred = [st.forward_s for st in plan.stages]
+    b_pred = [st.backward_s for st in plan.stages]
+    r_pred = [st.recompute_s for st in plan.stages]
+    t = [stages[s] for s in range(n)]
+    per_rank = [sum(1 for r in planned.stage_rank if r == k) for k in range(lay.pp)]
+    outside = [ranks[planned.stage_rank[s]]["outside_s"] / per_rank[planned.stage_rank[s]] for s in range(n)]
+    f_cpu = [x.forward_cpu_s / m for x in t]
+    f_wall = [x.forward_s / m for x in t]
+    b_cpu_less = [(x.backward_cpu_s - x.recompute_cpu_s) / m for x in t]
+    b_wall_less = [(x.backward_s - x.recompute_s) / m for x in t]
+    b_wall = [x.backward_s / m for x in t]
+    half_fw = [(x.overhead_s + o) / (2 * m) for x, o in zip(t, outside)]
+
+    def makespan(f: list[float], b: list[float]) -> float:
+        sends = list(planned.send_s) or 0.0
+        sim = simulate(
+            lay.schedule,
+            f,
+            b,
+            num_microbatches=m,
+            stages_per_rank=lay.stages_per_rank,
+            send_forward_s=sends,
+            send_backward_s=sends,
+        )
+        return sim.makespan_s
+
+    sim_cpu = makespan(f_cpu, [x + r for x, r in zip(b_cpu_less, r_pred)])
+    sim_wall_less = makespan(f_wall, [x + r for x, r in zip(b_wall_less, r_pred)])
+    sim_wall = makespan(f_wall, b_wall)
+    sim_fw = makespan([x + h for x, h in zip(f_wall, half_fw)], [x + h for x, h in zip(b_wall, half_fw)])
+    optimizer_meas = max(r["optimizer_s"] for r in ranks)
+    sync_meas = max(sum(x.backward_sync_s for x in _stage_times(r["stages"]).values()) for r in ranks)
+    busiest = max(range(n), key=lambda s: f_pred[s] + b_pred[s])
+    terms = Terms(
+        compute_s=sim_cpu - pred.pipeline_s,
+        contention_s=sim_wall_less - sim_cpu,
+        recompute_s=sim_wall - sim_wall_less,
+        framework_s=sim_fw - sim_wall,
+        optimizer_s=optimizer_meas - pred.optimizer_s,
+        sync_s=sync_meas - pred.exposed_comm_s,
+        rest_s=measured_s - sim_fw - optimizer_meas - sync_meas,
+        rest_name="other" if lay.pp == 1 else "p2p",
+        forward_err=f_cpu[busiest] / f_pred[busiest] - 1,
+        backward_err=b_cpu_less[busiest] / (b_pred[busiest] - r_pred[busiest]) - 1,
+        other_cores=statistics.median(ranks[0]["other_cores"]),
+        stage_overhead_s=t[busiest].overhead_s / m,
+        outside_s=max(r["outside_s"] for r in ranks),
+    )
+
+    # Memory of each rank: predicted (its stages' state + activations) against measured.
+    pred_rank = [0.0] * lay.pp
+    act_rank = [0.0] * lay.pp
+    for s, st in enumerate(plan.stages):
+        pred_rank[planned.stage_rank[s]] += st.memory_bytes
+        act_rank[planned.stage_rank[s]] += st.activation_bytes
+    measured = [r["peak_bytes"] for r in ranks[: lay.pp]]  # one replica: dp ranks hold the same
+    # Activations: the peak less weights, gradients and optimizer state (all live at the peak or counted so).
+    state = [r["param_bytes"] + r["grad_bytes"] + r["optimizer_state_bytes"] for r in ranks[: lay.pp]]
+    top = max(range(lay.pp), key=lambda k: measured[k])
+    explained = max(p + u for p, u in zip(pred_rank, planned.buffer_bytes))
+    return Row(
+        config=planned.config,
+        predicted_s=pred.iteration_s,
+        measured_s=measured_s,
+        all_steps_s=statistics.median(per_step),
+        quiet_steps=len(quiet),
+        steps=len(per_step),
+        predicted_bytes=pred.peak_memory_bytes,
+        measured_bytes=max(r["peak_bytes"] for r in ranks),
+        predicted_activation_bytes=act_rank[top],
+        predicted_with_buffers_bytes=explained,
+        measured_activation_bytes=measured[top] - state[top],
+        terms=terms,
+    )
+
+
+def decisions(rows: Sequence[Row]) -> list[Decision]:
+    """Per search (model x remat policy) and per model: the configuration ranked first by predicted time against
+    the measured fastest."""
+    groups: dict[str, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(f"{r.config.model} remat={r.config.remat}", []).append(r)
+        groups.setdefault(f"{r.config.model} (all)", []).append(r)
+    out = []
+    for name, members in groups.items():
+        if len(members) < 2:
+            continue
+        chosen = min(members, key=lambda r: r.predicted_s)
+        fastest = min(members, key=lambda r: r.measured_s)
+        slower = chosen.measured_s / fastest.measured_s - 1
+        out.append(Decision(name, chosen.config.label, fastest.config.label, slower))
+    return out
+
+
+def summarize(rows: Sequence[Row]) -> Summary:
+    time_err = [abs(r.time_error) for r in rows]
+    mem_err = [abs(r.memory_error) for r in rows]
+    found = decisions(rows)
+    summary = Summary(
+        time_median=statistics.median(time_err),
+        time_worst=max(time_err),
+        memory_median=statistics.median(mem_err),
+        memory_worst=max(mem_err),
+        decisions=tuple(found),
+    )
+    summary.targets.update(
+        {
+            f"median |time error| <= {TARGET_TIME_MEDIAN:.0%}": summary.time_median <= TARGET_TIME_MEDIAN,
+            f"worst |time error| <= {TARGET_TIME_WORST:.0%}": summary.time_worst <= TARGET_TIME_WORST,
+            f"worst |peak memory error| <= {TARGET_MEMORY:.0%}": summary.memory_worst <= TARGET_MEMORY,
+            f"right recommendation >= {TARGET_RIGHT:.0%}": bool(found) and summary.right_rate >= TARGET_RIGHT,
+        }
+    )
+    return summary
+
+
+# --- Printing -------------------------------------------------------------------------------------------------
+
+
+def print_report(rows: Sequence[Row], summary: Summary, *, header: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from pyplan.report.units import fmt_bytes
+
+    console = Console(width=200)
+
+    def config_columns(table: Table) -> None:
+        for col in ("model", "dp x pp", "schedule", "b x m", "remat"):
+            table.add_column(col, justify="right" if col in ("dp x pp", "b x m") else "left")
+
+    def config_cells(c: Config) -> list[str]:
+        return [c.model, f"{c.dp}x{c.pp}", c.schedule, f"{c.micro_batch_size}x{c.num_microbatches}", c.remat]
+
+    times = Table(title=f"Iteration time, predicted against measured; {header}")
+    config_columns(times)
+    for col in ("predicted", "measured", "error", "all steps", "quiet steps", "other cores"):
+        times.add_column(col, justify="right")
+    for r in rows:
+        times.add_row(
+            *config_cells(r.config),
+            f"{r.predicted_s * 1e3:.1f} ms",
+            f"{r.measured_s * 1e3:.1f} ms",
+            f"{r.time_error:+.1%}",
+            f"{r.all_steps_s * 1e3:.1f} ms",
+            f"{r.quiet_steps}/{r.steps}",
+            f"{r.terms.other_cores:.2f}",
+        )
+    console.print(times)
+
+    memory = Table(title="Peak memory of the fullest rank (weights, gradients, AdamW state, activations, buffers)")
+    config_columns(memory)
+    for col in ("predicted", "measured", "error", "+ buffers", "error", "act. predicted", "act. measured"):
+        memory.add_column(col, justify="right")
+    for r in rows:
+        memory.add_row(
+            *config_cells(r.config),
+            fmt_bytes(r.predicted_bytes),
+            fmt_bytes(r.measured_bytes),
+            f"{r.memory_error:+.1%}",
+            fmt_bytes(r.predicted_with_buffers_bytes),
+            f"{r.predicted_with_buffers_bytes / r.measured_bytes - 1:+.1%}",
+            fmt_bytes(r.predicted_activation_bytes),
+            fmt_bytes(r.measured_activation_bytes),
+        )
+    console.print(memory)
+
+    diag = Table(title="Diagnosis: measured minus predicted iteration time by term, % of the measured time")
+    diag.add_column("configuration")
+    diag.add_column("T err", justify="right")
+    diag.add_column("terms")
+    for r in rows:
+        diag.add_row(r.config.label, f"{r.time_error:+.1%}", r.terms.describe(r.measured_s, r.time_error))
+    console.print(diag)
+
+    ranks = Table(title=f"Recommendations (right: the plan ranked first is within {WITHIN:.0%} of the fastest)")
+    for col in ("decision", "ranked first", "measured fastest", "slower by", "right"):
+        ranks.add_column(col, justify="right" if col == "slower by" else "left")
+    for d in summary.decisions:
+        ranks.add_row(d.group, d.chosen, d.fastest, f"{d.slower_by:+.1%}", "yes" if d.right else "NO")
+    console.print(ranks)
+
+    right = sum(d.right for d in summary.decisions)
+    console.print(
+        f"iteration time |error|: median {summary.time_median:.1%}, worst {summary.time_worst:.1%}; "
+        f"peak memory |error|: median {summary.memory_median:.1%}, worst {summary.memory_worst:.1%}; "
+        f"right recommendation {right}/{len(summary.decisions)} ({summary.right_rate:.0%})"
+    )
+    for name, met in summary.targets.items():
+        console.print(f"target {name}: {'met' if met else 'MISSED'}")
+
+
+def run(
+    cases: Sequence[Case] = CASES,
+    *,
+    remats: Sequence[str] = REMATS,
+    protocol: Protocol = Protocol(),
+    calibration: str | None = None,
+    quick_calibration: bool = False,
+    keep: Callable[[Config], bool] = lambda c: True,
+) -> tuple[list[Row], Summary]:
+    """Calibrate (or use `calibration`), plan, run and analyse the matrix; returns the rows and the summary."""
+    with calibration_dir(calibration, quick_calibration):
+        planned = [p for case in cases for p in plan_case(case, remats, keep)]
+        measured = run_matrix(planned, protocol)
+    rows = [analyse(p, ranks) for p, ranks in zip(planned, measured)]
+    return rows, summarize(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=[c.model for c in CASES], help="default: all")
+    default = Protocol()
+    parser.add_argument("--steps", type=int, default=default.steps, help="timed steps per block")
+    parser.add_argument("--warmup", type=int, default=default.warmup, help="untimed steps before each block")
+    parser.add_argument(
+        "--quiet-blocks", type=int, default=default.quiet_blocks, help="quiet blocks wanted per configuration"
+    )
+    parser.add_argument("--max-rounds", type=int, default=default.max_rounds)
+    parser.add_argument(
+        "--quiet-cores",
+        type=float,
+        default=default.quiet_cores,
+        help="a block is quiet when other processes used at most this many cores",
+    )
+    parser.add_argument(
+        "--wait", type=float, default=default.wait_s, help="seconds to wait for a quiet machine before each round"
+    )
+    parser.add_argument("--calibration", metavar="FILE", help="use this calibration file instead of calibrating")
+    parser.add_argument("--quick-calibration", action="store_true")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows and summary here")
+    args = parser.parse_args(argv)
+    cases = [c for c in CASES if not args.models or c.model in args.models]
+    start = time.perf_counter()
+    rows, summary = run(
+        cases,
+        protocol=Protocol(args.steps, args.warmup, args.quiet_blocks, args.max_rounds, args.quiet_cores, args.wait),
+        calibration=args.calibration,
+        quick_calibration=args.quick_calibration,
+    )
+    import torch
+
+    header = (
+        f"2 ranks x 1 thread, gloo, torch {torch.__version__}, blocks of {args.warmup} + {args.steps} steps, "
+        f"medians over quiet steps ({time.perf_counter() - start:.0f} s)"
+    )
+    print_report(rows, summary, header=header)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": [asdict(r) for r in rows], "summary": asdict(summary)}))
+    return 0 if all(summary.targets.values()) else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(main())

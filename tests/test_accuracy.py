@@ -1,0 +1,73 @@
+"""The accuracy benchmark end to end on a reduced matrix: plan, run under torchrun, measure, analyse, print."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "accuracy.py"
+
+# Fixed figures for the `local` GPU and link: the test checks the harness, not the figures (the benchmark itself
+# runs `pyplan calibrate` first).
+CALIBRATION = {
+    "gpu": {"peak_flops_per_s": {"fp32": 1e11}, "hbm_bw_bytes_per_s": 2e10, "source": "tests/test_accuracy.py"},
+    "link": {"latency_s": 1.5e-4, "bw_bytes_per_s": 2e9, "source": "tests/test_accuracy.py"},
+}
+
+
+def _benchmark() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("pyplan_accuracy_benchmark", BENCHMARK)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _finite(value: object) -> bool:
+    if isinstance(value, bool | str):
+        return True
+    if isinstance(value, int | float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(_finite(v) for v in value)
+    return False
+
+
+@pytest.mark.distributed
+def test_accuracy_harness_runs_two_configurations(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    acc = _benchmark()
+    calibration = tmp_path / "local.json"
+    calibration.write_text(json.dumps(CALIBRATION))
+    wanted = {"vgg-tiny 2x1 1F1B b8x2 remat=none", "vgg-tiny 1x2 GPipe b8x4 remat=none"}
+    rows, summary = acc.run(
+        [acc.Case("vgg-tiny", 32, (8,))],
+        remats=("none",),
+        protocol=acc.Protocol(steps=1, warmup=0, quiet_blocks=1, max_rounds=1, wait_s=0.0),
+        calibration=str(calibration),
+        keep=lambda c: c.label in wanted,
+    )
+    assert {r.config.label for r in rows} == wanted
+    for row in rows:
+        fields = dataclasses.asdict(row)
+        assert _finite(fields), fields
+        assert row.predicted_s > 0 and row.measured_s > 0 and row.steps == 1
+        assert row.predicted_bytes > 0 and row.measured_bytes > 0 and row.measured_activation_bytes > 0
+        assert math.isfinite(row.time_error) and math.isfinite(row.memory_error)
+        assert row.terms.describe(row.measured_s, row.time_error)
+    assert len(summary.decisions) == 2 and 0 <= summary.right_rate <= 1
+    assert all(math.isfinite(x) for x in (summary.time_median, summary.time_worst, summary.memory_worst))
+    assert len(summary.targets) == 4
+
+    acc.print_report(rows, summary, header="test")
+    out = capsys.readouterr().out
+    assert "vgg-tiny" in out and "target median |time error|" in out
