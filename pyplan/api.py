@@ -21,6 +21,7 @@ from pyplan.plan import OBJECTIVES, PLACEMENTS, Layout, Plan, Prediction, StageP
 from pyplan.profile import TimingOptions, default_batch_sizes, local_device, profile
 from pyplan.profile.analytic import Roofline, block_times_analytic
 from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, measured_target
+from pyplan.profile.measure import checkpoint_call_s
 from pyplan.profile.remat import remat_bytes
 from pyplan.solve.remat_search import OFFLOAD_MODES, RELAXED_SHARES, REMAT_MODES, refine_plan, relaxed_chain
 
@@ -304,6 +305,9 @@ def search(
         candidates, evaluated = plain.num_candidates, plain.num_evaluated
     else:
         profile_ = remat_bytes(chain, example_inputs, (1, 2))
+        # A checkpoint call's own cost, measured where the blocks were (on a GPU the host overhead runs ahead of
+        # the kernels, and an analytic profile has no host to measure: none is charged).
+        checkpoint_s = checkpoint_call_s() if _is_local(gpu) and not is_meta_module(model) else 0.0
         relaxed = [
             run(*relaxed_chain(fwd_a, fwd_b, bwd_a, bwd_b, profile_, scale, share), max(4 * top_k, 20))
             for share in RELAXED_SHARES
@@ -329,6 +333,7 @@ def search(
                 stage_sync_s=list(c.stage_sync_s),
                 mode=remat,
                 offload_bw_bytes_per_s=offload_bw_bytes_per_s if offload == "auto" else None,
+                checkpoint_s=checkpoint_s,
             )
             if got is not None:
                 refined.append(got)

@@ -104,13 +104,15 @@ struct Recurrence {
     bool unbounded;
     bool offload;
     double bw;
+    double checkpoint_s;
     std::vector<int> kept, freed;
     std::vector<double> fwd_prefix;
     Counted ct;
 
     Recurrence(const RematChain& chain, const RematTable& table, const RematOptions& o)
         : c(chain), tab(table), slots{table.slot_bytes}, unbounded(o.max_depth < 0),
-          offload(o.offload_bw_bytes_per_s > 0), bw(o.offload_bw_bytes_per_s), ct(counted_of(chain)) {
+          offload(o.offload_bw_bytes_per_s > 0), bw(o.offload_bw_bytes_per_s), checkpoint_s(o.checkpoint_s),
+          ct(counted_of(chain)) {
         const int n = c.num_blocks();
         fwd_prefix.assign(n + 1, 0.0);
         for (int i = 0; i < n; ++i) {
@@ -159,8 +161,9 @@ struct Recurrence {
         for (int k = s + 1; k <= t; ++k) {
             if (k > s + 1) nosave = std::max(nosave, live_from(c, s, k - 1) + c.fwd_nosave_peak_bytes[k - 1]);
             const int a = slots(live_from(c, s, k));
-            out.push_back({RematToken::kBegin, k, fwd_prefix[k] - fwd_prefix[s], std::max(slots(g + nosave), a), hi,
-                           a, row(kHeldWhole, d, k, t), row(kHeldWhole, inner, s, k - 1)});
+            const double base = checkpoint_s + fwd_prefix[k] - fwd_prefix[s];
+            out.push_back({RematToken::kBegin, k, base, std::max(slots(g + nosave), a), hi, a, row(kHeldWhole, d, k, t),
+                           row(kHeldWhole, inner, s, k - 1)});
         }
     }
 };

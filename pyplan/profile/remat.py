@@ -78,14 +78,15 @@ class RematBytes:
         def value(a: Affine) -> int:
             return round(a(batch_size))
 
+        values = tuple((value(b), last) for b, last in self.out_values)
         return BlockMemory(
             value(self.kept_bytes),
-            value(self.out_bytes),
+            sum(b for b, _ in values) if values else value(self.out_bytes),
             value(self.fwd_peak_bytes),
             value(self.fwd_nosave_peak_bytes),
             value(self.bwd_peak_bytes),
             value(self.free_bytes),
-            tuple((value(b), last) for b, last in self.out_values),
+            values,
         )
 
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "RematPlan",
     "RematResult",
     "Replay",
+    "checkpoint_calls",
     "full_remat",
     "min_budget",
     "no_remat",
@@ -88,6 +89,7 @@ class RematChain:
     grad_bytes: tuple[float, ...]  # [L + 1], per cut
     free_bytes: tuple[float, ...] = ()  # [L]; empty: nothing freed
     out_values: tuple[tuple[tuple[float, int], ...], ...] = ()  # [L] (bytes, last cut); empty: live one cut
+    checkpoint_s: float = 0.0  # the cost of one checkpoint call (its wrapper and recomputation bookkeeping)
 
     def __post_init__(self) -> None:
         n = len(self.fwd_s)
@@ -145,18 +147,35 @@ class RematChain:
             self.grad_bytes[start : stop + 1],
             self.free_bytes[start:stop],
             tuple(tuple((b, min(last, stop) - start) for b, last in v) for v in self.out_values[start:stop]),
+            self.checkpoint_s,
         )
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {k: list(getattr(self, k)) for k in self.__dataclass_fields__ if k != "out_values"}
+        out: dict[str, Any] = {k: list(getattr(self, k)) for k in _VECTORS}
         out["out_values"] = [[list(v) for v in vs] for vs in self.out_values]
+        out["checkpoint_s"] = self.checkpoint_s
         return out
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> RematChain:
-        fields = {k: tuple(float(v) for v in data[k]) for k in RematChain.__dataclass_fields__ if k in data}
+        fields: dict[str, Any] = {k: tuple(float(v) for v in data[k]) for k in _VECTORS if k in data}
         fields["out_values"] = tuple(tuple((float(b), int(c)) for b, c in vs) for vs in data.get("out_values", []))
+        fields["checkpoint_s"] = float(data.get("checkpoint_s", 0.0))
         return RematChain(**fields)
+
+
+# The per-block and per-cut vectors of a RematChain, in the order the C++ core takes them.
+_VECTORS = (
+    "fwd_s",
+    "bwd_s",
+    "kept_bytes",
+    "out_bytes",
+    "fwd_peak_bytes",
+    "fwd_nosave_peak_bytes",
+    "bwd_peak_bytes",
+    "grad_bytes",
+    "free_bytes",
+)
 
 
 @dataclass(frozen=True)
@@ -350,12 +369,22 @@ class Replay:
 
 
 def replay(chain: RematChain, plan: RematPlan, *, offload_bw_bytes_per_s: float = math.inf) -> Replay:
-    """Run `plan` on the model of the module docstring, operation by operation."""
+    """Run `plan` on the model of the module docstring, operation by operation, plus `checkpoint_s` per
+    checkpoint call (`checkpoint_calls`)."""
     if plan.first != 0 or plan.last != len(chain) - 1:
         raise ValueError(f"the plan covers blocks {plan.first}..{plan.last}, the chain has {len(chain)}")
     first: list[Op] = []
     _first_pass(plan, first)
-    return replay_ops(chain, plan_ops(plan), offload_bw_bytes_per_s=offload_bw_bytes_per_s, forward_ops=len(first))
+    rep = replay_ops(chain, plan_ops(plan), offload_bw_bytes_per_s=offload_bw_bytes_per_s, forward_ops=len(first))
+    extra = chain.checkpoint_s * checkpoint_calls(plan)
+    return replace(rep, time_s=rep.time_s + extra, recompute_s=rep.recompute_s + extra)
+
+
+def checkpoint_calls(plan: RematPlan) -> int:
+    """Checkpoint calls a training step of `plan` makes, counting each checkpoint once per pass that runs it
+    saving: its own call, then those of its recomputation (calls nested inside a non-saving pass are left out:
+    an approximation, they cost the same wrapper but no bookkeeping of saved tensors)."""
+    return sum(1 + checkpoint_calls(it.inner) for it in plan.items if isinstance(it, Checkpoint))
 
 
 def replay_ops(
@@ -510,8 +539,7 @@ def _plan_of_steps(steps: Sequence[tuple[str, int]], offset: int) -> RematPlan:
 
 def _arrays(chain: RematChain) -> list[list[float]]:
     """The chain as the C++ core takes it: the per-block and per-cut vectors, then live_from flat."""
-    plain = [list(getattr(chain, k)) for k in RematChain.__dataclass_fields__ if k != "out_values"]
-    return [*plain, chain.live_from_matrix()]
+    return [*(list(getattr(chain, k)) for k in _VECTORS), chain.live_from_matrix()]
 
 
 def min_budget(chain: RematChain, *, offload: bool = False, max_depth: int | None = None) -> float:
@@ -554,6 +582,7 @@ def solve(
         offload_bw_bytes_per_s=bw,
         max_depth=-1 if max_depth is None else max_depth,
         in_flight=in_flight,
+        checkpoint_s=chain.checkpoint_s,
     )
     if not r.feasible:
         raise InfeasibleError(f"rematerialization: {r.reason}")

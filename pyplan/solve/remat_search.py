@@ -129,11 +129,12 @@ def refine_plan(
     stage_sync_s: Sequence[float],
     mode: str,
     offload_bw_bytes_per_s: float | None,
+    checkpoint_s: float = 0.0,
 ) -> Plan | None:
     """`plan` (from the search on the relaxed chain) with each stage's remat plan, times and memory; None
     when some stage fits no plan of `mode`. `fwd_s(b)`/`bwd_s(b)` give the blocks' seconds at micro-batch b,
     `cut_bytes(b)` every cut's bytes, `positions` every cut's node position; `send_s(bytes)` a boundary transfer
-    on the plan's pipeline link."""
+    on the plan's pipeline link; `checkpoint_s` the cost of one checkpoint call on the device."""
     lay = plan.layout
     b = lay.micro_batch_size
     f_all, g_all, cuts = fwd_s(b), bwd_s(b), cut_bytes(b)
@@ -160,6 +161,9 @@ def refine_plan(
             fwd_nosave_peak_bytes=tuple(m.fwd_nosave_peak_bytes * scale for m in mems[lo:hi]),
             bwd_peak_bytes=tuple(m.bwd_peak_bytes * scale for m in mems[lo:hi]),
             grad_bytes=tuple(grads[lo : hi + 1]),
+            free_bytes=tuple(m.free_bytes * scale for m in mems[lo:hi]),
+            out_values=tuple(tuple((b * scale, min(last, hi) - lo) for b, last in m.out_values) for m in mems[lo:hi]),
+            checkpoint_s=checkpoint_s,
         )
         got = stage_remat(chain, budget, st.in_flight, mode=mode, offload_bw_bytes_per_s=offload_bw_bytes_per_s)
         if got is None:

@@ -42,6 +42,7 @@ def random_chain(rng: random.Random, n: int) -> RematChain:
         grad_bytes=tuple(float(g) for g in grad),
         free_bytes=tuple(float(rng.randint(0, o)) if rng.random() < 0.7 else 0.0 for o in out),
         out_values=tuple(_values(rng, i, n, o) for i, o in enumerate(out)),
+        checkpoint_s=rng.choice((0.0, 0.0, 0.5, 2.0)),
     )
 
 

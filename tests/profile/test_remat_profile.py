@@ -186,3 +186,10 @@ def test_a_billion_parameter_model_is_measured_without_memory() -> None:
     assert grown_mib < 64, f"measuring grew the process by {grown_mib:.0f} MiB"
     # Every transformer layer keeps gigabytes at 2048 tokens; none of it was allocated.
     assert max(rc.kept_bytes) > 1e9
+
+
+def test_a_checkpoint_call_has_a_measured_cost() -> None:
+    from pyplan.profile.measure import checkpoint_call_s
+
+    cost = checkpoint_call_s()
+    assert 0 < cost < 0.01  # tens of microseconds on a CPU; never free, never milliseconds

@@ -37,7 +37,7 @@
 //   Keep:       fwd_s + bwd_s + C^Kept[d][s+1][t][m − kept[s] + φ]      if g_t + fwd_peak[s] ≤ m, bp_s − φ ≤ m
 //   Offload:    fwd_s + bwd_s + max(0, τ_s − fwd_s) + max(0, τ_s − bwd_s[s+1])
 //               + C^Whole[d][s+1][t][m − out[s] + φ]                   if also kept[s] + bp_{s+1} − φ ≤ m (the prefetched bytes are live during B(s+1))
-//   Checkpoint(s..k−1), s < k ≤ t:  Σ_{j=s}^{k−1} fwd_s[j] + C^Whole[d][k][t][m − λ(s,k)] + C^Whole[d−1][s][k−1][m]
+//   Checkpoint(s..k−1), s < k ≤ t:  c + Σ_{j=s}^{k−1} fwd_s[j] + C^Whole[d][k][t][m − λ(s,k)] + C^Whole[d−1][s][k−1][m]
 //               with λ(s, k) = live_from(s, k), the segment's values at cut k (its input's are held outside),
 //               if g_t + max_{s≤j<k} (fwd_nosave_peak[j] + (j > s ? λ(s, j) : 0)) ≤ m; the recomputation
 //               holds the gradient of cut k, which its own table entry counts (g_{k−1}).
@@ -75,6 +75,7 @@ struct RematOptions {
     int slots = 500;
     double offload_bw_bytes_per_s = 0;  // 0: no offloading
     int max_depth = -1;                 // checkpoint nesting allowed; −1: unbounded (Rotor), 1: checkpoint sets
+    double checkpoint_s = 0;            // the cost of one checkpoint call, added to each Checkpoint option
 };
 
 // One token of a plan written flat: Keep/Offload name a block; a checkpoint's items sit between Begin and End.
