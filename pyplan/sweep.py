@@ -10,13 +10,10 @@ an interrupted sweep keeps what it finished and a resumed one skips it.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import json
 import multiprocessing
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -27,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pyplan._files import write_atomic
 from pyplan.api import chain_for, search
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.graph.trace import ExampleInputs
@@ -526,21 +524,6 @@ def plan_many(
 # --- Results files -------------------------------------------------------------------------------------------
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to a temporary file beside `path` and rename it over `path`: readers see all or nothing."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _csv_text(records: Iterable[Record], *, header: bool = True) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
@@ -661,7 +644,7 @@ class ResultsFile:
             data = (json.dumps(list(records), indent=1) + "\n").encode()
         else:
             data = _parquet_bytes(records)
-        _write_atomic(self.path, data)
+        write_atomic(self.path, data)
 
 
 def _parquet_bytes(records: Sequence[Record]) -> bytes:

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pyplan._files import write_atomic
 from pyplan.errors import PlanError
 from pyplan.hardware.cluster import Cluster
 from pyplan.plan import SCHEMA_VERSION, Plan, Workload
 
-__all__ = ["PlanFile", "plan_file_from_json", "read_plan_file", "write_atomic", "write_plan_file"]
+__all__ = ["PlanFile", "plan_file_from_json", "read_plan_file", "write_plan_file"]
 
 
 @dataclass(frozen=True)
@@ -35,20 +34,6 @@ class PlanFile:
             "cluster": self.cluster.to_json(),
             "plan": self.plan.to_json(),
         }
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same directory: never a half-written file."""
-    path = Path(path)
-    directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_plan_file(path: str | Path, document: PlanFile) -> None:

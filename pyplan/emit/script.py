@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pyplan.emit.planfile import PlanFile, write_atomic
+from pyplan._files import write_atomic
+from pyplan.emit.planfile import PlanFile
 
 __all__ = ["render_script", "write_script"]
 

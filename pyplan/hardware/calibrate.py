@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from pyplan._files import write_atomic
 from pyplan._torch import OpRecorder
 from pyplan.errors import PlanError
 from pyplan.hardware.catalog import _detect_local, local_calibration_path
@@ -652,17 +653,7 @@ def write_calibration(calibration: Calibration, path: str | Path | None = None) 
     """Write the calibration file atomically (a temporary file renamed over it) to `path` (default:
     `local_calibration_path()`); returns the path written."""
     target = Path(path) if path is not None else local_calibration_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(calibration.to_json(), f, indent=2)
-            f.write("\n")
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomic(target, json.dumps(calibration.to_json(), indent=2) + "\n", make_parents=True)
     return target
 
 

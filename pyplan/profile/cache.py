@@ -30,7 +30,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from pyplan._files import write_atomic
 from pyplan.graph.chain import Block, Chain
 from pyplan.graph.layergraph import Affine, GraphNode, LayerGraph, TensorInfo
 from pyplan.graph.linearize import linearize
@@ -500,7 +500,7 @@ class ProfileCache:
         payload = _payload(fresh, profiled, profiled_on)
         entry = {"format": FORMAT, "key": key.data, "sha256": _sha256(_canonical(payload)), "payload": payload}
         try:
-            _write_atomic(self.path(key), json.dumps(entry, sort_keys=True))
+            write_atomic(self.path(key), json.dumps(entry, sort_keys=True), make_parents=True)
         except OSError as exc:
             self.stats.reasons.append(f"not stored: {exc}")
             return
@@ -512,18 +512,3 @@ class ProfileCache:
         self.stats.discarded += 1
         self.stats.reasons.append(f"{path.name}: {reason}")
         return None
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import io
-import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pyplan._files import write_atomic
 from pyplan.errors import PlanError
 
 if TYPE_CHECKING:
@@ -60,13 +59,4 @@ def figure_bytes(fig: Figure, fmt: str, *, dpi: int = 150) -> bytes:
 
 def save_figure(fig: Figure, path: str | Path, *, dpi: int = 150) -> None:
     """Write the figure to `path` (format from the suffix) through a temporary file: never a half-written picture."""
-    data = figure_bytes(fig, picture_format(path), dpi=dpi)
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, figure_bytes(fig, picture_format(path), dpi=dpi))

@@ -9,8 +9,9 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from pyplan._files import write_atomic
 from pyplan.api import PlanSearch
-from pyplan.emit.planfile import PlanFile, write_atomic
+from pyplan.emit.planfile import PlanFile
 from pyplan.plan import Plan
 from pyplan.report.figure import figure_bytes
 from pyplan.report.gantt import gantt_figure, timeline
