@@ -105,14 +105,13 @@ def stage_remat(
     if budget_bytes <= 0:
         return None
     try:
+        # solve replays its plan in bytes and also tries keeping everything (and the other baselines).
         got = solve(chain, budget_bytes, slots=slots, offload_bw_bytes_per_s=offload_bw_bytes_per_s,
                     in_flight=in_flight)
     except InfeasibleError:
         return None
-    plain = fits(no_remat(0, n))
-    if plain is not None and plain.time_s <= got.time_s:
-        return plain  # the discretized DP never beats keeping everything when that fits
-    return fits(got.plan)
+    need = got.peak_bytes + (in_flight - 1) * got.after_forward_bytes
+    return StageChoice(got.plan, got.time_s, got.recompute_s, got.transfer_s, need)
 
 
 def refine_plan(
