@@ -56,6 +56,7 @@ void bind_search(py::module_& m) {
         .def_readonly("makespan_s", &Candidate::makespan_s)
         .def_readonly("exposed_sync_s", &Candidate::exposed_sync_s)
         .def_readonly("optimizer_s", &Candidate::optimizer_s)
+        .def_readonly("host_step_s", &Candidate::host_step_s)
         .def_readonly("iteration_s", &Candidate::iteration_s)
         .def_readonly("cost_per_iteration", &Candidate::cost_per_iteration)
         .def_readonly("samples_per_s", &Candidate::samples_per_s)
@@ -97,12 +98,15 @@ void bind_search(py::module_& m) {
            double grad_bytes, double optim_bytes, std::vector<int> micro_batch_sizes,
            const std::vector<std::string>& schedules, std::vector<int> zero_stages,
            const std::vector<std::string>& placements, bool allow_fewer_gpus, const std::string& objective,
-           double weight, int top_k) {
+           double weight, int top_k, std::vector<double> param_tensors, std::vector<double> cut_tensors,
+           std::pair<double, double> intra_collective, std::pair<double, double> inter_collective,
+           const py::dict& host) {
             const pyplan::ProfiledChain chain{std::move(fwd_alpha_s),     std::move(fwd_beta_s),
                                               std::move(bwd_alpha_s),     std::move(bwd_beta_s),
                                               std::move(act_per_sample_bytes), std::move(act_fixed_bytes),
                                               std::move(params),          std::move(cut_per_sample_bytes),
-                                              std::move(cut_fixed_bytes)};
+                                              std::move(cut_fixed_bytes), std::move(param_tensors),
+                                              std::move(cut_tensors)};
             pyplan::Hardware hardware;
             hardware.num_gpus = num_gpus;
             hardware.gpus_per_node = gpus_per_node;
@@ -110,7 +114,25 @@ void bind_search(py::module_& m) {
             hardware.mem_bw_bytes_per_s = mem_bw_bytes_per_s;
             hardware.intra = {intra_latency_s, intra_bw_bytes_per_s};
             hardware.inter = {inter_latency_s, inter_bw_bytes_per_s};
+            hardware.intra_collective = {intra_collective.first, intra_collective.second};
+            hardware.inter_collective = {inter_collective.first, inter_collective.second};
             hardware.price_per_gpu_s = price_per_gpu_s;
+            pyplan::HostCosts& h = hardware.host;
+            for (const auto& item : host) {
+                const std::string key = py::str(item.first);
+                if (key == "sync_overlaps_backward") {
+                    h.sync_overlaps_backward = item.second.cast<bool>();
+                    continue;
+                }
+                const double value = item.second.cast<double>();
+                if (key == "stage_forward_s") h.stage_forward_s = value;
+                else if (key == "stage_backward_s") h.stage_backward_s = value;
+                else if (key == "message_s") h.message_s = value;
+                else if (key == "step_s") h.step_s = value;
+                else if (key == "optimizer_tensor_s") h.optimizer_tensor_s = value;
+                else if (key == "optimizer_element_s") h.optimizer_element_s = value;
+                else throw std::invalid_argument("unknown host cost '" + key + "'");
+            }
             pyplan::SearchSpace space;
             space.global_batch = global_batch;
             space.bytes_per_param = {param_bytes, grad_bytes, optim_bytes};
@@ -139,11 +161,15 @@ void bind_search(py::module_& m) {
         py::arg("zero_stages") = std::vector<int>{0, 1, 2, 3},
         py::arg("placements") = std::vector<std::string>{"pp-inner", "dp-inner"},
         py::arg("allow_fewer_gpus") = false, py::arg("objective") = "time", py::arg("weight") = 0.0,
-        py::arg("top_k") = 5,
+        py::arg("top_k") = 5, py::arg("param_tensors") = std::vector<double>{},
+        py::arg("cut_tensors") = std::vector<double>{}, py::arg("intra_collective") = std::make_pair(0.0, 0.0),
+        py::arg("inter_collective") = std::make_pair(0.0, 0.0), py::arg("host") = py::dict(),
         "Searches data parallelism x pipeline stages x micro-batch size x schedule x ZeRO stage x placement\n"
         "for a chain profiled as t(b) = alpha*b + beta per block (see cpp/include/pyplan/search.h for the\n"
         "model). Per block (L): fwd/bwd alpha and beta in seconds, saved activation bytes per sample and per\n"
         "micro-batch, parameter elements; per cut (L+1): live bytes per sample and per micro-batch.\n"
+        "Optional: param_tensors (L) and cut_tensors (L+1) counts, intra/inter_collective (latency_s, bw) links\n"
+        "for collectives, host: HostCosts fields by name (search.h).\n"
         "objective: 'time', 'cost' or 'weighted' (cost + weight * time). Raises ValueError on invalid input;\n"
         "returns feasible=False with a reason when no plan fits in memory.");
 }

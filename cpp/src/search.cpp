@@ -72,6 +72,8 @@ void validate(const ProfiledChain& c, const Hardware& hw, const SearchSpace& spa
     require_array(c.params, L, "params");
     require_array(c.cut_per_sample_bytes, L + 1, "cut_per_sample_bytes");
     require_array(c.cut_fixed_bytes, L + 1, "cut_fixed_bytes");
+    if (!c.param_tensors.empty()) require_array(c.param_tensors, L, "param_tensors");
+    if (!c.cut_tensors.empty()) require_array(c.cut_tensors, L + 1, "cut_tensors");
     if (hw.num_gpus <= 0) fail("the number of GPUs must be >= 1, got " + std::to_string(hw.num_gpus));
     if (hw.gpus_per_node <= 0) fail("gpus_per_node must be >= 1, got " + std::to_string(hw.gpus_per_node));
     if (!(hw.gpu_mem_bytes >= 0.0)) fail("gpu_mem_bytes must be >= 0, got " + std::to_string(hw.gpu_mem_bytes));
@@ -80,6 +82,13 @@ void validate(const ProfiledChain& c, const Hardware& hw, const SearchSpace& spa
     }
     require_link(hw.intra, "intra");
     require_link(hw.inter, "inter");
+    if (hw.intra_collective.bw_bytes_per_s != 0.0) require_link(hw.intra_collective, "intra collective");
+    if (hw.inter_collective.bw_bytes_per_s != 0.0) require_link(hw.inter_collective, "inter collective");
+    const HostCosts& h = hw.host;
+    for (double x : {h.stage_forward_s, h.stage_backward_s, h.message_s, h.step_s, h.optimizer_tensor_s,
+                     h.optimizer_element_s}) {
+        if (!(x >= 0.0 && std::isfinite(x))) fail("host costs must be finite and >= 0, got " + std::to_string(x));
+    }
     if (!(hw.price_per_gpu_s >= 0.0)) fail("price_per_gpu_s must be >= 0, got " + std::to_string(hw.price_per_gpu_s));
     if (space.global_batch <= 0) fail("the global batch must be >= 1, got " + std::to_string(space.global_batch));
     const BytesPerParam& bpp = space.bytes_per_param;
@@ -182,6 +191,7 @@ public:
     Searcher(const ProfiledChain& chain, const Hardware& hw, const SearchSpace& space)
         : chain_(chain), hw_(hw), space_(space), L_(chain.num_blocks()) {
         for (double params : chain.params) total_params_ += params;
+        for (double tensors : chain.param_tensors) total_tensors_ += tensors;
     }
 
     SearchResult run();
@@ -189,7 +199,20 @@ public:
 private:
     // Dp collectives of a layout: all-reduce, and reduce-scatter / all-gather as its half.
     double allreduce_s(const Layout& lay, double bytes) const {
-        return hierarchical_allreduce_time_s(hw_.intra, hw_.inter, bytes, lay.dp_gpus_per_node, lay.dp_nodes);
+        const Link& intra = hw_.intra_collective.bw_bytes_per_s > 0.0 ? hw_.intra_collective : hw_.intra;
+        const Link& inter = hw_.inter_collective.bw_bytes_per_s > 0.0 ? hw_.inter_collective : hw_.inter;
+        return hierarchical_allreduce_time_s(intra, inter, bytes, lay.dp_gpus_per_node, lay.dp_nodes);
+    }
+    // Tensors crossing cut `cut` (0 at the model's input and output: nothing is sent there).
+    double cut_tensors(int cut) const {
+        return cut == 0 || cut == L_ || chain_.cut_tensors.empty() ? 0.0 : chain_.cut_tensors[cut];
+    }
+    // The optimizer step of a rank holding `state` bytes of `elements` parameter elements in `tensors` tensors.
+    double optimizer_s(double state, double elements, double tensors) const {
+        const HostCosts& h = hw_.host;
+        const double body = h.optimizer_element_s > 0.0 ? elements * h.optimizer_element_s
+                                                        : optimizer_step_time_s(state, state, hw_.mem_bw_bytes_per_s);
+        return body + tensors * h.optimizer_tensor_s;
     }
     const Layout& layout(int d, int p, int v, Placement placement);
     std::vector<Config> enumerate();
@@ -216,6 +239,8 @@ private:
     const SearchSpace& space_;
     const int L_;
     double total_params_ = 0.0;
+    double total_tensors_ = 0.0;
+    double tensors_of(int block) const { return chain_.param_tensors.empty() ? 0.0 : chain_.param_tensors[block]; }
     std::map<std::tuple<int, int, int, int>, Layout> layouts_;
     std::map<std::vector<long long>, Chain> chains_;
     std::map<std::vector<long long>, PartitionResult> partitions_;
@@ -450,7 +475,7 @@ void Searcher::bound(Config& c) {
     const Chain& chain = chain_for(c, lay);
     const int S = c.p * c.v;
     const int least_in_flight = c.schedule == Schedule::GPipe ? c.m : 1;
-    double work_s = 0, block_max_s = 0, backward_s = 0, state = 0, act = 0, block_state = 0, block_need = 0;
+    double work_s = 0, block_max_s = 0, backward_s = 0, state = 0, act = 0, block_need = 0;
     for (int i = 0; i < L_; ++i) {
         const double w = chain.fwd_time_s[i] + chain.bwd_time_s[i];
         work_s += w;
@@ -458,7 +483,6 @@ void Searcher::bound(Config& c) {
         block_max_s = std::max(block_max_s, w);
         state += chain.state_bytes[i];
         act += chain.act_bytes[i];
-        block_state = std::max(block_state, chain.state_bytes[i]);
         block_need = std::max(block_need, chain.state_bytes[i] + least_in_flight * chain.act_bytes[i]);
     }
     // Memory: the fullest stage holds at least the average and the largest block, at its least in flight.
@@ -485,14 +509,28 @@ void Searcher::bound(Config& c) {
         const double fixed_s = allreduce_s(lay, 0.0);
         const double sync_total = S * fixed_s + allreduce_s(lay, total_params_ * space_.bytes_per_param.grad_bytes) -
                                   fixed_s;
-        exposed_s = std::max(0.0, (sync_total - backward_s) / S);
+        // Without overlap, the rank that syncs most syncs at least the average over ranks.
+        // With overlap, Σ_s B_s is at most the profiled backward plus every stage's host costs (each cut's
+        // messages counted on both sides).
+        double messages = 0.0;
+        for (int cut = 1; cut < L_; ++cut) messages += cut_tensors(cut);
+        const double most_backward_s =
+            backward_s + S * hw_.host.stage_backward_s + 2.0 * hw_.host.message_s * messages;
+        exposed_s = hw_.host.sync_overlaps_backward ? std::max(0.0, (sync_total - most_backward_s) / S)
+                                                    : sync_total / c.p;
     }
-    // Optimizer: the rank with the most state holds at least the average and the largest block.
-    const double rank_state = std::max(state / c.p, block_state);
-    const double optimizer_s = optimizer_step_time_s(rank_state, rank_state, hw_.mem_bw_bytes_per_s);
+    // Optimizer (affine in state, elements and tensors): the rank with the most work does at least the average
+    // and at least any single block's.
+    const double shard = c.zero >= 1 ? c.d : 1;
+    double optimizer_s = this->optimizer_s(state / c.p, total_params_ / shard / c.p, total_tensors_ / c.p);
+    for (int i = 0; i < L_; ++i) {
+        optimizer_s = std::max(optimizer_s, this->optimizer_s(chain.state_bytes[i], chain_.params[i] / shard,
+                                                              tensors_of(i)));
+    }
+    const double rest_s = exposed_s + optimizer_s + hw_.host.step_s;
     c.bound_makespan_s = makespan_s;
-    c.bound_rest_s = exposed_s + optimizer_s;
-    c.bound_time_s = (makespan_s + exposed_s + optimizer_s) * (1.0 - 1e-9);  // summation order differs
+    c.bound_rest_s = rest_s;
+    c.bound_time_s = (makespan_s + rest_s) * (1.0 - 1e-9);  // summation order differs
     c.bound_objective = objective_of(space_, hw_, c.d * c.p, c.bound_time_s);
 }
 
@@ -672,18 +710,26 @@ void Searcher::evaluate(const Config& c) {
     // Stage sums from this candidate's chain (the partition may be shared with a looser ZeRO stage).
     StageTimes times;
     std::vector<double> act_per_microbatch(S);
-    std::vector<double> rank_state(c.p, 0.0), rank_work_s(c.p, 0.0);
+    std::vector<double> rank_state(c.p, 0.0), rank_work_s(c.p, 0.0), rank_elements(c.p, 0.0), rank_tensors(c.p, 0.0);
+    std::vector<double> rank_sync_s(c.p, 0.0);
     auto send_s = [&](int cut) { return cut == 0 || cut == L_ ? 0.0 : p2p_time_s(link, chain.cut_bytes[cut]); };
+    const HostCosts& host = hw_.host;
+    const double shard = c.zero >= 1 ? c.d : 1;
     double before_s = 0.0, makespan_bound_s = 0.0;
     for (int s = 0; s < S; ++s) {
-        double f = 0, g = 0, state = 0, act = 0, params = 0;
+        double f = 0, g = 0, state = 0, act = 0, params = 0, tensors = 0;
         for (int i = part.cuts[s]; i < part.cuts[s + 1]; ++i) {
             f += chain.fwd_time_s[i];
             g += chain.bwd_time_s[i];
             state += chain.state_bytes[i];
             act += chain.act_bytes[i];
             params += chain_.params[i];
+            tensors += tensors_of(i);
         }
+        // 8. Host costs of the stage per micro-batch: its own bookkeeping and the messages it receives and sends.
+        const double messages_s = host.message_s * (cut_tensors(part.cuts[s]) + cut_tensors(part.cuts[s + 1]));
+        f += host.stage_forward_s + messages_s;
+        g += host.stage_backward_s + messages_s;
         act += chain.cut_bytes[part.cuts[s]];  // summed as partition.h's mem_s
         times.forward_s.push_back(f);
         times.backward_s.push_back(g);
@@ -695,7 +741,10 @@ void Searcher::evaluate(const Config& c) {
         const bool syncs = c.d > 1 && c.zero < 3;
         const double sync_s = syncs ? allreduce_s(lay, params * space_.bytes_per_param.grad_bytes) : 0.0;
         cand.stage_sync_s.push_back(sync_s);
-        cand.exposed_sync_s = std::max(cand.exposed_sync_s, sync_s - g);
+        if (host.sync_overlaps_backward) cand.exposed_sync_s = std::max(cand.exposed_sync_s, sync_s - g);
+        rank_sync_s[cand.stage_rank[s]] += sync_s;
+        rank_elements[cand.stage_rank[s]] += params / shard;
+        rank_tensors[cand.stage_rank[s]] += tensors;
         rank_state[cand.stage_rank[s]] += state;
         rank_work_s[cand.stage_rank[s]] += c.m * (f + g);
         makespan_bound_s = std::max(makespan_bound_s, before_s + c.m * (f + g));  // see least_pipeline_makespan_s
@@ -704,13 +753,16 @@ void Searcher::evaluate(const Config& c) {
     times.backward_weight_s.assign(S, 0.0);
     times.send_backward_s = times.send_forward_s;
     // 6. Optimizer step of the rank with the most state.
-    for (double state : rank_state) {
-        cand.optimizer_s = std::max(cand.optimizer_s, optimizer_step_time_s(state, state, hw_.mem_bw_bytes_per_s));
+    for (int r = 0; r < c.p; ++r) {
+        cand.optimizer_s = std::max(cand.optimizer_s, optimizer_s(rank_state[r], rank_elements[r], rank_tensors[r]));
+        if (!host.sync_overlaps_backward) cand.exposed_sync_s = std::max(cand.exposed_sync_s, rank_sync_s[r]);
     }
+    cand.host_step_s = host.step_s;
     // The makespan is at least each stage's bound and each rank's work: skip the simulation when that
     // already cannot make the top-k or the frontier.
     makespan_bound_s = std::max(makespan_bound_s, *std::max_element(rank_work_s.begin(), rank_work_s.end()));
-    if (prunable(c.d * c.p, (makespan_bound_s + cand.exposed_sync_s + cand.optimizer_s) * (1.0 - 1e-9))) return;
+    const double rest_s = cand.exposed_sync_s + cand.optimizer_s + cand.host_step_s;
+    if (prunable(c.d * c.p, (makespan_bound_s + rest_s) * (1.0 - 1e-9))) return;
 
     // 4. The simulated makespan; activation memory with the in-flight micro-batches.
     ++result_.num_evaluated;
@@ -742,7 +794,7 @@ void Searcher::evaluate(const Config& c) {
     double idle_s = 0.0;
     for (double idle : sim.idle_s) idle_s += idle;
     cand.bubble_fraction = sim.makespan_s > 0 ? idle_s / (c.p * sim.makespan_s) : 0.0;
-    cand.iteration_s = cand.makespan_s + cand.exposed_sync_s + cand.optimizer_s;
+    cand.iteration_s = cand.makespan_s + rest_s;
     cand.cost_per_iteration = c.d * c.p * hw_.price_per_gpu_s * cand.iteration_s;
     cand.samples_per_s = cand.iteration_s > 0 ? space_.global_batch / cand.iteration_s : kInf;
     cand.objective = objective_of(space_, hw_, c.d * c.p, cand.iteration_s);

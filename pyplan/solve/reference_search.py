@@ -32,6 +32,21 @@ class ProfiledChain:
     params: Sequence[float]
     cut_per_sample_bytes: Sequence[float]
     cut_fixed_bytes: Sequence[float]
+    param_tensors: Sequence[float] = ()  # [L], empty: none
+    cut_tensors: Sequence[float] = ()  # [L+1], empty: none
+
+
+@dataclass(frozen=True)
+class Host:
+    """search.h's HostCosts."""
+
+    stage_forward_s: float = 0.0
+    stage_backward_s: float = 0.0
+    message_s: float = 0.0
+    step_s: float = 0.0
+    optimizer_tensor_s: float = 0.0
+    optimizer_element_s: float = 0.0
+    sync_overlaps_backward: bool = True
 
 
 @dataclass(frozen=True)
@@ -43,6 +58,9 @@ class Hardware:
     intra: tuple[float, float]  # (latency_s, bw_bytes_per_s)
     inter: tuple[float, float]
     price_per_gpu_s: float
+    intra_collective: tuple[float, float] | None = None  # None: intra
+    inter_collective: tuple[float, float] | None = None
+    host: Host = Host()
 
 
 @dataclass(frozen=True)
@@ -150,15 +168,18 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> P
     link = hw.inter if inter else hw.intra
     shape = _dp_shape(c.d, c.p, hw.gpus_per_node, c.placement)
 
+    intra_c, inter_c = hw.intra_collective or hw.intra, hw.inter_collective or hw.inter
+    host = hw.host
+
     def allreduce_s(nbytes: float) -> float:
         return reference.hierarchical_allreduce_time_s(
             nbytes,
             shape[0],
             shape[1],
-            intra_latency_s=hw.intra[0],
-            intra_bw_bytes_per_s=hw.intra[1],
-            inter_latency_s=hw.inter[0],
-            inter_bw_bytes_per_s=hw.inter[1],
+            intra_latency_s=intra_c[0],
+            intra_bw_bytes_per_s=intra_c[1],
+            inter_latency_s=inter_c[0],
+            inter_bw_bytes_per_s=inter_c[1],
         )
 
     # 1. Block times at b, with ZeRO-3's all-gathers and reduce-scatter; memory at b.
@@ -199,8 +220,12 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> P
         return hw.gpu_mem_bytes + found.least_overflow_bytes
     cuts = found.best_pipeline_time.cuts
     spans = [range(cuts[s], cuts[s + 1]) for s in range(stages)]
-    f_s = [sum(fwd[i] for i in blocks) for blocks in spans]
-    b_s = [sum(bwd[i] for i in blocks) for blocks in spans]
+    # 8. Host costs per stage and micro-batch: bookkeeping, and the messages of its input and output cuts.
+    tensors = list(chain.cut_tensors) or [0.0] * (num_blocks + 1)
+    tensors[0] = tensors[-1] = 0.0
+    messages = [host.message_s * (tensors[cuts[s]] + tensors[cuts[s + 1]]) for s in range(stages)]
+    f_s = [sum(fwd[i] for i in blocks) + host.stage_forward_s + messages[s] for s, blocks in enumerate(spans)]
+    b_s = [sum(bwd[i] for i in blocks) + host.stage_backward_s + messages[s] for s, blocks in enumerate(spans)]
 
     # 4. The simulated makespan.
     sends = [link[0] + cut[cuts[s + 1]] / link[1] for s in range(stages - 1)]
@@ -224,11 +249,32 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> P
 
     # 5.-7. Exposed gradient sync, optimizer step, totals.
     exposed = 0.0
+    rank_sync = [0.0] * c.p
     if c.d > 1 and c.zero < 3:
         for s, blocks in enumerate(spans):
-            exposed = max(exposed, allreduce_s(sum(chain.params[i] for i in blocks) * grad_b) - b_s[s])
-    optimizer = max(2 * x / hw.mem_bw_bytes_per_s for x in rank_state)
-    t = sim.makespan_s + exposed + optimizer
+            sync = allreduce_s(sum(chain.params[i] for i in blocks) * grad_b)
+            rank_sync[s % c.p] += sync
+            if host.sync_overlaps_backward:
+                exposed = max(exposed, sync - b_s[s])
+        if not host.sync_overlaps_backward:
+            exposed = max(rank_sync)
+    shard = c.d if c.zero >= 1 else 1
+    param_tensors = list(chain.param_tensors) or [0.0] * num_blocks
+    rank_elements, rank_tensors = [0.0] * c.p, [0.0] * c.p
+    for s, blocks in enumerate(spans):
+        rank_elements[s % c.p] += sum(chain.params[i] for i in blocks) / shard
+        rank_tensors[s % c.p] += sum(param_tensors[i] for i in blocks)
+
+    def optimizer_s(r: int) -> float:
+        body = (
+            rank_elements[r] * host.optimizer_element_s
+            if host.optimizer_element_s > 0
+            else 2 * rank_state[r] / hw.mem_bw_bytes_per_s
+        )
+        return body + rank_tensors[r] * host.optimizer_tensor_s
+
+    optimizer = max(optimizer_s(r) for r in range(c.p))
+    t = sim.makespan_s + exposed + optimizer + host.step_s
     cost = c.d * c.p * hw.price_per_gpu_s * t
     objective = {"time": t, "cost": cost, "weighted": cost + space.weight * t}[space.objective]
     return Planned(c.d, c.p, c.b, c.m, c.schedule, c.zero, c.placement, cuts, t, cost, max(rank_mem), objective)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 
 from pyplan import _core
-from pyplan.solve.reference_search import Hardware, ProfiledChain, Space, search_brute_force
+from pyplan.solve.reference_search import Hardware, Host, ProfiledChain, Space, search_brute_force
 
 REL = 1e-9
 
@@ -28,6 +28,23 @@ def _chain(rng: random.Random, num_blocks: int) -> ProfiledChain:
         params=u(1e5, 2e6, num_blocks),
         cut_per_sample_bytes=u(1e4, 2e5, num_blocks + 1),
         cut_fixed_bytes=u(0, 1e4, num_blocks + 1),
+        param_tensors=[float(rng.randint(0, 12)) for _ in range(num_blocks)],
+        cut_tensors=[float(rng.randint(1, 3)) for _ in range(num_blocks + 1)],
+    )
+
+
+def _host(rng: random.Random) -> Host:
+    """Host costs as a CPU over gloo has them (half the instances), or none."""
+    if rng.random() < 0.5:
+        return Host()
+    return Host(
+        stage_forward_s=rng.uniform(0, 5e-4),
+        stage_backward_s=rng.uniform(0, 5e-4),
+        message_s=rng.uniform(0, 3e-4),
+        step_s=rng.uniform(0, 2e-3),
+        optimizer_tensor_s=rng.uniform(0, 5e-5),
+        optimizer_element_s=rng.choice((0.0, rng.uniform(1e-10, 1e-8))),
+        sync_overlaps_backward=rng.random() < 0.5,
     )
 
 
@@ -40,6 +57,8 @@ def _hardware(rng: random.Random, num_gpus: int, gpus_per_node: int, gpu_mem_byt
         intra=(rng.uniform(1e-6, 1e-5), rng.uniform(2e10, 2e11)),
         inter=(rng.uniform(1e-5, 1e-4), rng.uniform(2e9, 2e10)),
         price_per_gpu_s=rng.uniform(1e-4, 1e-3),
+        intra_collective=rng.choice((None, (rng.uniform(1e-5, 1e-4), rng.uniform(1e9, 1e10)))),
+        host=_host(rng),
     )
 
 
@@ -47,8 +66,14 @@ def _search(chain: ProfiledChain, hw: Hardware, space: Space, *, top_k: int = 5)
     kwargs = asdict(space)
     kwargs["param_bytes"], kwargs["grad_bytes"], kwargs["optim_bytes"] = kwargs.pop("bytes_per_param")
     kwargs["micro_batch_sizes"] = list(kwargs["micro_batch_sizes"])
+    arrays = asdict(chain)
+    host = asdict(hw.host)
     return _core.search(
-        *asdict(chain).values(),
+        *[arrays.pop(k) for k in list(arrays)[:9]],
+        **arrays,
+        intra_collective=hw.intra_collective or (0.0, 0.0),
+        inter_collective=hw.inter_collective or (0.0, 0.0),
+        host=host,
         num_gpus=hw.num_gpus,
         gpus_per_node=hw.gpus_per_node,
         gpu_mem_bytes=hw.gpu_mem_bytes,
@@ -171,9 +196,9 @@ def test_zero3_pays_collectives_in_the_blocks_and_shards_state() -> None:
 def test_least_need_is_exact_and_zero3_fits_below_it() -> None:
     chain, hw, space = _small()
     replicated = Space(**{**asdict(space), "zero_stages": (0,)})
-    need = _search(chain, Hardware(**{**asdict(hw), "gpu_mem_bytes": 1e6}), replicated).least_need_bytes
-    below = Hardware(**{**asdict(hw), "gpu_mem_bytes": need * (1 - 1e-9)})
-    at = Hardware(**{**asdict(hw), "gpu_mem_bytes": need})
+    need = _search(chain, replace(hw, gpu_mem_bytes=1e6), replicated).least_need_bytes
+    below = replace(hw, gpu_mem_bytes=need * (1 - 1e-9))
+    at = replace(hw, gpu_mem_bytes=need)
     assert not _search(chain, below, replicated).feasible
     assert _search(chain, at, replicated).best.peak_memory_bytes == need
     sharded = _search(chain, below, Space(**{**asdict(space), "zero_stages": (3,)}))
@@ -241,7 +266,7 @@ def test_interleaved_stages_hold_their_simulated_peak_in_flight() -> None:
 
 def test_nothing_fits_names_the_least_memory_needed() -> None:
     chain, hw, space = _small()
-    tiny = Hardware(**{**asdict(hw), "gpu_mem_bytes": 1e6})
+    tiny = replace(hw, gpu_mem_bytes=1e6)
     result = _search(chain, tiny, space)
     brute = search_brute_force(chain, tiny, space)
     assert not result.feasible and result.best is None and not result.top and not result.pareto
@@ -253,7 +278,7 @@ def test_nothing_fits_names_the_least_memory_needed() -> None:
 
 def test_no_schedule_torch_builds_is_reported_not_raised() -> None:
     chain, hw, _ = _small()
-    four = Hardware(**{**asdict(hw), "num_gpus": 4})
+    four = replace(hw, num_gpus=4)
     # d·p = 4 and B = 2: 1F1B needs m >= p, which no (d, p, b) gives.
     result = _search(chain, four, Space(global_batch=2, bytes_per_param=(2.0, 2.0, 12.0), schedules=("1F1B",)))
     assert not result.feasible and result.num_candidates == 0
@@ -271,6 +296,9 @@ def test_no_schedule_torch_builds_is_reported_not_raised() -> None:
         ({"schedules": ["ZBVZeroBubble"]}, "ZBVZeroBubble is not searched"),
         ({"placements": ["diagonal"]}, "the placement must be 'pp-inner' or 'dp-inner'"),
         ({"zero_stages": [4]}, "ZeRO stages are 0, 1, 2 or 3, got 4"),
+        ({"host": {"step_s": -1.0}}, "host costs must be finite and >= 0, got -1"),
+        ({"host": {"launch_s": 1.0}}, "unknown host cost 'launch_s'"),
+        ({"cut_tensors": [1.0]}, "cut_tensors"),
     ],
 )
 def test_bad_input_raises_one_line(change: dict, message: str) -> None:
@@ -291,5 +319,5 @@ def test_bad_input_raises_one_line(change: dict, message: str) -> None:
         **change,
     }
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
-        _core.search(*asdict(chain).values(), **kwargs)
+        _core.search(*list(asdict(chain).values())[:9], **kwargs)
     assert "\n" not in str(info.value)

@@ -41,8 +41,15 @@
 //     stage's last backward: exposed_s = max(0, sync_s − B_s); the iteration pays max_s exposed_s.
 //     ZeRO-3 pays its collectives in step 1 instead.
 //  6. Optimizer step: optimizer_step_time_s(rank state, rank state, mem_bw_bytes_per_s), max over ranks.
-//  7. T = makespan + exposed sync + optimizer step; C = d·p·price_per_gpu_s·T; throughput B/T; peak memory
-//     = max over ranks of Σ (state + activations) of its stages; bubble = Σ idle / (p·makespan).
+//  7. T = makespan + exposed sync + optimizer step (+ host step_s); C = d·p·price_per_gpu_s·T; throughput B/T;
+//     peak memory = max over ranks of Σ (state + activations) of its stages; bubble = Σ idle / (p·makespan).
+//  8. Host costs (HostCosts, zero for catalog GPUs): F_s and B_s each gain stage_forward_s / stage_backward_s
+//     and message_s per tensor the stage receives or sends (cut_tensors at its input and output cuts); the
+//     partition is made on the profiled times (the per-stage constants shift every partition alike; the message
+//     costs do not, a small inexactness of the partition, not of the reported time). Without overlap the
+//     exposed sync is the most any rank syncs, Σ of its stages' sync_s; the optimizer step adds
+//     optimizer_tensor_s per parameter tensor and, when optimizer_element_s > 0, is elements × that instead of
+//     bytes / bandwidth; T adds step_s.
 //
 // Objectives: time T, cost C, weighted C + w·T (Huang et al. §III). Ties go to fewer GPUs, then less peak
 // memory, then the enumeration order above. The Pareto frontier keeps the feasible candidates that no
@@ -95,8 +102,23 @@ struct ProfiledChain {
     std::vector<double> params;                // [L] parameter elements
     std::vector<double> cut_per_sample_bytes;  // [L+1] live across cut c, per sample
     std::vector<double> cut_fixed_bytes;       // [L+1] live across cut c, per micro-batch
+    std::vector<double> param_tensors;         // [L] parameter tensors (the optimizer's per-tensor cost); empty: 0
+    std::vector<double> cut_tensors;           // [L+1] tensors live across cut c (messages); empty: 0
 
     int num_blocks() const { return static_cast<int>(fwd_alpha_s.size()); }
+};
+
+// What the training runtime costs on each rank's own thread beyond the blocks' profiled times (DESIGN.md "Host
+// costs"). Measured by `pyplan calibrate` where the ranks are CPU processes over gloo, where each is large next
+// to small blocks; zero for a catalog GPU, whose host work runs ahead of its kernels.
+struct HostCosts {
+    double stage_forward_s = 0.0;        // per stage and micro-batch: the schedule's and PipelineStage's own work
+    double stage_backward_s = 0.0;
+    double message_s = 0.0;              // per tensor a stage sends or receives, paid in F and in B alike
+    double step_s = 0.0;                 // per optimizer step (zero_grad, the schedule's set-up)
+    double optimizer_tensor_s = 0.0;     // per parameter tensor the rank's optimizer updates
+    double optimizer_element_s = 0.0;    // per parameter element; 0: the step is state bytes / HBM bandwidth
+    bool sync_overlaps_backward = true;  // false: the gradient all-reduce runs after the backward (one core)
 };
 
 struct Hardware {
@@ -106,7 +128,12 @@ struct Hardware {
     double mem_bw_bytes_per_s = 1.0;  // HBM bandwidth (optimizer step)
     Link intra;                       // between two GPUs of one node
     Link inter;                       // between nodes, per GPU
+    // The same links as collectives see them (equal to intra/inter unless measured: gloo's all-reduce on a CPU
+    // adds and copies at a lower rate than it sends). Unset (bw 0): intra/inter.
+    Link intra_collective{0.0, 0.0};
+    Link inter_collective{0.0, 0.0};
     double price_per_gpu_s = 0.0;
+    HostCosts host;
 };
 
 enum class Objective { kTime, kCost, kWeighted };
@@ -152,6 +179,7 @@ struct Candidate {
     double makespan_s = 0.0;
     double exposed_sync_s = 0.0;
     double optimizer_s = 0.0;
+    double host_step_s = 0.0;              // the per-step host cost (HostCosts::step_s)
     double iteration_s = 0.0;
     double cost_per_iteration = 0.0;
     double samples_per_s = 0.0;
