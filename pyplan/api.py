@@ -15,7 +15,7 @@ from pyplan.errors import InfeasibleError, PlanError
 from pyplan.graph.chain import Chain
 from pyplan.graph.linearize import linearize
 from pyplan.graph.trace import ExampleInputs, LeafSpec, trace
-from pyplan.hardware.catalog import GPU, LOCAL
+from pyplan.hardware.catalog import GPU, LOCAL, local_host_costs
 from pyplan.hardware.cluster import Cluster
 from pyplan.plan import OBJECTIVES, PLACEMENTS, Layout, Plan, Prediction, StagePlan, Workload
 from pyplan.profile import TimingOptions, default_batch_sizes, local_device, profile
@@ -23,6 +23,7 @@ from pyplan.profile.analytic import Roofline, block_times_analytic
 from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, measured_target
 from pyplan.profile.measure import checkpoint_call_s
 from pyplan.profile.remat import remat_bytes
+from pyplan.solve.dag_search import dag_plans
 from pyplan.solve.remat_search import OFFLOAD_MODES, RELAXED_SHARES, REMAT_MODES, refine_plan, relaxed_chain
 
 __all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "chain_for", "memory_per_process", "plan", "search"]
@@ -179,6 +180,7 @@ def _plan_of(c: Any, chain: Chain, currency: str, workload: Workload) -> Plan:
         pipeline_s=c.makespan_s,
         exposed_comm_s=c.exposed_sync_s,
         optimizer_s=c.optimizer_s,
+        host_step_s=c.host_step_s,
         cost_per_iteration=c.cost_per_iteration,
         currency=currency,
         cost_per_epoch=c.cost_per_iteration * iterations if iterations is not None else None,
@@ -206,6 +208,7 @@ def search(
     remat: str = "none",
     offload: str = "none",
     offload_bw_bytes_per_s: float = 25e9,
+    stage_dag: bool = True,
 ) -> PlanSearch:
     """Every way to train `model` on `cluster` that fits, ranked by `objective`.
 
@@ -215,7 +218,8 @@ def search(
     `remat` "auto" also plans configurations that fit only with recomputation, each stage with its optimal
     remat plan (and, with `offload` "auto", activation offloading to host memory over a link of
     `offload_bw_bytes_per_s`, PCIe 4.0 x16 by default); "full" and "periodic" force that plan on every stage
-    (see pyplan/solve/remat_search.py).
+    (see pyplan/solve/remat_search.py). `stage_dag` also assigns stages operation by operation to the pipelines
+    whose chain is too coarse to balance (pyplan/solve/dag_search.py).
     """
     if remat not in REMAT_MODES:
         raise PlanError(f"unknown remat mode '{remat}'; choose one of {', '.join(REMAT_MODES)}")
@@ -255,6 +259,10 @@ def search(
     act_a = [b.saved_bytes.per_sample * scale for b in blocks]
     act_b = [b.saved_bytes.fixed * scale for b in blocks]
     gpu_mem = memory_per_process(cluster) * memory_fraction
+    # The runtime's host costs where it runs on this machine's CPU (measured by `pyplan calibrate`).
+    host = local_host_costs() if _is_local(gpu) and gpu.device_type == "cpu" else None
+    host_costs = host.for_search(workload.optimizer) if host is not None else {}
+    cut_tensors = [float(len(c.live)) for c in chain.cuts]
 
     def run(act_a: list[float], act_b: list[float], bwd_a: list[float], bwd_b: list[float], top: int) -> Any:
         try:
@@ -289,6 +297,11 @@ def search(
                 objective=objective,
                 weight=weight,
                 top_k=top,
+                param_tensors=[float(b.param_tensors) for b in blocks],
+                cut_tensors=cut_tensors,
+                intra_collective=group.intra_link.collective,
+                inter_collective=group.inter_link.collective,
+                host=host_costs,
             )
         except ValueError as exc:
             raise PlanError(str(exc)) from exc
@@ -334,6 +347,8 @@ def search(
                 mode=remat,
                 offload_bw_bytes_per_s=offload_bw_bytes_per_s if offload == "auto" else None,
                 checkpoint_s=checkpoint_s,
+                host=host_costs,
+                cut_tensors=cut_tensors,
             )
             if got is not None:
                 refined.append(got)
@@ -344,6 +359,11 @@ def search(
         top, pareto = _rank(every, objective, weight)[:top_k], _frontier(every)
         candidates = sum(r.num_candidates for r in relaxed) + (plain.num_candidates if plain is not None else 0)
         evaluated = sum(r.num_evaluated for r in relaxed) + (plain.num_evaluated if plain is not None else 0)
+    dag = dag_plans([*plain.top, *plain.pareto], chain, example_inputs, cluster, workload, gpu_mem_bytes=gpu_mem,
+                    scale=scale, price_per_gpu_s=price, currency=currency, objective=objective,
+                    weight=weight) if stage_dag and plain is not None and plain.feasible else []  # fmt: skip
+    if dag:
+        top, pareto = _rank([*top, *dag], objective, weight)[:top_k], _frontier([*pareto, *dag])
     return PlanSearch(
         best=top[0],
         alternatives=tuple(top[1:]),
@@ -358,8 +378,17 @@ def search(
 def _key(p: Plan) -> tuple[Any, ...]:
     """Identity of a configuration: the same plan found by both searches counts once."""
     lay = p.layout
-    return (lay.dp, lay.pp, lay.micro_batch_size, lay.schedule, lay.zero_stage, lay.placement, lay.cut_positions,
-            tuple(r.plan.describe() if r else "" for r in lay.remat))
+    return (
+        lay.dp,
+        lay.pp,
+        lay.micro_batch_size,
+        lay.schedule,
+        lay.zero_stage,
+        lay.placement,
+        lay.cut_positions,
+        tuple(r.plan.describe() if r else "" for r in lay.remat),
+        tuple(lay.stage_of_node.items()),
+    )
 
 
 def _rank(plans: list[Plan], objective: str, weight: float) -> list[Plan]:

@@ -136,6 +136,7 @@ class Prediction:
     currency: str
     cost_per_epoch: float | None = None
     recompute_s: float = 0.0  # recomputation and exposed offload transfers on the busiest stage, per iteration
+    host_step_s: float = 0.0  # the runtime's per-step host cost (zero_grad, schedule set-up), in iteration_s
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -207,12 +207,13 @@ private:
     double cut_tensors(int cut) const {
         return cut == 0 || cut == L_ || chain_.cut_tensors.empty() ? 0.0 : chain_.cut_tensors[cut];
     }
-    // The optimizer step of a rank holding `state` bytes of `elements` parameter elements in `tensors` tensors.
+    // The optimizer step of a rank holding `state` bytes of `elements` parameter elements in `tensors` tensors:
+    // the state streamed through memory, or the measured per-element rate when slower, plus the per-tensor cost.
+    // Convex in (state, elements, tensors), so the bound's step of the average rank is a lower bound.
     double optimizer_s(double state, double elements, double tensors) const {
         const HostCosts& h = hw_.host;
-        const double body = h.optimizer_element_s > 0.0 ? elements * h.optimizer_element_s
-                                                        : optimizer_step_time_s(state, state, hw_.mem_bw_bytes_per_s);
-        return body + tensors * h.optimizer_tensor_s;
+        const double streamed_s = optimizer_step_time_s(state, state, hw_.mem_bw_bytes_per_s);
+        return std::max(streamed_s, elements * h.optimizer_element_s) + tensors * h.optimizer_tensor_s;
     }
     const Layout& layout(int d, int p, int v, Placement placement);
     std::vector<Config> enumerate();

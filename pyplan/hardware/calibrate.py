@@ -26,6 +26,7 @@ from pyplan._files import write_atomic
 from pyplan._torch import OpRecorder
 from pyplan.errors import PlanError
 from pyplan.hardware.catalog import _detect_local, local_calibration_path
+from pyplan.hardware.host import HostCosts, measure_host_costs
 from pyplan.profile.analytic import ALLOCATIONS, OP_CLASSES, Efficiency, OpCost, OpEfficiency, Roofline, op_class
 from pyplan.report.units import fmt_bytes, fmt_count, fmt_seconds
 
@@ -57,7 +58,10 @@ __all__ = [
 #   per op class            Σ roofline time / Σ (measured time − launches) over the class's large programs:
 #                           the achieved fraction of the roofline for ops that were not timed themselves;
 #   link                    one-way point-to-point and all-reduce times between two local processes over
-#                           several message sizes, each fitted to t = latency + bytes / bandwidth (α-β).
+#                           several message sizes, each fitted to t = latency + bytes / bandwidth (α-β); the
+#                           all-reduce's fit gives the link's collective α-β (a 2-rank ring: 2α + G/BW);
+#   host (CPU only)         the runtime's own costs per micro-batch and stage, per message, per step, and each
+#                           optimizer's per tensor and per element (pyplan/hardware/host.py).
 # Every device figure is the best of several rounds; one efficiency is applied to both roofs.
 
 
@@ -134,6 +138,7 @@ class Calibration:
     efficiency: Efficiency
     link: LinkMeasurement | None
     elapsed_s: float
+    host: HostCosts | None = None
     torch_version: str = torch.__version__
     measured_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
 
@@ -158,12 +163,17 @@ class Calibration:
             gpu["cpu_threads"] = self.threads
         data: dict[str, Any] = {"device": self.device, "gpu": gpu, "efficiency": self.efficiency.to_json()}
         if self.link is not None:
+            # A ring all-reduce over 2 ranks takes 2 steps: 2(α + G/(2·BW)) = 2α + G/BW.
             data["link"] = {
                 "latency_s": self.link.p2p.latency_s,
                 "bw_bytes_per_s": self.link.p2p.bw_bytes_per_s,
+                "collective_latency_s": self.link.allreduce.latency_s / 2,
+                "collective_bw_bytes_per_s": self.link.allreduce.bw_bytes_per_s,
                 "source": f"pyplan calibrate {self.measured_at}: {self.link.backend} send/recv between 2 processes, "
                 f"α-β fit over {len(self.link.sizes_bytes)} sizes",
             }
+        if self.host is not None:
+            data["host"] = self.host.to_json()
         data["measured"] = {
             "torch": self.torch_version,
             "device_type": self.device_type,
@@ -634,7 +644,14 @@ def calibrate(options: CalibrationOptions | None = None) -> Calibration:
         if options.link
         else None
     )
+    # The runtime's host costs matter where ranks are CPU processes; a GPU's host work runs ahead of its kernels.
+    host = (
+        measure_host_costs(quick=options.quick, timeout_s=options.link_timeout_s)
+        if options.link and device.type == "cpu"
+        else None
+    )
     return Calibration(
+        host=host,
         device=detected.description,
         device_type=device.type,
         threads=options.threads if device.type == "cpu" else None,

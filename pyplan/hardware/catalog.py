@@ -15,9 +15,12 @@ from fractions import Fraction
 from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyplan.errors import PlanError
+
+if TYPE_CHECKING:
+    from pyplan.hardware.host import HostCosts
 
 __all__ = [
     "DTYPES",
@@ -41,6 +44,7 @@ __all__ = [
     "local_calibration_path",
     "local_efficiency",
     "local_gpu",
+    "local_host_costs",
     "local_link",
     "total",
 ]
@@ -218,10 +222,21 @@ class Link:
     aliases: tuple[str, ...] = ()
     description: str = ""
     source: str = ""
+    # The α-β a ring collective's step sees, when measured and unlike a send's (gloo's all-reduce on a CPU adds
+    # and copies slower than it sends): None, the same as latency_s and bw_bytes_per_s.
+    collective_latency_s: float | None = None
+    collective_bw_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise PlanError(f"link: 'name' must be a non-empty string, got {self.name!r}")
+        if (self.collective_latency_s is None) != (self.collective_bw_bytes_per_s is None):
+            raise PlanError(f"link '{self.name}': give both collective_latency_s and collective_bw_bytes_per_s")
+        if self.collective_bw_bytes_per_s is not None and not (
+            _positive(self.collective_bw_bytes_per_s)
+            and (_positive(self.collective_latency_s) or self.collective_latency_s == 0)
+        ):
+            raise PlanError(f"link '{self.name}': collective latency must be >= 0 and bandwidth > 0")
         if self.latency_s is not None and not (_positive(self.latency_s) or self.latency_s == 0):
             raise PlanError(f"link '{self.name}': 'latency_s' must be zero or positive, got {self.latency_s!r}")
         if self.bw_bytes_per_s is not None and not _positive(self.bw_bytes_per_s):
@@ -235,6 +250,15 @@ class Link:
         missing = [key for key in ("latency_s", "bw_bytes_per_s", "source") if getattr(self, key) in (None, "")]
         if missing:
             raise PlanError(f"{what}: link '{self.name}' lacks {', '.join(repr(k) for k in missing)}")
+
+    @property
+    def collective(self) -> tuple[float, float]:
+        """(latency_s, bw_bytes_per_s) of one ring step of a collective."""
+        if self.collective_latency_s is not None and self.collective_bw_bytes_per_s is not None:
+            return self.collective_latency_s, self.collective_bw_bytes_per_s
+        if self.latency_s is None or self.bw_bytes_per_s is None:
+            raise PlanError(f"link '{self.name}' has no latency and bandwidth yet: run `pyplan calibrate`")
+        return self.latency_s, self.bw_bytes_per_s
 
     def time_s(self, nbytes: float) -> float:
         """α-β time of one transfer of `nbytes`."""
@@ -637,8 +661,10 @@ def local_calibration_path() -> Path:
     The file is a JSON object; the keys read here are
       "device": the description of the device measured (a file for another device is ignored),
       "gpu":    any GPU fields except name (e.g. "peak_flops_per_s", "hbm_bw_bytes_per_s", "source"),
-      "link":   "latency_s", "bw_bytes_per_s" and optionally "source" of the link between local processes,
-      "efficiency": per-op-class efficiencies, handed out by `local_efficiency` (`analytic.Efficiency` reads them).
+      "link":   "latency_s", "bw_bytes_per_s", optionally "collective_latency_s", "collective_bw_bytes_per_s"
+                and "source" of the link between local processes,
+      "efficiency": per-op-class efficiencies, handed out by `local_efficiency` (`analytic.Efficiency` reads them),
+      "host":   the runtime's host costs, handed out by `local_host_costs` (pyplan/hardware/host.py).
     Other keys (e.g. "measured", the details of a calibration) are for people and ignored here.
     """
     return cache_dir() / "local.json"
@@ -743,6 +769,19 @@ def local_link() -> Link:
     note = f"calibrated: {path}" + (f" ({calib['source']})" if "source" in calib else "")
     values = {"description": "between processes on this machine", **calib, "name": LOCAL, "source": note}
     return Link.from_json(values, f"calibration file {path}: 'link'")
+
+
+def local_host_costs() -> HostCosts | None:
+    """The "host" object of the calibration file (the runtime's host costs, pyplan/hardware/host.py), or None when
+    there is no file, no such object, or the file is for another device."""
+    from pyplan.hardware.host import HostCosts
+
+    data, path = _read_calibration()
+    if data is None or data.get("host") is None:
+        return None
+    if data.get("device") is not None and data["device"] != _detect_local().description:
+        return None
+    return HostCosts.from_json(data["host"], f"calibration file {path}: 'host'")
 
 
 def local_efficiency() -> dict[str, Any] | None:

@@ -266,11 +266,7 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> P
         rank_tensors[s % c.p] += sum(param_tensors[i] for i in blocks)
 
     def optimizer_s(r: int) -> float:
-        body = (
-            rank_elements[r] * host.optimizer_element_s
-            if host.optimizer_element_s > 0
-            else 2 * rank_state[r] / hw.mem_bw_bytes_per_s
-        )
+        body = max(2 * rank_state[r] / hw.mem_bw_bytes_per_s, rank_elements[r] * host.optimizer_element_s)
         return body + rank_tensors[r] * host.optimizer_tensor_s
 
     optimizer = max(optimizer_s(r) for r in range(c.p))

@@ -15,7 +15,7 @@ configuration: a configuration that none of the relaxed searches ranks near the 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from pyplan.errors import InfeasibleError, PlanError
@@ -106,8 +106,9 @@ def stage_remat(
         return None
     try:
         # solve replays its plan in bytes and also tries keeping everything (and the other baselines).
-        got = solve(chain, budget_bytes, slots=slots, offload_bw_bytes_per_s=offload_bw_bytes_per_s,
-                    in_flight=in_flight)
+        got = solve(
+            chain, budget_bytes, slots=slots, offload_bw_bytes_per_s=offload_bw_bytes_per_s, in_flight=in_flight
+        )
     except InfeasibleError:
         return None
     need = got.peak_bytes + (in_flight - 1) * got.after_forward_bytes
@@ -129,11 +130,17 @@ def refine_plan(
     mode: str,
     offload_bw_bytes_per_s: float | None,
     checkpoint_s: float = 0.0,
+    host: Mapping[str, float | bool] | None = None,
+    cut_tensors: Sequence[float] = (),
 ) -> Plan | None:
     """`plan` (from the search on the relaxed chain) with each stage's remat plan, times and memory; None
     when some stage fits no plan of `mode`. `fwd_s(b)`/`bwd_s(b)` give the blocks' seconds at micro-batch b,
     `cut_bytes(b)` every cut's bytes, `positions` every cut's node position; `send_s(bytes)` a boundary transfer
-    on the plan's pipeline link; `checkpoint_s` the cost of one checkpoint call on the device."""
+    on the plan's pipeline link; `checkpoint_s` the cost of one checkpoint call on the device; `host` the search's
+    host costs (search.h's HostCosts by name) with `cut_tensors` the tensors crossing each cut."""
+    host = host or {}
+    tensors = list(cut_tensors) or [0.0] * len(cut_bytes(1))
+    tensors[0] = tensors[-1] = 0.0
     lay = plan.layout
     b = lay.micro_batch_size
     f_all, g_all, cuts = fwd_s(b), bwd_s(b), cut_bytes(b)
@@ -168,8 +175,9 @@ def refine_plan(
         if got is None:
             return None
         remat.append(None if got.plan == no_remat(0, hi - lo) else StageRemat(tuple(positions[lo : hi + 1]), got.plan))
-        fwd = sum(chain.fwd_s)
-        bwd = got.time_s - fwd
+        messages = float(host.get("message_s", 0.0)) * (tensors[lo] + tensors[hi])
+        fwd = sum(chain.fwd_s) + float(host.get("stage_forward_s", 0.0)) + messages
+        bwd = got.time_s - sum(chain.fwd_s) + float(host.get("stage_backward_s", 0.0)) + messages
         activation = got.activation_bytes + st.in_flight * cuts[lo]
         sends = send_s(cuts[lo]) * (lo > 0) + send_s(cuts[hi]) * (hi < len(cuts) - 1)
         stages.append(
@@ -194,9 +202,12 @@ def refine_plan(
         send_forward_s=boundaries or 0.0,
         send_backward_s=boundaries or 0.0,
     )
-    exposed = max((max(0.0, y - st.backward_s) for y, st in zip(stage_sync_s, stages)), default=0.0)
+    if host.get("sync_overlaps_backward", True):
+        exposed = max((max(0.0, y - st.backward_s) for y, st in zip(stage_sync_s, stages)), default=0.0)
+    else:
+        exposed = max((sum(stage_sync_s[x] for x in xs) for xs in ranks.values()), default=0.0)
     pred = plan.predicted
-    iteration = sim.makespan_s + exposed + pred.optimizer_s
+    iteration = sim.makespan_s + exposed + pred.optimizer_s + pred.host_step_s
     peak = max(sum(stages[x].memory_bytes for x in xs) for xs in ranks.values())
     per_s = pred.cost_per_iteration / pred.iteration_s if pred.iteration_s > 0 else 0.0
     predicted = replace(

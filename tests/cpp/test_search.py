@@ -43,7 +43,7 @@ def _host(rng: random.Random) -> Host:
         message_s=rng.uniform(0, 3e-4),
         step_s=rng.uniform(0, 2e-3),
         optimizer_tensor_s=rng.uniform(0, 5e-5),
-        optimizer_element_s=rng.choice((0.0, rng.uniform(1e-10, 1e-8))),
+        optimizer_element_s=rng.choice((0.0, rng.uniform(1e-11, 1e-8))),
         sync_overlaps_backward=rng.random() < 0.5,
     )
 

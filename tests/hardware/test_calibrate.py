@@ -1,15 +1,20 @@
-"""`pyplan calibrate`: the α-β and per-op fits on synthetic data, the calibration file and what the catalog and
-the roofline read from it, and one quick calibration end to end with the 2-process gloo link."""
+"""`pyplan calibrate`: the α-β, per-op and optimizer fits on synthetic data, the calibration file and what the
+catalog, the roofline and the search read from it (host costs included), and one quick calibration end to end with
+the 2-process gloo link and host-cost measurements."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
+from pyplan.api import search
 from pyplan.errors import PlanError
 from pyplan.hardware.calibrate import (
     AlphaBeta,
@@ -24,7 +29,17 @@ from pyplan.hardware.calibrate import (
     op_efficiency,
     write_calibration,
 )
-from pyplan.hardware.catalog import get_gpu, get_link, local_calibration_path, local_efficiency, local_gpu
+from pyplan.hardware.catalog import (
+    get_gpu,
+    get_link,
+    local_calibration_path,
+    local_efficiency,
+    local_gpu,
+    local_host_costs,
+)
+from pyplan.hardware.cluster import Cluster
+from pyplan.hardware.host import HostCosts, OptimizerCost, fit_optimizer_cost
+from pyplan.plan import Workload
 from pyplan.profile.analytic import Efficiency, OpCost, OpEfficiency, Roofline
 
 LAUNCH = 5e-6
@@ -150,7 +165,19 @@ def synthetic(device: str) -> Calibration:
         efficiency=efficiency,
         link=link,
         elapsed_s=1.0,
+        host=HOST,
     )
+
+
+HOST = HostCosts(
+    stage_forward_s=1e-4,
+    stage_backward_s=2e-4,
+    message_s=5e-5,
+    step_s=5e-4,
+    optimizer={"adamw": OptimizerCost(3e-5, 1e-9)},
+    sync_overlaps_backward=False,
+    source="synthetic",
+)
 
 
 def test_the_catalog_and_the_roofline_read_the_calibration_file(cache: Path) -> None:
@@ -164,6 +191,9 @@ def test_the_catalog_and_the_roofline_read_the_calibration_file(cache: Path) -> 
     assert gpu.hbm_bw_bytes_per_s == 2e10
     link = get_link("local")
     assert (link.latency_s, link.bw_bytes_per_s) == (1e-4, 2e9) and "gloo" in link.source
+    # A 2-rank ring all-reduce is 2α + G/BW: the all-reduce fit (2e-4 s, 1e9 B/s) gives α = 1e-4 per step.
+    assert link.collective == (1e-4, 1e9)
+    assert local_host_costs() == HOST
 
     roof = Roofline.from_gpu(gpu)
     assert roof.efficiency.compute["matmul"] == 0.9 and roof.efficiency.launch_s == LAUNCH
@@ -177,7 +207,7 @@ def test_the_catalog_and_the_roofline_read_the_calibration_file(cache: Path) -> 
 
 def test_a_file_for_another_device_gives_no_efficiencies(cache: Path) -> None:
     write_calibration(synthetic("some other machine"))
-    assert local_efficiency() is None and not local_gpu().calibrated
+    assert local_efficiency() is None and local_host_costs() is None and not local_gpu().calibrated
     with pytest.raises(PlanError, match="run `pyplan calibrate`"):
         Roofline.from_gpu(local_gpu())
 
@@ -198,6 +228,79 @@ def test_efficiency_json_round_trip_and_errors() -> None:
         Efficiency.from_json({"memory": {"norm": 0}})
     with pytest.raises(PlanError, match="'op' must map aten op names"):
         Efficiency.from_json({"op": {"relu": 1.0}})
+
+
+# --- Host costs ---------------------------------------------------------------------------------------------
+def test_optimizer_fit_is_exact_on_two_points() -> None:
+    a, c = 3e-5, 1.2e-9
+    cost = fit_optimizer_cost((64, 16, 64 * a + 64 * 16 * c), (4, 1 << 18, 4 * a + 4 * (1 << 18) * c))
+    assert cost.tensor_s == pytest.approx(a, rel=1e-9) and cost.element_s == pytest.approx(c, rel=1e-9)
+    assert cost.time_s(10, 1000) == pytest.approx(10 * a + 1000 * c)
+    with pytest.raises(ValueError, match="differ in shape"):
+        fit_optimizer_cost((4, 16, 1.0), (4, 16, 2.0))
+
+
+def test_json_round_trip_and_errors() -> None:
+    assert HostCosts.from_json(json.loads(json.dumps(HOST.to_json())), "x") == HOST
+    assert HOST.for_search("adamw")["optimizer_tensor_s"] == 3e-5
+    assert HOST.for_search("sgd")["optimizer_tensor_s"] == 0.0  # not measured: not charged
+    with pytest.raises(PlanError, match="x: unknown key 'launch_s'"):
+        HostCosts.from_json({"launch_s": 1.0}, "x")
+    with pytest.raises(PlanError, match="x: malformed"):
+        HostCosts.from_json({"optimizer": {"sgd": {"tensor_s": 1.0}}}, "x")
+    with pytest.raises(PlanError, match="'step_s' must be a finite number >= 0"):
+        HostCosts(step_s=-1.0)
+    with pytest.raises(PlanError, match="x: must be an object"):
+        HostCosts.from_json([1], "x")
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def test_the_search_charges_the_host_costs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same profile planned without and with host costs: every stage's F and B grow by the per-micro-batch
+    costs and its messages, the step by step_s and the optimizer's per-tensor cost, and the all-reduce no longer
+    overlaps the backward."""
+    monkeypatch.setenv("PYPLAN_CACHE_DIR", str(tmp_path))
+    bare = replace(synthetic(local_gpu().description), host=None)
+    write_calibration(bare)
+    model, inputs = _Mlp(), lambda b: (torch.randn(b, 64),)
+    cluster, work = Cluster.from_catalog("local", 2), Workload(global_batch=8)
+    options = {"schedules": ["GPipe"], "zero_stages": [0], "micro_batch_sizes": [2], "top_k": 10}
+    first = search(model, inputs, cluster, work, **options)
+    write_calibration(synthetic(local_gpu().description))
+    second = search(model, inputs, cluster, work, chain=first.chain, **options)
+
+    def by_mesh(found: object) -> dict[tuple[int, int], object]:
+        plans = (found.best, *found.alternatives)  # type: ignore[attr-defined]
+        return {(p.layout.dp, p.layout.pp): p for p in plans}
+
+    before, after = by_mesh(first), by_mesh(second)
+    tensors = {1: 2 * 6}  # 6 Linear layers, weight and bias each
+    for mesh in ((2, 1), (1, 2)):
+        b, a = before[mesh], after[mesh]
+        assert a.layout.cut_positions == b.layout.cut_positions
+        last = len(a.stages) - 1
+        for s, (x, y) in enumerate(zip(b.stages, a.stages)):
+            messages = (s > 0) + (s < last)  # one tensor crosses each cut of this chain
+            assert y.forward_s == pytest.approx(x.forward_s + HOST.stage_forward_s + messages * HOST.message_s)
+            assert y.backward_s == pytest.approx(x.backward_s + HOST.stage_backward_s + messages * HOST.message_s)
+        assert a.predicted.host_step_s == HOST.step_s
+        assert a.predicted.iteration_s == pytest.approx(
+            a.predicted.pipeline_s + a.predicted.exposed_comm_s + a.predicted.optimizer_s + HOST.step_s
+        )
+    # dp 2: the whole model's all-reduce is paid after the backward (2 ring steps of the collective link).
+    dp = after[(2, 1)]
+    grad_bytes = sum(p.numel() for p in model.parameters()) * 4
+    assert dp.predicted.exposed_comm_s == pytest.approx(2 * (1e-4 + grad_bytes / 2 / 1e9))
+    adamw = OptimizerCost(3e-5, 1e-9)
+    assert dp.predicted.optimizer_s >= adamw.time_s(tensors[1], sum(p.numel() for p in model.parameters()))
 
 
 # --- End to end -------------------------------------------------------------------------------------------
@@ -231,6 +334,15 @@ def test_quick_calibration_end_to_end(cache: Path, capsys: pytest.CaptureFixture
     assert 0 < eff.launch_s < 1e-3
     assert {"addmm", "convolution", "native_layer_norm", "relu"} <= set(eff.op)
     assert all(0 < e.efficiency < 10 and e.latency_s >= eff.launch_s for e in eff.op.values())
+
+    # The runtime's host costs, measured with pyplan's runtime on 2 gloo processes (a 2-core VM: ~0.1 and
+    # ~0.2 ms per micro-batch, ~50 us per message, ~0.5 ms per step, AdamW ~35 us per tensor).
+    host = local_host_costs()
+    assert host is not None and not host.sync_overlaps_backward
+    assert 0 < host.stage_forward_s < 0.01 and 0 < host.stage_backward_s < 0.01
+    assert 0 < host.message_s < 0.01 and 0 < host.step_s < 0.05
+    assert set(host.optimizer) == {"sgd", "sgd-momentum", "adam", "adamw"}
+    assert host.optimizer["adamw"].tensor_s > host.optimizer["sgd"].tensor_s > 0
 
 
 def test_bad_threads_is_a_plan_error(cache: Path) -> None:

@@ -48,8 +48,7 @@
 //     partition is made on the profiled times (the per-stage constants shift every partition alike; the message
 //     costs do not, a small inexactness of the partition, not of the reported time). Without overlap the
 //     exposed sync is the most any rank syncs, Σ of its stages' sync_s; the optimizer step adds
-//     optimizer_tensor_s per parameter tensor and, when optimizer_element_s > 0, is elements × that instead of
-//     bytes / bandwidth; T adds step_s.
+//     optimizer_tensor_s per parameter tensor and is at least elements × optimizer_element_s; T adds step_s.
 //
 // Objectives: time T, cost C, weighted C + w·T (Huang et al. §III). Ties go to fewer GPUs, then less peak
 // memory, then the enumeration order above. The Pareto frontier keeps the feasible candidates that no
@@ -117,7 +116,7 @@ struct HostCosts {
     double message_s = 0.0;              // per tensor a stage sends or receives, paid in F and in B alike
     double step_s = 0.0;                 // per optimizer step (zero_grad, the schedule's set-up)
     double optimizer_tensor_s = 0.0;     // per parameter tensor the rank's optimizer updates
-    double optimizer_element_s = 0.0;    // per parameter element; 0: the step is state bytes / HBM bandwidth
+    double optimizer_element_s = 0.0;    // per parameter element, when slower than state bytes / HBM bandwidth
     bool sync_overlaps_backward = true;  // false: the gradient all-reduce runs after the backward (one core)
 };
 
