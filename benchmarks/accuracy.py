@@ -27,8 +27,7 @@ Measurement, per configuration and rank:
            of a steady step; the rank's parameter bytes, allocated before, are added. That is compared with the
            plan's memory of the rank: Σ StagePlan.memory_bytes = weights + gradients + optimizer state (AdamW,
            16 bytes per parameter) + activations of the micro-batches in flight. Not seen: memory inside kernels
-           and allocations made by gloo's threads. "+ buffers" adds what the plan leaves out and can be computed
-           (see Planned): torch's receive buffers, one per micro-batch.
+           and allocations made by gloo's threads. The plan counts torch's receive buffers (one per micro-batch).
   busy     per stage, wall and CPU time of the stage module's forward (+ the loss on the last stage), of its
            autograd backward (torch's stage_backward) and of recomputation inside it (checkpointed blocks run
            again); the rest of forward_one_chunk / backward_one_chunk and of the step outside them, the loss, the
@@ -38,10 +37,11 @@ Measurement, per configuration and rank:
 
 Diagnosis. The iteration's error is split into terms by re-simulating the planned schedule (pyplan's simulator,
 with the plan's send times) with measured per-micro-batch stage times: compute = makespan(CPU-time F and B less
-recompute, plus the predicted recompute) − the predicted makespan (CPU time is what the profile measures: what
-the stages cost); contention = the same in wall-clock time, less that (other threads held the core while a stage
-computed); recompute = makespan(wall F, B) − that; framework = makespan with each stage's framework overhead per
-micro-batch added to its F and B, less that; optimizer = measured − predicted optimizer step; dp sync = measured
+recompute, plus the predicted recompute) − the predicted makespan without its host costs (CPU time is what the
+profile measures: what the stages cost); contention = the same in wall-clock time, less that (other threads held
+the core while a stage computed); recompute = makespan(wall F, B) − that; framework = makespan with each stage's
+framework overhead per micro-batch added to its F and B, less that, less the predicted host costs (per-stage,
+per-message and per-step, pyplan/hardware/host.py); optimizer = measured − predicted optimizer step; dp sync = measured
 all-reduce wait − predicted exposed sync; the rest (measured − everything above) is "p2p" for pipelines (time the
 ranks wait for sends and receives beyond what the schedule with the real compute and overhead implies) and "other"
 for dp x 1. A row whose error exceeds 10 % names its largest term as the wrong one.
@@ -125,11 +125,10 @@ class Planned:
     plan: dict[str, Any]  # Plan.to_json()
     send_s: tuple[float, ...]  # predicted transfer time of each stage boundary, per micro-batch
     stage_rank: tuple[int, ...]
-    # Per pipeline rank, memory the plan does not count: torch's PipelineStage keeps one receive buffer per
-    # micro-batch (activations into a non-first stage, gradients into a non-last one) where the plan counts the
-    # in-flight inputs only. (DDP's buckets hold the gradients themselves: build_trainer asks for
-    # gradient_as_bucket_view.)
-    buffer_bytes: tuple[float, ...]
+    # Per stage, the host costs the prediction charges per micro-batch (framework work and messages) in F and B,
+    # so the diagnosis compares the profiled compute with the measured compute and the predicted host costs with
+    # the measured framework overhead.
+    host_s: tuple[tuple[float, float], ...]
 
 
 @dataclass(frozen=True)
@@ -223,7 +222,6 @@ class Row:
     measured_bytes: float
     predicted_activation_bytes: float
     measured_activation_bytes: float
-    predicted_with_buffers_bytes: float  # the plan's peak plus the buffers it leaves out (see Planned)
     terms: Terms
 
     @property
@@ -300,6 +298,7 @@ def plan_case(case: Case, remats: Sequence[str], keep: Callable[[Config], bool] 
     from pyplan import load_model, search
     from pyplan.api import chain_for
     from pyplan.hardware import Cluster
+    from pyplan.hardware.catalog import local_host_costs
     from pyplan.plan import Plan, Workload
     from pyplan.solve.schedules import stage_placement
 
@@ -311,6 +310,7 @@ def plan_case(case: Case, remats: Sequence[str], keep: Callable[[Config], bool] 
     chain, _ = chain_for(model, spec.example_inputs, cluster, workload)
     link = cluster.groups[0].intra_link
     assert link.latency_s is not None and link.bw_bytes_per_s is not None
+    host = local_host_costs()
     out = []
     for remat in remats:
         found = search(
@@ -340,14 +340,17 @@ def plan_case(case: Case, remats: Sequence[str], keep: Callable[[Config], bool] 
                 link.latency_s + chain.cuts[st.last_block + 1].bytes(b) / link.bw_bytes_per_s for st in p.stages[:-1]
             )
             placement = stage_placement(lay.schedule, lay.pp, lay.stages_per_rank)
-            buffers = [0.0] * lay.pp
-            m, last = lay.num_microbatches, len(p.stages) - 1
+            last = len(p.stages) - 1
+            host_s = []
             for s, st in enumerate(p.stages):
-                if s > 0:
-                    buffers[placement[s]] += (m - st.in_flight) * chain.cuts[st.first_block].bytes(b)
-                if s < last:
-                    buffers[placement[s]] += m * chain.cuts[st.last_block + 1].bytes(b)
-            out.append(Planned(config, case.global_batch, p.to_json(), sends, tuple(placement), tuple(buffers)))
+                messages = (len(chain.cuts[st.first_block].live) if s > 0 else 0) + (
+                    len(chain.cuts[st.last_block + 1].live) if s < last else 0
+                )
+                extra = host.message_s * messages if host is not None else 0.0
+                host_s.append(
+                    (host.stage_forward_s + extra, host.stage_backward_s + extra) if host is not None else (0.0, 0.0)
+                )
+            out.append(Planned(config, case.global_batch, p.to_json(), sends, tuple(placement), tuple(host_s)))
     return out
 
 
@@ -758,6 +761,11 @@ def analyse(planned: Planned, ranks: Sequence[dict[str, Any]]) -> Row:
         )
         return sim.makespan_s
 
+    # The prediction without its host costs: what the profiled compute alone gives.
+    f_model = [x - h[0] for x, h in zip(f_pred, planned.host_s)]
+    b_model = [x - h[1] for x, h in zip(b_pred, planned.host_s)]
+    pipeline_model = makespan(f_model, b_model)
+    framework_pred = pred.pipeline_s - pipeline_model + pred.host_step_s
     sim_cpu = makespan(f_cpu, [x + r for x, r in zip(b_cpu_less, r_pred)])
     sim_wall_less = makespan(f_wall, [x + r for x, r in zip(b_wall_less, r_pred)])
     sim_wall = makespan(f_wall, b_wall)
@@ -766,16 +774,16 @@ def analyse(planned: Planned, ranks: Sequence[dict[str, Any]]) -> Row:
     sync_meas = max(sum(x.backward_sync_s for x in _stage_times(r["stages"]).values()) for r in ranks)
     busiest = max(range(n), key=lambda s: f_pred[s] + b_pred[s])
     terms = Terms(
-        compute_s=sim_cpu - pred.pipeline_s,
+        compute_s=sim_cpu - pipeline_model,
         contention_s=sim_wall_less - sim_cpu,
         recompute_s=sim_wall - sim_wall_less,
-        framework_s=sim_fw - sim_wall,
+        framework_s=sim_fw - sim_wall - framework_pred,
         optimizer_s=optimizer_meas - pred.optimizer_s,
         sync_s=sync_meas - pred.exposed_comm_s,
         rest_s=measured_s - sim_fw - optimizer_meas - sync_meas,
         rest_name="other" if lay.pp == 1 else "p2p",
-        forward_err=f_cpu[busiest] / f_pred[busiest] - 1,
-        backward_err=b_cpu_less[busiest] / (b_pred[busiest] - r_pred[busiest]) - 1,
+        forward_err=f_cpu[busiest] / f_model[busiest] - 1,
+        backward_err=b_cpu_less[busiest] / (b_model[busiest] - r_pred[busiest]) - 1,
         other_cores=statistics.median(ranks[0]["other_cores"]),
         stage_overhead_s=t[busiest].overhead_s / m,
         outside_s=max(r["outside_s"] for r in ranks),
@@ -791,7 +799,6 @@ def analyse(planned: Planned, ranks: Sequence[dict[str, Any]]) -> Row:
     # Activations: the peak less weights, gradients and optimizer state (all live at the peak or counted so).
     state = [r["param_bytes"] + r["grad_bytes"] + r["optimizer_state_bytes"] for r in ranks[: lay.pp]]
     top = max(range(lay.pp), key=lambda k: measured[k])
-    explained = max(p + u for p, u in zip(pred_rank, planned.buffer_bytes))
     return Row(
         config=planned.config,
         predicted_s=pred.iteration_s,
@@ -802,7 +809,6 @@ def analyse(planned: Planned, ranks: Sequence[dict[str, Any]]) -> Row:
         predicted_bytes=pred.peak_memory_bytes,
         measured_bytes=max(r["peak_bytes"] for r in ranks),
         predicted_activation_bytes=act_rank[top],
-        predicted_with_buffers_bytes=explained,
         measured_activation_bytes=measured[top] - state[top],
         terms=terms,
     )
@@ -884,7 +890,7 @@ def print_report(rows: Sequence[Row], summary: Summary, *, header: str) -> None:
 
     memory = Table(title="Peak memory of the fullest rank (weights, gradients, AdamW state, activations, buffers)")
     config_columns(memory)
-    for col in ("predicted", "measured", "error", "+ buffers", "error", "act. predicted", "act. measured"):
+    for col in ("predicted", "measured", "error", "act. predicted", "act. measured"):
         memory.add_column(col, justify="right")
     for r in rows:
         memory.add_row(
@@ -892,8 +898,6 @@ def print_report(rows: Sequence[Row], summary: Summary, *, header: str) -> None:
             fmt_bytes(r.predicted_bytes),
             fmt_bytes(r.measured_bytes),
             f"{r.memory_error:+.1%}",
-            fmt_bytes(r.predicted_with_buffers_bytes),
-            f"{r.predicted_with_buffers_bytes / r.measured_bytes - 1:+.1%}",
             fmt_bytes(r.predicted_activation_bytes),
             fmt_bytes(r.measured_activation_bytes),
         )

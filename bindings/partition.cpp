@@ -67,7 +67,7 @@ void bind_partition(py::module_& m) {
         [](std::vector<double> fwd_time_s, std::vector<double> bwd_time_s, std::vector<double> act_bytes,
            std::vector<double> state_bytes, std::vector<double> cut_bytes, int num_stages, int num_microbatches,
            std::vector<double> mem_limit_bytes, const std::string& schedule, const std::string& objective,
-           double latency_s, double bw_bytes_per_s, std::vector<int> in_flight_per_stage) {
+           double latency_s, double bw_bytes_per_s, std::vector<int> in_flight_per_stage, bool receive_buffers) {
             const pyplan::Chain chain{std::move(fwd_time_s), std::move(bwd_time_s), std::move(act_bytes),
                                       std::move(state_bytes), std::move(cut_bytes)};
             pyplan::PartitionOptions options;
@@ -78,6 +78,7 @@ void bind_partition(py::module_& m) {
             options.objective = to_objective(objective);
             options.mem_limit_bytes = std::move(mem_limit_bytes);
             options.link = {latency_s, bw_bytes_per_s};
+            options.receive_buffers = receive_buffers;
             py::gil_scoped_release release;
             return pyplan::partition(chain, options);
         },
@@ -85,7 +86,7 @@ void bind_partition(py::module_& m) {
         py::arg("cut_bytes"), py::kw_only(), py::arg("num_stages"), py::arg("num_microbatches"),
         py::arg("mem_limit_bytes"), py::arg("schedule") = "1F1B", py::arg("objective") = "pipeline_time",
         py::arg("latency_s") = 0.0, py::arg("bw_bytes_per_s") = std::numeric_limits<double>::infinity(),
-        py::arg("in_flight_per_stage") = std::vector<int>{},
+        py::arg("in_flight_per_stage") = std::vector<int>{}, py::arg("receive_buffers") = false,
         "Exact split of a chain of L blocks into num_stages contiguous stages minimizing\n"
         "sum(t_s) + (m-1) max(t_s) under each stage's memory limit (objective='pipeline_time'), or max(t_s)\n"
         "then sum(t_s) (objective='bottleneck', the limit m -> inf). Per block: fwd_time_s, bwd_time_s,\n"

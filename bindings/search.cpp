@@ -50,6 +50,7 @@ void bind_search(py::module_& m) {
         .def_readonly("stage_time_s", &Candidate::stage_time_s, "F + B + the sends of its input and output cuts")
         .def_readonly("stage_state_bytes", &Candidate::stage_state_bytes)
         .def_readonly("stage_act_bytes", &Candidate::stage_act_bytes)
+        .def_readonly("stage_buffer_bytes", &Candidate::stage_buffer_bytes)
         .def_readonly("stage_in_flight", &Candidate::stage_in_flight)
         .def_readonly("stage_sync_s", &Candidate::stage_sync_s)
         .def_readonly("rank_memory_bytes", &Candidate::rank_memory_bytes)

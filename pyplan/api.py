@@ -161,9 +161,10 @@ def _plan_of(c: Any, chain: Chain, currency: str, workload: Workload) -> Plan:
         StagePlan(
             first_block=c.cuts[s],
             last_block=c.cuts[s + 1] - 1,
-            memory_bytes=c.stage_state_bytes[s] + c.stage_act_bytes[s],
+            memory_bytes=c.stage_state_bytes[s] + c.stage_act_bytes[s] + c.stage_buffer_bytes[s],
             state_bytes=c.stage_state_bytes[s],
             activation_bytes=c.stage_act_bytes[s],
+            buffer_bytes=c.stage_buffer_bytes[s],
             time_s=c.stage_time_s[s],
             in_flight=c.stage_in_flight[s],
             forward_s=c.stage_forward_s[s],
@@ -360,8 +361,8 @@ def search(
         candidates = sum(r.num_candidates for r in relaxed) + (plain.num_candidates if plain is not None else 0)
         evaluated = sum(r.num_evaluated for r in relaxed) + (plain.num_evaluated if plain is not None else 0)
     dag = dag_plans([*plain.top, *plain.pareto], chain, example_inputs, cluster, workload, gpu_mem_bytes=gpu_mem,
-                    scale=scale, price_per_gpu_s=price, currency=currency, objective=objective,
-                    weight=weight) if stage_dag and plain is not None and plain.feasible else []  # fmt: skip
+                    scale=scale, price_per_gpu_s=price, currency=currency, objective=objective, weight=weight,
+                    host=host_costs) if stage_dag and plain is not None and plain.feasible else []  # fmt: skip
     if dag:
         top, pareto = _rank([*top, *dag], objective, weight)[:top_k], _frontier([*pareto, *dag])
     return PlanSearch(

@@ -25,6 +25,10 @@ constexpr double kTie = 1e-12;
 // What stage s may hold.
 struct StageLimit {
     int in_flight = 0;
+    // Receive buffers (PartitionOptions::receive_buffers): inputs beyond the n in flight and output gradients,
+    // in cuts: mem adds extra_inputs·cut[i] + output_buffers·cut[j].
+    int extra_inputs = 0;
+    int output_buffers = 0;
     double limit_bytes = 0.0;
     // Prefix-sum estimates of mem_s within `slack` of the limit are summed block by block; below
     // limit − slack a range surely fits, above limit + slack it surely does not (partition.h's ε).
@@ -110,31 +114,36 @@ struct Problem {
         for (int k = i; k < j; ++k) sum += chain->act_bytes[k];
         return sum + chain->cut_bytes[i];
     }
-    double need_bytes(int i, int j, int in_flight) const {
-        return state_bytes(i, j) + in_flight * act_bytes(i, j);
+    double buffer_bytes(int i, int j, const StageLimit& stage) const {
+        return stage.extra_inputs * chain->cut_bytes[i] + stage.output_buffers * chain->cut_bytes[j];
     }
-    // The prefix-sum estimate of need_bytes with `cut` bytes for the input cut: non-increasing in i and
-    // non-decreasing in j and in cut.
-    double estimate_bytes(int i, int j, int in_flight, double cut) const {
-        return (state[j] - state[i]) + in_flight * ((act[j] - act[i]) + cut);
+    double need_bytes(int i, int j, const StageLimit& stage) const {
+        const double need = state_bytes(i, j) + stage.in_flight * act_bytes(i, j);
+        return stage.extra_inputs == 0 && stage.output_buffers == 0 ? need : need + buffer_bytes(i, j, stage);
+    }
+    // The prefix-sum estimate of need_bytes with `in_cut` bytes for the input cut and `out_cut` for the
+    // output cut: non-increasing in i and non-decreasing in j and in both cuts.
+    double estimate_bytes(int i, int j, const StageLimit& stage, double in_cut, double out_cut) const {
+        return (state[j] - state[i]) + stage.in_flight * ((act[j] - act[i]) + in_cut) +
+               (stage.extra_inputs * in_cut + stage.output_buffers * out_cut);
     }
 
     // i ∈ [loose(j), j): may stage s cover [i, j) under bound B? Necessary for it (partition.h).
     bool may_fit(int i, int j, const StageLimit& stage, double bound_s) const {
-        return compute_s(i, j) <= bound_s && estimate_bytes(i, j, stage.in_flight, 0.0) <= stage.loose_limit_bytes;
+        return compute_s(i, j) <= bound_s && estimate_bytes(i, j, stage, 0.0, 0.0) <= stage.loose_limit_bytes;
     }
     // i ∈ [sure(j), j): sufficient for it.
     bool surely_fits(int i, int j, const StageLimit& stage, double bound_s) const {
         return most_time_s(compute_s(i, j)) <= bound_s &&
-               estimate_bytes(i, j, stage.in_flight, max_cut_bytes) <= stage.sure_limit_bytes;
+               estimate_bytes(i, j, stage, max_cut_bytes, max_cut_bytes) <= stage.sure_limit_bytes;
     }
     // Exactly: t(i, j) ≤ B and mem ≤ limit.
     bool fits(int i, int j, const StageLimit& stage, double bound_s) const {
         if (!(stage_time_s(i, j) <= bound_s)) return false;
-        const double estimate = estimate_bytes(i, j, stage.in_flight, chain->cut_bytes[i]);
+        const double estimate = estimate_bytes(i, j, stage, chain->cut_bytes[i], chain->cut_bytes[j]);
         if (estimate <= stage.sure_limit_bytes) return true;
         if (estimate > stage.loose_limit_bytes) return false;
-        return need_bytes(i, j, stage.in_flight) <= stage.limit_bytes;
+        return need_bytes(i, j, stage) <= stage.limit_bytes;
     }
 };
 
@@ -235,10 +244,16 @@ Problem build_problem(const Chain& chain, const PartitionOptions& options) {
         stage.in_flight = options.in_flight_per_stage.empty()
                               ? in_flight_microbatches(options.in_flight, s, p, options.num_microbatches)
                               : options.in_flight_per_stage[s];
+        if (options.receive_buffers) {
+            const int m = options.num_microbatches;
+            stage.extra_inputs = s > 0 ? m - stage.in_flight : 0;
+            stage.output_buffers = s + 1 < p ? m : 0;
+        }
         stage.limit_bytes = options.mem_limit_bytes[s];
         // Each of S, A and the block-by-block sums is off by at most (L+1)·ε/2 of its total; the slack
         // covers both sides, the product and the rounding of limit ± slack with a wide margin.
-        const double total = problem.state[L] + stage.in_flight * (problem.act[L] + problem.max_cut_bytes);
+        const double total = problem.state[L] + stage.in_flight * (problem.act[L] + problem.max_cut_bytes) +
+                             (stage.extra_inputs + stage.output_buffers) * problem.max_cut_bytes;
         const double finite_limit = std::isfinite(stage.limit_bytes) ? stage.limit_bytes : 0.0;
         const double slack = 16.0 * (L + 4) * kEps * (total + finite_limit);
         stage.sure_limit_bytes = stage.limit_bytes - slack;
@@ -340,9 +355,10 @@ DpTable least_overflow_table(const Problem& problem) {
             double best = kInf;
             int best_begin = -1;
             for (int i = j - 1; i >= s - 1; --i) {
-                if (problem.estimate_bytes(i, j, stage.in_flight, 0.0) - stage.limit_bytes >= best) break;
+                const double out_cut = problem.chain->cut_bytes[j];
+                if (problem.estimate_bytes(i, j, stage, 0.0, out_cut) - stage.limit_bytes >= best) break;
                 const double before = h.at(s - 1, i);
-                const double need = problem.estimate_bytes(i, j, stage.in_flight, problem.chain->cut_bytes[i]);
+                const double need = problem.estimate_bytes(i, j, stage, problem.chain->cut_bytes[i], out_cut);
                 const double over = std::max(before, need - stage.limit_bytes);
                 if (over < best) {
                     best = over;
@@ -388,7 +404,7 @@ PartitionResult infeasible(const Problem& problem) {
     double worst = -kInf;
     for (int s = 0; s < p; ++s) {
         const StageLimit& stage = problem.stages[s];
-        const double need = problem.need_bytes(cuts[s], cuts[s + 1], stage.in_flight);
+        const double need = problem.need_bytes(cuts[s], cuts[s + 1], stage);
         if (need - stage.limit_bytes > worst) {
             worst = need - stage.limit_bytes;
             result.overflow = {s, cuts[s], cuts[s + 1], stage.in_flight, need, stage.limit_bytes};
@@ -400,10 +416,12 @@ PartitionResult infeasible(const Problem& problem) {
                                    : "blocks " + std::to_string(o.begin_cut) + "-" + std::to_string(o.end_cut - 1);
     const double state = problem.state_bytes(o.begin_cut, o.end_cut);
     const double act = problem.act_bytes(o.begin_cut, o.end_cut);
+    const double buffers = problem.buffer_bytes(o.begin_cut, o.end_cut, problem.stages[o.stage]);
     result.reason = "no partition into " + std::to_string(p) + " stages fits in memory; the best overflows by " +
                     format_bytes(o.overflow_bytes()) + ": stage " + std::to_string(o.stage) + " (" + blocks +
                     ") needs " + format_bytes(o.need_bytes) + " (state " + format_bytes(state) + " + " +
-                    std::to_string(o.in_flight) + " micro-batches in flight x " + format_bytes(act) + "), limit " +
+                    std::to_string(o.in_flight) + " micro-batches in flight x " + format_bytes(act) +
+                    (buffers > 0 ? " + receive buffers " + format_bytes(buffers) : std::string()) + "), limit " +
                     format_bytes(o.limit_bytes);
     return result;
 }

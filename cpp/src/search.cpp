@@ -233,7 +233,7 @@ private:
     void evaluate(const Config& config);
     void offer(Candidate candidate, long long index);
     bool prunable(int num_gpus, double bound_time_s) const;
-    void infeasible(const Config& config, double need_bytes, const std::string& where);
+    void infeasible(const Config& config, double need_bytes, const std::string& where, bool exact = true);
 
     const ProfiledChain& chain_;
     const Hardware& hw_;
@@ -254,6 +254,8 @@ private:
     std::vector<std::pair<Candidate, long long>> pareto_;  // by increasing time
     double least_need_bytes_ = kInf;
     std::string least_need_text_;
+    double least_bound_bytes_ = kInf;  // lower bounds on needs (two stages per rank), used when no need is exact
+    std::string least_bound_text_;
 };
 
 const Layout& Searcher::layout(int d, int p, int v, Placement placement) {
@@ -599,7 +601,10 @@ bool Searcher::stages_fit(const Config& c, const Chain& chain, const std::vector
             state += chain.state_bytes[i];
             act += chain.act_bytes[i];
         }
-        if (state + in_flight[s] * (act + chain.cut_bytes[cuts[s]]) > hw_.gpu_mem_bytes) return false;
+        const double need = state + in_flight[s] * (act + chain.cut_bytes[cuts[s]]) +
+                            ((s > 0 ? (c.m - in_flight[s]) * chain.cut_bytes[cuts[s]] : 0.0) +
+                             (s + 1 < S ? c.m * chain.cut_bytes[cuts[s + 1]] : 0.0));
+        if (need > hw_.gpu_mem_bytes) return false;
     }
     return true;
 }
@@ -626,6 +631,7 @@ const PartitionResult& Searcher::cached_partition(const Config& c, const Layout&
     options.in_flight_per_stage = in_flight;
     options.mem_limit_bytes.assign(options.num_stages, hw_.gpu_mem_bytes);
     options.link = lay.pipeline_inter ? hw_.inter : hw_.intra;
+    options.receive_buffers = true;
     ++result_.num_partitions;
     return partitions_.emplace(key, partition(chain, options)).first->second;
 }
@@ -673,11 +679,13 @@ std::string describe(const Config& c) {
     return text;
 }
 
-void Searcher::infeasible(const Config& c, double need_bytes, const std::string& where) {
-    if (need_bytes < least_need_bytes_) {
-        least_need_bytes_ = need_bytes;
-        least_need_text_ = "the best candidate (" + describe(c) + ") needs " + format_bytes(need_bytes) + " on " +
-                           where + ", the GPU has " + format_bytes(hw_.gpu_mem_bytes);
+void Searcher::infeasible(const Config& c, double need_bytes, const std::string& where, bool exact) {
+    double& least = exact ? least_need_bytes_ : least_bound_bytes_;
+    if (need_bytes < least) {
+        least = need_bytes;
+        (exact ? least_need_text_ : least_bound_text_) =
+            "the best candidate (" + describe(c) + ") needs " + (exact ? "" : "at least ") + format_bytes(need_bytes) +
+            " on " + where + ", the GPU has " + format_bytes(hw_.gpu_mem_bytes);
     }
 }
 
@@ -687,7 +695,9 @@ void Searcher::evaluate(const Config& c) {
     const PartitionResult& part = partition_for(c, lay, chain);
     if (!part.feasible) {
         ++result_.num_evaluated;
-        infeasible(c, part.overflow.need_bytes, "stage " + std::to_string(part.overflow.stage));
+        // With two stages per rank the partition's stage limits are necessary, not sufficient (the rank holds
+        // both): its overflow is a lower bound on the candidate's need, named only when no exact need is known.
+        infeasible(c, part.overflow.need_bytes, "stage " + std::to_string(part.overflow.stage), c.v == 1);
         return;
     }
     const int S = c.p * c.v;
@@ -776,7 +786,12 @@ void Searcher::evaluate(const Config& c) {
         const int n = in_flight[s];  // the partition's, as the simulation finds them
         cand.stage_in_flight.push_back(n);
         cand.stage_act_bytes.push_back(n * act_per_microbatch[s]);
-        cand.rank_memory_bytes[cand.stage_rank[s]] += cand.stage_act_bytes[s];
+        // 9. Receive buffers: one per micro-batch for the input (n of them counted with the activations) and
+        // for the output's gradient.
+        const double input_cut = chain.cut_bytes[part.cuts[s]], output_cut = chain.cut_bytes[part.cuts[s + 1]];
+        cand.stage_buffer_bytes.push_back((s > 0 ? (c.m - n) * input_cut : 0.0) +
+                                          (s + 1 < S ? c.m * output_cut : 0.0));
+        cand.rank_memory_bytes[cand.stage_rank[s]] += cand.stage_act_bytes[s] + cand.stage_buffer_bytes[s];
     }
     const auto fullest = std::max_element(cand.rank_memory_bytes.begin(), cand.rank_memory_bytes.end());
     cand.peak_memory_bytes = *fullest;
@@ -912,6 +927,10 @@ SearchResult Searcher::run() {
     result_.num_pruned = result_.num_candidates - result_.num_evaluated;
     if (top_.empty()) {
         result_.feasible = false;
+        if (least_need_bytes_ == kInf) {
+            least_need_bytes_ = least_bound_bytes_;
+            least_need_text_ = least_bound_text_;
+        }
         result_.least_need_bytes = least_need_bytes_ < kInf ? least_need_bytes_ : 0.0;
         result_.reason = least_need_bytes_ < kInf
                              ? "no plan fits: " + least_need_text_

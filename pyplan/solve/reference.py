@@ -136,10 +136,13 @@ def evaluate_partition(
     latency_s: float = 0.0,
     bw_bytes_per_s: float = math.inf,
     in_flight_per_stage: Sequence[int] = (),
+    receive_buffers: bool = False,
 ) -> Evaluated:
     """Stage times and memory of the stages [cuts[s], cuts[s+1]), computed directly from the definitions.
 
-    Stage s holds `in_flight_per_stage[s]` micro-batches when given, else the schedule's rule.
+    Stage s holds `in_flight_per_stage[s]` micro-batches when given, else the schedule's rule. With
+    `receive_buffers`, torch's receive buffers count too: (m − n_s) more inputs (s > 0) and m output gradients
+    (s < p − 1).
     """
     num_blocks, p = len(fwd_time_s), len(cuts) - 1
 
@@ -157,7 +160,11 @@ def evaluate_partition(
         )
         states.append(sum(state_bytes[k] for k in blocks))
         acts.append(in_flight * (sum(act_bytes[k] for k in blocks) + cut_bytes[i]))
-        overflows.append(states[-1] + acts[-1] - mem_limit_bytes[s])
+        need = states[-1] + acts[-1]
+        if receive_buffers:
+            m = num_microbatches
+            need += (m - in_flight) * cut_bytes[i] * (s > 0) + m * cut_bytes[j] * (s < p - 1)
+        overflows.append(need - mem_limit_bytes[s])
     return Evaluated(
         cuts=tuple(cuts),
         stage_time_s=tuple(times),
@@ -193,6 +200,7 @@ def partition_brute_force(
     latency_s: float = 0.0,
     bw_bytes_per_s: float = math.inf,
     in_flight_per_stage: Sequence[int] = (),
+    receive_buffers: bool = False,
 ) -> BruteForce:
     """Evaluates every split of the L blocks into num_stages non-empty contiguous stages."""
     num_blocks = len(fwd_time_s)
@@ -210,6 +218,7 @@ def partition_brute_force(
             latency_s=latency_s,
             bw_bytes_per_s=bw_bytes_per_s,
             in_flight_per_stage=in_flight_per_stage,
+            receive_buffers=receive_buffers,
         )
         for inner in itertools.combinations(range(1, num_blocks), num_stages - 1)
     ]

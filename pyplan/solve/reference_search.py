@@ -160,7 +160,14 @@ def _configurations(num_blocks: int, hw: Hardware, space: Space) -> list[_Config
     return out
 
 
-def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> Planned | float:
+@dataclass(frozen=True)
+class Bound:
+    """A lower bound on a configuration's memory need (not exact: named only when no need is)."""
+
+    bytes: float
+
+
+def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> Planned | float | Bound:
     """The planned configuration, or the memory its fullest GPU would need when it does not fit."""
     num_blocks = len(chain.fwd_alpha_s)
     param_b, grad_b, optim_b = space.bytes_per_param
@@ -215,9 +222,12 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> P
         latency_s=link[0],
         bw_bytes_per_s=link[1],
         in_flight_per_stage=in_flight,
+        receive_buffers=True,
     )
     if found.best_pipeline_time is None:
-        return hw.gpu_mem_bytes + found.least_overflow_bytes
+        # Two stages per rank: the stage limits are necessary only, the need a lower bound (search.cpp).
+        need = hw.gpu_mem_bytes + found.least_overflow_bytes
+        return need if c.v == 1 else Bound(need)
     cuts = found.best_pipeline_time.cuts
     spans = [range(cuts[s], cuts[s + 1]) for s in range(stages)]
     # 8. Host costs per stage and micro-batch: bookkeeping, and the messages of its input and output cuts.
@@ -244,6 +254,8 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> P
         stage_state = sum(state[i] for i in blocks)
         rank_state[s % c.p] += stage_state
         rank_mem[s % c.p] += stage_state + in_flight[s] * (sum(act[i] for i in blocks) + cut[cuts[s]])
+        # 9. Receive buffers: m inputs (n counted above) and m output gradients.
+        rank_mem[s % c.p] += (c.m - in_flight[s]) * cut[cuts[s]] * (s > 0) + c.m * cut[cuts[s + 1]] * (s < stages - 1)
     if max(rank_mem) > hw.gpu_mem_bytes:
         return max(rank_mem)
 
@@ -281,8 +293,9 @@ def search_brute_force(chain: ProfiledChain, hw: Hardware, space: Space) -> Outc
     configs = _configurations(len(chain.fwd_alpha_s), hw, space)
     results = [_evaluate(chain, hw, space, c) for c in configs]
     feasible = [r for r in results if isinstance(r, Planned)]
-    needs = [r for r in results if not isinstance(r, Planned)]
-    return Outcome(feasible, min(needs, default=math.inf), len(configs))
+    needs = [r for r in results if isinstance(r, float)]
+    bounds = [r.bytes for r in results if isinstance(r, Bound)]
+    return Outcome(feasible, min(needs or bounds, default=math.inf), len(configs))
 
 
 def reference_rejects(schedule: str, p: int, m: int, v: int) -> bool:

@@ -156,7 +156,10 @@ def refine_plan(
         lo, hi = st.first_block, st.last_block + 1
         rank_stages = ranks[stage_rank[s]]
         rank_state = sum(plan.stages[x].state_bytes for x in rank_stages)
-        rank_inputs = sum(plan.stages[x].in_flight * cuts[plan.stages[x].first_block] for x in rank_stages)
+        rank_inputs = sum(
+            plan.stages[x].in_flight * cuts[plan.stages[x].first_block] + plan.stages[x].buffer_bytes
+            for x in rank_stages
+        )
         budget = (gpu_mem_bytes - rank_state - rank_inputs) / len(rank_stages)
         chain = RematChain(
             fwd_s=tuple(f_all[lo:hi]),
@@ -187,7 +190,7 @@ def refine_plan(
                 backward_s=bwd,
                 time_s=fwd + bwd + sends,
                 activation_bytes=activation,
-                memory_bytes=st.state_bytes + activation,
+                memory_bytes=st.state_bytes + activation + st.buffer_bytes,
                 recompute_s=got.recompute_s,
                 transfer_s=got.transfer_s,
             )

@@ -147,6 +147,21 @@ def test_per_stage_in_flight_equals_brute_force(objective: str) -> None:
     assert 50 < feasible < 250
 
 
+@pytest.mark.parametrize("objective", ["pipeline_time", "bottleneck"])
+def test_receive_buffers_equal_brute_force(objective: str) -> None:
+    # torch's receive buffers: (m − n_s) more inputs into a non-first stage and m output gradients out of a
+    # non-last one; they depend on both cuts of a stage, which the DP's windows and the overflow DP must get right.
+    rng = random.Random(77)
+    feasible = 0
+    for _ in range(400):
+        kwargs = _instance(rng)
+        kwargs["receive_buffers"] = True
+        _check_against_brute_force(kwargs, objective)
+        got = partition(*_chain(kwargs), **_without(kwargs, *_CHAIN))
+        feasible += got.feasible
+    assert 50 < feasible < 350
+
+
 def test_equals_brute_force_when_sends_and_cuts_are_uneven() -> None:
     # Boundaries that cost more than blocks and input cuts larger than a block's activations: the ranges a
     # stage may cover are then not contiguous in their first cut, which the DP's window must get right.

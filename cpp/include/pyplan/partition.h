@@ -13,6 +13,8 @@
 //               (GPipe m, 1F1B min(m, p−s), or in_flight_per_stage[s] when given, e.g. the simulated
 //               peak of an interleaved schedule); the stage keeps its input cut for backward. A tensor
 //               that is both in some act_bytes_k and in cut i is counted twice (an over-estimate).
+//               With receive_buffers, mem_s adds (m − n_s)·cut_bytes[i] for s > 0 and m·cut_bytes[j] for
+//               s < p−1 (torch's receive buffers); the sure/loose estimates below take both cuts (κ, or 0).
 // Times are these floating-point expressions, evaluated the same way everywhere (bounds, candidates,
 // results), so that "t ≤ B" means one thing; memory is compared in the block-by-block sum above.
 //
@@ -104,6 +106,10 @@ struct PartitionOptions {
     PartitionObjective objective = PartitionObjective::kPipelineTime;
     std::vector<double> mem_limit_bytes;  // [p] memory available to each stage
     Link link;                            // between consecutive stages
+    // torch's PipelineStage keeps a receive buffer per micro-batch for a stage's input (s > 0) and for its
+    // output's gradient (s < p−1) all step: mem_s adds (m − n_s)·cut_bytes[i] (the n_s in flight are counted)
+    // and m·cut_bytes[j].
+    bool receive_buffers = false;
 };
 
 // The stage that overflows least when nothing fits: blocks [begin_cut, end_cut) as stage `stage`.

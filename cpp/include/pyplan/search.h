@@ -26,7 +26,7 @@
 //     n' = d), a conservative stand-in for an uneven layout. A reduce-scatter or an all-gather over the
 //     group costs half its all-reduce.
 //  3. Stages: partition() of the chain into p·v stages (cost.h's closed form Σ t + (m−1)·max t, each
-//     stage within gpu_mem_bytes), with state bytes zero_model_state_bytes(params, d, zero) and
+//     stage within gpu_mem_bytes, receive buffers included, step 9), with state bytes zero_model_state_bytes(params, d, zero) and
 //     activations n_s·(saved bytes + input cut bytes) at b. n_s: GPipe m, 1F1B min(m, p−s); with v = 2
 //     (Interleaved1F1B, LoopedBFS) the simulated peak in flight of stage s, which depends only on the
 //     order, given to the partition as its per-stage in-flight counts. The lower bounds below use the
@@ -49,6 +49,10 @@
 //     costs do not, a small inexactness of the partition, not of the reported time). Without overlap the
 //     exposed sync is the most any rank syncs, Σ of its stages' sync_s; the optimizer step adds
 //     optimizer_tensor_s per parameter tensor and is at least elements × optimizer_element_s; T adds step_s.
+//  9. Receive buffers: torch's PipelineStage keeps one receive buffer per micro-batch for a stage's input
+//     (non-first stages) and for its output's gradient (non-last stages), for the whole step; with the n_s
+//     inputs in flight counted in step 3, a stage adds (m − n_s)·input cut + m·output cut bytes, in the
+//     partition's memory (partition.h's receive_buffers) and in the reported memory.
 //
 // Objectives: time T, cost C, weighted C + w·T (Huang et al. §III). Ties go to fewer GPUs, then less peak
 // memory, then the enumeration order above. The Pareto frontier keeps the feasible candidates that no
@@ -172,6 +176,7 @@ struct Candidate {
     std::vector<double> stage_time_s;      // [p·v] F_s + B_s + sends of its input and output cuts
     std::vector<double> stage_state_bytes;
     std::vector<double> stage_act_bytes;   // [p·v] in flight × (saved + input cut bytes)
+    std::vector<double> stage_buffer_bytes;  // [p·v] torch's receive buffers beyond the in-flight inputs
     std::vector<int> stage_in_flight;
     std::vector<double> stage_sync_s;      // [p·v] gradient all-reduce (0 under ZeRO-3 or d = 1)
     std::vector<double> rank_memory_bytes; // [p]
