@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from collections import Counter
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from pyplan.errors import PlanError
@@ -65,6 +66,9 @@ class Workload:
 @dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage: blocks [first_block, last_block] of the chain and what it holds and takes.
+
+    With the layout's `stage_of_node` a stage may hold part of a block: [first_block, last_block] is then the
+    range of blocks its operations come from, and neighbouring stages may share a block.
 
     `time_s` is the stage's time per micro-batch in the partition's model: `forward_s` + `backward_s` plus the
     boundary sends; `memory_bytes` = `state_bytes` (weights, gradients, optimizer state after ZeRO sharding)
@@ -156,6 +160,11 @@ class Layout:
     `cut_positions` are the stage boundaries as positions in the traced graph's node order (see `Cut`),
     pp · stages_per_rank + 1 of them from 0 to the end, so a runtime re-traces the model and cuts it there.
     `remat`, when not empty, has one entry per stage: its rematerialization plan, or None to keep everything.
+    `stage_of_node`, when not empty, gives the stage of every operation of the traced graph (fx node name →
+    stage) for stages that are not contiguous in the traced order (pyplan/solve/dag_search.py): stages never
+    decrease along the graph's edges, and `cut_positions` index the traced order sorted by stage (ties in traced
+    order), so they count each stage's operations. A runtime cuts that order; values read beyond a stage are
+    passed on as at any cut. Such a layout has no `remat`.
     """
 
     dp: int
@@ -168,6 +177,8 @@ class Layout:
     placement: str = "pp-inner"
     stages_per_rank: int = 1
     remat: tuple[StageRemat | None, ...] = ()
+    # Left out of the hash (a dict is not hashable; layouts that differ only here hash alike, compare unequal).
+    stage_of_node: dict[str, int] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.dp < 1 or self.pp < 1 or self.micro_batch_size < 1 or self.num_microbatches < 1:
@@ -193,6 +204,24 @@ class Layout:
                     f"stage {k}'s remat positions {r.positions[0]}..{r.positions[-1]} are not its cuts "
                     f"{self.cut_positions[k]}..{self.cut_positions[k + 1]}"
                 )
+        if self.stage_of_node:
+            self._check_stage_of_node(stages)
+
+    def _check_stage_of_node(self, stages: int) -> None:
+        """The mapping's values are stages, and the cut positions count each stage's operations."""
+        for name, s in self.stage_of_node.items():
+            if not isinstance(name, str) or isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < stages:
+                raise PlanError(f"stage_of_node[{name!r}] must be a stage in 0..{stages - 1}, got {s!r}")
+        if self.remat:
+            raise PlanError("a layout with stage_of_node has no remat plans (they follow contiguous stages)")
+        counts = Counter(self.stage_of_node.values())
+        for k in range(stages):
+            size = self.cut_positions[k + 1] - self.cut_positions[k]
+            if counts[k] != size:
+                raise PlanError(
+                    f"stage_of_node puts {counts[k]} operations on stage {k}, its cut positions "
+                    f"{self.cut_positions[k]}..{self.cut_positions[k + 1]} hold {size}"
+                )
 
     @property
     def num_gpus(self) -> int:
@@ -210,6 +239,8 @@ class Layout:
         data = asdict(replace(self, remat=()))
         data["cut_positions"] = list(self.cut_positions)
         data["remat"] = [None if r is None else r.to_json() for r in self.remat]
+        if not self.stage_of_node:
+            del data["stage_of_node"]  # a plan of contiguous stages reads as it did before the field existed
         return data
 
     @staticmethod
@@ -220,6 +251,12 @@ class Layout:
         if not isinstance(remat, list):
             raise PlanError(f"layout.remat: expected a list, got {type(remat).__name__}")
         known["remat"] = tuple(None if r is None else StageRemat.from_json(r) for r in remat)
+        stage_of_node = known.get("stage_of_node") or {}
+        if not isinstance(stage_of_node, dict):
+            raise PlanError(
+                f"layout.stage_of_node: expected an object of node name to stage, got {type(stage_of_node).__name__}"
+            )
+        known["stage_of_node"] = dict(stage_of_node)
         return Layout(**known)
 
 

@@ -17,19 +17,43 @@ from pyplan.errors import TraceError
 from pyplan.graph.chain import Block, Chain, Cut
 from pyplan.graph.layergraph import Affine, LayerGraph
 
-__all__ = ["CutPoints", "cut_points", "linearize", "static_closure"]
+__all__ = ["CutPoints", "cut_points", "linearize", "operations", "static_closure"]
+
+
+def operations(graph: LayerGraph) -> list[str]:
+    """The graph's operations in traced order: every node but placeholders, the output and static values."""
+    return [n.name for n in graph.nodes if n.op not in ("placeholder", "output") and not n.static]
+
+
+def _checked_order(graph: LayerGraph, order: Sequence[str]) -> list[str]:
+    """`order` when it lists every operation of `graph` once, each after the operations it reads."""
+    ops = set(operations(graph))
+    seen: set[str] = set()
+    for name in order:
+        if name not in ops or name in seen:
+            why = "is not an operation of the graph" if name not in ops else "is listed twice"
+            raise TraceError(f"the node order names '{name}', which {why}")
+        ahead = [i for i in graph.node(name).inputs if i in ops and i not in seen]
+        if ahead:
+            raise TraceError(f"the node order puts '{name}' before '{ahead[0]}', which it reads")
+        seen.add(name)
+    if len(seen) != len(ops):
+        missing = next(n for n in operations(graph) if n not in seen)
+        raise TraceError(f"the node order leaves out the operation '{missing}'")
+    return list(order)
 
 
 class CutPoints:
     """Every cut of the topological order of a graph's non-static nodes, with its live set.
 
     `cuts[c]` is the cut before `order[c]` (c = len(order): after the last node); `invalid[c]` says why cut c
-    cannot be a stage boundary, or is absent when it can.
+    cannot be a stage boundary, or is absent when it can. `order` is the traced order unless another topological
+    order of the same operations is given (a stage assignment of the DAG, sorted by stage).
     """
 
-    def __init__(self, graph: LayerGraph) -> None:
+    def __init__(self, graph: LayerGraph, order: Sequence[str] | None = None) -> None:
         self.graph = graph
-        self.order = [n.name for n in graph.nodes if n.op not in ("placeholder", "output") and not n.static]
+        self.order = operations(graph) if order is None else _checked_order(graph, order)
         n_pos = len(self.order)
         position = {name: i for i, name in enumerate(self.order)}
         for n in graph.nodes:
@@ -78,9 +102,9 @@ class CutPoints:
         return [cut for cut in self.cuts if self.valid(cut.position)]
 
 
-def cut_points(graph: LayerGraph) -> CutPoints:
-    """Every cut of `graph` with its live set and whether it can be a stage boundary."""
-    return CutPoints(graph)
+def cut_points(graph: LayerGraph, order: Sequence[str] | None = None) -> CutPoints:
+    """Every cut of `graph` (of `order`, when given) with its live set and whether it can be a stage boundary."""
+    return CutPoints(graph, order)
 
 
 def _keys(graph: LayerGraph, order: Sequence[str], depth: int) -> list[str]:
@@ -188,15 +212,17 @@ def linearize(
     max_blocks: int = 128,
     depth: int | None = None,
     positions: Sequence[int] | None = None,
+    order: Sequence[str] | None = None,
 ) -> Chain:
     """Group the nodes of `graph` into a Chain of blocks.
 
     By default blocks follow the module hierarchy: the shallowest level of module paths whose valid boundaries
     give at least `min_blocks` blocks, without passing `max_blocks` (e.g. one block per transformer layer of
     GPT-2, one per bottleneck of ResNet-50; finer for small models). `depth` fixes the level instead;
-    `positions` gives the cuts explicitly (0 and the end are added; each must be valid).
+    `positions` gives the cuts explicitly (0 and the end are added; each must be valid). `order` replaces the
+    traced order of the operations by another topological order of them (positions then index it).
     """
-    points = cut_points(graph)
+    points = cut_points(graph, order)
     n_pos = len(points.order)
     if n_pos == 0:
         raise TraceError("the traced model has no operations to place on stages")

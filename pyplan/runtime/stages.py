@@ -13,7 +13,7 @@ from pyplan._torch import is_view
 from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import LayerGraph
-from pyplan.graph.linearize import linearize
+from pyplan.graph.linearize import linearize, operations
 from pyplan.graph.split import piece
 from pyplan.graph.trace import ExampleInputs, LeafSpec, trace
 from pyplan.plan import Layout
@@ -78,15 +78,19 @@ def cut_model(
     copy_shared_outputs: bool = False,
     autocast_dtype: torch.dtype | None = None,
 ) -> tuple[Chain, list[StageModule]]:
-    """Trace `model` and cut it into the layout's stages (all of them; a rank keeps its own)."""
+    """Trace `model` and cut it into the layout's stages (all of them; a rank keeps its own).
+
+    With the layout's `stage_of_node` the cuts fall in the traced order sorted by stage, so each stage is the
+    operations assigned to it."""
     graph = trace(model, example_inputs, leaf_modules=leaf_modules, batch_size=layout.micro_batch_size)
-    end = len([n for n in graph.nodes if n.op not in ("placeholder", "output") and not n.static])
+    end = len(operations(graph))
     if layout.cut_positions[0] != 0 or layout.cut_positions[-1] != end:
         raise PlanError(
             f"the plan's cut positions {list(layout.cut_positions)} do not span this model's {end} nodes; "
             "was the plan made for another model?"
         )
-    chain = linearize(graph, positions=layout.cut_positions[1:-1])
+    order = _stage_order(graph, layout.stage_of_node) if layout.stage_of_node else None
+    chain = linearize(graph, positions=layout.cut_positions[1:-1], order=order)
     if len(chain) != layout.num_stages:
         raise PlanError(f"the plan's cuts make {len(chain)} stages, the layout says {layout.num_stages}")
     n = len(chain)
@@ -99,6 +103,34 @@ def cut_model(
         )
         for s, module in enumerate(_stage_modules(graph, chain, layout))
     ]
+
+
+def _stage_order(graph: LayerGraph, stage_of_node: dict[str, int]) -> list[str]:
+    """The traced order of the operations sorted by their stage (stable), after checking the assignment against
+    the model: it names the model's operations (as many as the cut positions span: every one), stages never
+    decrease along an edge, and only single tensors cross."""
+    ops = operations(graph)
+    unknown = sorted(set(stage_of_node) - set(ops))
+    if unknown:
+        raise PlanError(
+            f"the plan's stage_of_node names '{unknown[0]}', which is not an operation of this model; "
+            "was the plan made for another model?"
+        )
+    for name in ops:
+        for i in graph.node(name).inputs:
+            if i not in stage_of_node or stage_of_node[i] == stage_of_node[name]:
+                continue
+            if stage_of_node[i] > stage_of_node[name]:
+                raise PlanError(
+                    f"stage_of_node puts '{i}' on stage {stage_of_node[i]} and its reader '{name}' on stage "
+                    f"{stage_of_node[name]}: stages must not decrease along the graph's edges"
+                )
+            if not graph.node(i).is_tensor:
+                raise PlanError(
+                    f"stage_of_node puts '{i}', which is not one tensor, on stage {stage_of_node[i]} and its "
+                    f"reader '{name}' on stage {stage_of_node[name]}: a stage can send only single tensors"
+                )
+    return sorted(ops, key=lambda name: stage_of_node[name])
 
 
 def _stage_modules(graph: LayerGraph, chain: Chain, layout: Layout) -> list[nn.Module]:

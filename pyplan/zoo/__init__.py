@@ -276,6 +276,15 @@ def _small_specs() -> list[ModelSpec]:
             published_params=6_922,
             source="hand count: (32*64+64) + (64*64+64) + (64*10+10)",
         ),
+        ModelSpec(
+            name="grouped-mlp-tiny",
+            build=small.grouped_mlp_tiny,
+            example_inputs=partial(_features, n=small.MLP_FEATURES),
+            loss=F.cross_entropy,
+            target=partial(_labels, classes=small.MLP_CLASSES),
+            published_params=9_866,
+            source="hand count: stem (32*128+128) + 8 branches x 2 x (16*16+16) + head (128*10+10)",
+        ),
         _classifier(
             "resnet-tiny",
             small.resnet_tiny,

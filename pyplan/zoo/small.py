@@ -1,10 +1,11 @@
-"""Tiny models for fast tests: an MLP, and small configurations of the zoo's ResNet, VGG and GPT.
+"""Tiny models for fast tests: two MLPs (one of parallel branches) and small configurations of ResNet, VGG, GPT.
 
 The CNNs take CIFAR-10-shaped input (3x32x32, 10 classes).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from pyplan.zoo.resnet import BasicBlock, ResNet
@@ -15,7 +16,9 @@ __all__ = [
     "GPT_TINY",
     "MLP_CLASSES",
     "MLP_FEATURES",
+    "GroupedMLP",
     "gpt_tiny",
+    "grouped_mlp_tiny",
     "mlp_tiny",
     "resnet_tiny",
     "vgg_tiny",
@@ -36,6 +39,35 @@ def mlp_tiny() -> nn.Sequential:
         nn.ReLU(),
         nn.Linear(64, MLP_CLASSES),
     )
+
+
+class GroupedMLP(nn.Module):
+    """A stem, its features split into `groups` parallel branches of `depth` Linear+ReLU layers, joined, a head.
+
+    `torch.chunk` returns a tuple, and the branches index it one after another, so the tuple stays live across
+    every branch but the last: no pipeline cut can fall between those branches (a stage sends only single
+    tensors), and linearization leaves them in one block. Assigning the graph's nodes to stages one by one
+    (pyplan.solve.dag_search) splits them.
+    """
+
+    def __init__(self, features: int, width: int, groups: int, depth: int, classes: int) -> None:
+        super().__init__()
+        self.groups = groups
+        self.stem = nn.Linear(features, width)
+        self.branches = nn.ModuleList(
+            nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width // groups, width // groups), nn.ReLU())])
+            for _ in range(groups)
+        )
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = torch.chunk(torch.relu(self.stem(x)), self.groups, dim=1)
+        return self.head(torch.cat([branch(parts[i]) for i, branch in enumerate(self.branches)], dim=1))
+
+
+def grouped_mlp_tiny() -> GroupedMLP:
+    """GroupedMLP: MLP_FEATURES -> 128, 8 branches of 2 Linear(16, 16) layers, 128 -> MLP_CLASSES."""
+    return GroupedMLP(MLP_FEATURES, 128, groups=8, depth=2, classes=MLP_CLASSES)
 
 
 def resnet_tiny() -> ResNet:

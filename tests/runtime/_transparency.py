@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import faulthandler
 import json
+import math
 import os
 import sys
 import traceback
@@ -22,8 +23,10 @@ import torch
 import torch.distributed as dist
 
 from pyplan import cut_points, load_model, trace
+from pyplan.graph.linearize import operations
 from pyplan.plan import Layout, StageRemat
 from pyplan.runtime.trainer import OptimizerSpec, build_trainer, replica_slice
+from pyplan.solve.ilp import assign_stages, stage_dag_from_layergraph
 from pyplan.solve.remat import Checkpoint, Keep, Offload, RematPlan, full_remat, no_remat, periodic
 from pyplan.solve.schedules import torch_rejection
 
@@ -61,6 +64,21 @@ def stage_remat(spec_name: str, cuts: tuple[int, ...], micro_batch: int, kinds: 
         }[kind]
         out.append(None if plan is None else StageRemat(positions, plan))
     return tuple(out)
+
+
+def dag_stages(spec_name: str, num_stages: int, m: int, micro_batch: int) -> dict[str, int]:
+    """Every operation's stage, balancing the operation count (the CP-SAT stage model of pyplan/solve/ilp.py);
+    computed on rank 0 and broadcast, since CP-SAT may pick another of several optimal assignments elsewhere."""
+    box: list[dict[str, int] | None] = [None]
+    if dist.get_rank() == 0:
+        spec = load_model(f"zoo:{spec_name}")
+        graph = trace(spec.build(), spec.example_inputs, batch_size=micro_batch)
+        dag = stage_dag_from_layergraph(graph, batch_size=micro_batch, time_s={n: 1.0 for n in operations(graph)})
+        got = assign_stages(dag, num_stages=num_stages, num_microbatches=m, mem_limit_bytes=[math.inf] * num_stages)
+        box[0] = dict(zip(dag.names, got.stage_of_node))
+    dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None
+    return box[0]
 
 
 def configs(world: int) -> list[dict]:
@@ -122,6 +140,10 @@ def configs(world: int) -> list[dict]:
                 dict(model=model, dp=dp, pp=pp, schedule=schedule, v=1, m=4, b=2, optimizer="adamw", zero=0,
                      remat=kinds)
             )
+        # Stages assigned operation by operation (Layout.stage_of_node), not contiguous in the traced order: the
+        # branches of grouped-mlp-tiny share one block of the chain and are split between the stages.
+        out.append(dict(model="grouped-mlp-tiny", dp=1, pp=2, schedule="1F1B", v=1, m=4, b=2, optimizer="sgd", zero=0,
+                        dag=True))  # fmt: skip
     if world == 4:
         # ZeRO-1/2 (ZeroRedundancyOptimizer beside DDP) and ZeRO-3 (FSDP2) over the dp axis of a 2 x 2 mesh.
         # Tied weights across stages are refused with ZeRO-3, so gpt-tiny (tied embeddings) runs ZeRO-1 only.
@@ -158,7 +180,12 @@ def _double(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 
 def run(cfg: dict) -> dict:
     spec = load_model(f"zoo:{cfg['model']}")
-    cuts = even_cuts(cfg["model"], cfg["pp"] * cfg["v"], cfg["b"])
+    stage_of_node = dag_stages(cfg["model"], cfg["pp"], cfg["m"], cfg["b"]) if cfg.get("dag") else {}
+    if stage_of_node:
+        counts = [list(stage_of_node.values()).count(s) for s in range(cfg["pp"])]
+        cuts = tuple(sum(counts[:k]) for k in range(cfg["pp"] + 1))
+    else:
+        cuts = even_cuts(cfg["model"], cfg["pp"] * cfg["v"], cfg["b"])
     layout = Layout(
         dp=cfg["dp"],
         pp=cfg["pp"],
@@ -170,7 +197,11 @@ def run(cfg: dict) -> dict:
         placement=cfg.get("placement", "pp-inner"),
         cut_positions=cuts,
         remat=stage_remat(cfg["model"], cuts, cfg["b"], cfg["remat"]) if "remat" in cfg else (),
+        stage_of_node=stage_of_node,
     )
+    if stage_of_node:
+        stages = list(stage_of_node.values())
+        cfg = {**cfg, "contiguous": stages == sorted(stages)}
     mixed = cfg.get("precision", "fp32") != "fp32"
     torch.manual_seed(0)
     # Autocast casts float32 ops only: mixed-precision runs keep the model in float32.
