@@ -301,6 +301,7 @@ def plan_case(case: Case, remats: Sequence[str], keep: Callable[[Config], bool] 
     from pyplan.hardware.catalog import local_host_costs
     from pyplan.plan import Plan, Workload
     from pyplan.solve.schedules import stage_placement
+    from pyplan.spec import default_loss
 
     spec = load_model(f"zoo:{case.model}")
     torch.manual_seed(0)
@@ -326,6 +327,8 @@ def plan_case(case: Case, remats: Sequence[str], keep: Callable[[Config], bool] 
             allow_fewer_gpus=False,
             top_k=1000,
             remat=remat,
+            loss=spec.loss or default_loss,
+            target=spec.target,
         )
         plans: list[Plan] = [found.best, *found.alternatives]
         seen = set()

@@ -21,12 +21,13 @@ from pyplan.plan import OBJECTIVES, PLACEMENTS, Layout, Plan, Prediction, StageP
 from pyplan.profile import TimingOptions, default_batch_sizes, local_device, profile
 from pyplan.profile.analytic import Roofline, block_times_analytic
 from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, measured_target
+from pyplan.profile.loss import LossCost, LossFn, TargetFn, loss_cost, remat_with_loss, with_loss
 from pyplan.profile.measure import checkpoint_call_s
 from pyplan.profile.remat import remat_bytes
 from pyplan.solve.dag_search import dag_plans
 from pyplan.solve.remat_search import OFFLOAD_MODES, RELAXED_SHARES, REMAT_MODES, refine_plan, relaxed_chain
 
-__all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "chain_for", "memory_per_process", "plan", "search"]
+__all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "add_loss", "chain_for", "memory_per_process", "plan", "search"]
 
 # The schedules the search evaluates; the zero-bubble ones need split input/weight-gradient times first.
 SEARCHED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
@@ -131,6 +132,41 @@ def chain_for(
     return profiled, how
 
 
+def add_loss(
+    chain: Chain,
+    model: nn.Module,
+    example_inputs: ExampleInputs,
+    cluster: Cluster,
+    workload: Workload,
+    loss: LossFn,
+    target: TargetFn | None = None,
+) -> Chain:
+    """`chain` (from chain_for) with the loss in its last block, timed as chain_for times the blocks: measured on
+    this machine, or on the roofline of the cluster's GPU (pyplan/profile/loss.py)."""
+    return with_loss(chain, _loss_cost(chain, model, example_inputs, cluster, workload, loss, target))
+
+
+def _loss_cost(
+    chain: Chain,
+    model: nn.Module,
+    example_inputs: ExampleInputs,
+    cluster: Cluster,
+    workload: Workload,
+    loss: LossFn,
+    target: TargetFn | None,
+) -> LossCost:
+    gpu = cluster.gpu
+    sizes = default_batch_sizes(min(4, workload.global_batch))
+    measured = _is_local(gpu) and not is_meta_module(model)
+    try:
+        return loss_cost(
+            chain, example_inputs, loss, target, sizes, roofline=None if measured else Roofline.from_gpu(gpu)
+        )
+    except (RuntimeError, ValueError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PlanError(f"the loss cannot be computed on the model's output: {first}") from None
+
+
 def memory_per_process(cluster: Cluster) -> float:
     """A GPU's memory, or for `local` on the CPU the machine's memory shared by the processes on it."""
     gpu = cluster.gpu
@@ -210,6 +246,8 @@ def search(
     offload: str = "none",
     offload_bw_bytes_per_s: float = 25e9,
     stage_dag: bool = True,
+    loss: LossFn | None = None,
+    target: TargetFn | None = None,
 ) -> PlanSearch:
     """Every way to train `model` on `cluster` that fits, ranked by `objective`.
 
@@ -219,7 +257,9 @@ def search(
     `remat` "auto" also plans configurations that fit only with recomputation, each stage with its optimal
     remat plan (and, with `offload` "auto", activation offloading to host memory over a link of
     `offload_bw_bytes_per_s`, PCIe 4.0 x16 by default); "full" and "periodic" force that plan on every stage
-    (see pyplan/solve/remat_search.py). `stage_dag` also assigns stages operation by operation to the pipelines
+    (see pyplan/solve/remat_search.py). `loss(output, target)` with `target(b)` (None: zeros like the output) is
+    the training loss: its time and saved bytes join the last block (pyplan/profile/loss.py); without it the loss
+    is left out. `stage_dag` also assigns stages operation by operation to the pipelines
     whose chain is too coarse to balance (pyplan/solve/dag_search.py).
     """
     if remat not in REMAT_MODES:
@@ -243,6 +283,8 @@ def search(
         chain, profiled_on = chain_for(model, example_inputs, cluster, workload, leaf_modules=leaf_modules)
     if any(b.fwd_time_s is None or b.bwd_time_s is None or b.saved_bytes is None for b in chain.blocks):
         raise PlanError("the chain has blocks without times or saved bytes; profile it first")
+    if loss is not None and chain.loss is None:
+        chain = add_loss(chain, model, example_inputs, cluster, workload, loss, target)
     gpu = cluster.gpu
     if gpu.memory_bytes is None or not gpu.hbm_bw_bytes_per_s:
         raise PlanError(f"GPU '{gpu.name}' has no memory size or bandwidth; run `pyplan calibrate` first")
@@ -307,59 +349,67 @@ def search(
         except ValueError as exc:
             raise PlanError(str(exc)) from exc
 
-    def plans_of(candidates: Iterable[Any]) -> list[Plan]:
-        return [_plan_of(c, chain, currency, workload) for c in candidates]
+    # Every plan is refined with the exact replay of its stages' activations (pyplan/solve/remat.py): the search's
+    # memory counts saved activations per micro-batch in flight; the replay adds each stage's working memory
+    # (outputs, gradients and transients of the forward and backward). A plan that then does not fit is dropped,
+    # so the searches return more candidates than asked.
+    profile_ = remat_bytes(chain, example_inputs, (1, 2))
+    if chain.loss is not None:
+        profile_ = remat_with_loss(profile_, chain.loss)
+    # A checkpoint call's own cost, measured where the blocks were (on a GPU the host overhead runs ahead of
+    # the kernels, and an analytic profile has no host to measure: none is charged).
+    checkpoint_s = checkpoint_call_s() if remat != "none" and _is_local(gpu) and not is_meta_module(model) else 0.0
+    wide = max(4 * top_k, 20)
 
-    plain = run(act_a, act_b, bwd_a, bwd_b, top_k) if remat in ("none", "auto") else None
-    if remat == "none":
-        assert plain is not None
-        if not plain.feasible or plain.best is None:
-            raise InfeasibleError(plain.reason)
-        top, pareto = plans_of(plain.top), plans_of(plain.pareto)
-        candidates, evaluated = plain.num_candidates, plain.num_evaluated
-    else:
-        profile_ = remat_bytes(chain, example_inputs, (1, 2))
-        # A checkpoint call's own cost, measured where the blocks were (on a GPU the host overhead runs ahead of
-        # the kernels, and an analytic profile has no host to measure: none is charged).
-        checkpoint_s = checkpoint_call_s() if _is_local(gpu) and not is_meta_module(model) else 0.0
-        relaxed = [
-            run(*relaxed_chain(fwd_a, fwd_b, bwd_a, bwd_b, profile_, scale, share), max(4 * top_k, 20))
-            for share in RELAXED_SHARES
-        ]
+    def refine(c: Any, mode: str) -> Plan | None:
+        link = group.inter_link if c.pipeline_inter else group.intra_link
+        return refine_plan(
+            _plan_of(c, chain, currency, workload),
+            profile_,
+            lambda b: [f(b) for f in (blk.fwd_time_s for blk in blocks)],
+            lambda b: [g(b) for g in (blk.bwd_time_s for blk in blocks)],
+            scale=scale,
+            gpu_mem_bytes=gpu_mem,
+            cut_bytes=lambda b: [cut.bytes(b) * scale for cut in chain.cuts],
+            positions=[cut.position for cut in chain.cuts],
+            send_s=lambda nbytes: link.latency_s + nbytes / link.bw_bytes_per_s,
+            stage_sync_s=list(c.stage_sync_s),
+            mode=mode,
+            offload_bw_bytes_per_s=offload_bw_bytes_per_s if offload == "auto" else None,
+            checkpoint_s=checkpoint_s,
+            host=host_costs,
+            cut_tensors=cut_tensors,
+        )
+
+    def refined(results: Iterable[Any], mode: str) -> list[Plan]:
         seen: set[tuple[Any, ...]] = set()
-        refined: list[Plan] = []
-        for c in [cand for r in relaxed for cand in (*r.top, *r.pareto)]:
-            start = _plan_of(c, chain, currency, workload)
-            if _key(start) in seen:
+        out: list[Plan] = []
+        for c in [cand for r in results if r.feasible for cand in (*r.top, *r.pareto)]:
+            key = _key(_plan_of(c, chain, currency, workload))
+            if key in seen:
                 continue
-            seen.add(_key(start))
-            link = group.inter_link if c.pipeline_inter else group.intra_link
-            got = refine_plan(
-                start,
-                profile_,
-                lambda b: [f(b) for f in (blk.fwd_time_s for blk in blocks)],
-                lambda b: [g(b) for g in (blk.bwd_time_s for blk in blocks)],
-                scale=scale,
-                gpu_mem_bytes=gpu_mem,
-                cut_bytes=lambda b: [cut.bytes(b) * scale for cut in chain.cuts],
-                positions=[cut.position for cut in chain.cuts],
-                send_s=lambda nbytes, link=link: link.latency_s + nbytes / link.bw_bytes_per_s,
-                stage_sync_s=list(c.stage_sync_s),
-                mode=remat,
-                offload_bw_bytes_per_s=offload_bw_bytes_per_s if offload == "auto" else None,
-                checkpoint_s=checkpoint_s,
-                host=host_costs,
-                cut_tensors=cut_tensors,
-            )
+            seen.add(key)
+            got = refine(c, mode)
             if got is not None:
-                refined.append(got)
-        every = refined + (plans_of([*plain.top, *plain.pareto]) if plain is not None and plain.feasible else [])
-        if not every:
-            reason = plain.reason if plain is not None and plain.reason else relaxed[0].reason
-            raise InfeasibleError(f"{reason or 'no configuration fits'} (even with rematerialization: {remat})")
-        top, pareto = _rank(every, objective, weight)[:top_k], _frontier(every)
-        candidates = sum(r.num_candidates for r in relaxed) + (plain.num_candidates if plain is not None else 0)
-        evaluated = sum(r.num_evaluated for r in relaxed) + (plain.num_evaluated if plain is not None else 0)
+                out.append(got)
+        return out
+
+    plain = run(act_a, act_b, bwd_a, bwd_b, wide) if remat in ("none", "auto") else None
+    relaxed = (
+        [run(*relaxed_chain(fwd_a, fwd_b, bwd_a, bwd_b, profile_, scale, share), wide) for share in RELAXED_SHARES]
+        if remat != "none"
+        else []
+    )
+    every = (refined([plain], "none") if plain is not None else []) + refined(relaxed, remat)
+    if not every:
+        reason = plain.reason if plain is not None and plain.reason else (relaxed[0].reason if relaxed else "")
+        if plain is not None and plain.feasible:
+            reason = "every plan that fits the saved activations overflows with the stages' working memory"
+        suffix = f" (even with rematerialization: {remat})" if remat != "none" else ""
+        raise InfeasibleError(f"{reason or 'no configuration fits'}{suffix}")
+    top, pareto = _rank(every, objective, weight)[:top_k], _frontier(every)
+    candidates = sum(r.num_candidates for r in relaxed) + (plain.num_candidates if plain is not None else 0)
+    evaluated = sum(r.num_evaluated for r in relaxed) + (plain.num_evaluated if plain is not None else 0)
     dag = dag_plans([*plain.top, *plain.pareto], chain, example_inputs, cluster, workload, gpu_mem_bytes=gpu_mem,
                     scale=scale, price_per_gpu_s=price, currency=currency, objective=objective, weight=weight,
                     host=host_costs) if stage_dag and plain is not None and plain.feasible else []  # fmt: skip

@@ -94,6 +94,7 @@ def _plan(args: argparse.Namespace) -> int:
     from pyplan.load import load_model
     from pyplan.plan import Workload
     from pyplan.report.plans import render_plans
+    from pyplan.spec import default_loss
 
     cluster = _cluster(args)
     workload = Workload(
@@ -122,6 +123,9 @@ def _plan(args: argparse.Namespace) -> int:
         leaf_modules=args.leaf,
         remat=args.remat,
         offload=args.offload,
+        # The loss the emitted script trains with (pyplan.runtime: the model's own, else mean squared error).
+        loss=spec.loss or default_loss,
+        target=spec.target,
     )
     document = PlanFile(
         model=args.model, workload=workload, cluster=cluster, plan=result.best, leaf_modules=tuple(args.leaf)

@@ -25,14 +25,16 @@ import torch
 from torch import nn
 
 from pyplan._files import write_atomic
-from pyplan.api import chain_for, search
+from pyplan.api import add_loss, chain_for, search
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.graph.trace import ExampleInputs
 from pyplan.hardware.catalog import LOCAL
 from pyplan.hardware.cluster import Cluster
 from pyplan.plan import OBJECTIVES, Plan, Workload
 from pyplan.profile.cache import CacheStats, ProfileCache
+from pyplan.profile.loss import LossFn, TargetFn
 from pyplan.solve.remat_search import OFFLOAD_MODES, REMAT_MODES
+from pyplan.spec import default_loss
 
 __all__ = [
     "COLUMNS",
@@ -145,6 +147,16 @@ class ModelRef:
     ref: str | None = None
     module: nn.Module | None = field(default=None, repr=False)
     example_inputs: ExampleInputs | None = field(default=None, repr=False)
+
+    def loss(self) -> tuple[LossFn | None, TargetFn | None]:
+        """The loss and target a referenced model trains with (its own, else mean squared error to zeros, as the
+        runtime does); none for a module given directly."""
+        if self.ref is None:
+            return None, None
+        from pyplan.load import load_model
+
+        spec = load_model(self.ref)
+        return spec.loss or default_loss, spec.target
 
     def load(self, *, meta: bool) -> tuple[nn.Module, ExampleInputs]:
         """The module and its inputs; a referenced model is built on the meta device when `meta` (an analytic
@@ -264,6 +276,9 @@ def _run_task(task: _Task) -> _TaskResult:
     try:
         module, inputs = task.model.load(meta=first.groups[0].gpu.name != LOCAL)
         chain, how = chain_for(module, inputs, first, task.workload, cache=cache)
+        loss, target = task.model.loss()
+        if loss is not None:  # one GPU type per task: the loss's cost is the same on every cluster
+            chain = add_loss(chain, module, inputs, first, task.workload, loss, target)
     except Exception as exc:
         records = [_failed(base(label, cluster), exc) for label, cluster in clusters]
         return _TaskResult(records, stats, time.perf_counter() - start, time.process_time() - cpu_start)

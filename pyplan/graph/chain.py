@@ -80,13 +80,24 @@ class Block:
         }
 
 
+@dataclass(frozen=True)
+class LossCost:
+    """The loss of one micro-batch as `α·b + β`: forward and backward seconds, bytes saved for the backward
+    (pyplan/profile/loss.py profiles it; `Chain.loss` says it is in the last block)."""
+
+    fwd_time_s: Affine
+    bwd_time_s: Affine
+    saved_bytes: Affine
+
+
 @dataclass
 class Chain:
     """Blocks 0..n-1 and cuts 0..n: block i lies between `cuts[i]` and `cuts[i+1]`.
 
     `order` is the topological order of the non-static nodes (positions of cuts index into it);
     `candidates` every valid cut of that order, chosen or not, for finer re-linearization;
-    `input_saved_bytes` the model inputs that training keeps for backward (e.g. token ids of an embedding).
+    `input_saved_bytes` the model inputs that training keeps for backward (e.g. token ids of an embedding);
+    `loss`, when set, the loss's cost, already added to the last block's times and saved bytes.
     """
 
     blocks: list[Block]
@@ -95,6 +106,7 @@ class Chain:
     candidates: list[Cut]
     graph: LayerGraph = field(repr=False, compare=False)
     input_saved_bytes: Affine | None = None
+    loss: LossCost | None = None
 
     def __post_init__(self) -> None:
         if len(self.cuts) != len(self.blocks) + 1:

@@ -124,7 +124,7 @@ class HostCosts:
 
 
 def _optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    from pyplan.runtime.trainer import optimizer_factory
+    from pyplan.runtime.optim import optimizer_factory
 
     spec = optimizer_factory(name, 1e-3)
     return spec.cls(params, **spec.kwargs)

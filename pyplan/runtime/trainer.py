@@ -7,7 +7,7 @@ With placement "pp-inner" the ranks of one pipeline are consecutive (mesh shape 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pyplan.errors import PlanError
 from pyplan.graph.trace import ExampleInputs, LeafSpec, inputs_at
 from pyplan.plan import Layout
+from pyplan.runtime.optim import OptimizerFactory, OptimizerSpec, optimizer_factory
 from pyplan.runtime.stages import cut_model, local_stages, stage_io, tied_parameters
 from pyplan.spec import ModelSpec, default_loss
 
@@ -37,37 +38,10 @@ __all__ = [
     "replica_slice",
 ]
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """An optimizer class and its arguments: a factory that ZeRO's sharded optimizer can also be built from."""
-
-    cls: type[torch.optim.Optimizer]
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def __call__(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        return self.cls(params, **self.kwargs)
-
-
 # Schedules that compute weight gradients with autograd.grad, which skips DDP's and FSDP2's hooks (torch issue
 # #144530, TORCH_FACTS.md): gradients are averaged over dp by hand after the step, and ZeRO-3 is refused.
 _SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 _AUTOCAST = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
-
-
-def optimizer_factory(name: str, lr: float) -> OptimizerSpec:
-    """The workload's optimizer by name (pyplan.profile.memory.OPTIMIZERS) at learning rate `lr`."""
-    makers = {
-        "sgd": OptimizerSpec(torch.optim.SGD, {"lr": lr}),
-        "sgd-momentum": OptimizerSpec(torch.optim.SGD, {"lr": lr, "momentum": 0.9}),
-        "adam": OptimizerSpec(torch.optim.Adam, {"lr": lr}),
-        "adamw": OptimizerSpec(torch.optim.AdamW, {"lr": lr}),
-    }
-    if name not in makers:
-        raise PlanError(f"unknown optimizer '{name}'; choose one of {', '.join(makers)}")
-    return makers[name]
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:

@@ -1,0 +1,155 @@
+"""The loss as part of the last block: its forward and backward time and the bytes it saves for backward.
+
+A pipeline's last stage computes the loss of every micro-batch after its forward and backpropagates from it; the
+loss's own work (a language model's cross-entropy over the vocabulary: a log-softmax over the logits, saved for
+the backward) belongs to that stage. The model's trace stops at its output, so the loss is profiled apart, on
+the model's output at each micro-batch size, and added to the chain's last block (`with_loss`).
+
+Times: measured on this machine (the thread's CPU time on a CPU with one thread, less the call overhead a piece
+timed alone pays, as pyplan/profile/measure.py times blocks), or the roofline time of the aten ops the loss runs
+on a catalog GPU. Saved bytes: the storages autograd saves during the loss's forward, the model's output included
+when the loss saves it, recorded on fake (or meta) tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from pyplan._torch import OpRecorder, run_without_compute, storage_key
+from pyplan.graph.chain import Chain, LossCost
+from pyplan.graph.layergraph import Affine
+from pyplan.graph.trace import ExampleInputs, inputs_at
+from pyplan.profile.analytic import OpCost, Roofline, op_class
+from pyplan.profile.measure import TimingOptions, _Clock, _overhead, _threads, _time_block, local_device
+from pyplan.profile.remat import RematProfile
+
+__all__ = ["LossCost", "LossFn", "TargetFn", "loss_cost", "remat_with_loss", "with_loss"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+TargetFn = Callable[[int], torch.Tensor]
+
+
+class _Loss(nn.Module):
+    """The loss of a fixed target as a module of the model's output, so it can be timed like a block."""
+
+    def __init__(self, loss_fn: LossFn, target: torch.Tensor | None) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+        self.target = target
+
+    def forward(self, output: torch.Tensor) -> torch.Tensor:
+        target = self.target if self.target is not None else torch.zeros_like(output)
+        return self.loss_fn(output, target)
+
+
+def _output(chain: Chain, example_inputs: ExampleInputs, batch_size: int, device: torch.device) -> torch.Tensor:
+    with torch.no_grad():
+        out = chain.graph.module(*[t.to(device) for t in inputs_at(example_inputs, batch_size)])
+    if not isinstance(out, torch.Tensor):
+        raise ValueError("a loss needs a model whose output is one tensor")
+    return out
+
+
+def _analytic(
+    chain: Chain, example_inputs: ExampleInputs, loss_fn: LossFn, target_fn: TargetFn | None, batch_size: int
+) -> tuple[int, list[OpCost], list[OpCost]]:
+    """Saved bytes and the forward and backward aten ops of the loss at `batch_size`, on fake or meta tensors."""
+
+    def run(convert: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, list[OpCost], list[OpCost]]:
+        with torch.no_grad():
+            out = chain.graph.module(*[convert(t) for t in inputs_at(example_inputs, batch_size)])
+        if not isinstance(out, torch.Tensor):
+            raise ValueError("a loss needs a model whose output is one tensor")
+        out = out.detach().requires_grad_(out.is_floating_point())
+        target = convert(target_fn(batch_size)) if target_fn is not None else None
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved[storage_key(t)] = t.untyped_storage().nbytes()
+            return t
+
+        fwd, bwd = OpRecorder(), OpRecorder()
+        with torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fwd:
+                loss = _Loss(loss_fn, target)(out)
+            with bwd:
+                loss.backward()
+
+        def costs(rec: OpRecorder) -> list[OpCost]:
+            return [OpCost(n, op_class(n), fl, nb, dt, view) for n, fl, nb, dt, view in rec.ops if not view]
+
+        return sum(saved.values()), costs(fwd), costs(bwd)
+
+    return run_without_compute(chain.graph.module, run)
+
+
+def loss_cost(
+    chain: Chain,
+    example_inputs: ExampleInputs,
+    loss_fn: LossFn,
+    target_fn: TargetFn | None,
+    batch_sizes: Sequence[int],
+    *,
+    roofline: Roofline | None = None,
+    device: torch.device | None = None,
+    options: TimingOptions | None = None,
+) -> LossCost:
+    """The loss's cost at each of `batch_sizes` (two or more), fitted: measured on `device` (default
+    `local_device()`) when `roofline` is None, else the roofline time of its ops. `target_fn(b)` gives the target
+    of b samples (None: zeros like the output, pyplan.spec.default_target)."""
+    sizes = sorted(set(batch_sizes))
+    analytic = [_analytic(chain, example_inputs, loss_fn, target_fn, b) for b in sizes]
+    saved = Affine.fit(sizes, [float(a[0]) for a in analytic])
+    if roofline is not None:
+        fwd = [sum(roofline.op_time_s(op) for op in a[1]) for a in analytic]
+        bwd = [sum(roofline.op_time_s(op) for op in a[2]) for a in analytic]
+        return LossCost(Affine.fit(sizes, fwd), Affine.fit(sizes, bwd), saved)
+    device = device or local_device()
+    options = options or TimingOptions()
+    chain.graph.module.to(device)
+    fwd, bwd = [], []
+    with _threads(options.threads), torch.enable_grad():
+        clock = _Clock(device, options.threads)
+        overhead = _overhead(device, clock)
+        for b in sizes:
+            out = _output(chain, example_inputs, b, device)
+            target = target_fn(b).to(device) if target_fn is not None else None
+            f, g = overhead.remove(
+                *_time_block(_Loss(loss_fn, target), (out,), clock, options.warmup, options.repeats, first=False)
+            )
+            fwd.append(f)
+            bwd.append(g)
+    return LossCost(Affine.fit(sizes, fwd), Affine.fit(sizes, bwd), saved)
+
+
+def with_loss(chain: Chain, loss: LossCost) -> Chain:
+    """The chain with the loss added to its last block's times and saved bytes (`Chain.loss` set)."""
+    if chain.loss is not None:
+        raise ValueError("the chain's last block already holds a loss")
+    last = chain.blocks[-1]
+    if last.fwd_time_s is None or last.bwd_time_s is None or last.saved_bytes is None:
+        raise ValueError("the chain must be profiled before its loss is added")
+    blocks = [
+        *chain.blocks[:-1],
+        replace(
+            last,
+            fwd_time_s=last.fwd_time_s + loss.fwd_time_s,
+            bwd_time_s=last.bwd_time_s + loss.bwd_time_s,
+            saved_bytes=last.saved_bytes + loss.saved_bytes,
+        ),
+    ]
+    return replace(chain, blocks=blocks, loss=loss)
+
+
+def remat_with_loss(remat: RematProfile, loss: LossCost) -> RematProfile:
+    """The remat profile with the loss's saved bytes kept by the last block from its forward to its backward
+    (and in its forward peak): the loss runs between the two."""
+    tail = remat.blocks[-1]
+    tail = replace(
+        tail, kept_bytes=tail.kept_bytes + loss.saved_bytes, fwd_peak_bytes=tail.fwd_peak_bytes + loss.saved_bytes
+    )
+    return replace(remat, blocks=(*remat.blocks[:-1], tail))

@@ -1,0 +1,107 @@
+"""The loss in the last block: its saved bytes, measured and analytic times, and what the search charges for it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyplan import search
+from pyplan.api import chain_for
+from pyplan.errors import PlanError
+from pyplan.graph.layergraph import Affine
+from pyplan.hardware.catalog import get_gpu
+from pyplan.hardware.cluster import Cluster
+from pyplan.plan import Workload
+from pyplan.profile.analytic import Roofline
+from pyplan.profile.loss import LossCost, loss_cost, with_loss
+
+CLASSES = 10
+
+
+class _Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def inputs(b: int) -> tuple[torch.Tensor, ...]:
+    return (torch.randn(b, 16),)
+
+
+def target(b: int) -> torch.Tensor:
+    return torch.zeros(b, dtype=torch.long)
+
+
+@pytest.fixture(scope="module")
+def chain() -> object:
+    torch.manual_seed(0)
+    found, _ = chain_for(_Classifier(), inputs, Cluster.from_catalog("a100-80g", 1), Workload(global_batch=8))
+    return found
+
+
+def test_saved_bytes_are_what_cross_entropy_keeps(chain: object) -> None:
+    # cross_entropy saves its log-softmax (b x classes fp32), the int64 target and a scalar total weight.
+    cost = loss_cost(chain, inputs, F.cross_entropy, target, (1, 2, 4), roofline=Roofline.from_gpu(get_gpu("a100-80g")))
+    assert cost.saved_bytes.per_sample == pytest.approx(CLASSES * 4 + 8)
+    assert cost.saved_bytes.fixed == pytest.approx(4)
+    assert cost.fwd_time_s(4) > 0 and cost.bwd_time_s(4) > 0
+    # Mean squared error to zeros (the default loss) saves the output and the target, both b x classes fp32.
+    mse = loss_cost(chain, inputs, F.mse_loss, None, (1, 2), roofline=Roofline.from_gpu(get_gpu("a100-80g")))
+    assert mse.saved_bytes(3) == pytest.approx(2 * 3 * CLASSES * 4)
+
+
+def test_measured_times_grow_with_the_batch(chain: object) -> None:
+    small = loss_cost(chain, inputs, F.cross_entropy, target, (1, 2))
+    assert small.fwd_time_s(1) > 0 and small.bwd_time_s(1) > 0
+    assert small.saved_bytes(1) == pytest.approx(CLASSES * 4 + 8 + 4)
+
+
+def test_with_loss_joins_the_last_block_once(chain: object) -> None:
+    cost = LossCost(Affine(1e-3, 2e-3), Affine(3e-3, 4e-3), Affine(100.0, 8.0))
+    joined = with_loss(chain, cost)
+    last, before = joined.blocks[-1], chain.blocks[-1]
+    assert last.fwd_time_s == before.fwd_time_s + cost.fwd_time_s
+    assert last.bwd_time_s == before.bwd_time_s + cost.bwd_time_s
+    assert last.saved_bytes == before.saved_bytes + cost.saved_bytes
+    assert joined.blocks[:-1] == chain.blocks[:-1] and joined.loss == cost and chain.loss is None
+    with pytest.raises(ValueError, match="already holds a loss"):
+        with_loss(joined, cost)
+
+
+def test_the_search_charges_the_loss_on_the_last_stage(chain: object) -> None:
+    model, cluster, work = _Classifier(), Cluster.from_catalog("a100-80g", 1), Workload(global_batch=8)
+    options = {"micro_batch_sizes": [2], "schedules": ["GPipe"], "zero_stages": [0], "stage_dag": False}
+    bare = search(model, inputs, cluster, work, chain=chain, **options).best
+    with_ce = search(model, inputs, cluster, work, chain=chain, loss=F.cross_entropy, target=target, **options)
+    cost = with_ce.chain.loss
+    assert cost is not None and with_ce.chain is not chain
+    got, m = with_ce.best, bare.layout.num_microbatches
+    assert got.layout == bare.layout
+    assert got.stages[-1].forward_s == pytest.approx(bare.stages[-1].forward_s + cost.fwd_time_s(2), rel=1e-9)
+    assert got.stages[-1].backward_s == pytest.approx(bare.stages[-1].backward_s + cost.bwd_time_s(2), rel=1e-9)
+    # GPipe keeps every micro-batch's loss state until its backward: at the peak (the first backward, once its own
+    # loss state is freed, or the end of the forwards) m - 1 or m of them are live.
+    grown = got.predicted.peak_memory_bytes - bare.predicted.peak_memory_bytes
+    assert (m - 1) * cost.saved_bytes(2) - 1e-6 <= grown <= m * cost.saved_bytes(2) + 1e-6
+
+
+def test_a_loss_that_does_not_fit_the_output_is_one_line(chain: object) -> None:
+    model, cluster, work = _Classifier(), Cluster.from_catalog("a100-80g", 1), Workload(global_batch=8)
+    with pytest.raises(PlanError, match="the loss cannot be computed on the model's output") as info:
+        search(
+            model,
+            inputs,
+            cluster,
+            work,
+            chain=replace(chain),
+            loss=F.cross_entropy,
+            target=lambda b: torch.zeros(b + 1),
+        )
+    assert "\n" not in str(info.value)
