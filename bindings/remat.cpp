@@ -40,12 +40,14 @@ void bind_remat(py::module_& m) {
            std::vector<double> out_bytes, std::vector<double> fwd_peak_bytes, std::vector<double> fwd_nosave_peak_bytes,
            std::vector<double> bwd_peak_bytes, std::vector<double> grad_bytes, std::vector<double> free_bytes, std::vector<double> live_from,
            double budget_bytes, int slots,
-           double offload_bw_bytes_per_s, int max_depth, int in_flight, double checkpoint_s) {
+           double offload_bw_bytes_per_s, int max_depth, int in_flight, double checkpoint_s,
+           std::vector<double> checkpoint_block_s) {
             const pyplan::RematChain chain{std::move(fwd_s),          std::move(bwd_s),
                                            std::move(kept_bytes),     std::move(out_bytes),
                                            std::move(fwd_peak_bytes), std::move(fwd_nosave_peak_bytes),
                                            std::move(bwd_peak_bytes), std::move(grad_bytes),
-                                           std::move(free_bytes),     std::move(live_from)};
+                                           std::move(free_bytes),     std::move(live_from),
+                                           std::move(checkpoint_block_s)};
             const pyplan::RematOptions options{budget_bytes, slots, offload_bw_bytes_per_s, max_depth, checkpoint_s};
             py::gil_scoped_release release;
             return pyplan::solve_remat(chain, options, in_flight);
@@ -56,12 +58,13 @@ void bind_remat(py::module_& m) {
         py::kw_only(),
         py::arg("budget_bytes"), py::arg("slots") = 500, py::arg("offload_bw_bytes_per_s") = 0.0,
         py::arg("max_depth") = -1, py::arg("in_flight") = 1, py::arg("checkpoint_s") = 0.0,
+        py::arg("checkpoint_block_s") = std::vector<double>{},
         "The least-time rematerialization (and offloading) plan of a chain whose peak stays within budget_bytes,\n"
         "memory discretized into `slots` (sizes rounded up, the budget down). Per block: fwd_s, bwd_s, kept,\n"
         "out, fwd_peak, fwd_nosave_peak, bwd_peak, free bytes; per cut: grad_bytes (see pyplan/solve/remat.py).\n"
         "offload_bw_bytes_per_s 0 disables offloading; max_depth limits checkpoint nesting (-1: none).\n"
         "in_flight > 1 also requires peak + (in_flight-1)*after_forward <= budget; checkpoint_s is the cost of\n"
-        "one checkpoint call.");
+        "one checkpoint call, checkpoint_block_s (per block, or empty) what each block adds to a checkpoint.");
 
     m.def(
         "remat_min_peak",

@@ -22,7 +22,7 @@ from pyplan.profile import TimingOptions, default_batch_sizes, local_device, pro
 from pyplan.profile.analytic import Roofline, block_times_analytic
 from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, measured_target
 from pyplan.profile.loss import LossCost, LossFn, TargetFn, loss_cost, remat_with_loss, with_loss
-from pyplan.profile.measure import checkpoint_call_s
+from pyplan.profile.measure import checkpoint_block_s, checkpoint_call_s
 from pyplan.profile.remat import remat_bytes
 from pyplan.solve.dag_search import dag_plans
 from pyplan.solve.remat_search import OFFLOAD_MODES, RELAXED_SHARES, REMAT_MODES, refine_plan, relaxed_chain
@@ -358,7 +358,11 @@ def search(
         profile_ = remat_with_loss(profile_, chain.loss)
     # A checkpoint call's own cost, measured where the blocks were (on a GPU the host overhead runs ahead of
     # the kernels, and an analytic profile has no host to measure: none is charged).
-    checkpoint_s = checkpoint_call_s() if remat != "none" and _is_local(gpu) and not is_meta_module(model) else 0.0
+    hosted = remat != "none" and _is_local(gpu) and not is_meta_module(model)
+    checkpoint_s = checkpoint_call_s() if hosted else 0.0
+    block_s = (
+        checkpoint_block_s(chain, example_inputs, min(4, workload.global_batch), call_s=checkpoint_s) if hosted else []
+    )
     wide = max(4 * top_k, 20)
 
     def refine(c: Any, mode: str) -> Plan | None:
@@ -379,6 +383,7 @@ def search(
             checkpoint_s=checkpoint_s,
             host=host_costs,
             cut_tensors=cut_tensors,
+            checkpoint_block_s=block_s,
         )
 
     def refined(results: Iterable[Any], mode: str) -> list[Plan]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from pyplan import zoo
@@ -10,7 +13,7 @@ from pyplan.errors import InfeasibleError, PlanError
 from pyplan.hardware import Cluster
 from pyplan.plan import Plan, Workload
 from pyplan.profile.remat import remat_bytes
-from pyplan.solve.remat import replay
+from pyplan.solve.remat import Checkpoint, replay
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +79,40 @@ def test_bad_remat_mode(gpt) -> None:
     spec, model, cluster, workload, chain = gpt
     with pytest.raises(PlanError, match="unknown remat mode 'some'"):
         search(model, spec.example_inputs, cluster, workload, chain=chain, remat="some")
+
+
+def test_each_checkpointed_block_adds_its_measured_cost(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """On this machine every block inside a checkpoint costs its measured checkpoint_block_s more: with full
+    remat on one stage, per micro-batch exactly their sum."""
+    import pyplan.api as api
+    from pyplan.hardware.catalog import local_gpu
+    from pyplan.profile.measure import checkpoint_block_s
+
+    monkeypatch.setenv("PYPLAN_CACHE_DIR", str(tmp_path))
+    (tmp_path / "local.json").write_text(
+        json.dumps(
+            {
+                "device": local_gpu().description,
+                "gpu": {"peak_flops_per_s": {"fp32": 1e11}, "hbm_bw_bytes_per_s": 2e10, "source": "test"},
+                "link": {"latency_s": 1e-4, "bw_bytes_per_s": 2e9, "source": "test"},
+            }
+        )
+    )
+    spec = zoo.get("gpt-tiny")
+    model = spec.build()
+    cluster, workload = Cluster.from_catalog("local", 1), Workload(global_batch=4)
+    chain, _ = chain_for(model, spec.example_inputs, cluster, workload)
+    measured = checkpoint_block_s(chain, spec.example_inputs, 2)
+    assert len(measured) == len(chain) and all(0 <= x < 0.1 for x in measured)
+    options = dict(chain=chain, micro_batch_sizes=[4], remat="full", stage_dag=False)
+    found = {}
+    monkeypatch.setattr(api, "checkpoint_call_s", lambda: 1e-4)  # measured anew by each search otherwise
+    for cost in (0.0, 1e-3):
+        monkeypatch.setattr(api, "checkpoint_block_s", lambda c, *a, cost=cost, **k: [cost] * len(c))
+        found[cost] = search(model, spec.example_inputs, cluster, workload, **options).best
+    zero, extra = found[0.0].stages[0], found[1e-3].stages[0]
+    plan = found[1e-3].layout.remat[0].plan
+    inside = sum(it.inner.last - it.inner.first + 1 for it in plan.items if isinstance(it, Checkpoint))
+    assert inside == len(chain) - 1  # full remat: every block but the last, whose output backward needs at once
+    assert extra.recompute_s - zero.recompute_s == pytest.approx(1e-3 * inside, rel=1e-6)
+    assert extra.backward_s - zero.backward_s == pytest.approx(1e-3 * inside, rel=1e-6)

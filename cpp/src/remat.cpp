@@ -29,6 +29,9 @@ void check_chain(const RematChain& c) {
     if (!c.live_from.empty() && c.live_from.size() != n * (n + 1)) {
         throw std::invalid_argument("remat: live_from needs L·(L+1) entries (or none)");
     }
+    if (!c.checkpoint_block_s.empty() && c.checkpoint_block_s.size() != n) {
+        throw std::invalid_argument("remat: checkpoint_block_s needs one entry per block (or none)");
+    }
 }
 
 // The gradient a subproblem ending at block t holds until B(t) consumes it: grad[t+1], except the chain's
@@ -107,6 +110,7 @@ struct Recurrence {
     double checkpoint_s;
     std::vector<int> kept, freed;
     std::vector<double> fwd_prefix;
+    std::vector<double> extra_prefix;  // Σ checkpoint_block_s
     Counted ct;
 
     Recurrence(const RematChain& chain, const RematTable& table, const RematOptions& o)
@@ -115,10 +119,13 @@ struct Recurrence {
           ct(counted_of(chain)) {
         const int n = c.num_blocks();
         fwd_prefix.assign(n + 1, 0.0);
+        extra_prefix.assign(n + 1, 0.0);
         for (int i = 0; i < n; ++i) {
             kept.push_back(slots(c.kept_bytes[i]));
             freed.push_back(slots.down(free_of(c, i)));
+            const double extra = c.checkpoint_block_s.empty() ? 0.0 : c.checkpoint_block_s[i];
             fwd_prefix[i + 1] = fwd_prefix[i] + c.fwd_s[i];
+            extra_prefix[i + 1] = extra_prefix[i] + extra;
         }
     }
 
@@ -161,7 +168,7 @@ struct Recurrence {
         for (int k = s + 1; k <= t; ++k) {
             if (k > s + 1) nosave = std::max(nosave, live_from(c, s, k - 1) + c.fwd_nosave_peak_bytes[k - 1]);
             const int a = slots(live_from(c, s, k));
-            const double base = checkpoint_s + fwd_prefix[k] - fwd_prefix[s];
+            const double base = checkpoint_s + (fwd_prefix[k] - fwd_prefix[s]) + (extra_prefix[k] - extra_prefix[s]);
             out.push_back({RematToken::kBegin, k, base, std::max(slots(g + nosave), a), hi, a, row(kHeldWhole, d, k, t),
                            row(kHeldWhole, inner, s, k - 1)});
         }

@@ -19,6 +19,7 @@ import statistics
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -29,7 +30,7 @@ from pyplan.graph.layergraph import Affine
 from pyplan.graph.trace import ExampleInputs, inputs_at
 from pyplan.profile.pieces import backward, block_inputs, block_modules, forward, leaf_inputs
 
-__all__ = ["TimingOptions", "block_times", "checkpoint_call_s", "local_device"]
+__all__ = ["TimingOptions", "block_times", "checkpoint_block_s", "checkpoint_call_s", "local_device"]
 
 
 @dataclass(frozen=True)
@@ -189,8 +190,8 @@ class _Checkpointed(nn.Module):
         super().__init__()
         self.inner = inner
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.inner, x, use_reentrant=False)
+    def forward(self, *args: torch.Tensor) -> Any:
+        return checkpoint(self.inner, *args, use_reentrant=False)
 
 
 def checkpoint_call_s(device: torch.device | None = None, opts: TimingOptions | None = None) -> float:
@@ -206,3 +207,37 @@ def checkpoint_call_s(device: torch.device | None = None, opts: TimingOptions | 
         plain = _time_block(_Ops(1), (x,), clock, 5, 51, first=False)
         wrapped = _time_block(_Checkpointed(_Ops(1)), (x,), clock, 5, 51, first=False)
     return max(0.0, (wrapped[0] + wrapped[1]) - (plain[0] + plain[1]))
+
+
+def checkpoint_block_s(
+    chain: Chain,
+    example_inputs: ExampleInputs,
+    batch_size: int,
+    *,
+    call_s: float | None = None,
+    device: torch.device | None = None,
+    options: TimingOptions | None = None,
+) -> list[float]:
+    """Per block, the seconds it adds to a checkpoint it is inside beyond running its forward once more: each
+    block timed alone plain and under `torch.utils.checkpoint` (non-reentrant), forward and backward; the wrapped
+    run also recomputes the forward and pays the call (`call_s`, default `checkpoint_call_s()`), the rest is
+    torch's hooks on the block's saved tensors in both passes (on a CPU about 5-15 µs per saved tensor, so
+    a block of many small ops pays more than its forward suggests). At least 0."""
+    device = device or local_device()
+    options = options or TimingOptions()
+    call = checkpoint_call_s(device, options) if call_s is None else call_s
+    # A difference of two similar times: more repeats than a block's own timing.
+    options = TimingOptions(options.warmup, max(options.repeats, 11), options.threads)
+    chain.graph.module.to(device)
+    out = []
+    with _threads(options.threads), torch.enable_grad():
+        mods = block_modules(chain)
+        args = block_inputs(mods, [t.to(device) for t in inputs_at(example_inputs, batch_size)])
+        clock = _Clock(device, options.threads)
+        for i, (mod, a) in enumerate(zip(mods, args)):
+            f, b = _time_block(mod, a, clock, options.warmup, options.repeats, first=i == 0)
+            fw, bw = _time_block(_Checkpointed(mod), a, clock, options.warmup, options.repeats, first=i == 0)
+            out.append(max(0.0, fw + bw - 2 * f - b - call))
+    for p in chain.graph.module.parameters():
+        p.grad = None
+    return out

@@ -735,8 +735,8 @@ class RematDag:
         """Block i reads block i − 1; its output gradient is the chain's gradient of cut i + 1."""
         if any(getattr(chain, "free_bytes", ())):
             raise PlanError("the remat ILP does not model free_bytes (kept bytes released by the next block)")
-        if chain.checkpoint_s:
-            raise PlanError("the remat ILP does not model the cost of a checkpoint call (checkpoint_s)")
+        if chain.checkpoint_s or any(chain.checkpoint_block_s):
+            raise PlanError("the remat ILP does not model the cost of a checkpoint (checkpoint_s, checkpoint_block_s)")
         if any(last != i + 1 for i, values in enumerate(chain.out_values) for _, last in values):
             raise PlanError("the remat ILP does not model values live across several cuts (out_values)")
         n = len(chain)

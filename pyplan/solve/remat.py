@@ -90,9 +90,16 @@ class RematChain:
     free_bytes: tuple[float, ...] = ()  # [L]; empty: nothing freed
     out_values: tuple[tuple[tuple[float, int], ...], ...] = ()  # [L] (bytes, last cut); empty: live one cut
     checkpoint_s: float = 0.0  # the cost of one checkpoint call (its wrapper and recomputation bookkeeping)
+    # [L]; empty: none. What block i adds to each checkpoint it is inside, beyond fwd_s: torch's hooks on its
+    # saved tensors in the non-saving pass and in the recomputation (pyplan/profile/measure.py).
+    checkpoint_block_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.fwd_s)
+        if not self.checkpoint_block_s:
+            object.__setattr__(self, "checkpoint_block_s", (0.0,) * n)
+        if len(self.checkpoint_block_s) != n:
+            raise ValueError(f"checkpoint_block_s has {len(self.checkpoint_block_s)} entries, the chain has {n} blocks")
         if not self.free_bytes:
             object.__setattr__(self, "free_bytes", (0.0,) * n)
         if len(self.free_bytes) != n:
@@ -148,12 +155,14 @@ class RematChain:
             self.free_bytes[start:stop],
             tuple(tuple((b, min(last, stop) - start) for b, last in v) for v in self.out_values[start:stop]),
             self.checkpoint_s,
+            self.checkpoint_block_s[start:stop],
         )
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: list(getattr(self, k)) for k in _VECTORS}
         out["out_values"] = [[list(v) for v in vs] for vs in self.out_values]
         out["checkpoint_s"] = self.checkpoint_s
+        out["checkpoint_block_s"] = list(self.checkpoint_block_s)
         return out
 
     @staticmethod
@@ -161,6 +170,7 @@ class RematChain:
         fields: dict[str, Any] = {k: tuple(float(v) for v in data[k]) for k in _VECTORS if k in data}
         fields["out_values"] = tuple(tuple((float(b), int(c)) for b, c in vs) for vs in data.get("out_values", []))
         fields["checkpoint_s"] = float(data.get("checkpoint_s", 0.0))
+        fields["checkpoint_block_s"] = tuple(float(v) for v in data.get("checkpoint_block_s", []))
         return RematChain(**fields)
 
 
@@ -370,14 +380,24 @@ class Replay:
 
 def replay(chain: RematChain, plan: RematPlan, *, offload_bw_bytes_per_s: float = math.inf) -> Replay:
     """Run `plan` on the model of the module docstring, operation by operation, plus `checkpoint_s` per
-    checkpoint call (`checkpoint_calls`)."""
+    checkpoint call (`checkpoint_calls`) and, per such call, its blocks' `checkpoint_block_s`."""
     if plan.first != 0 or plan.last != len(chain) - 1:
         raise ValueError(f"the plan covers blocks {plan.first}..{plan.last}, the chain has {len(chain)}")
     first: list[Op] = []
     _first_pass(plan, first)
     rep = replay_ops(chain, plan_ops(plan), offload_bw_bytes_per_s=offload_bw_bytes_per_s, forward_ops=len(first))
-    extra = chain.checkpoint_s * checkpoint_calls(plan)
+    extra = chain.checkpoint_s * checkpoint_calls(plan) + _checkpoint_blocks_s(chain, plan)
     return replace(rep, time_s=rep.time_s + extra, recompute_s=rep.recompute_s + extra)
+
+
+def _checkpoint_blocks_s(chain: RematChain, plan: RematPlan) -> float:
+    """Σ over the checkpoints `checkpoint_calls` counts of what their blocks add (checkpoint_block_s)."""
+    total = 0.0
+    for it in plan.items:
+        if isinstance(it, Checkpoint):
+            total += sum(chain.checkpoint_block_s[it.inner.first : it.inner.last + 1])
+            total += _checkpoint_blocks_s(chain, it.inner)
+    return total
 
 
 def checkpoint_calls(plan: RematPlan) -> int:
@@ -583,6 +603,7 @@ def solve(
         max_depth=-1 if max_depth is None else max_depth,
         in_flight=in_flight,
         checkpoint_s=chain.checkpoint_s,
+        checkpoint_block_s=list(chain.checkpoint_block_s),
     )
     if not r.feasible:
         raise InfeasibleError(f"rematerialization: {r.reason}")

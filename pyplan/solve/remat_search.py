@@ -132,12 +132,14 @@ def refine_plan(
     checkpoint_s: float = 0.0,
     host: Mapping[str, float | bool] | None = None,
     cut_tensors: Sequence[float] = (),
+    checkpoint_block_s: Sequence[float] = (),
 ) -> Plan | None:
     """`plan` (from the search on the relaxed chain) with each stage's remat plan, times and memory; None
     when some stage fits no plan of `mode`. `fwd_s(b)`/`bwd_s(b)` give the blocks' seconds at micro-batch b,
     `cut_bytes(b)` every cut's bytes, `positions` every cut's node position; `send_s(bytes)` a boundary transfer
     on the plan's pipeline link; `checkpoint_s` the cost of one checkpoint call on the device; `host` the search's
-    host costs (search.h's HostCosts by name) with `cut_tensors` the tensors crossing each cut."""
+    host costs (search.h's HostCosts by name) with `cut_tensors` the tensors crossing each cut;
+    `checkpoint_block_s` what each block adds to a checkpoint it is inside (empty: nothing)."""
     host = host or {}
     tensors = list(cut_tensors) or [0.0] * len(cut_bytes(1))
     tensors[0] = tensors[-1] = 0.0
@@ -173,6 +175,7 @@ def refine_plan(
             free_bytes=tuple(m.free_bytes * scale for m in mems[lo:hi]),
             out_values=tuple(tuple((b * scale, min(last, hi) - lo) for b, last in m.out_values) for m in mems[lo:hi]),
             checkpoint_s=checkpoint_s,
+            checkpoint_block_s=tuple(checkpoint_block_s[lo:hi]),
         )
         got = stage_remat(chain, budget, st.in_flight, mode=mode, offload_bw_bytes_per_s=offload_bw_bytes_per_s)
         if got is None:

@@ -43,6 +43,8 @@ def random_chain(rng: random.Random, n: int) -> RematChain:
         free_bytes=tuple(float(rng.randint(0, o)) if rng.random() < 0.7 else 0.0 for o in out),
         out_values=tuple(_values(rng, i, n, o) for i, o in enumerate(out)),
         checkpoint_s=rng.choice((0.0, 0.0, 0.5, 2.0)),
+        # What each block adds to a checkpoint it is inside (torch's saved-tensor hooks), in half the chains.
+        checkpoint_block_s=tuple(float(rng.randint(0, 3)) for _ in range(n)) if rng.random() < 0.5 else (),
     )
 
 

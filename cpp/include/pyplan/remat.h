@@ -37,10 +37,11 @@
 //   Keep:       fwd_s + bwd_s + C^Kept[d][s+1][t][m − kept[s] + φ]      if g_t + fwd_peak[s] ≤ m, bp_s − φ ≤ m
 //   Offload:    fwd_s + bwd_s + max(0, τ_s − fwd_s) + max(0, τ_s − bwd_s[s+1])
 //               + C^Whole[d][s+1][t][m − out[s] + φ]                   if also kept[s] + bp_{s+1} − φ ≤ m (the prefetched bytes are live during B(s+1))
-//   Checkpoint(s..k−1), s < k ≤ t:  c + Σ_{j=s}^{k−1} fwd_s[j] + C^Whole[d][k][t][m − λ(s,k)] + C^Whole[d−1][s][k−1][m]
+//   Checkpoint(s..k−1), s < k ≤ t:  c + Σ_{j=s}^{k−1} (fwd_s[j] + cb_j) + C^Whole[d][k][t][m − λ(s,k)] + C^Whole[d−1][s][k−1][m]
 //               with λ(s, k) = live_from(s, k), the segment's values at cut k (its input's are held outside),
 //               if g_t + max_{s≤j<k} (fwd_nosave_peak[j] + (j > s ? λ(s, j) : 0)) ≤ m; the recomputation
-//               holds the gradient of cut k, which its own table entry counts (g_{k−1}).
+//               holds the gradient of cut k, which its own table entry counts (g_{k−1}); c is the cost of a
+//               checkpoint call (RematOptions::checkpoint_s) and cb_j = checkpoint_block_s[j] (0 when empty).
 // O(L³·S) time (L³/6 triples (s, k, t), S budgets each, an inner loop the compiler vectorizes), O(L²·S) memory.
 // C is non-increasing in m (every condition is "something ≤ m"), so one table answers every budget up to S.
 //
@@ -66,6 +67,8 @@ struct RematChain {
     std::vector<double> free_bytes;          // [L] or empty: freed from kept[i] by a saving forward of block i+1
     std::vector<double> live_from;           // [L·(L+1)] or empty: [s·(L+1) + k] the bytes at cut k made by
                                              // blocks s..k−1 (empty: out[k−1], no value outlives its cut)
+    std::vector<double> checkpoint_block_s;  // [L] or empty: what block i adds to each checkpoint it is inside
+                                             // (torch's hooks on its saved tensors, both passes), beyond fwd_s
 
     int num_blocks() const { return static_cast<int>(fwd_s.size()); }
 };
