@@ -119,6 +119,8 @@ def chain_for(
             times = block_times_analytic(profiled, example_inputs, roofline, sizes, compute_dtype=compute_dtype)
             blocks = [replace(b, fwd_time_s=f, bwd_time_s=g) for b, (f, g) in zip(profiled.blocks, times)]
             profiled, how = replace(profiled, blocks=blocks), f"analytic roofline of {gpu.name}"
+        # The blocks' working memory, for the exact replay of every plan's stages (search); cached with the rest.
+        profiled = replace(profiled, memory=remat_bytes(profiled, example_inputs, (1, 2)))
     except ValueError as exc:
         if "Expected more than 1 value per channel" not in str(exc):
             raise
@@ -159,9 +161,7 @@ def _loss_cost(
     sizes = default_batch_sizes(min(4, workload.global_batch))
     measured = _is_local(gpu) and not is_meta_module(model)
     try:
-        return loss_cost(
-            chain, example_inputs, loss, target, sizes, roofline=None if measured else Roofline.from_gpu(gpu)
-        )
+        return loss_cost(chain, loss, target, sizes, roofline=None if measured else Roofline.from_gpu(gpu))
     except (RuntimeError, ValueError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PlanError(f"the loss cannot be computed on the model's output: {first}") from None
@@ -353,7 +353,7 @@ def search(
     # memory counts saved activations per micro-batch in flight; the replay adds each stage's working memory
     # (outputs, gradients and transients of the forward and backward). A plan that then does not fit is dropped,
     # so the searches return more candidates than asked.
-    profile_ = remat_bytes(chain, example_inputs, (1, 2))
+    profile_ = chain.memory if chain.memory is not None else remat_bytes(chain, example_inputs, (1, 2))
     if chain.loss is not None:
         profile_ = remat_with_loss(profile_, chain.loss)
     # A checkpoint call's own cost, measured where the blocks were (on a GPU the host overhead runs ahead of

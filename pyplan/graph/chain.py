@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyplan.graph.layergraph import Affine, LayerGraph
+
+if TYPE_CHECKING:
+    from pyplan.profile.remat import RematProfile
 
 __all__ = ["Block", "Chain", "Cut"]
 
@@ -88,6 +91,8 @@ class LossCost:
     fwd_time_s: Affine
     bwd_time_s: Affine
     saved_bytes: Affine
+    # Live at the peak of its backward: the output's gradient and temporaries.
+    bwd_peak_bytes: Affine = field(default_factory=lambda: Affine(0.0, 0.0))
 
 
 @dataclass
@@ -97,7 +102,9 @@ class Chain:
     `order` is the topological order of the non-static nodes (positions of cuts index into it);
     `candidates` every valid cut of that order, chosen or not, for finer re-linearization;
     `input_saved_bytes` the model inputs that training keeps for backward (e.g. token ids of an embedding);
-    `loss`, when set, the loss's cost, already added to the last block's times and saved bytes.
+    `loss`, when set, the loss's cost, already added to the last block's times and saved bytes; `memory` the
+    per-block working memory (pyplan/profile/remat.py's profile, without the loss), for the exact replay of a
+    stage's activations.
     """
 
     blocks: list[Block]
@@ -107,6 +114,7 @@ class Chain:
     graph: LayerGraph = field(repr=False, compare=False)
     input_saved_bytes: Affine | None = None
     loss: LossCost | None = None
+    memory: RematProfile | None = None
 
     def __post_init__(self) -> None:
         if len(self.cuts) != len(self.blocks) + 1:

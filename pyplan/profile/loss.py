@@ -19,11 +19,11 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from pyplan._torch import OpRecorder, run_without_compute, storage_key
+from pyplan._torch import OpRecorder, storage_key
 from pyplan.graph.chain import Chain, LossCost
 from pyplan.graph.layergraph import Affine
-from pyplan.graph.trace import ExampleInputs, inputs_at
 from pyplan.profile.analytic import OpCost, Roofline, op_class
+from pyplan.profile.live import LiveMemory
 from pyplan.profile.measure import TimingOptions, _Clock, _overhead, _threads, _time_block, local_device
 from pyplan.profile.remat import RematProfile
 
@@ -46,50 +46,49 @@ class _Loss(nn.Module):
         return self.loss_fn(output, target)
 
 
-def _output(chain: Chain, example_inputs: ExampleInputs, batch_size: int, device: torch.device) -> torch.Tensor:
-    with torch.no_grad():
-        out = chain.graph.module(*[t.to(device) for t in inputs_at(example_inputs, batch_size)])
-    if not isinstance(out, torch.Tensor):
+def _output_info(chain: Chain, batch_size: int) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of the model's output at `batch_size`, from the trace (batch along dim 0)."""
+    graph = chain.graph
+    out = next(n for n in graph.nodes if n.op == "output")
+    producer = graph.node(out.inputs[0]) if len(out.inputs) == 1 else None
+    if producer is None or not producer.is_tensor or len(producer.outputs) != 1:
         raise ValueError("a loss needs a model whose output is one tensor")
-    return out
+    info = producer.outputs[0]
+    traced = graph.batch_size
+    if not info.shape or (info.shape[0] * batch_size) % traced:
+        raise ValueError(f"the model's output {list(info.shape)} has no batch dimension first")
+    return (info.shape[0] * batch_size // traced, *info.shape[1:]), getattr(torch, info.dtype.removeprefix("torch."))
 
 
 def _analytic(
-    chain: Chain, example_inputs: ExampleInputs, loss_fn: LossFn, target_fn: TargetFn | None, batch_size: int
-) -> tuple[int, list[OpCost], list[OpCost]]:
-    """Saved bytes and the forward and backward aten ops of the loss at `batch_size`, on fake or meta tensors."""
+    chain: Chain, loss_fn: LossFn, target_fn: TargetFn | None, batch_size: int
+) -> tuple[int, list[OpCost], list[OpCost], int]:
+    """Saved bytes, the forward and backward aten ops of the loss at `batch_size` and its backward's peak of new
+    storages (the output's gradient included), on meta tensors shaped like the model's output (no model run)."""
+    shape, dtype = _output_info(chain, batch_size)
+    out = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(dtype.is_floating_point)
+    target = target_fn(batch_size).to("meta") if target_fn is not None else None
+    saved: dict[int, int] = {}
 
-    def run(convert: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, list[OpCost], list[OpCost]]:
-        with torch.no_grad():
-            out = chain.graph.module(*[convert(t) for t in inputs_at(example_inputs, batch_size)])
-        if not isinstance(out, torch.Tensor):
-            raise ValueError("a loss needs a model whose output is one tensor")
-        out = out.detach().requires_grad_(out.is_floating_point())
-        target = convert(target_fn(batch_size)) if target_fn is not None else None
-        saved: dict[int, int] = {}
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[storage_key(t)] = t.untyped_storage().nbytes()
+        return t
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            saved[storage_key(t)] = t.untyped_storage().nbytes()
-            return t
+    fwd, bwd = OpRecorder(), OpRecorder()
+    with torch.enable_grad():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fwd:
+            loss = _Loss(loss_fn, target)(out)
+        with bwd, LiveMemory() as live:
+            loss.backward()
 
-        fwd, bwd = OpRecorder(), OpRecorder()
-        with torch.enable_grad():
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fwd:
-                loss = _Loss(loss_fn, target)(out)
-            with bwd:
-                loss.backward()
+    def costs(rec: OpRecorder) -> list[OpCost]:
+        return [OpCost(n, op_class(n), fl, nb, dt, view) for n, fl, nb, dt, view in rec.ops if not view]
 
-        def costs(rec: OpRecorder) -> list[OpCost]:
-            return [OpCost(n, op_class(n), fl, nb, dt, view) for n, fl, nb, dt, view in rec.ops if not view]
-
-        return sum(saved.values()), costs(fwd), costs(bwd)
-
-    return run_without_compute(chain.graph.module, run)
+    return sum(saved.values()), costs(fwd), costs(bwd), live.peak_bytes
 
 
 def loss_cost(
     chain: Chain,
-    example_inputs: ExampleInputs,
     loss_fn: LossFn,
     target_fn: TargetFn | None,
     batch_sizes: Sequence[int],
@@ -102,12 +101,13 @@ def loss_cost(
     `local_device()`) when `roofline` is None, else the roofline time of its ops. `target_fn(b)` gives the target
     of b samples (None: zeros like the output, pyplan.spec.default_target)."""
     sizes = sorted(set(batch_sizes))
-    analytic = [_analytic(chain, example_inputs, loss_fn, target_fn, b) for b in sizes]
+    analytic = [_analytic(chain, loss_fn, target_fn, b) for b in sizes]
     saved = Affine.fit(sizes, [float(a[0]) for a in analytic])
+    peak = Affine.fit(sizes, [float(a[3]) for a in analytic])
     if roofline is not None:
         fwd = [sum(roofline.op_time_s(op) for op in a[1]) for a in analytic]
         bwd = [sum(roofline.op_time_s(op) for op in a[2]) for a in analytic]
-        return LossCost(Affine.fit(sizes, fwd), Affine.fit(sizes, bwd), saved)
+        return LossCost(Affine.fit(sizes, fwd), Affine.fit(sizes, bwd), saved, peak)
     device = device or local_device()
     options = options or TimingOptions()
     chain.graph.module.to(device)
@@ -116,14 +116,15 @@ def loss_cost(
         clock = _Clock(device, options.threads)
         overhead = _overhead(device, clock)
         for b in sizes:
-            out = _output(chain, example_inputs, b, device)
+            shape, dtype = _output_info(chain, b)
+            out = torch.randn(shape, device=device).to(dtype)
             target = target_fn(b).to(device) if target_fn is not None else None
             f, g = overhead.remove(
                 *_time_block(_Loss(loss_fn, target), (out,), clock, options.warmup, options.repeats, first=False)
             )
             fwd.append(f)
             bwd.append(g)
-    return LossCost(Affine.fit(sizes, fwd), Affine.fit(sizes, bwd), saved)
+    return LossCost(Affine.fit(sizes, fwd), Affine.fit(sizes, bwd), saved, peak)
 
 
 def with_loss(chain: Chain, loss: LossCost) -> Chain:
@@ -147,9 +148,13 @@ def with_loss(chain: Chain, loss: LossCost) -> Chain:
 
 def remat_with_loss(remat: RematProfile, loss: LossCost) -> RematProfile:
     """The remat profile with the loss's saved bytes kept by the last block from its forward to its backward
-    (and in its forward peak): the loss runs between the two."""
+    (and in its forward peak): the loss runs between the two; and its backward's peak in the last block's (the
+    model's own profile takes the output's gradient as given, not counted)."""
     tail = remat.blocks[-1]
     tail = replace(
-        tail, kept_bytes=tail.kept_bytes + loss.saved_bytes, fwd_peak_bytes=tail.fwd_peak_bytes + loss.saved_bytes
+        tail,
+        kept_bytes=tail.kept_bytes + loss.saved_bytes,
+        fwd_peak_bytes=tail.fwd_peak_bytes + loss.saved_bytes,
+        bwd_peak_bytes=tail.bwd_peak_bytes + loss.bwd_peak_bytes,
     )
     return replace(remat, blocks=(*remat.blocks[:-1], tail))

@@ -43,7 +43,7 @@ from pyplan.graph.layergraph import Affine
 from pyplan.graph.split import pieces
 from pyplan.graph.trace import ExampleInputs, inputs_at
 from pyplan.profile.live import LiveMemory
-from pyplan.profile.pieces import block_inputs, leaf_inputs
+from pyplan.profile.pieces import RepeatedBlocks, block_inputs, leaf_inputs
 from pyplan.solve.remat import RematChain
 
 __all__ = ["BlockMemory", "RematBytes", "RematProfile", "block_memory", "remat_bytes", "remat_chain"]
@@ -240,15 +240,39 @@ def block_memory(
     def measure(convert: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[BlockMemory], list[int]]:
         mods = pieces(chain)  # inside the fake context: get_attr values are copied from the stand-ins
         args = block_inputs(mods, [convert(t.to(device)) for t in inputs])
+        # A block that repeats an earlier one (a transformer layer, a ResNet bottleneck; meta models only) on
+        # inputs of the same kind, whose values live as far past it, has the same figures: measured once. Every
+        # block still runs once in block_inputs, so the cuts' live values are the real ones.
+        repeated = RepeatedBlocks(mods, chain.graph.module)
+        keys: list[tuple[str, tuple[int, ...]] | None] = []
+        done: dict[tuple[str, tuple[int, ...]], tuple[BlockMemory, int]] = {}
         figures, grads = [], [0]
         with torch.enable_grad():
             for i, (mod, a) in enumerate(zip(mods, args)):
-                fig, g = _measure_block(mod, a, first=i == 0, lasts=_last_cuts(args, i))
+                lasts = _last_cuts(args, i)
+                key = repeated.key(i, leaf_inputs(a, first=i == 0))
+                # The last block's outputs live to the end (an endless iterator): measured, never reused.
+                last_block = i == len(mods) - 1
+                keys.append(None if key is None or last_block else (key, tuple(c - i for c in lasts)))
+                if keys[-1] is not None and keys[-1] in done:
+                    fig, g = done[keys[-1]]
+                    fig = replace(fig, out_values=tuple((b, last + i) for b, last in fig.out_values))
+                else:
+                    fig, g = _measure_block(mod, a, first=i == 0, lasts=lasts)
+                    if keys[-1] is not None:
+                        done[keys[-1]] = (replace(fig, out_values=tuple((b, c - i) for b, c in fig.out_values)), g)
                 figures.append(fig)
                 grads.append(g)
+            freed_by: dict[tuple[Any, Any], int] = {}
             for i in range(len(mods) - 1):
-                kept = figures[i].kept_bytes, figures[i + 1].kept_bytes
-                freed = _freed_by_next(mods[i], mods[i + 1], args[i], i == 0, *kept)
+                pair = (keys[i], keys[i + 1]) if keys[i] is not None and keys[i + 1] is not None else None
+                if pair is not None and pair in freed_by:
+                    freed = freed_by[pair]
+                else:
+                    kept = figures[i].kept_bytes, figures[i + 1].kept_bytes
+                    freed = _freed_by_next(mods[i], mods[i + 1], args[i], i == 0, *kept)
+                    if pair is not None:
+                        freed_by[pair] = freed
                 figures[i] = replace(figures[i], free_bytes=freed)
         return figures, grads
 

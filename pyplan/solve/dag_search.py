@@ -56,6 +56,7 @@ __all__ = [
     "evaluate",
     "node_profile",
     "too_coarse",
+    "worth_solving",
 ]
 
 # The schedules with one stage per rank, whose in-flight counts the stage model knows (GPipe m, 1F1B min(m, p − s)).
@@ -255,6 +256,9 @@ class _Candidate(Protocol):
     dp_nodes: int
     cuts: list[int]
     stage_in_flight: list[int]
+    stage_forward_s: list[float]
+    stage_backward_s: list[float]
+    iteration_s: float
 
 
 @dataclass(frozen=True)
@@ -375,6 +379,21 @@ def too_coarse(block_work_s: Sequence[float], num_stages: int) -> bool:
     that block can.
     """
     return max(block_work_s, default=0.0) > sum(block_work_s) / num_stages
+
+
+# A solve is tried only when balancing the stages perfectly could save at least this share of the candidate's
+# iteration time (CP-SAT takes up to DAG_TIME_LIMIT_S; batch planning runs hundreds of searches).
+DAG_MIN_GAIN = 0.02
+
+
+def worth_solving(cand: _Candidate) -> bool:
+    """Whether any assignment could beat the candidate by DAG_MIN_GAIN: the bottleneck stage sets (m − 1) of the
+    pipeline's steps, and no assignment's bottleneck is below the ideal W/S of the same work."""
+    work = [f + b for f, b in zip(cand.stage_forward_s, cand.stage_backward_s)]
+    if not work or cand.iteration_s <= 0:
+        return False
+    gain = (cand.num_microbatches - 1) * (max(work) - sum(work) / len(work))
+    return gain >= DAG_MIN_GAIN * cand.iteration_s
 
 
 def _split(totals: Sequence[float], weights: Sequence[float], block: Sequence[int]) -> list[float]:
@@ -625,6 +644,8 @@ def dag_plans(
         costs = StageCosts(cluster, workload, config, gpu_mem_bytes, scale, price_per_gpu_s, dict(host or {}))
         fwd, bwd = costs.block_times_s(chain)
         if not too_coarse([f + g for f, g in zip(fwd, bwd)], config.pp) or len(chain.order) < config.pp:
+            continue
+        if not worth_solving(cand):
             continue
         if len(seen) == DAG_SOLVES:
             break

@@ -48,17 +48,17 @@ def chain() -> object:
 
 def test_saved_bytes_are_what_cross_entropy_keeps(chain: object) -> None:
     # cross_entropy saves its log-softmax (b x classes fp32), the int64 target and a scalar total weight.
-    cost = loss_cost(chain, inputs, F.cross_entropy, target, (1, 2, 4), roofline=Roofline.from_gpu(get_gpu("a100-80g")))
+    cost = loss_cost(chain, F.cross_entropy, target, (1, 2, 4), roofline=Roofline.from_gpu(get_gpu("a100-80g")))
     assert cost.saved_bytes.per_sample == pytest.approx(CLASSES * 4 + 8)
     assert cost.saved_bytes.fixed == pytest.approx(4)
     assert cost.fwd_time_s(4) > 0 and cost.bwd_time_s(4) > 0
     # Mean squared error to zeros (the default loss) saves the output and the target, both b x classes fp32.
-    mse = loss_cost(chain, inputs, F.mse_loss, None, (1, 2), roofline=Roofline.from_gpu(get_gpu("a100-80g")))
+    mse = loss_cost(chain, F.mse_loss, None, (1, 2), roofline=Roofline.from_gpu(get_gpu("a100-80g")))
     assert mse.saved_bytes(3) == pytest.approx(2 * 3 * CLASSES * 4)
 
 
 def test_measured_times_grow_with_the_batch(chain: object) -> None:
-    small = loss_cost(chain, inputs, F.cross_entropy, target, (1, 2))
+    small = loss_cost(chain, F.cross_entropy, target, (1, 2))
     assert small.fwd_time_s(1) > 0 and small.bwd_time_s(1) > 0
     assert small.saved_bytes(1) == pytest.approx(CLASSES * 4 + 8 + 4)
 

@@ -24,6 +24,7 @@ from pyplan.solve.dag_search import (
     evaluate,
     node_profile,
     too_coarse,
+    worth_solving,
 )
 from pyplan.spec import ModelSpec
 
@@ -245,3 +246,16 @@ def test_chain_models_keep_their_plans(name: str, gpus: int) -> None:
 )  # fmt: skip
 def test_too_coarse_means_one_block_outweighs_the_ideal_stage(work: Sequence[float], stages: int, coarse: bool) -> None:
     assert too_coarse(work, stages) is coarse
+
+
+def test_a_solve_is_tried_only_when_balancing_could_pay() -> None:
+    """(m - 1) x (bottleneck - ideal) against 2 % of the iteration: balanced stages or one micro-batch never pay."""
+    from types import SimpleNamespace
+
+    def cand(f: list[float], m: int, t: float) -> object:
+        return SimpleNamespace(stage_forward_s=f, stage_backward_s=[0.0] * len(f), num_microbatches=m, iteration_s=t)
+
+    assert worth_solving(cand([3.0, 1.0], m=8, t=30.0))  # 7 x (3 - 2) = 7 s of 30
+    assert not worth_solving(cand([2.0, 2.0], m=8, t=20.0))  # balanced
+    assert not worth_solving(cand([3.0, 1.0], m=1, t=4.0))  # no steady phase to shorten
+    assert not worth_solving(cand([2.01, 1.99], m=2, t=4.0))  # 0.01 s of 4: below 2 %
