@@ -111,7 +111,8 @@ def chain_for(
             return hit
     graph = trace(model, example_inputs, leaf_modules=leaf_modules, batch_size=trace_batch)
     chain = linearize(graph, min_blocks=min_blocks, max_blocks=max_blocks)
-    try:
+
+    def profiled_at(sizes: tuple[int, ...]) -> tuple[Chain, str]:
         if roofline is None:
             profiled, how = profile(chain, example_inputs, batch_sizes=sizes), "measured on this machine"
         else:
@@ -120,15 +121,25 @@ def chain_for(
             blocks = [replace(b, fwd_time_s=f, bwd_time_s=g) for b, (f, g) in zip(profiled.blocks, times)]
             profiled, how = replace(profiled, blocks=blocks), f"analytic roofline of {gpu.name}"
         # The blocks' working memory, for the exact replay of every plan's stages (search); cached with the rest.
-        profiled = replace(profiled, memory=remat_bytes(profiled, example_inputs, (1, 2)))
+        low = min(sizes)
+        return replace(profiled, memory=remat_bytes(profiled, example_inputs, (low, 2 * low))), how
+
+    try:
+        profiled, how = profiled_at(sizes)
     except ValueError as exc:
         if "Expected more than 1 value per channel" not in str(exc):
             raise
-        # Planning considers micro-batches down to one sample, which a BatchNorm over a 1x1 map cannot train on.
-        raise PlanError(
-            f"the model cannot train on a micro-batch of {min(sizes)} sample (a BatchNorm sees one value per "
-            "channel); pyplan plans micro-batches down to 1, so enlarge the input or the last feature map"
-        ) from None
+        # A BatchNorm over a 1x1 map cannot train on one sample: profile from 2 and plan micro-batches of 2 or more.
+        try:
+            profiled, how = profiled_at(tuple(sorted({max(2, b) for b in sizes} | {2 * max(sizes)})))
+        except ValueError as again:
+            if "Expected more than 1 value per channel" not in str(again):
+                raise
+            raise PlanError(
+                "the model cannot train on micro-batches of 1 or 2 samples (a BatchNorm sees one value per "
+                "channel); enlarge the input or the last feature map"
+            ) from None
+        profiled = replace(profiled, min_micro_batch=2)
     if cache is not None and key is not None:
         cache.store(key, chain, profiled, how)
     return profiled, how
@@ -283,6 +294,15 @@ def search(
         chain, profiled_on = chain_for(model, example_inputs, cluster, workload, leaf_modules=leaf_modules)
     if any(b.fwd_time_s is None or b.bwd_time_s is None or b.saved_bytes is None for b in chain.blocks):
         raise PlanError("the chain has blocks without times or saved bytes; profile it first")
+    if chain.min_micro_batch > 1:
+        # A BatchNorm that sees one value per channel on a smaller micro-batch (chain_for).
+        allowed = [b for b in micro_batch_sizes or range(1, workload.global_batch + 1) if b >= chain.min_micro_batch]
+        if not allowed:
+            raise PlanError(
+                f"the model trains on micro-batches of {chain.min_micro_batch} samples or more (a BatchNorm sees "
+                f"one value per channel below), none of {list(micro_batch_sizes)} is"
+            )
+        micro_batch_sizes = allowed
     if loss is not None and chain.loss is None:
         chain = add_loss(chain, model, example_inputs, cluster, workload, loss, target)
     gpu = cluster.gpu

@@ -129,3 +129,26 @@ def test_cli_plan_json_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[
         assert main(["plan", "zoo:gpt-tiny", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and text in err and "\n" not in err, err
+
+
+def test_a_batchnorm_model_is_planned_from_two_samples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vgg11-mnist's BatchNorm sees one value per channel on one sample: profiled from 2, planned from 2, the
+    least micro-batch kept by the profile cache; asking for micro-batches of 1 only is a one-line error."""
+    from pyplan.profile.cache import ProfileCache
+
+    monkeypatch.setenv("PYPLAN_CACHE_DIR", str(tmp_path))
+    spec = load_model("zoo:vgg11-mnist")
+    with torch.device("meta"):
+        model = spec.build()
+    cluster, workload = Cluster.from_catalog("a100-80g", 2), Workload(global_batch=8)
+    chain, _ = chain_for(model, spec.example_inputs, cluster, workload, cache=ProfileCache())
+    assert chain.min_micro_batch == 2
+    again, _ = chain_for(model, spec.example_inputs, cluster, workload, cache=ProfileCache())
+    assert again.min_micro_batch == 2 and again.memory == chain.memory
+    found = search(model, spec.example_inputs, cluster, workload, chain=chain, top_k=50)
+    assert {p.layout.micro_batch_size for p in (found.best, *found.alternatives)} >= {2} and all(
+        p.layout.micro_batch_size >= 2 for p in (found.best, *found.alternatives)
+    )
+    with pytest.raises(PlanError, match="micro-batches of 2 samples or more") as info:
+        search(model, spec.example_inputs, cluster, workload, chain=chain, micro_batch_sizes=[1])
+    assert "\n" not in str(info.value)

@@ -104,7 +104,8 @@ class Chain:
     `input_saved_bytes` the model inputs that training keeps for backward (e.g. token ids of an embedding);
     `loss`, when set, the loss's cost, already added to the last block's times and saved bytes; `memory` the
     per-block working memory (pyplan/profile/remat.py's profile, without the loss), for the exact replay of a
-    stage's activations.
+    stage's activations; `min_micro_batch` the least micro-batch the model trains on (2 when a BatchNorm sees one
+    value per channel on one sample).
     """
 
     blocks: list[Block]
@@ -115,6 +116,7 @@ class Chain:
     input_saved_bytes: Affine | None = None
     loss: LossCost | None = None
     memory: RematProfile | None = None
+    min_micro_batch: int = 1
 
     def __post_init__(self) -> None:
         if len(self.cuts) != len(self.blocks) + 1:
