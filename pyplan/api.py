@@ -385,10 +385,10 @@ def search(
     )
     wide = max(4 * top_k, 20)
 
-    def refine(c: Any, mode: str) -> Plan | None:
+    def refine(c: Any, start: Plan, mode: str) -> Plan | None:
         link = group.inter_link if c.pipeline_inter else group.intra_link
         return refine_plan(
-            _plan_of(c, chain, currency, workload),
+            start,
             profile_,
             lambda b: [f(b) for f in (blk.fwd_time_s for blk in blocks)],
             lambda b: [g(b) for g in (blk.bwd_time_s for blk in blocks)],
@@ -410,11 +410,12 @@ def search(
         seen: set[tuple[Any, ...]] = set()
         out: list[Plan] = []
         for c in [cand for r in results if r.feasible for cand in (*r.top, *r.pareto)]:
-            key = _key(_plan_of(c, chain, currency, workload))
+            start = _plan_of(c, chain, currency, workload)
+            key = _key(start)
             if key in seen:
                 continue
             seen.add(key)
-            got = refine(c, mode)
+            got = refine(c, start, mode)
             if got is not None:
                 out.append(got)
         return out

@@ -6,9 +6,7 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from pyplan._files import write_atomic
 from pyplan._torch import OpRecorder
 from pyplan.errors import PlanError
+from pyplan.hardware._procs import run_two
 from pyplan.hardware.catalog import _detect_local, local_calibration_path
 from pyplan.hardware.host import HostCosts, measure_host_costs
 from pyplan.profile.analytic import ALLOCATIONS, OP_CLASSES, Efficiency, OpCost, OpEfficiency, Roofline, op_class
@@ -552,29 +551,10 @@ def _link_worker(rank: int, out: str, init: str, backend: str, sizes: list[int],
 def measure_link(*, quick: bool = False, threads: int = 1, timeout_s: float = 180.0) -> LinkMeasurement:
     """Point-to-point and all-reduce between two processes spawned on this machine: NCCL between two CUDA
     GPUs when there are two, else gloo over CPU tensors. Each is fitted to α-β over several message sizes."""
-    import torch.multiprocessing as mp
-
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
     sizes = _link_sizes(quick)
-    with tempfile.TemporaryDirectory(prefix="pyplan-calibrate-") as tmp:
-        out = os.path.join(tmp, "link.json")
-        args = (out, os.path.join(tmp, "store"), backend, sizes, quick, threads)
-        ctx = mp.start_processes(_link_worker, args=args, nprocs=2, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise PlanError(f"the {backend} link measurement between 2 processes took over {timeout_s:.0f} s")
-        except mp.ProcessRaisedException as exc:
-            last = str(exc).strip().splitlines()[-1]
-            raise PlanError(f"the {backend} link measurement between 2 processes failed: {last}") from None
-        except mp.ProcessExitedException as exc:
-            raise PlanError(f"the {backend} link measurement between 2 processes failed: {exc}") from None
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-        data = json.loads(Path(out).read_text())
+    what = f"{backend} link measurement between 2 processes"
+    data = run_two(_link_worker, (backend, sizes, quick, threads), what=what, timeout_s=timeout_s)
     return LinkMeasurement(
         backend=backend,
         sizes_bytes=tuple(sizes),

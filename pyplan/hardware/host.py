@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 from pyplan.errors import PlanError
+from pyplan.hardware._procs import run_two
 
 __all__ = ["HostCosts", "OptimizerCost", "fit_optimizer_cost", "measure_host_costs", "measure_optimizer_costs"]
 
@@ -294,32 +294,8 @@ def _host_worker(rank: int, out: str, init: str, quick: bool) -> None:
 def measure_host_costs(*, quick: bool = False, timeout_s: float = 180.0) -> HostCosts:
     """The runtime's host costs on this CPU: two processes of one thread over gloo (the setting `pyplan plan`
     targets on a CPU), each figure the mean of both ranks' medians; the optimizers' in this process."""
-    import torch.multiprocessing as mp
-
     optimizer = measure_optimizer_costs(quick=quick)
-    with tempfile.TemporaryDirectory(prefix="pyplan-host-") as tmp:
-        out = os.path.join(tmp, "host.json")
-        ctx = mp.start_processes(
-            _host_worker, args=(out, os.path.join(tmp, "store"), quick), nprocs=2, join=False, start_method="spawn"
-        )
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise PlanError(f"the host-cost measurement took over {timeout_s:.0f} s")
-        except mp.ProcessRaisedException as exc:
-            last = str(exc).strip().splitlines()[-1]
-            raise PlanError(f"the host-cost measurement failed: {last}") from None
-        except mp.ProcessExitedException as exc:
-            # gloo's threads now and then abort a process as it exits (SIGABRT, "terminate called without an
-            # active exception"); the figures are complete once rank 0 has written them.
-            if not os.path.exists(out):
-                raise PlanError(f"the host-cost measurement failed: {exc}") from None
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-        data = json.loads(Path(out).read_text())
+    data = run_two(_host_worker, (quick,), what="host-cost measurement", timeout_s=timeout_s, done_if_written=True)
     return HostCosts(
         **data,
         optimizer=optimizer,

@@ -75,7 +75,7 @@ def model_state_bytes(numel: int, tensors: int, *, optimizer: str = "adamw", pre
     return ModelState(param_bytes=weight * numel, grad_bytes=grad * numel, optimizer_bytes=optimizer_bytes)
 
 
-class _SavedRecorder(fx.Interpreter):
+class SavedRecorder(fx.Interpreter):
     """Runs the graph and charges each storage saved for backward to the node that produced it."""
 
     def __init__(self, gm: fx.GraphModule, exclude: set[int]) -> None:
@@ -117,9 +117,9 @@ def _saved_at(chain: Chain, example_inputs: ExampleInputs, batch_size: int) -> S
     placeholders = {n.name for n in chain.graph.placeholders}
     inputs = inputs_at(example_inputs, batch_size)
 
-    def run(convert: Callable[[torch.Tensor], torch.Tensor]) -> _SavedRecorder:
+    def run(convert: Callable[[torch.Tensor], torch.Tensor]) -> SavedRecorder:
         exclude = {storage_key(t) for t in [*gm.parameters(), *gm.buffers()]}
-        rec = _SavedRecorder(gm, exclude)
+        rec = SavedRecorder(gm, exclude)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
             rec.run(*[convert(t) for t in inputs])
         return rec

@@ -41,6 +41,7 @@ from pyplan.hardware.catalog import GPU
 from pyplan.hardware.cluster import Cluster
 from pyplan.plan import Layout, Plan, Prediction, StagePlan, Workload
 from pyplan.profile.analytic import OpCost, Roofline, op_class
+from pyplan.profile.memory import SavedRecorder
 from pyplan.solve.ilp import StageAssignment, StageDag, assign_stages, evaluate_stages, stage_dag_from_layergraph
 from pyplan.solve.schedules import simulate
 
@@ -96,35 +97,23 @@ class NodeProfile:
     batch_size: int
 
 
-class _NodeRecorder(fx.Interpreter):
+class _NodeRecorder(SavedRecorder):
     """Runs the traced graph and charges each aten op to the fx node it runs for: forward ops to the node being
     run, backward ops to the node whose forward made the autograd node running them; and each storage saved for
-    backward to the node that produced it."""
+    backward to the node that produced it (SavedRecorder)."""
 
     def __init__(self, gm: fx.GraphModule, recorder: OpRecorder, exclude: set[int]) -> None:
-        super().__init__(gm, garbage_collect_values=False)
+        super().__init__(gm, exclude)
         self.recorder = recorder
-        self.exclude = exclude
         self.forward_spans: list[tuple[int, int, str]] = []  # (first op, end, node) in recorder.ops
         self.backward_marks: list[tuple[int, str]] = []  # (first op, node): from here on the ops are the node's
         self.owner: dict[Any, str] = {}  # autograd node -> fx node
-        self.producer: dict[int, str] = {}
-        self.saved: dict[int, tuple[int, str]] = {}
-        self.current = ""
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = storage_key(t)
-        if key not in self.exclude and key not in self.saved:
-            self.saved[key] = (t.untyped_storage().nbytes(), self.producer.get(key, self.current))
-        return t
 
     def run_node(self, n: fx.Node) -> Any:
-        self.current = n.name
         start = len(self.recorder.ops)
         result = super().run_node(n)
         self.forward_spans.append((start, len(self.recorder.ops), n.name))
         for t in tensor_leaves(result):
-            self.producer.setdefault(storage_key(t), n.name)
             self._own(t.grad_fn, n.name)
         return result
 
