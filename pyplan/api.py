@@ -26,6 +26,7 @@ from pyplan.profile.measure import checkpoint_block_s, checkpoint_call_s
 from pyplan.profile.remat import remat_bytes
 from pyplan.solve.dag_search import dag_plans
 from pyplan.solve.remat_search import OFFLOAD_MODES, RELAXED_SHARES, REMAT_MODES, refine_plan, relaxed_chain
+from pyplan.solve.tied import tied_parameters, tied_sync_s, with_tied_sync
 
 __all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "add_loss", "chain_for", "memory_per_process", "plan", "search"]
 
@@ -406,6 +407,15 @@ def search(
             checkpoint_block_s=block_s,
         )
 
+    # Parameters on stages of different ranks (tied embeddings) are all-reduced after the pipeline drains.
+    tied = tied_parameters(chain)
+
+    def tied_sync(p: Plan) -> Plan:
+        if not tied or p.layout.pp < 2:
+            return p
+        links = {"intra": group.intra_link, "inter": group.inter_link, "gpus_per_node": cluster.gpus_per_node}
+        return with_tied_sync(p, tied_sync_s(p.layout, chain, tied, float(per_param.grad_bytes), **links))
+
     def refined(results: Iterable[Any], mode: str) -> list[Plan]:
         seen: set[tuple[Any, ...]] = set()
         out: list[Plan] = []
@@ -417,7 +427,7 @@ def search(
             seen.add(key)
             got = refine(c, start, mode)
             if got is not None:
-                out.append(got)
+                out.append(tied_sync(got))
         return out
 
     plain = run(act_a, act_b, bwd_a, bwd_b, wide) if remat in ("none", "auto") else None
@@ -440,6 +450,7 @@ def search(
                     scale=scale, price_per_gpu_s=price, currency=currency, objective=objective, weight=weight,
                     host=host_costs) if stage_dag and plain is not None and plain.feasible else []  # fmt: skip
     if dag:
+        dag = [tied_sync(p) for p in dag]
         top, pareto = _rank([*top, *dag], objective, weight)[:top_k], _frontier([*pareto, *dag])
     return PlanSearch(
         best=top[0],
@@ -469,10 +480,15 @@ def _key(p: Plan) -> tuple[Any, ...]:
 
 
 def _rank(plans: list[Plan], objective: str, weight: float) -> list[Plan]:
-    def score(p: Plan) -> tuple[float, int, float]:
+    """Best first. Objective values that agree to 4 significant digits (0.1 %, finer than any prediction is
+    right) are a tie, broken by fewer GPUs, then less memory, then the value: on one stage GPipe and 1F1B are
+    predicted the same time, and GPipe, holding every micro-batch's activations, ran 4-8 % slower (resnet-tiny,
+    benchmarks/accuracy.py)."""
+
+    def score(p: Plan) -> tuple[float, int, float, float]:
         t, c = p.predicted.iteration_s, p.predicted.cost_per_iteration
         value = t if objective == "time" else c if objective == "cost" else c + weight * t
-        return (value, p.layout.num_gpus, p.predicted.peak_memory_bytes)
+        return (float(f"{value:.4g}"), p.layout.num_gpus, p.predicted.peak_memory_bytes, value)
 
     unique = {_key(p): p for p in sorted(plans, key=score, reverse=True)}
     return sorted(unique.values(), key=score)

@@ -213,13 +213,16 @@ def _messages(rank: int, reps: int) -> float:
     return _cpu_s(trip, reps) / 2
 
 
-def _trainer_step(spec: Any, m: int, reps: int) -> tuple[float, float]:
-    """CPU seconds of one `PipelineTrainer.step` of a dp=2 x pp=1 GPipe plan of the probe model at m micro-batches
+def _trainer_step(spec: Any, m: int, reps: int, *, pp: int = 1) -> tuple[float, float]:
+    """CPU seconds of one `PipelineTrainer.step` of a (2/pp) x pp GPipe plan of the probe model at m micro-batches
     of one sample, and the forward chunk's CPU seconds per micro-batch beyond the model's own forward."""
     from pyplan.plan import Layout
     from pyplan.runtime.trainer import build_trainer, optimizer_factory
 
-    layout = Layout(dp=2, pp=1, micro_batch_size=1, num_microbatches=m, schedule="GPipe", cut_positions=(0, 3))
+    cuts = (0, 3) if pp == 1 else (0, 2, 3)
+    layout = Layout(
+        dp=2 // pp, pp=pp, micro_batch_size=1, num_microbatches=m, schedule="GPipe", cut_positions=cuts
+    )
     torch.manual_seed(0)
     trainer = build_trainer(spec, spec.build(), layout, optimizer_factory("sgd", 1e-3))
     x, y = torch.randn(m, _WIDTH), torch.randn(m, _WIDTH)
@@ -240,10 +243,11 @@ def _trainer_step(spec: Any, m: int, reps: int) -> tuple[float, float]:
             extra.append(time.thread_time() - c0)
 
     stage.forward_one_chunk = timed
+    inputs = (x,) if trainer.has_first else ()
     for _ in range(3):
-        trainer.step((x,), y)
+        trainer.step(inputs, y)
     extra.clear()
-    step_s = _cpu_s(lambda: trainer.step((x,), y), reps)
+    step_s = _cpu_s(lambda: trainer.step(inputs, y), reps)
     return step_s, sum(extra) / (reps * m)
 
 
@@ -265,10 +269,17 @@ def _runtime(reps: int, microbatches: tuple[int, int]) -> dict[str, float]:
     slope = (t2 - t1) / (m2 - m1)
     per_microbatch = max(0.0, slope - compute)
     forward = min(per_microbatch, max(0.0, forward_extra))
+    # The same plan on 1 x 2 stages: per micro-batch, each rank also sends one message and receives one (the
+    # activation one way, its gradient the other), with the schedule's bookkeeping of both (the operations, the
+    # receive buffers, posting and waiting). Each rank holds half the probe's compute on average.
+    (p1, _), (p2, _) = _trainer_step(spec, m1, reps, pp=2), _trainer_step(spec, m2, reps, pp=2)
+    pipeline_slope = (p2 - p1) / (m2 - m1)
+    message = (pipeline_slope - compute / 2 - per_microbatch) / 2
     return {
         "stage_forward_s": forward,
         "stage_backward_s": per_microbatch - forward,
         "step_s": max(0.0, t1 - m1 * slope),
+        "pipeline_message_s": message,
     }
 
 
@@ -277,14 +288,20 @@ def _host_worker(rank: int, out: str, init: str, quick: bool) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    from pyplan.runtime.affinity import pin_rank
+
+    pin_rank()  # as the runtime runs CPU ranks (pyplan/runtime/affinity.py)
     try:
         reps = 15 if quick else 41
         found = {"message_s": _messages(rank, 10 * reps), **_runtime(reps, (2, 8))}
         gathered: list[Any] = [None, None]
         dist.all_gather_object(gathered, found)
         if rank == 0:
+            mean = {k: statistics.mean(g[k] for g in gathered) for k in found}
+            # A message costs what the pipeline shows (its bookkeeping included), never less than posting one.
+            mean["message_s"] = max(mean["message_s"], mean.pop("pipeline_message_s"))
             tmp = f"{out}.tmp"
-            Path(tmp).write_text(json.dumps({k: statistics.mean(g[k] for g in gathered) for k in found}))
+            Path(tmp).write_text(json.dumps(mean))
             os.replace(tmp, out)
         dist.barrier()
     finally:

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pyplan.errors import PlanError
 from pyplan.graph.trace import ExampleInputs, LeafSpec, inputs_at
 from pyplan.plan import Layout
+from pyplan.runtime.affinity import pin_rank
 from pyplan.runtime.optim import OptimizerFactory, OptimizerSpec, optimizer_factory
 from pyplan.runtime.stages import cut_model, local_stages, stage_io, tied_parameters
 from pyplan.spec import ModelSpec, default_loss
@@ -243,6 +244,8 @@ def build_trainer(
     cls = get_schedule_class(layout.schedule)
     stage_arg = pipeline_stages[0] if issubclass(cls, PipelineScheduleSingle) else pipeline_stages
     schedule = cls(stage_arg, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=not manual_grads)
+    if device.type == "cpu":
+        pin_rank()  # with PYPLAN_PIN_CPUS=1; after the process groups, so that gloo's threads move too
     return PipelineTrainer(layout, mesh, mine, modules, optimizer, schedule, device, tied_groups, manual_grads)
 
 

@@ -26,6 +26,7 @@ from pyplan.solve.dag_search import (
     too_coarse,
     worth_solving,
 )
+from pyplan.solve.tied import tied_parameters, tied_sync_s
 from pyplan.spec import ModelSpec
 
 REL = 1e-9  # the search's figures restated in Python: only the order of summation differs
@@ -123,8 +124,15 @@ def test_evaluate_reproduces_the_search_on_the_chain_partition(name: str) -> Non
         assert got.activation_bytes == pytest.approx(act, rel=REL)
         assert want.activation_bytes >= act * (1 - REL)
         assert got.memory_bytes == pytest.approx(got.state_bytes + act + got.buffer_bytes, rel=REL)
-    for field in ("iteration_s", "pipeline_s", "optimizer_s", "bubble_fraction"):
+    for field in ("pipeline_s", "optimizer_s", "bubble_fraction"):
         assert getattr(predicted, field) == pytest.approx(getattr(plan.predicted, field), rel=REL), field
+    # The api adds the tied embedding's all-reduce to every pipeline plan, DAG-assigned ones too (after evaluate).
+    group = cluster.groups[0]
+    links = {"intra": group.intra_link, "inter": group.inter_link, "gpus_per_node": cluster.gpus_per_node}
+    grad_bytes = float(workload.bytes_per_param().grad_bytes)
+    tied = tied_sync_s(plan.layout, chain, tied_parameters(chain), grad_bytes, **links)
+    assert (name == "gpt-tiny") == (tied > 0)
+    assert predicted.iteration_s + tied == pytest.approx(plan.predicted.iteration_s, rel=REL)
 
 
 def _candidates(chain: Chain, cluster: Cluster, workload: Workload, host: dict[str, float | bool]) -> list:
