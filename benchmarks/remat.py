@@ -97,6 +97,7 @@ def random_chain(n: int, seed: int = 0) -> RematChain:
     out = [rng.uniform(1, 8) * 1e6 for _ in range(n)]
     kept = [o + rng.uniform(0, 15) * 1e6 for o in out]
     grad = [rng.uniform(1, 6) * 1e6 for _ in range(n + 1)]
+    values = [((o / 2, i + 1), (o / 2, min(n, i + 1 + rng.randint(0, 4)))) for i, o in enumerate(out)]
     return RematChain(
         fwd_s=tuple(rng.uniform(1, 9) * 1e-3 for _ in range(n)),
         bwd_s=tuple(rng.uniform(1, 18) * 1e-3 for _ in range(n)),
@@ -106,10 +107,19 @@ def random_chain(n: int, seed: int = 0) -> RematChain:
         fwd_nosave_peak_bytes=tuple(o + rng.uniform(0, 5) * 1e6 for o in out),
         bwd_peak_bytes=tuple(kept[i] + grad[i] + grad[i + 1] for i in range(n)),
         grad_bytes=tuple(grad),
-        free_bytes=tuple(o * rng.random() for o in out),
         # half of each output passed on through up to 4 more blocks (a residual stream)
-        out_values=tuple(((o / 2, i + 1), (o / 2, min(n, i + 1 + rng.randint(0, 4)))) for i, o in enumerate(out)),
+        out_values=tuple(values),
+        # each value saved by its block, by its first reader, or by none (an add's inputs), as in real models
+        out_savers=tuple(tuple(_savers(rng, i, n) for _ in vs) for i, vs in enumerate(values)),
     )
+
+
+def _savers(rng: random.Random, i: int, n: int) -> tuple[int, ...]:
+    """Who saves a value of block i: the block itself (40 %), its next block (40 %) or nobody (20 %)."""
+    pick = rng.random()
+    if pick < 0.4 or i + 1 >= n:
+        return (i,)
+    return (i + 1,) if pick < 0.8 else ()
 
 
 def speed(console: Console) -> None:

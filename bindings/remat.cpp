@@ -1,8 +1,9 @@
-// Bindings of remat.h: the chain as eight arrays, the plan as a list of (token, block) pairs.
+// Bindings of remat.h: the chain as arrays and its output values, the plan as a list of (token, block) pairs.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -12,6 +13,9 @@ namespace py = pybind11;
 
 namespace {
 
+// An output value as Python gives it: (block, bytes, last cut, savers).
+using Value = std::tuple<int, double, int, std::vector<int>>;
+
 // The plan as [("keep", i), ("offload", i), ("begin", -1), ("end", -1), ...].
 std::vector<std::pair<std::string, int>> steps_of(const std::vector<pyplan::RematStep>& plan) {
     static const char* names[] = {"keep", "offload", "begin", "end"};
@@ -19,6 +23,22 @@ std::vector<std::pair<std::string, int>> steps_of(const std::vector<pyplan::Rema
     out.reserve(plan.size());
     for (const auto& st : plan) out.emplace_back(names[static_cast<int>(st.token)], st.block);
     return out;
+}
+
+pyplan::RematChain chain_of(std::vector<double> fwd_s, std::vector<double> bwd_s, std::vector<double> kept_bytes,
+                            std::vector<double> out_bytes, std::vector<double> fwd_peak_bytes,
+                            std::vector<double> fwd_nosave_peak_bytes, std::vector<double> bwd_peak_bytes,
+                            std::vector<double> grad_bytes, const std::vector<Value>& values,
+                            std::vector<bool> saves, std::vector<double> checkpoint_block_s) {
+    std::vector<pyplan::RematValue> vs;
+    vs.reserve(values.size());
+    for (const auto& [block, bytes, last, savers] : values) vs.push_back({block, bytes, last, savers});
+    return {std::move(fwd_s),          std::move(bwd_s),
+            std::move(kept_bytes),     std::move(out_bytes),
+            std::move(fwd_peak_bytes), std::move(fwd_nosave_peak_bytes),
+            std::move(bwd_peak_bytes), std::move(grad_bytes),
+            std::move(vs),             std::move(saves),
+            std::move(checkpoint_block_s)};
 }
 
 }  // namespace
@@ -38,30 +58,26 @@ void bind_remat(py::module_& m) {
         "remat",
         [](std::vector<double> fwd_s, std::vector<double> bwd_s, std::vector<double> kept_bytes,
            std::vector<double> out_bytes, std::vector<double> fwd_peak_bytes, std::vector<double> fwd_nosave_peak_bytes,
-           std::vector<double> bwd_peak_bytes, std::vector<double> grad_bytes, std::vector<double> free_bytes, std::vector<double> live_from,
-           double budget_bytes, int slots,
-           double offload_bw_bytes_per_s, int max_depth, int in_flight, double checkpoint_s,
-           std::vector<double> checkpoint_block_s) {
-            const pyplan::RematChain chain{std::move(fwd_s),          std::move(bwd_s),
-                                           std::move(kept_bytes),     std::move(out_bytes),
-                                           std::move(fwd_peak_bytes), std::move(fwd_nosave_peak_bytes),
-                                           std::move(bwd_peak_bytes), std::move(grad_bytes),
-                                           std::move(free_bytes),     std::move(live_from),
-                                           std::move(checkpoint_block_s)};
+           std::vector<double> bwd_peak_bytes, std::vector<double> grad_bytes, std::vector<Value> values,
+           std::vector<bool> saves, double budget_bytes, int slots, double offload_bw_bytes_per_s, int max_depth,
+           int in_flight, double checkpoint_s, std::vector<double> checkpoint_block_s) {
+            const pyplan::RematChain chain =
+                chain_of(std::move(fwd_s), std::move(bwd_s), std::move(kept_bytes), std::move(out_bytes),
+                         std::move(fwd_peak_bytes), std::move(fwd_nosave_peak_bytes), std::move(bwd_peak_bytes),
+                         std::move(grad_bytes), values, std::move(saves), std::move(checkpoint_block_s));
             const pyplan::RematOptions options{budget_bytes, slots, offload_bw_bytes_per_s, max_depth, checkpoint_s};
             py::gil_scoped_release release;
             return pyplan::solve_remat(chain, options, in_flight);
         },
         py::arg("fwd_s"), py::arg("bwd_s"), py::arg("kept_bytes"), py::arg("out_bytes"), py::arg("fwd_peak_bytes"),
-        py::arg("fwd_nosave_peak_bytes"), py::arg("bwd_peak_bytes"), py::arg("grad_bytes"), py::arg("free_bytes"),
-        py::arg("live_from"),
-        py::kw_only(),
-        py::arg("budget_bytes"), py::arg("slots") = 500, py::arg("offload_bw_bytes_per_s") = 0.0,
-        py::arg("max_depth") = -1, py::arg("in_flight") = 1, py::arg("checkpoint_s") = 0.0,
-        py::arg("checkpoint_block_s") = std::vector<double>{},
+        py::arg("fwd_nosave_peak_bytes"), py::arg("bwd_peak_bytes"), py::arg("grad_bytes"), py::arg("values"),
+        py::arg("saves"), py::kw_only(), py::arg("budget_bytes"), py::arg("slots") = 500,
+        py::arg("offload_bw_bytes_per_s") = 0.0, py::arg("max_depth") = -1, py::arg("in_flight") = 1,
+        py::arg("checkpoint_s") = 0.0, py::arg("checkpoint_block_s") = std::vector<double>{},
         "The least-time rematerialization (and offloading) plan of a chain whose peak stays within budget_bytes,\n"
         "memory discretized into `slots` (sizes rounded up, the budget down). Per block: fwd_s, bwd_s, kept,\n"
-        "out, fwd_peak, fwd_nosave_peak, bwd_peak, free bytes; per cut: grad_bytes (see pyplan/solve/remat.py).\n"
+        "out, fwd_peak, fwd_nosave_peak, bwd_peak; per cut: grad_bytes; values: every block's output values as\n"
+        "(block, bytes, last cut, savers); saves: per block, whether it saves anything (see pyplan/solve/remat.py).\n"
         "offload_bw_bytes_per_s 0 disables offloading; max_depth limits checkpoint nesting (-1: none).\n"
         "in_flight > 1 also requires peak + (in_flight-1)*after_forward <= budget; checkpoint_s is the cost of\n"
         "one checkpoint call, checkpoint_block_s (per block, or empty) what each block adds to a checkpoint.");
@@ -70,20 +86,18 @@ void bind_remat(py::module_& m) {
         "remat_min_peak",
         [](std::vector<double> fwd_s, std::vector<double> bwd_s, std::vector<double> kept_bytes,
            std::vector<double> out_bytes, std::vector<double> fwd_peak_bytes, std::vector<double> fwd_nosave_peak_bytes,
-           std::vector<double> bwd_peak_bytes, std::vector<double> grad_bytes, std::vector<double> free_bytes, std::vector<double> live_from,
-           bool offload, int max_depth) {
-            const pyplan::RematChain chain{std::move(fwd_s),          std::move(bwd_s),
-                                           std::move(kept_bytes),     std::move(out_bytes),
-                                           std::move(fwd_peak_bytes), std::move(fwd_nosave_peak_bytes),
-                                           std::move(bwd_peak_bytes), std::move(grad_bytes),
-                                           std::move(free_bytes),     std::move(live_from)};
+           std::vector<double> bwd_peak_bytes, std::vector<double> grad_bytes, std::vector<Value> values,
+           std::vector<bool> saves, bool offload, int max_depth) {
+            const pyplan::RematChain chain =
+                chain_of(std::move(fwd_s), std::move(bwd_s), std::move(kept_bytes), std::move(out_bytes),
+                         std::move(fwd_peak_bytes), std::move(fwd_nosave_peak_bytes), std::move(bwd_peak_bytes),
+                         std::move(grad_bytes), values, std::move(saves), {});
             const pyplan::RematOptions options{1.0, 1, offload ? 1.0 : 0.0, max_depth};
+            py::gil_scoped_release release;
             return pyplan::min_peak_bytes(chain, options);
         },
         py::arg("fwd_s"), py::arg("bwd_s"), py::arg("kept_bytes"), py::arg("out_bytes"), py::arg("fwd_peak_bytes"),
-        py::arg("fwd_nosave_peak_bytes"), py::arg("bwd_peak_bytes"), py::arg("grad_bytes"), py::arg("free_bytes"),
-        py::arg("live_from"),
-        py::kw_only(),
-        py::arg("offload") = false, py::arg("max_depth") = -1,
+        py::arg("fwd_nosave_peak_bytes"), py::arg("bwd_peak_bytes"), py::arg("grad_bytes"), py::arg("values"),
+        py::arg("saves"), py::kw_only(), py::arg("offload") = false, py::arg("max_depth") = -1,
         "The least peak (bytes, exact) of any plan of the chain: the smallest feasible budget.");
 }

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <stdexcept>
 
 #include "pyplan/format.h"
@@ -12,7 +13,13 @@ namespace pyplan {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
-constexpr std::uint8_t kNone = 0, kKeepChoice = 1, kOffloadChoice = 2, kCheckpointChoice = 3;
+constexpr float kInfTime = std::numeric_limits<float>::infinity();
+
+bool saves_of(const RematChain& c, int i) { return c.saves.empty() || c.saves[i]; }
+
+bool saved_by(const RematValue& v, int block) {
+    return std::binary_search(v.savers.begin(), v.savers.end(), block);
+}
 
 void check_chain(const RematChain& c) {
     const std::size_t n = c.fwd_s.size();
@@ -23,15 +30,46 @@ void check_chain(const RematChain& c) {
         if (v->size() != n) throw std::invalid_argument("remat: every per-block vector needs one entry per block");
     }
     if (c.grad_bytes.size() != n + 1) throw std::invalid_argument("remat: grad_bytes needs one entry per cut");
-    if (!c.free_bytes.empty() && c.free_bytes.size() != n) {
-        throw std::invalid_argument("remat: free_bytes needs one entry per block (or none)");
-    }
-    if (!c.live_from.empty() && c.live_from.size() != n * (n + 1)) {
-        throw std::invalid_argument("remat: live_from needs L·(L+1) entries (or none)");
+    if (!c.saves.empty() && c.saves.size() != n) {
+        throw std::invalid_argument("remat: saves needs one entry per block (or none)");
     }
     if (!c.checkpoint_block_s.empty() && c.checkpoint_block_s.size() != n) {
         throw std::invalid_argument("remat: checkpoint_block_s needs one entry per block (or none)");
     }
+    const int L = static_cast<int>(n);
+    std::vector<double> total(n, 0.0);
+    for (const RematValue& v : c.values) {
+        if (v.block < 0 || v.block >= L || v.last <= v.block || v.last > L) {
+            throw std::invalid_argument("remat: a value must be live from its block's output cut to at most cut L");
+        }
+        for (std::size_t q = 0; q < v.savers.size(); ++q) {
+            const int saver = v.savers[q];
+            if (saver < v.block || saver > std::min(v.last, L - 1) || (q > 0 && saver <= v.savers[q - 1]) ||
+                !saves_of(c, saver)) {
+                throw std::invalid_argument("remat: a value's savers must be ascending blocks that read it and save");
+            }
+        }
+        total[v.block] += v.bytes;
+    }
+    if (!c.values.empty()) {
+        for (int i = 0; i < L; ++i) {
+            if (std::abs(total[i] - c.out_bytes[i]) > 1e-9 * std::max(1.0, c.out_bytes[i])) {
+                throw std::invalid_argument("remat: a block's values do not add up to its out_bytes");
+            }
+        }
+    }
+}
+
+// The values of the chain; by default each block's outputs are one value, live one cut, saved by the block and
+// the next one (held until the block's backward).
+std::vector<RematValue> values_of(const RematChain& c) {
+    if (!c.values.empty()) return c.values;
+    const int n = c.num_blocks();
+    std::vector<RematValue> out;
+    for (int i = 0; i < n; ++i) {
+        out.push_back({i, c.out_bytes[i], i + 1, i + 1 < n ? std::vector<int>{i, i + 1} : std::vector<int>{i}});
+    }
+    return out;
 }
 
 // The gradient a subproblem ending at block t holds until B(t) consumes it: grad[t+1], except the chain's
@@ -68,117 +106,218 @@ struct Slots {
     }
 };
 
-// What block i's kept bytes lose once block i+1 has run a saving forward (0 when not measured).
-double free_of(const RematChain& c, int i) {
-    return c.free_bytes.empty() ? 0.0 : c.free_bytes[i];
-}
-
-// The bytes at cut k made by blocks s..k−1: what a checkpointed segment starting at s stores at cut k.
-double live_from(const RematChain& c, int s, int k) {
-    if (c.live_from.empty()) return c.out_bytes[k - 1];
-    return c.live_from[static_cast<std::size_t>(s) * (c.num_blocks() + 1) + k];
-}
-
 double exposed_transfer(const RematChain& c, int s, double bw) {
     const double tau = (c.kept_bytes[s] - c.out_bytes[s]) / bw;
     return std::max(0.0, tau - c.fwd_s[s]) + std::max(0.0, tau - c.bwd_s[s + 1]);
 }
 
+std::size_t cut_index(int n, int c, int k) { return static_cast<std::size_t>(c) * (n + 1) + k; }
+
+}  // namespace
+
+RematStates remat_states(const RematChain& c) {
+    check_chain(c);
+    const int n = c.num_blocks();
+    const std::vector<RematValue> values = values_of(c);
+    std::vector<std::vector<int>> own(n);
+    for (int v = 0; v < static_cast<int>(values.size()); ++v) own[values[v].block].push_back(v);
+    RematStates st;
+    // live_from(c, k) = Σ_{j=c}^{k−1} (values of j live at k): add block k−1's values, drop those that ended.
+    st.live_from.assign(static_cast<std::size_t>(n) * (n + 1), 0.0);
+    for (int from = 0; from < n; ++from) {
+        std::vector<double> ending(n + 2, 0.0);
+        double total = 0;
+        for (int k = from + 1; k <= n; ++k) {
+            for (int v : own[k - 1]) {
+                total += values[v].bytes;
+                ending[values[v].last + 1] += values[v].bytes;
+            }
+            total -= ending[k];
+            st.live_from[cut_index(n, from, k)] = total;
+        }
+    }
+    st.last_saving.assign(n, -1);
+    for (int i = 0; i < n; ++i) st.last_saving[i] = saves_of(c, i) ? i : (i > 0 ? st.last_saving[i - 1] : -1);
+
+    // The relevant sets reached at each cut, numbered in order of discovery (∅ first).
+    std::vector<std::vector<std::vector<int>>> sets(n);
+    std::vector<std::map<std::vector<int>, int>> numbers(n);
+    auto number = [&](int s, std::vector<int> set) {
+        const auto [it, fresh] = numbers[s].emplace(set, static_cast<int>(sets[s].size()));
+        if (fresh) sets[s].push_back(std::move(set));
+        return it->second;
+    };
+    st.next.assign(n, {});
+    st.checkpoint.assign(static_cast<std::size_t>(n) * (n + 1), -1);
+    for (int s = 0; s < n; ++s) {
+        number(s, {});
+        if (s > 0) {
+            // Keep(s−1): what it leaves unsaved passes on, its own unsaved outputs join; values that s saves
+            // cost nothing at s and are held from there on, so they leave.
+            for (std::size_t v = 0; v < sets[s - 1].size(); ++v) {
+                std::vector<int> image;
+                for (int u : sets[s - 1][v]) {
+                    if (values[u].last >= s && !saved_by(values[u], s)) image.push_back(u);
+                }
+                for (int u : own[s - 1]) {
+                    if (values[u].bytes > 0 && !saved_by(values[u], s - 1) && !saved_by(values[u], s)) {
+                        image.push_back(u);
+                    }
+                }
+                std::sort(image.begin(), image.end());
+                st.next[s - 1].push_back(number(s, std::move(image)));
+            }
+            // Checkpoint(from..s−1), when it saves anything: the segment's values live at s.
+            for (int from = 0; from < s; ++from) {
+                if (st.last_saving[s - 1] < from) continue;
+                std::vector<int> made;
+                for (int j = from; j < s; ++j) {
+                    for (int u : own[j]) {
+                        if (values[u].bytes > 0 && values[u].last >= s && !saved_by(values[u], s)) made.push_back(u);
+                    }
+                }
+                st.checkpoint[cut_index(n, from, s)] = number(s, std::move(made));
+            }
+        }
+    }
+    st.count.assign(n, 0);
+    st.phi.assign(n, {});
+    st.dead_top.assign(n, {});
+    st.dead_rec.assign(n, {});
+    for (int s = 0; s < n; ++s) {
+        st.count[s] = static_cast<int>(sets[s].size());
+        double own_top = 0, own_rec = 0;
+        for (int u : own[s]) {
+            if (saved_by(values[u], s)) continue;
+            own_rec += values[u].bytes;
+            if (values[u].last < n) own_top += values[u].bytes;
+        }
+        for (const std::vector<int>& set : sets[s]) {
+            double phi = 0, top = own_top, rec = own_rec;
+            for (int u : set) {
+                if (values[u].last == s) phi += values[u].bytes;
+                rec += values[u].bytes;
+                if (values[u].last < n) top += values[u].bytes;
+            }
+            st.phi[s].push_back(phi);
+            st.dead_top[s].push_back(top);
+            st.dead_rec[s].push_back(rec);
+        }
+    }
+    return st;
+}
+
+namespace {
 
 // The recurrence of remat.h for one entry (v, d, s, t), in slots: each option is worth
-// base + first[min(m − shift, W)] + second[m] (a null row counts 0) where lo ≤ m ≤ hi. The table is filled
-// from these and the plan read back from them, so both agree by construction.
+// base + first[min(m − shift, W)] + second[m] (a null row counts 0) where lo ≤ m ≤ hi, in float (the table's
+// type: half the memory the O(L³·S) loop streams). The table is filled from these and the plan read back from
+// them, so both agree by construction.
 struct Option {
     RematToken token;      // kKeep, kOffload or kBegin (a checkpoint of s..split−1)
     int split = 0;
-    double base = 0;
+    float base = 0;
     int lo = 0, hi = 0, shift = 0;
-    const double* first = nullptr;
-    const double* second = nullptr;
-    double at(int m, int width) const {
-        return base + (first ? first[std::min(m - shift, width)] : 0.0) + (second ? second[m] : 0.0);
+    const float* first = nullptr;
+    const float* second = nullptr;
+    float at(int m, int width) const {
+        return base + (first ? first[std::min(m - shift, width)] : 0.0f) + (second ? second[m] : 0.0f);
     }
 };
 
 struct Recurrence {
     const RematChain& c;
+    const RematStates& st;
     const RematTable& tab;
     Slots slots;
     bool unbounded;
     bool offload;
     double bw;
     double checkpoint_s;
-    std::vector<int> kept, freed;
+    int n;
+    std::vector<int> kept;
     std::vector<double> fwd_prefix;
     std::vector<double> extra_prefix;  // Σ checkpoint_block_s
+    std::vector<double> bwd_prefix;
     Counted ct;
 
-    Recurrence(const RematChain& chain, const RematTable& table, const RematOptions& o)
-        : c(chain), tab(table), slots{table.slot_bytes}, unbounded(o.max_depth < 0),
+    Recurrence(const RematChain& chain, const RematStates& states, const RematTable& table, const RematOptions& o)
+        : c(chain), st(states), tab(table), slots{table.slot_bytes}, unbounded(o.max_depth < 0),
           offload(o.offload_bw_bytes_per_s > 0), bw(o.offload_bw_bytes_per_s), checkpoint_s(o.checkpoint_s),
-          ct(counted_of(chain)) {
-        const int n = c.num_blocks();
+          n(chain.num_blocks()), ct(counted_of(chain)) {
         fwd_prefix.assign(n + 1, 0.0);
         extra_prefix.assign(n + 1, 0.0);
+        bwd_prefix.assign(n + 1, 0.0);
         for (int i = 0; i < n; ++i) {
             kept.push_back(slots(c.kept_bytes[i]));
-            freed.push_back(slots.down(free_of(c, i)));
             const double extra = c.checkpoint_block_s.empty() ? 0.0 : c.checkpoint_block_s[i];
             fwd_prefix[i + 1] = fwd_prefix[i] + c.fwd_s[i];
             extra_prefix[i + 1] = extra_prefix[i] + extra;
+            bwd_prefix[i + 1] = bwd_prefix[i] + c.bwd_s[i];
         }
     }
 
-    const double* row(int v, int d, int s, int t) const { return &tab.time[tab.index(v, d, s, t, 0)]; }
+    const float* row(int v, int d, int s, int t) const { return &tab.time[tab.index(v, d, s, t, 0)]; }
 
-    // The least budget (slots) from which keeping every block of s..t fits, held as v.
-    long long all_keep(int v, int s, int t) const { return tab.all_keep[tab.keep_index(v, s, t)]; }
+    // D(O, s) for a subproblem ending at t: in a recomputation when t < L−1.
+    double dead(int v, int s, int t) const { return t + 1 < n ? st.dead_rec[s][v] : st.dead_top[s][v]; }
 
-    // Keep and Offload of block s; held by kept bytes, its saving forward frees fr slots of them.
+    // The least budget (slots) from which keeping every block of s..t fits, at variant v.
+    long long all_keep(int v, int s, int t) const { return tab.all_keep[tab.row(v, 0, s, t)]; }
+
+    // Keep and Offload of block s at variant v; its saving forward frees φ slots (rounded down).
     void first_block(int v, int d, int s, int t, std::vector<Option>& out) const {
-        const int fr = v == kHeldByKept && s > 0 ? freed[s - 1] : 0;
         const double g = ct.grad_after[t];
         const double fb = c.fwd_s[s] + c.bwd_s[s];
         const int fwd_need = slots(g + c.fwd_peak_bytes[s]);
         const int W = tab.width;
         if (s == t) {
-            out.push_back({RematToken::kKeep, 0, fb, std::max({fwd_need, slots(ct.bwd_peak[s]) - fr, 0}), W, 0});
+            out.push_back({RematToken::kKeep, 0, static_cast<float>(fb),
+                           std::max({fwd_need, slots(ct.bwd_peak[s] - dead(v, s, t)), 0}), W, 0});
             return;
         }
-        const int keep_need = std::max(fwd_need, slots(c.bwd_peak_bytes[s]) - fr);
+        const int fr = slots.down(st.phi[s][v]);
+        const int keep_need = std::max(fwd_need, slots(c.bwd_peak_bytes[s] - dead(v, s, t)));
         const int shift = kept[s] - fr;
-        out.push_back({RematToken::kKeep, 0, fb, std::max({keep_need, shift, 0}), W, shift,
-                       row(kHeldByKept, d, s + 1, t)});
+        out.push_back({RematToken::kKeep, 0, static_cast<float>(fb), std::max({keep_need, shift, 0}), W, shift,
+                       row(st.next[s][v], d, s + 1, t)});
         if (offload) {
-            const int need = std::max(keep_need, slots(c.kept_bytes[s] + ct.bwd_peak[s + 1]) - fr);
+            const double next_peak = ct.bwd_peak[s + 1] - dead(0, s + 1, t);
+            const int need = std::max(keep_need, slots(c.kept_bytes[s] - st.phi[s][v] + next_peak));
             const int o_shift = slots(c.out_bytes[s]) - fr;
-            out.push_back({RematToken::kOffload, 0, fb + exposed_transfer(c, s, bw), std::max({need, o_shift, 0}), W,
-                           o_shift, row(kHeldWhole, d, s + 1, t)});
+            out.push_back({RematToken::kOffload, 0, static_cast<float>(fb + exposed_transfer(c, s, bw)),
+                           std::max({need, o_shift, 0}), W, o_shift, row(0, d, s + 1, t)});
         }
     }
 
-    // Checkpoint(s..k−1) for every k (none at d = 0 with a bounded depth); up to all_keep − 1, beyond which
-    // keeping everything is as fast as anything.
+    // Checkpoint(s..k−1) for every k whose segment saves anything (none at d = 0 with a bounded depth); up to
+    // all_keep − 1, beyond which keeping everything is as fast as anything.
     void checkpoints(int d, int s, int t, std::vector<Option>& out) const {
         if (s == t || (!unbounded && d == 0)) return;
         const int inner = unbounded ? 0 : d - 1;
         const double g = ct.grad_after[t];
-        const int hi = static_cast<int>(std::min<long long>(tab.width, all_keep(kHeldWhole, s, t) - 1));
+        const int hi = static_cast<int>(std::min<long long>(tab.width, all_keep(0, s, t) - 1));
         double nosave = c.fwd_nosave_peak_bytes[s];
+        double tail = 0;  // the trailing blocks' backward, before the recomputation: bwd_peak − out
         for (int k = s + 1; k <= t; ++k) {
-            if (k > s + 1) nosave = std::max(nosave, live_from(c, s, k - 1) + c.fwd_nosave_peak_bytes[k - 1]);
-            const int a = slots(live_from(c, s, k));
-            const double base = checkpoint_s + (fwd_prefix[k] - fwd_prefix[s]) + (extra_prefix[k] - extra_prefix[s]);
-            out.push_back({RematToken::kBegin, k, base, std::max(slots(g + nosave), a), hi, a, row(kHeldWhole, d, k, t),
-                           row(kHeldWhole, inner, s, k - 1)});
+            if (k > s + 1) nosave = std::max(nosave, st.live_from[cut_index(n, s, k - 1)] + c.fwd_nosave_peak_bytes[k - 1]);
+            const int last = st.last_saving[k - 1];
+            if (last < s) continue;
+            tail = last == k - 1 ? 0.0 : std::max(tail, c.bwd_peak_bytes[k - 1] - c.out_bytes[k - 1]);
+            const int a = slots(st.live_from[cut_index(n, s, k)]);
+            const double base = checkpoint_s + (fwd_prefix[k] - fwd_prefix[s]) + (extra_prefix[k] - extra_prefix[s]) +
+                                (bwd_prefix[k] - bwd_prefix[last + 1]);
+            out.push_back({RematToken::kBegin, k, static_cast<float>(base),
+                           std::max({slots(g + nosave), a, slots(tail)}), hi, a,
+                           row(st.checkpoint[cut_index(n, s, k)], d, k, t), row(0, inner, s, last)});
         }
     }
 };
 
 // row[m] = min(row[m], f + after[m − shift] + recompute[m]) for m in [lo, hi]: branch-free over non-aliasing rows
 // so that the compiler vectorizes it (this loop is the O(L³·S) part).
-void relax_checkpoint(double* __restrict row, const double* __restrict after, const double* __restrict recompute,
-                      double f, int lo, int hi) {
+void relax_checkpoint(float* __restrict row, const float* __restrict after, const float* __restrict recompute,
+                      float f, int lo, int hi) {
     for (int m = lo; m <= hi; ++m) row[m] = std::min(row[m], f + after[m] + recompute[m]);
 }
 
@@ -187,7 +326,7 @@ void relax_checkpoint(double* __restrict row, const double* __restrict after, co
 void backtrack(const Recurrence& rec, int v, int d, int s, int t, int m, std::vector<RematStep>& out) {
     std::vector<Option> options;
     while (true) {
-        const double want = rec.tab.time[rec.tab.index(v, d, s, t, m)];
+        const float want = rec.tab.time[rec.tab.index(v, d, s, t, m)];
         options.clear();
         rec.first_block(v, d, s, t, options);
         rec.checkpoints(d, s, t, options);
@@ -203,45 +342,48 @@ void backtrack(const Recurrence& rec, int v, int d, int s, int t, int m, std::ve
             out.push_back({pick->token, s});
             if (s == t) return;
             m = std::min(m - pick->shift, rec.tab.width);
-            v = pick->token == RematToken::kKeep ? kHeldByKept : kHeldWhole;
+            v = pick->token == RematToken::kKeep ? rec.st.next[s][v] : 0;
             ++s;
         } else {
             const int k = pick->split;
+            const int last = rec.st.last_saving[k - 1];
             out.push_back({RematToken::kBegin, -1});
-            backtrack(rec, kHeldWhole, rec.unbounded ? 0 : d - 1, s, k - 1, m, out);
+            backtrack(rec, 0, rec.unbounded ? 0 : d - 1, s, last, m, out);
+            for (int j = last + 1; j < k; ++j) out.push_back({RematToken::kKeep, j});
             out.push_back({RematToken::kEnd, -1});
             m -= pick->shift;
-            v = kHeldWhole;
+            v = rec.st.checkpoint[cut_index(rec.n, s, k)];
             s = k;
         }
     }
 }
 
-// What one micro-batch holds after its forward: the top-level items' leftovers (a kept block followed by a
-// kept or offloaded one has lost its freed bytes; a checkpoint holds its segment's values at its output cut).
-double after_forward(const RematChain& c, const std::vector<RematStep>& plan) {
+// What one micro-batch holds after its forward: the top-level items' leftovers (a saving forward frees the
+// owned values whose last reader it is; a checkpoint holds its segment's values at its output cut).
+double after_forward(const RematChain& c, const RematStates& st, const std::vector<RematStep>& plan) {
+    const int n = c.num_blocks();
     double total = 0;
     int depth = 0;
-    int last_block = -1;
+    int v = 0;  // the variant at the next top-level item's first block
     int segment_start = -1;
-    bool previous_kept = false;  // the previous top-level item was Keep(last_block)
-    for (const RematStep& st : plan) {
-        if (st.token == RematToken::kBegin) {
-            if (depth++ == 0) {
-                previous_kept = false;
-                segment_start = -1;
+    int last_block = -1;
+    for (const RematStep& step : plan) {
+        if (step.token == RematToken::kBegin) {
+            if (depth++ == 0) segment_start = -1;
+        } else if (step.token == RematToken::kEnd) {
+            if (--depth == 0) {
+                total += st.live_from[cut_index(n, segment_start, last_block + 1)];
+                v = st.checkpoint[cut_index(n, segment_start, last_block + 1)];
             }
-        } else if (st.token == RematToken::kEnd) {
-            if (--depth == 0) total += live_from(c, segment_start, last_block + 1);
         } else {
+            const int s = step.block;
             if (depth == 0) {
-                if (previous_kept) total -= free_of(c, st.block - 1);
-                total += st.token == RematToken::kKeep ? c.kept_bytes[st.block] : c.out_bytes[st.block];
-                previous_kept = st.token == RematToken::kKeep;
+                total += (step.token == RematToken::kKeep ? c.kept_bytes[s] : c.out_bytes[s]) - st.phi[s][v];
+                v = step.token == RematToken::kKeep && s + 1 < n ? st.next[s][v] : 0;
             } else if (segment_start < 0) {
-                segment_start = st.block;
+                segment_start = s;
             }
-            last_block = st.block;
+            last_block = s;
         }
     }
     return total;
@@ -249,8 +391,7 @@ double after_forward(const RematChain& c, const std::vector<RematStep>& plan) {
 
 }  // namespace
 
-RematTable remat_table(const RematChain& c, const RematOptions& o) {
-    check_chain(c);
+RematTable remat_table(const RematChain& c, const RematStates& st, const RematOptions& o) {
     if (o.slots < 1) throw std::invalid_argument("remat: slots must be at least 1");
     if (!(o.budget_bytes > 0)) throw std::invalid_argument("remat: the budget must be positive");
     const int n = c.num_blocks();
@@ -260,46 +401,57 @@ RematTable remat_table(const RematChain& c, const RematOptions& o) {
     tab.layers = o.max_depth < 0 ? 1 : o.max_depth + 1;
     tab.slot_bytes = o.budget_bytes / o.slots;
     const Slots slots{tab.slot_bytes};
-    // Freed bytes are rounded down; the rows reach past the budget by the most any block frees.
+    // What a saving forward frees is rounded down; the rows reach past the budget by the most any frees.
     int most_freed = 0;
-    for (int i = 0; i < n; ++i) most_freed = std::max(most_freed, slots.down(free_of(c, i)));
+    for (int s = 0; s < n; ++s) {
+        for (double phi : st.phi[s]) most_freed = std::max(most_freed, slots.down(phi));
+    }
     tab.width = o.slots + most_freed;
     const int W = tab.width;
-    tab.time.assign(tab.index(2, tab.layers, 0, 0, 0), kInf);
-    tab.all_keep.assign(2 * tab.rows(), 0);
-    const Recurrence rec(c, tab, o);
+    tab.variants = st.count;
+    std::size_t rows = 0;
+    for (int s = 0; s < n; ++s) {
+        tab.base.push_back(rows);
+        rows += static_cast<std::size_t>(st.count[s]) * tab.layers * (n - s);
+    }
+    tab.time.assign(rows * (W + 1), kInfTime);
+    tab.all_keep.assign(rows, 0);
+    const Recurrence rec(c, st, tab, o);
     const Counted& ct = rec.ct;
 
     // Below first_finite[row] an entry is ∞: the checkpoint loop starts there.
-    std::vector<int> first_finite(2 * tab.layers * tab.rows(), W + 1);
+    std::vector<int> first_finite(rows, W + 1);
+    std::vector<float> shared(W + 1);
     std::vector<Option> options;
-    for (int len = 1; len <= n; ++len) {
-        for (int s = 0; s + len <= n; ++s) {
-            const int t = s + len - 1;
-            for (int v = 0; v < 2; ++v) {
-                const int fr = v == kHeldByKept && s > 0 ? rec.freed[s - 1] : 0;
+    // By last block t, and for each from the last first block s down: entry (s, t) reads (k, t) for k > s, hot in
+    // the cache while the s-loop runs, and (s, j) for j < t, done in an earlier t.
+    for (int t = 0; t < n; ++t) {
+        for (int s = t; s >= 0; --s) {
+            for (int v = 0; v < st.count[s]; ++v) {
                 const long long fwd_need = slots(ct.grad_after[t] + c.fwd_peak_bytes[s]);
-                tab.all_keep[tab.keep_index(v, s, t)] =
-                    s == t ? std::max<long long>(fwd_need, slots(ct.bwd_peak[s]) - fr)
-                           : std::max({fwd_need, static_cast<long long>(slots(c.bwd_peak_bytes[s]) - fr),
-                                       rec.kept[s] - fr + tab.all_keep[tab.keep_index(kHeldByKept, s + 1, t)]});
+                const double dead = rec.dead(v, s, t);
+                tab.all_keep[tab.row(v, 0, s, t)] =
+                    s == t ? std::max<long long>(fwd_need, slots(ct.bwd_peak[s] - dead))
+                           : std::max({fwd_need, static_cast<long long>(slots(c.bwd_peak_bytes[s] - dead)),
+                                       rec.kept[s] - slots.down(st.phi[s][v]) +
+                                           rec.all_keep(st.next[s][v], s + 1, t)});
             }
             for (int d = 0; d < tab.layers; ++d) {
-                // Checkpoints first: the same for both variants (a checkpoint holds its input whole).
-                double* row = &tab.time[tab.index(kHeldWhole, d, s, t, 0)];
+                // Checkpoints first: the same for every variant (a checkpoint holds its input whole).
+                std::fill(shared.begin(), shared.end(), kInfTime);
                 options.clear();
                 rec.checkpoints(d, s, t, options);
                 const int inner = rec.unbounded ? 0 : d - 1;
                 for (const Option& opt : options) {
                     const int k = opt.split;
-                    const int lo = std::max({opt.lo, opt.shift + first_finite[tab.row(kHeldWhole, d, k, t)],
-                                             first_finite[tab.row(kHeldWhole, inner, s, k - 1)]});
-                    relax_checkpoint(row, opt.first - opt.shift, opt.second, opt.base, lo, opt.hi);
+                    const int v_rest = st.checkpoint[cut_index(n, s, k)];
+                    const int lo = std::max({opt.lo, opt.shift + first_finite[tab.row(v_rest, d, k, t)],
+                                             first_finite[tab.row(0, inner, s, st.last_saving[k - 1])]});
+                    relax_checkpoint(shared.data(), opt.first - opt.shift, opt.second, opt.base, lo, opt.hi);
                 }
-                double* row_k = &tab.time[tab.index(kHeldByKept, d, s, t, 0)];
-                std::copy(row, row + W + 1, row_k);
-                for (int v = 0; v < 2; ++v) {
-                    double* r = v == kHeldByKept ? row_k : row;
+                for (int v = 0; v < st.count[s]; ++v) {
+                    float* r = &tab.time[tab.index(v, d, s, t, 0)];
+                    std::copy(shared.begin(), shared.end(), r);
                     options.clear();
                     rec.first_block(v, d, s, t, options);
                     for (const Option& opt : options) {
@@ -315,13 +467,14 @@ RematTable remat_table(const RematChain& c, const RematOptions& o) {
     return tab;
 }
 
-RematSolution remat_at(const RematChain& c, const RematOptions& o, const RematTable& tab, int slot) {
+RematSolution remat_at(const RematChain& c, const RematStates& st, const RematOptions& o, const RematTable& tab,
+                       int slot) {
     RematSolution r;
     r.min_budget_bytes = min_peak_bytes(c, o);
     const int n = c.num_blocks();
     const int top = tab.layers - 1;
     slot = std::clamp(slot, 0, tab.slots);
-    const double t = tab.time[tab.index(kHeldWhole, top, 0, n - 1, slot)];
+    const float t = tab.time[tab.index(0, top, 0, n - 1, slot)];
     if (!std::isfinite(t)) {
         r.reason = "no plan fits in " + format_bytes(slot * tab.slot_bytes) + "; the least any plan needs is " +
                    format_bytes(r.min_budget_bytes);
@@ -330,28 +483,29 @@ RematSolution remat_at(const RematChain& c, const RematOptions& o, const RematTa
     r.feasible = true;
     r.time_s = t;
     r.peak_bound_bytes = slot * tab.slot_bytes;
-    backtrack(Recurrence(c, tab, o), kHeldWhole, top, 0, n - 1, slot, r.plan);
-    r.after_forward_bytes = after_forward(c, r.plan);
+    backtrack(Recurrence(c, st, tab, o), 0, top, 0, n - 1, slot, r.plan);
+    r.after_forward_bytes = after_forward(c, st, r.plan);
     return r;
 }
 
 RematSolution solve_remat(const RematChain& c, const RematOptions& o, int in_flight) {
     if (in_flight < 1) throw std::invalid_argument("remat: in_flight must be at least 1");
-    const RematTable tab = remat_table(c, o);
-    RematSolution best = remat_at(c, o, tab, tab.slots);
+    const RematStates st = remat_states(c);
+    const RematTable tab = remat_table(c, st, o);
+    RematSolution best = remat_at(c, st, o, tab, tab.slots);
     if (!best.feasible || in_flight == 1) return best;
     // Each smaller budget's optimum, while it stays feasible; keep the fastest whose copies fit.
     RematSolution fit;
     const int n = c.num_blocks();
     const int top = tab.layers - 1;
-    double last_time = -1;
+    float last_time = -1;
     for (int slot = tab.slots; slot >= 0; --slot) {
-        const double t = tab.time[tab.index(kHeldWhole, top, 0, n - 1, slot)];
+        const float t = tab.time[tab.index(0, top, 0, n - 1, slot)];
         if (!std::isfinite(t)) break;
         if (fit.feasible && t >= fit.time_s) continue;
         if (t == last_time) continue;  // the same optimum as at slot + 1 (ties keep the larger budget's plan)
         last_time = t;
-        RematSolution cand = remat_at(c, o, tab, slot);
+        RematSolution cand = remat_at(c, st, o, tab, slot);
         if (cand.peak_bound_bytes + (in_flight - 1) * cand.after_forward_bytes <= o.budget_bytes) {
             fit = std::move(cand);
         }
@@ -365,18 +519,24 @@ RematSolution solve_remat(const RematChain& c, const RematOptions& o, int in_fli
 }
 
 double min_peak_bytes(const RematChain& c, const RematOptions& o) {
-    check_chain(c);
+    const RematStates st = remat_states(c);
     const int n = c.num_blocks();
     const bool unbounded = o.max_depth < 0;
     const bool offload = o.offload_bw_bytes_per_s > 0;
     const int layers = unbounded ? 1 : o.max_depth + 1;
     const Counted ct = counted_of(c);
-    // P[v][d][s][t]: least peak of a plan for s..t with d nesting levels left, input held as v.
-    const std::size_t rows = static_cast<std::size_t>(n) * (n + 1) / 2;
-    std::vector<double> P(2 * layers * rows, kInf);
+    // P[v][d][s][t]: least peak of a plan for s..t with d nesting levels left, at variant v of cut s.
+    std::vector<std::size_t> base;
+    std::size_t rows = 0;
+    for (int s = 0; s < n; ++s) {
+        base.push_back(rows);
+        rows += static_cast<std::size_t>(st.count[s]) * layers * (n - s);
+    }
+    std::vector<double> P(rows, kInf);
     auto at = [&](int v, int d, int s, int t) -> double& {
-        return P[static_cast<std::size_t>(v * layers + d) * rows + static_cast<std::size_t>(t) * (t + 1) / 2 + s];
+        return P[base[s] + static_cast<std::size_t>(v * layers + d) * (n - s) + static_cast<std::size_t>(t - s)];
     };
+    auto dead = [&](int v, int s, int t) { return t + 1 < n ? st.dead_rec[s][v] : st.dead_top[s][v]; };
     for (int len = 1; len <= n; ++len) {
         for (int s = 0; s + len <= n; ++s) {
             const int t = s + len - 1;
@@ -386,32 +546,40 @@ double min_peak_bytes(const RematChain& c, const RematOptions& o) {
                 if (s < t && (unbounded || d > 0)) {
                     const int inner = unbounded ? 0 : d - 1;
                     double nosave = c.fwd_nosave_peak_bytes[s];
+                    double tail = 0;
                     for (int k = s + 1; k <= t; ++k) {
                         if (k > s + 1) {
-                            nosave = std::max(nosave, live_from(c, s, k - 1) + c.fwd_nosave_peak_bytes[k - 1]);
+                            nosave = std::max(nosave, st.live_from[cut_index(n, s, k - 1)] +
+                                                          c.fwd_nosave_peak_bytes[k - 1]);
                         }
-                        ckpt = std::min(ckpt, std::max({g + nosave, live_from(c, s, k) + at(kHeldWhole, d, k, t),
-                                                        at(kHeldWhole, inner, s, k - 1)}));
+                        const int last = st.last_saving[k - 1];
+                        if (last < s) continue;
+                        tail = last == k - 1 ? 0.0 : std::max(tail, c.bwd_peak_bytes[k - 1] - c.out_bytes[k - 1]);
+                        const double lambda = st.live_from[cut_index(n, s, k)];
+                        ckpt = std::min(ckpt, std::max({g + nosave, tail,
+                                                        lambda + at(st.checkpoint[cut_index(n, s, k)], d, k, t),
+                                                        at(0, inner, s, last)}));
                     }
                 }
-                for (int v = 0; v < 2; ++v) {
-                    const double phi = v == kHeldByKept && s > 0 ? free_of(c, s - 1) : 0.0;
+                for (int v = 0; v < st.count[s]; ++v) {
                     double& best = at(v, d, s, t);
                     if (s == t) {
-                        best = std::max(g + c.fwd_peak_bytes[s], ct.bwd_peak[s] - phi);
+                        best = std::max(g + c.fwd_peak_bytes[s], ct.bwd_peak[s] - dead(v, s, t));
                         continue;
                     }
-                    const double keep = std::max(g + c.fwd_peak_bytes[s], c.bwd_peak_bytes[s] - phi);
-                    best = std::min(ckpt, std::max(keep, c.kept_bytes[s] - phi + at(kHeldByKept, d, s + 1, t)));
+                    const double phi = st.phi[s][v];
+                    const double keep = std::max(g + c.fwd_peak_bytes[s], c.bwd_peak_bytes[s] - dead(v, s, t));
+                    best = std::min(ckpt, std::max(keep, c.kept_bytes[s] - phi + at(st.next[s][v], d, s + 1, t)));
                     if (offload) {
-                        const double need = std::max(keep, c.kept_bytes[s] + ct.bwd_peak[s + 1] - phi);
-                        best = std::min(best, std::max(need, c.out_bytes[s] - phi + at(kHeldWhole, d, s + 1, t)));
+                        const double need =
+                            std::max(keep, c.kept_bytes[s] - phi + ct.bwd_peak[s + 1] - dead(0, s + 1, t));
+                        best = std::min(best, std::max(need, c.out_bytes[s] - phi + at(0, d, s + 1, t)));
                     }
                 }
             }
         }
     }
-    return at(kHeldWhole, layers - 1, 0, n - 1);
+    return at(0, layers - 1, 0, n - 1);
 }
 
 }  // namespace pyplan

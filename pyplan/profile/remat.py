@@ -1,27 +1,37 @@
 """The figures of the rematerialization model (pyplan.solve.remat) per block, measured on fake or real tensors.
 
 Each block runs alone as `piece(chain, i, i + 1)`, on the values of cut i that running the blocks before it
-produced, received as a pipeline stage receives them (fresh leaves that need grad when float; the model's own
-inputs need none). `LiveMemory` counts what the block allocates beyond those inputs, parameters and buffers:
+produced, received as a pipeline stage receives them (fresh tensors that need grad when float, behind an identity
+whose backward keeps the gradient that reaches them; the model's own inputs need none). `LiveMemory` counts what
+the block allocates beyond those inputs, parameters and buffers. The blocks are measured from the last one back,
+so that each receives its output gradients as the next block's backward makes them:
 
   kept_bytes             live after a saving forward, with the outputs held: saved tensors and outputs;
   fwd_peak_bytes         the peak of that forward;
   out_bytes              live after a non-saving forward, as a checkpointed segment runs it the first time (grad
                          enabled, every saved tensor dropped by a saved-tensors hook): the new output storages
                          (a value passed through or a view of an input is held by whoever made it);
-  out_values             those storages one by one with the last cut each is live at (a residual stream lives
-                         across several cuts: a checkpointed segment holds it at its output cut);
-  fwd_nosave_peak_bytes  the peak of that forward;
-  bwd_peak_bytes         the peak of the backward from the saving forward's outputs: kept bytes, output gradients
-                         (ones of the outputs' shapes, made by autograd when the backward starts and freed once
-                         used, as the next block's input gradients would be), input gradients (kept to the end,
-                         as `.grad` of the inputs) and temporaries; parameter gradients are left out (model
-                         state). An output that is an input passed through is not backpropagated; its gradient
-                         (in the cut's gradient on both sides) is added once;
-  free_bytes             what of kept_bytes a saving forward of block i+1 frees (outputs neither block saves nor
-                         passes on), measured by running blocks i and i+1 together;
-  grad_bytes[c]          the gradients of cut c's values that require grad: the float values a pipeline stage
-                         would send back (numel x element size; the model's own inputs get none).
+  out_values             those storages one by one, as (bytes, last cut live, savers): the last cut each is live at
+                         (a residual stream lives across several cuts: a checkpointed segment holds it at its
+                         output cut), and the blocks whose saving forward saves that storage (the block itself,
+                         later blocks that read it), found from the storages each block saves in a third forward
+                         under a saved-tensors hook; none for a BatchNorm output read by an add or a residual sum
+                         read by a ReLU;
+  saves                  whether the block's saving forward saves any tensor at all (parameters included): an add,
+                         a view or a flatten saves none, so a recomputation that reaches it stops before it;
+  fwd_nosave_peak_bytes  the peak of the non-saving forward;
+  bwd_peak_bytes         the peak of the backward from the saving forward's outputs, held: kept bytes, output
+                         gradients (made by autograd when the backward starts and freed once used, one storage
+                         for the outputs whose gradients the next block's backward makes as one, e.g. an add's),
+                         input gradients (kept to the end, as the block before receives them) and temporaries;
+                         parameter gradients are left out (model state). An output that is an input only passed on
+                         is not backpropagated: its gradient, made before, lives on beside the backward. One the
+                         block also reads gets its gradient from the next block as an output gradient too, and
+                         autograd sums the block's share into it (out of place under a dispatch mode such as
+                         LiveMemory's, so the sum is counted);
+  grad_bytes[c]          the gradients of cut c's values as the backward of block c leaves them, each storage once
+                         (an add hands its output's gradient to both its inputs); the model's own inputs get none,
+                         the model's outputs one each (numel x element size).
 
 Bytes are exactly affine in the batch size, so two batch sizes give `RematBytes` as `Affine`s.
 """
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -58,8 +69,9 @@ class BlockMemory:
     fwd_peak_bytes: int
     fwd_nosave_peak_bytes: int
     bwd_peak_bytes: int
-    free_bytes: int = 0
-    out_values: tuple[tuple[int, int], ...] = ()  # (bytes, last cut live) per new output storage
+    # (bytes, last cut live, the blocks that save it) per new output storage
+    out_values: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    saves: bool = True
 
 
 @dataclass(frozen=True)
@@ -71,22 +83,22 @@ class RematBytes:
     fwd_peak_bytes: Affine
     fwd_nosave_peak_bytes: Affine
     bwd_peak_bytes: Affine
-    free_bytes: Affine
-    out_values: tuple[tuple[Affine, int], ...] = ()
+    out_values: tuple[tuple[Affine, int, tuple[int, ...]], ...] = ()  # (bytes, last cut live, savers)
+    saves: bool = True
 
     def at(self, batch_size: int) -> BlockMemory:
         def value(a: Affine) -> int:
             return round(a(batch_size))
 
-        values = tuple((value(b), last) for b, last in self.out_values)
+        values = tuple((value(b), last, saver) for b, last, saver in self.out_values)
         return BlockMemory(
             value(self.kept_bytes),
-            sum(b for b, _ in values) if values else value(self.out_bytes),
+            sum(b for b, _, _ in values) if values else value(self.out_bytes),
             value(self.fwd_peak_bytes),
             value(self.fwd_nosave_peak_bytes),
             value(self.bwd_peak_bytes),
-            value(self.free_bytes),
             values,
+            self.saves,
         )
 
 
@@ -111,51 +123,147 @@ def _never_unpacked(packed: None) -> torch.Tensor:
     raise RuntimeError("a non-saving forward was backpropagated")
 
 
-def _grad_bytes(values: Sequence[Any]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensor_leaves(list(values)) if t.requires_grad)
+# Which values of a cut share a gradient storage, as the backward of the block that reads them makes them (an add
+# hands its output's gradient to both its inputs, a split's are views of one): groups of positions among the cut's
+# values, with the bytes of each group's storage.
+Gradients = tuple[tuple[tuple[int, ...], int], ...]
 
 
 class _OutputGradients(torch.autograd.Function):
-    """A scalar whose backward hands ones shaped like `outputs` to autograd, which frees each once it is used
-    (as the gradient arriving from the next block would be, rather than held to the end by the caller)."""
+    """A scalar whose backward hands autograd the gradients of `outputs` as the next block's backward makes them:
+    one storage per group (`group[v]` the group of output v, `sizes[g]` its bytes), ones of output v's shape,
+    made when the backward starts and freed once used, except the groups given in `held` (already made, and
+    kept by the caller: the gradient of a value only passed through, which lives on)."""
 
     @staticmethod
-    def forward(ctx: Any, *outputs: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any, group: Sequence[int], sizes: Sequence[int], held: dict[int, torch.Tensor], *outputs: torch.Tensor
+    ) -> torch.Tensor:
         ctx.like = [(t.shape, t.dtype, t.device) for t in outputs]
+        ctx.group, ctx.sizes, ctx.held = group, sizes, held
         return torch.zeros((), device=outputs[0].device)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.ones(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        made = dict(ctx.held)
+        out = []
+        for (shape, dtype, device), g in zip(ctx.like, ctx.group):
+            if g not in made:
+                made[g] = _storage(ctx.sizes[g], dtype, device)
+            out.append(_view(made[g], shape))
+        return (None, None, None, *out)
+
+
+def _storage(nbytes: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A gradient storage of `nbytes` (ones), as a flat tensor of `dtype`."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return torch.ones(max(1, nbytes // size), dtype=dtype, device=device)
+
+
+def _view(flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A gradient of `shape` on the storage `flat`: a view, or a broadcast one where the storage is smaller (a
+    sum's gradient is its output gradient expanded)."""
+    numel = math.prod(shape)
+    return flat[:numel].view(shape) if numel <= flat.numel() else flat[:1].expand(shape)
+
+
+class _Capture(torch.autograd.Function):
+    """The identity on one block input; its backward keeps the gradient that reaches it (summed by autograd over
+    every reader, as the node of the block that made the value would receive it) and passes nothing on."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, sink: list[torch.Tensor]) -> torch.Tensor:
+        ctx.sink = sink
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        ctx.sink.append(grad)
+        return None, None
+
+
+def _values(out: Any, last: bool) -> list[Any]:
+    """A block's outputs as the values of its output cut (the model's outputs: their tensors, in order)."""
+    if last:
+        return tensor_leaves(out)
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+def _gradient_groups(grads: Sequence[torch.Tensor | None]) -> Gradients:
+    """The groups of positions whose gradients share a storage, with its bytes (no gradient: no group)."""
+    groups: dict[int, list[int]] = {}
+    sizes: dict[int, int] = {}
+    for k, g in enumerate(grads):
+        if g is not None:
+            key = storage_key(g)
+            groups.setdefault(key, []).append(k)
+            sizes[key] = g.untyped_storage().nbytes()
+    return tuple((tuple(ks), sizes[key]) for key, ks in groups.items())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class _Saves:
+    """What one block's saving forward saves: anything at all, which of its inputs (positions among the input
+    tensors) and which of its output values (in out_values' order)."""
+
+    any: bool
+    inputs: frozenset[int]
+    outputs: tuple[bool, ...]
 
 
 def _measure_block(
-    mod: fx.GraphModule, args: Sequence[Any], first: bool, lasts: Iterable[int]
-) -> tuple[BlockMemory, int]:
-    """One block's figures, and the gradient bytes of its outputs (the next cut); `lasts[v]` is the last cut
-    where output v is live."""
+    mod: fx.GraphModule, args: Sequence[Any], first: bool, lasts: Iterable[int], incoming: Gradients | None
+) -> tuple[BlockMemory, Gradients, _Saves, int]:
+    """One block's figures (savers not yet known), how the gradients of its input cut come out of its backward,
+    what it saves, and the bytes of its output cut's gradients. `lasts[v]` is the last cut where output v is
+    live; `incoming`: how the gradients of its output cut arrive (None for the model's outputs: one storage each)."""
     params = list(mod.parameters())
     for p in params:
         p.grad = None
     leaves = leaf_inputs(args, first=first)
+    sinks: list[list[torch.Tensor]] = [[] for _ in leaves]
+    inputs = [
+        _Capture.apply(a, sinks[k]) if isinstance(a, torch.Tensor) and a.requires_grad else a
+        for k, a in enumerate(leaves)
+    ]
+    read = _read_inputs(mod)
     with LiveMemory() as mem:
-        out = mod(*leaves)
+        out = mod(*inputs)
         kept = mem.current_bytes
         fwd_peak = mem.peak_bytes
-        outs = tensor_leaves(out)
-        passed = [t for t in outs if any(t is a for a in leaves)]
-        roots = [t for t in outs if t.requires_grad and not any(t is a for a in passed)]
+        outs = _values(out, incoming is None)
+        wanted = [k for k, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        groups = incoming if incoming is not None else tuple(((k,), _nbytes(outs[k])) for k in wanted)
+        group = {k: g for g, (members, _) in enumerate(groups) for k in members}
+        # An input only passed on is not backpropagated through the block: its gradient (made by later blocks)
+        # lives on beside it. Every other output's gradient is handed to autograd, which sums the block's share
+        # into it where the block also reads that input (out of place under a dispatch mode such as LiveMemory's).
+        through = {k: j for k, t in enumerate(outs) for j, a in enumerate(inputs) if t is a and j not in read}
+        roots = [k for k in wanted if k not in through]
         start = mem.mark()
+        held = {group[k]: _storage(groups[group[k]][1], outs[k].dtype, outs[k].device) for k in through if k in group}
         if roots:
-            source = _OutputGradients.apply(*roots)
+            source = _OutputGradients.apply(
+                [group[k] for k in roots], [size for _, size in groups], held, *[outs[k] for k in roots]
+            )
             seed = torch.ones_like(source)
             mem.ignore([source, seed])  # the scalar and its gradient are scaffolding
-            del roots
             source.backward(seed)
+            del source, seed
     mem.ignore(p.grad for p in params if p.grad is not None)
-    bwd_peak = mem.peak_bytes_since(start) + _grad_bytes(passed)
-    out_grad = _grad_bytes(outs)
-    del out, outs, passed
+    bwd_peak = mem.peak_bytes_since(start)
+    # The gradients of the input cut: what reached each input read, or that of the output it is passed on as.
+    passed_as = {j: k for k, j in through.items()}
+    grads = [
+        held.get(group.get(passed_as[j], -1)) if j in passed_as else (sinks[j][0] if sinks[j] else None)
+        for j in range(len(inputs))
+    ]
+    made = () if first else _gradient_groups(grads)
+    del out, outs, held, grads, sinks, inputs
     for p in params:
         p.grad = None
 
@@ -165,17 +273,68 @@ def _measure_block(
         nosave_peak = mem.peak_bytes
     # The outputs a non-saving forward leaves, value by value with the last cut each is live at: new storages
     # only (a value passed through, or a view of an input, is held by whoever made it).
-    inputs = {storage_key(t) for t in tensor_leaves(list(leaves))}
+    before = {storage_key(t) for t in tensor_leaves(list(leaves))}
     values: dict[Any, list[int]] = {}
     for t, last in zip(tensor_leaves(out), lasts):
         key = storage_key(t)
-        if key not in inputs:
+        if key not in before:
             size_last = values.setdefault(key, [t.untyped_storage().nbytes(), last])
             size_last[1] = max(size_last[1], last)
     del out
-    out_values = tuple((size, last) for size, last in values.values())
-    out_bytes = sum(size for size, _ in out_values)
-    return BlockMemory(kept, out_bytes, fwd_peak, max(nosave_peak, out_bytes), bwd_peak, 0, out_values), out_grad
+    out_values = tuple((size, last, ()) for size, last in values.values())
+    out_bytes = sum(size for size, _, _ in out_values)
+    memory = BlockMemory(kept, out_bytes, fwd_peak, max(nosave_peak, out_bytes), bwd_peak, out_values)
+    return memory, made, _saved_by(mod, args, first), sum(size for _, size in groups)
+
+
+def _read_inputs(mod: fx.GraphModule) -> set[int]:
+    """The positions of the block's inputs that some operation reads (not only returned as they are)."""
+    return {
+        k
+        for k, node in enumerate(n for n in mod.graph.nodes if n.op == "placeholder")
+        if any(user.op != "output" for user in node.users)
+    }
+
+
+def _saved_by(mod: fx.GraphModule, args: Sequence[Any], first: bool) -> _Saves:
+    """Which storages the block's saving forward saves: a forward whose saved-tensors hook collects each tensor
+    it is given (held until compared, so that no storage identity is reused meanwhile)."""
+    saved: list[torch.Tensor] = []
+    leaves = leaf_inputs(args, first=first)
+    with torch.autograd.graph.saved_tensors_hooks(saved.append, _never_unpacked):
+        out = mod(*leaves)
+    keys = {storage_key(t) for t in saved}
+    ins = tensor_leaves(list(leaves))
+    inputs = {storage_key(t) for t in ins}
+    new: dict[int, bool] = {}
+    for t in tensor_leaves(out):
+        key = storage_key(t)
+        if key not in inputs:
+            new[key] = key in keys
+    inputs_saved = frozenset(k for k, t in enumerate(ins) if storage_key(t) in keys)
+    return _Saves(bool(saved), inputs_saved, tuple(new.values()))
+
+
+def _savers(
+    args: Sequence[Sequence[Any]], saves: Sequence[_Saves], i: int, lasts: Sequence[int]
+) -> list[tuple[int, ...]]:
+    """For each value block i outputs (new storages, in order, with the last cut each is live at), the blocks whose
+    saving forward saves its storage: block i itself and the later blocks that read it at their input cut.
+    `args[c]` are cut c's values (the storages are followed under any name, as in _last_cuts)."""
+    n = len(args)
+    if i == n - 1:
+        return [(i,) if own else () for own in saves[i].outputs]
+    before = {storage_key(t) for t in tensor_leaves(list(args[i]))}
+    keys = list(dict.fromkeys(k for k in map(storage_key, tensor_leaves(list(args[i + 1]))) if k not in before))
+    out = []
+    for key, own, last in zip(keys, saves[i].outputs, lasts, strict=True):
+        savers = [i] if own else []
+        for c in range(i + 1, min(last, n - 1) + 1):
+            held = tensor_leaves(list(args[c]))
+            if any(storage_key(held[k]) == key for k in saves[c].inputs):
+                savers.append(c)
+        out.append(tuple(savers))
+    return out
 
 
 def _last_cuts(args: Sequence[Sequence[Any]], i: int) -> Iterable[int]:
@@ -189,23 +348,6 @@ def _last_cuts(args: Sequence[Sequence[Any]], i: int) -> Iterable[int]:
         for t in tensor_leaves(list(args[c])):
             last[storage_key(t)] = c
     return [last[storage_key(t)] for t in tensor_leaves(list(args[i + 1]))]
-
-
-def _freed_by_next(
-    a: fx.GraphModule, b: fx.GraphModule, args: Sequence[Any], first: bool, kept_a: int, kept_b: int
-) -> int:
-    """What of block a's kept bytes a saving forward of block b (the next one) frees: a's outputs that neither
-    saves nor passes on. Live after both, beyond a's inputs, is kept(a) + kept(b) − that."""
-    leaves = leaf_inputs(args, first=first)
-    with LiveMemory() as mem:
-        out = a(*leaves)
-        values = out if isinstance(out, tuple) else (out,)
-        del out
-        out_b = b(*values)
-        del values
-        both = mem.current_bytes
-    del out_b
-    return max(0, kept_a + kept_b - both)
 
 
 @contextlib.contextmanager
@@ -244,36 +386,36 @@ def block_memory(
         # inputs of the same kind, whose values live as far past it, has the same figures: measured once. Every
         # block still runs once in block_inputs, so the cuts' live values are the real ones.
         repeated = RepeatedBlocks(mods, chain.graph.module)
-        keys: list[tuple[str, tuple[int, ...]] | None] = []
-        done: dict[tuple[str, tuple[int, ...]], tuple[BlockMemory, int]] = {}
-        figures, grads = [], [0]
+        n = len(mods)
+        done: dict[Any, tuple[BlockMemory, Gradients, _Saves, int]] = {}
+        figures: list[BlockMemory] = [BlockMemory(0, 0, 0, 0, 0)] * n
+        saves: list[_Saves] = [_Saves(True, frozenset(), ())] * n
+        made: list[Gradients] = [()] * n  # how each cut's gradients come out of its reader's backward
+        grads = [0] * (n + 1)
+        # From the last block back: a block's backward receives its output cut's gradients as the next one makes
+        # them.
         with torch.enable_grad():
-            for i, (mod, a) in enumerate(zip(mods, args)):
+            for i in reversed(range(n)):
+                mod, a = mods[i], args[i]
                 lasts = _last_cuts(args, i)
+                incoming = made[i + 1] if i + 1 < n else None
                 key = repeated.key(i, leaf_inputs(a, first=i == 0))
                 # The last block's outputs live to the end (an endless iterator): measured, never reused.
-                last_block = i == len(mods) - 1
-                keys.append(None if key is None or last_block else (key, tuple(c - i for c in lasts)))
-                if keys[-1] is not None and keys[-1] in done:
-                    fig, g = done[keys[-1]]
-                    fig = replace(fig, out_values=tuple((b, last + i) for b, last in fig.out_values))
+                reuse = None if key is None or i == n - 1 else (key, tuple(c - i for c in lasts), incoming)
+                if reuse is not None and reuse in done:
+                    fig, made[i], saves[i], grads[i + 1] = done[reuse]
+                    fig = replace(fig, out_values=tuple((b, last + i, ()) for b, last, _ in fig.out_values))
                 else:
-                    fig, g = _measure_block(mod, a, first=i == 0, lasts=lasts)
-                    if keys[-1] is not None:
-                        done[keys[-1]] = (replace(fig, out_values=tuple((b, c - i) for b, c in fig.out_values)), g)
-                figures.append(fig)
-                grads.append(g)
-            freed_by: dict[tuple[Any, Any], int] = {}
-            for i in range(len(mods) - 1):
-                pair = (keys[i], keys[i + 1]) if keys[i] is not None and keys[i + 1] is not None else None
-                if pair is not None and pair in freed_by:
-                    freed = freed_by[pair]
-                else:
-                    kept = figures[i].kept_bytes, figures[i + 1].kept_bytes
-                    freed = _freed_by_next(mods[i], mods[i + 1], args[i], i == 0, *kept)
-                    if pair is not None:
-                        freed_by[pair] = freed
-                figures[i] = replace(figures[i], free_bytes=freed)
+                    fig, made[i], saves[i], grads[i + 1] = _measure_block(mod, a, i == 0, lasts, incoming)
+                    if reuse is not None:
+                        relative = tuple((b, c - i, ()) for b, c, _ in fig.out_values)
+                        done[reuse] = (replace(fig, out_values=relative), made[i], saves[i], grads[i + 1])
+                figures[i] = fig
+        for i, fig in enumerate(figures):
+            lasts = [last for _, last, _ in fig.out_values]
+            savers = _savers(args, saves, i, lasts)
+            values = tuple((b, last, q) for (b, last, _), q in zip(fig.out_values, savers, strict=True))
+            figures[i] = replace(fig, out_values=values, saves=saves[i].any)
         return figures, grads
 
     if fake:
@@ -295,15 +437,19 @@ def remat_bytes(
     def line(name: str, x: BlockMemory, y: BlockMemory) -> Affine:
         return Affine.from_two(b1, getattr(x, name), b2, getattr(y, name))
 
-    names = [n for n in BlockMemory.__dataclass_fields__ if n != "out_values"]
+    names = [n for n in BlockMemory.__dataclass_fields__ if n not in ("out_values", "saves")]
 
-    def values(x: BlockMemory, y: BlockMemory) -> tuple[tuple[Affine, int], ...]:
-        if [last for _, last in x.out_values] != [last for _, last in y.out_values]:
+    def values(x: BlockMemory, y: BlockMemory) -> tuple[tuple[Affine, int, tuple[int, ...]], ...]:
+        if [v[1:] for v in x.out_values] != [v[1:] for v in y.out_values] or x.saves != y.saves:
             raise ValueError("a block's outputs differ between the two batch sizes")
-        return tuple((Affine.from_two(b1, bx, b2, by), last) for (bx, last), (by, _) in zip(x.out_values, y.out_values))
+        return tuple(
+            (Affine.from_two(b1, bx, b2, by), last, saver)
+            for (bx, last, saver), (by, _, _) in zip(x.out_values, y.out_values)
+        )
 
     blocks = tuple(
-        RematBytes(**{n: line(n, x, y) for n in names}, out_values=values(x, y)) for x, y in zip(m1, m2)
+        RematBytes(**{n: line(n, x, y) for n in names}, out_values=values(x, y), saves=x.saves)
+        for x, y in zip(m1, m2)
     )
     return RematProfile(blocks, tuple(Affine.from_two(b1, x, b2, y) for x, y in zip(g1, g2)))
 
@@ -327,8 +473,9 @@ def _remat_chain(
         fwd_nosave_peak_bytes=tuple(float(m.fwd_nosave_peak_bytes) for m in mems),
         bwd_peak_bytes=tuple(float(m.bwd_peak_bytes) for m in mems),
         grad_bytes=tuple(float(g) for g in grads),
-        free_bytes=tuple(float(m.free_bytes) for m in mems),
-        out_values=tuple(tuple((float(b), last) for b, last in m.out_values) for m in mems),
+        out_values=tuple(tuple((float(b), last) for b, last, _ in m.out_values) for m in mems),
+        out_savers=tuple(tuple(savers for _, _, savers in m.out_values) for m in mems),
+        saves=tuple(m.saves for m in mems),
     )
 
 

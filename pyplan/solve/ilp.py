@@ -733,13 +733,17 @@ class RematDag:
     @staticmethod
     def from_chain(chain: RematChain) -> RematDag:
         """Block i reads block i − 1; its output gradient is the chain's gradient of cut i + 1."""
-        if any(getattr(chain, "free_bytes", ())):
-            raise PlanError("the remat ILP does not model free_bytes (kept bytes released by the next block)")
+        n = len(chain)
+        default_savers = tuple(((i, i + 1) if i + 1 < n else (i,),) * len(v) for i, v in enumerate(chain.out_values))
+        if chain.out_savers != default_savers or not all(chain.saves):
+            raise PlanError(
+                "the remat ILP does not model which blocks save a value (out_savers) or blocks that save nothing "
+                "(saves); it takes chains whose values each block and the next save"
+            )
         if chain.checkpoint_s or any(chain.checkpoint_block_s):
             raise PlanError("the remat ILP does not model the cost of a checkpoint (checkpoint_s, checkpoint_block_s)")
         if any(last != i + 1 for i, values in enumerate(chain.out_values) for _, last in values):
             raise PlanError("the remat ILP does not model values live across several cuts (out_values)")
-        n = len(chain)
         return RematDag(
             chain.fwd_s, chain.bwd_s, chain.kept_bytes, chain.out_bytes, chain.fwd_peak_bytes,
             chain.fwd_nosave_peak_bytes, chain.bwd_peak_bytes, tuple(chain.grad_bytes[1:]),

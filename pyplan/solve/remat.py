@@ -5,38 +5,66 @@ Beaumont et al. 2021), counted strictly: a schedule is a sequence of operations 
 its peak is the most bytes ever live, transients included. Bytes are counted beyond what the caller holds
 anyway: the chain's input (cut 0) and the gradient of its output (cut L), both resident.
 
-Per block i (one micro-batch), with everything measured beyond the block's own inputs:
+Per block i (one micro-batch), with everything measured beyond the block's own inputs (pyplan/profile/remat.py):
   fwd_s / bwd_s        forward and backward time;
   kept_bytes           what a *saving* forward leaves: the tensors autograd saves plus the block's outputs;
   out_bytes            what a *non-saving* forward leaves: the outputs alone (the next cut);
   fwd_peak_bytes       the peak during a saving forward (≥ kept_bytes);
   fwd_nosave_peak_bytes  the peak during a non-saving forward (≥ out_bytes);
-  bwd_peak_bytes       the peak during backward, counting kept_bytes, the output gradient, the input gradient
-                       and the temporaries;
-and per cut c, grad_bytes[c], the gradient of the values live at cut c (what a backward leaves behind); and
-  free_bytes           what of block i's kept bytes is freed once block i+1 has run a saving forward on them:
-                       outputs that neither block saves (a BatchNorm output read by a ReLU, a residual sum) and
-                       that no checkpoint holds;
-  out_values           block i's outputs as (bytes, last cut they are live at): a value passed through later
+  bwd_peak_bytes       the peak during backward, counting kept_bytes with every output held, the output
+                       gradient as the next block's backward makes it, the input gradient and the temporaries;
+  out_values           the outputs storage by storage, as (bytes, last cut live): a value passed through later
                        blocks (a residual stream) stays live across several cuts. live_from(s, k), the bytes at
                        cut k made by blocks s..k−1, is what a checkpointed segment starting at s holds at cut k:
-                       the segment's input values are held by whoever held them before.
+                       the segment's input values are held by whoever held them before;
+  out_savers           for each value, the blocks whose saving forward saves it (the block itself, later blocks
+                       that read it): a ReLU saves its output, a LayerNorm or a Linear its input, an add nothing;
+  saves                whether the saving forward saves anything at all (an add, a view: no);
+and per cut c, grad_bytes[c], the gradients of the values live at cut c as the backward of block c leaves them,
+one storage counted once (an add hands the same gradient to both its inputs).
+
+What torch holds, and so what the model counts (each measured on the fine chains of the zoo, where the model
+meets the live peak of a training step to the byte, tests/runtime/test_remat.py):
+  - A value lives while something holds it: the forward until its last reader has run, the saving forward of a
+    saver until that saver's backward, a checkpoint whose input it is until that checkpoint's backward is done.
+    So a value none of whose readers saves it dies with its last reader's saving forward (a BatchNorm output
+    read by an add, the token embedding read by the add of the position embedding two blocks on, a
+    checkpoint's output read by a ReLU), and one saved by a reader dies with that reader's backward.
+  - The run of saving forwards since the last checkpoint (or offloaded block, or the start of a recomputation)
+    *owns* the values it made, and a checkpoint's output values once it has run: these die as above. A
+    checkpoint takes its input cut from the run (torch keeps its inputs with it, `saved_args`), and so does an
+    offloaded block (its output waits whole for the prefetch): values the run had are then held until the
+    backward of whoever made them, as are the values the forward of the caller holds.
+  - A checkpoint's first pass runs its blocks without saving: its readers inside did not save a value it passes
+    out, so only savers from its output cut on count (a residual value read by a LayerNorm inside the segment
+    and by an add after it dies with that add).
+  - A backward never holds the block's outputs unless the block saves them (their consumers' backwards are all
+    done), except the chain's outputs in its first pass, which the caller holds: bwd_peak counts every output
+    held, so the outputs dead by then are taken off.
+  - torch's non-reentrant checkpoint recomputes until the last tensor its first pass saved is back (early
+    stop): the blocks at the end of a segment that save nothing are not run again, and their backward, which
+    needs nothing saved, runs before the recomputation. A checkpoint of blocks that save nothing at all is never
+    recomputed and holds nothing, not even its input: it runs as those blocks kept.
+  - Where two blocks read a value, autograd sums their gradient shares; under a dispatch mode such as
+    LiveMemory's it does so out of place, one gradient more for a moment (in bwd_peak, as profiled).
 
 Operations, with `cur` the live bytes before each:
-  F(i, save)    needs cut i's values; peak cur + fwd_peak (save) or cur + fwd_nosave_peak;
-                leaves kept_bytes (save), or for a non-saving forward the stored cut i+1: live_from(a, i+1)
-                with a the first block of its checkpointed segment (out_bytes when a = i). Inside a segment
-                the input (cut i) is freed once done, except the segment's own input.
-                A saving forward whose input is block i−1's kept bytes frees free_bytes[i−1] of them, unless
-                a checkpoint starting at block i holds that input (it then stays whole until released).
+  F(i, save)    needs cut i's values; peak cur + fwd_peak; leaves kept_bytes (its outputs as values) and
+                frees the owned values whose last reader i is and that no saver from their making on saved.
+  F(i, nosave)  peak cur + fwd_nosave_peak; leaves the stored cut i+1: live_from(a, i+1) with a the first
+                block of its checkpointed segment. Inside a segment the input (cut i) is freed once done; the
+                segment's first forward takes its input cut from the run.
   F(i, offload) a saving forward whose saved tensors (kept − out) are copied to the host while the block
-                computes: exposed time max(0, τ − fwd_s), τ = (kept − out)/offload_bw; leaves out_bytes.
+                computes: exposed time max(0, τ − fwd_s), τ = (kept − out)/offload_bw; frees as F(i, save),
+                leaves out_bytes whole and ends the run.
   prefetch(i)   copies them back while the next operation (the backward of block i+1) computes:
                 exposed max(0, τ − that op's time); the bytes are live from the prefetch on.
-  B(i)          needs block i's kept bytes and the gradient of cut i+1; peak cur − kept − grad[i+1] + bwd_peak
-                (kept as live now: less what a saving forward of block i+1 freed);
-                frees both, leaves grad[i] (the formula holds whether grad[i+1] is counted in cur or is the
-                resident output gradient of the chain).
+  B(i)          needs block i's kept bytes (unless it saves nothing) and the gradient of cut i+1; first the
+                values of the run at its forward, and its own, that no saver up to i saved (and that the caller
+                does not hold) die; peak cur − kept as live − grad[i+1] + bwd_peak − its dead outputs;
+                frees the kept bytes and the gradient, leaves grad[i] (the formula holds whether grad[i+1] is
+                counted in cur or is the resident output gradient of the chain). A block a recomputation never
+                ran: peak cur − grad[i+1] + bwd_peak − out_bytes.
   free X(c)     drops the stored values of cut c (a checkpoint's output, once its consumers are done).
 
 A plan is a nested tree, which is also how it runs in torch: a sequence of items covering consecutive blocks,
@@ -44,11 +72,23 @@ each `Keep(i)` (run block i saving), `Offload(i)` (run it saving, saved tensors 
 `Checkpoint(inner)` (run the blocks of `inner` without saving, keep only their output; in backward, recompute
 them following `inner` itself, with the output's gradient present). In torch: `Checkpoint` is
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` around `inner`, nested as deep as the tree.
+
+What the model leaves out, seen on hand-made nested plans (the first one counts less than torch holds, the others
+more): a checkpoint nested inside another one's first pass keeps its own input cut until its forward returns
+(the caller's frame holds the arguments), which matters when it spans several blocks and starts after its
+parent; a nested checkpoint's input is kept by its parent's recomputation only until its own recomputation has
+run, the model keeps it to the end of its backward; a checkpoint's input dies within the backward of its first
+block, before that backward's last step (summing the input's gradient shares), the model counts it through;
+a recomputation stops before a checkpoint that ends its segment (its first pass is not run again). The DP never
+ends a segment with a checkpoint, and the others are rare in its plans: of about 160 distinct plans it chose for
+resnet-tiny, gpt-tiny and vgg-tiny (40 budgets, 97 to 500 slots), one was predicted 6 % above its measured
+peak, none below, the rest to the byte.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -87,8 +127,11 @@ class RematChain:
     fwd_nosave_peak_bytes: tuple[float, ...]
     bwd_peak_bytes: tuple[float, ...]
     grad_bytes: tuple[float, ...]  # [L + 1], per cut
-    free_bytes: tuple[float, ...] = ()  # [L]; empty: nothing freed
     out_values: tuple[tuple[tuple[float, int], ...], ...] = ()  # [L] (bytes, last cut); empty: live one cut
+    # [L], one entry per output value: the blocks whose saving forward saves it (the block itself, later blocks
+    # that read it), in order. Empty: every value is saved by its block and the next (held to its backward).
+    out_savers: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    saves: tuple[bool, ...] = ()  # [L]; whether the block's saving forward saves anything. Empty: all do.
     checkpoint_s: float = 0.0  # the cost of one checkpoint call (its wrapper and recomputation bookkeeping)
     # [L]; empty: none. What block i adds to each checkpoint it is inside, beyond fwd_s: torch's hooks on its
     # saved tensors in the non-saving pass and in the recomputation (pyplan/profile/measure.py).
@@ -96,31 +139,44 @@ class RematChain:
 
     def __post_init__(self) -> None:
         n = len(self.fwd_s)
+        for name in ("bwd_s", "kept_bytes", "out_bytes", "fwd_peak_bytes", "fwd_nosave_peak_bytes", "bwd_peak_bytes"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries, the chain has {n} blocks")
+        if len(self.grad_bytes) != n + 1:
+            raise ValueError(f"grad_bytes has {len(self.grad_bytes)} entries, the chain has {n + 1} cuts")
         if not self.checkpoint_block_s:
             object.__setattr__(self, "checkpoint_block_s", (0.0,) * n)
         if len(self.checkpoint_block_s) != n:
             raise ValueError(f"checkpoint_block_s has {len(self.checkpoint_block_s)} entries, the chain has {n} blocks")
-        if not self.free_bytes:
-            object.__setattr__(self, "free_bytes", (0.0,) * n)
-        if len(self.free_bytes) != n:
-            raise ValueError(f"free_bytes has {len(self.free_bytes)} entries, the chain has {n} blocks")
         if not self.out_values:
             object.__setattr__(self, "out_values", tuple(((b, i + 1),) for i, b in enumerate(self.out_bytes)))
         if len(self.out_values) != n:
             raise ValueError(f"out_values has {len(self.out_values)} entries, the chain has {n} blocks")
-        for i, values in enumerate(self.out_values):
+        if not self.out_savers:
+            savers = [(i, i + 1) if i + 1 < n else (i,) for i in range(n)]
+            object.__setattr__(self, "out_savers", tuple((savers[i],) * len(v) for i, v in enumerate(self.out_values)))
+        if len(self.out_savers) != n:
+            raise ValueError(f"out_savers has {len(self.out_savers)} entries, the chain has {n} blocks")
+        if not self.saves:
+            object.__setattr__(self, "saves", (True,) * n)
+        if len(self.saves) != n:
+            raise ValueError(f"saves has {len(self.saves)} entries, the chain has {n} blocks")
+        for i, (values, savers) in enumerate(zip(self.out_values, self.out_savers)):
             if any(not i + 1 <= last <= n for _, last in values):
                 raise ValueError(f"block {i}'s output values must be live from cut {i + 1} to at most cut {n}")
             if abs(sum(b for b, _ in values) - self.out_bytes[i]) > 1e-9 * max(1.0, self.out_bytes[i]):
                 raise ValueError(f"block {i}'s output values do not add up to its out_bytes")
+            if len(savers) != len(values):
+                raise ValueError(f"block {i} has {len(values)} output values and {len(savers)} savers")
+            for (_, last), qs in zip(values, savers):
+                if list(qs) != sorted(set(qs)) or any(not i <= q <= min(last, n - 1) for q in qs):
+                    raise ValueError(f"block {i}'s output live to cut {last} cannot be saved by blocks {list(qs)}")
+                if any(not self.saves[q] for q in qs):
+                    raise ValueError(f"block {i}'s output is saved by blocks {list(qs)}, one of which saves nothing")
 
     def live_from(self, start: int, cut: int) -> float:
         """Bytes live at `cut` made by blocks start..cut−1."""
         return self._live[start * (len(self) + 1) + cut]
-
-    def live_from_matrix(self) -> list[float]:
-        """live_from(s, k) for every s ≤ k−1, flat as [s·(L+1) + k] (0 elsewhere): what the C++ DP reads."""
-        return list(self._live)
 
     @functools.cached_property
     def _live(self) -> tuple[float, ...]:
@@ -142,25 +198,31 @@ class RematChain:
         return len(self.fwd_s)
 
     def sub(self, start: int, stop: int) -> RematChain:
-        """Blocks [start, stop) as a chain of their own."""
+        """Blocks [start, stop) as a chain of their own: values live past `stop` are its outputs."""
+
         return RematChain(
-            self.fwd_s[start:stop],
-            self.bwd_s[start:stop],
-            self.kept_bytes[start:stop],
-            self.out_bytes[start:stop],
-            self.fwd_peak_bytes[start:stop],
-            self.fwd_nosave_peak_bytes[start:stop],
-            self.bwd_peak_bytes[start:stop],
-            self.grad_bytes[start : stop + 1],
-            self.free_bytes[start:stop],
-            tuple(tuple((b, min(last, stop) - start) for b, last in v) for v in self.out_values[start:stop]),
-            self.checkpoint_s,
-            self.checkpoint_block_s[start:stop],
+            fwd_s=self.fwd_s[start:stop],
+            bwd_s=self.bwd_s[start:stop],
+            kept_bytes=self.kept_bytes[start:stop],
+            out_bytes=self.out_bytes[start:stop],
+            fwd_peak_bytes=self.fwd_peak_bytes[start:stop],
+            fwd_nosave_peak_bytes=self.fwd_nosave_peak_bytes[start:stop],
+            bwd_peak_bytes=self.bwd_peak_bytes[start:stop],
+            grad_bytes=self.grad_bytes[start : stop + 1],
+            out_values=tuple(tuple((b, min(last, stop) - start) for b, last in v) for v in self.out_values[start:stop]),
+            out_savers=tuple(
+                tuple(tuple(q - start for q in qs if q < stop) for qs in v) for v in self.out_savers[start:stop]
+            ),
+            saves=self.saves[start:stop],
+            checkpoint_s=self.checkpoint_s,
+            checkpoint_block_s=self.checkpoint_block_s[start:stop],
         )
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: list(getattr(self, k)) for k in _VECTORS}
         out["out_values"] = [[list(v) for v in vs] for vs in self.out_values]
+        out["out_savers"] = [[list(qs) for qs in v] for v in self.out_savers]
+        out["saves"] = list(self.saves)
         out["checkpoint_s"] = self.checkpoint_s
         out["checkpoint_block_s"] = list(self.checkpoint_block_s)
         return out
@@ -169,6 +231,8 @@ class RematChain:
     def from_json(data: dict[str, Any]) -> RematChain:
         fields: dict[str, Any] = {k: tuple(float(v) for v in data[k]) for k in _VECTORS if k in data}
         fields["out_values"] = tuple(tuple((float(b), int(c)) for b, c in vs) for vs in data.get("out_values", []))
+        fields["out_savers"] = tuple(tuple(tuple(int(q) for q in qs) for qs in v) for v in data.get("out_savers", []))
+        fields["saves"] = tuple(bool(v) for v in data.get("saves", []))
         fields["checkpoint_s"] = float(data.get("checkpoint_s", 0.0))
         fields["checkpoint_block_s"] = tuple(float(v) for v in data.get("checkpoint_block_s", []))
         return RematChain(**fields)
@@ -184,7 +248,6 @@ _VECTORS = (
     "fwd_nosave_peak_bytes",
     "bwd_peak_bytes",
     "grad_bytes",
-    "free_bytes",
 )
 
 
@@ -331,20 +394,31 @@ def full_remat(start: int, stop: int) -> RematPlan:
 Op = tuple[Any, ...]
 
 
-def plan_ops(plan: RematPlan) -> list[Op]:
-    """The operations that running `plan` performs, in order (see the module docstring)."""
+def plan_ops(plan: RematPlan, saves: Sequence[bool] | None = None) -> list[Op]:
+    """The operations that running `plan` performs, in order (see the module docstring). `saves[i]`: whether
+    block i saves anything (default: every block does)."""
     ops: list[Op] = []
-    _first_pass(plan, ops)
-    _backward(plan, ops)
+    _first_pass(plan, ops, saves)
+    _backward(plan, ops, saves)
     return ops
 
 
-def _first_pass(plan: RematPlan, ops: list[Op]) -> None:
+def _packs(plan: RematPlan, saves: Sequence[bool] | None) -> bool:
+    """Whether a checkpoint of `plan` holds anything: a block in it that saves (else torch keeps no reference to
+    the checkpoint, its input included, and never recomputes it: it runs as kept blocks that save nothing)."""
+    return any(
+        _packs(it.inner, saves) if isinstance(it, Checkpoint) else not saves or saves[it.block] for it in plan.items
+    )
+
+
+def _first_pass(plan: RematPlan, ops: list[Op], saves: Sequence[bool] | None) -> None:
     for it in plan.items:
         if isinstance(it, Keep):
             ops.append(("F", it.block, "save"))
         elif isinstance(it, Offload):
             ops.append(("F", it.block, "offload"))
+        elif not _packs(it.inner, saves):
+            ops.extend(("F", j, "save") for j in it.inner.blocks)
         else:
             a, b = it.inner.first, it.inner.last
             for j in range(a, b + 1):
@@ -353,12 +427,23 @@ def _first_pass(plan: RematPlan, ops: list[Op]) -> None:
                     ops.append(("free", j))
 
 
-def _backward(plan: RematPlan, ops: list[Op]) -> None:
+def _backward(plan: RematPlan, ops: list[Op], saves: Sequence[bool] | None) -> None:
     for it in reversed(plan.items):
-        if isinstance(it, Checkpoint):
+        if isinstance(it, Checkpoint) and not _packs(it.inner, saves):
+            ops.extend(("B", j) for j in reversed(it.inner.blocks))
+        elif isinstance(it, Checkpoint):
             ops.append(("free", it.inner.last + 1))
-            _first_pass(it.inner, ops)
-            _backward(it.inner, ops)
+            items = it.inner.items
+            # The recomputation stops once the last tensor its first pass saved is recomputed: trailing blocks
+            # that save nothing are not run again, and their backward (which needs nothing) comes first.
+            keep = len(items)
+            while keep and not _packs(RematPlan(items[keep - 1 : keep]), saves):
+                keep -= 1
+            if keep < len(items):
+                ops.extend(("B", j) for j in range(it.inner.last, _first(items[keep]) - 1, -1))
+            again = RematPlan(items[:keep])
+            _first_pass(again, ops, saves)
+            _backward(again, ops, saves)
         else:
             if isinstance(it, Offload):
                 # The prefetch overlaps the backward of the next block when that is the previous operation.
@@ -384,10 +469,18 @@ def replay(chain: RematChain, plan: RematPlan, *, offload_bw_bytes_per_s: float 
     if plan.first != 0 or plan.last != len(chain) - 1:
         raise ValueError(f"the plan covers blocks {plan.first}..{plan.last}, the chain has {len(chain)}")
     first: list[Op] = []
-    _first_pass(plan, first)
-    rep = replay_ops(chain, plan_ops(plan), offload_bw_bytes_per_s=offload_bw_bytes_per_s, forward_ops=len(first))
+    _first_pass(plan, first, chain.saves)
+    ops = plan_ops(plan, chain.saves)
+    rep = replay_ops(chain, ops, offload_bw_bytes_per_s=offload_bw_bytes_per_s, forward_ops=len(first))
     extra = chain.checkpoint_s * checkpoint_calls(plan) + _checkpoint_blocks_s(chain, plan)
     return replace(rep, time_s=rep.time_s + extra, recompute_s=rep.recompute_s + extra)
+
+
+def _time_s(chain: RematChain, plan: RematPlan) -> float:
+    """`replay(chain, plan).time_s` without offloading, from the operations alone (no memory replayed)."""
+    ops = plan_ops(plan, chain.saves)
+    run = sum(chain.fwd_s[op[1]] if op[0] == "F" else chain.bwd_s[op[1]] for op in ops if op[0] in ("F", "B"))
+    return run + chain.checkpoint_s * checkpoint_calls(plan) + _checkpoint_blocks_s(chain, plan)
 
 
 def _checkpoint_blocks_s(chain: RematChain, plan: RematPlan) -> float:
@@ -407,6 +500,28 @@ def checkpoint_calls(plan: RematPlan) -> int:
     return sum(1 + checkpoint_calls(it.inner) for it in plan.items if isinstance(it, Checkpoint))
 
 
+@dataclass
+class _Value:
+    """One copy of an output value in a replay: block `block`'s value `index`, made by a first pass or by a
+    recomputation, held by `holder` (("A", i) a saving forward's output, ("X", c) a stored cut); its savers from
+    block `since` on save it (a stored cut's were skipped by the non-saving pass that made it); `owned` until a
+    checkpoint or an offloaded block takes its cut (see the module docstring)."""
+
+    block: int
+    index: int
+    bytes: float
+    last: int
+    savers: tuple[int, ...]
+    since: int
+    recomputed: bool
+    holder: tuple[str, int]
+    owned: bool = True
+
+    def saved_by(self, lo: int, hi: int) -> bool:
+        """Whether a block in [max(since, lo), hi] saves it."""
+        return any(max(self.since, lo) <= q <= hi for q in self.savers)
+
+
 def replay_ops(
     chain: RematChain,
     ops: Sequence[Op],
@@ -416,19 +531,25 @@ def replay_ops(
 ) -> Replay:
     """Replay any operation sequence; raise ValueError when an operation lacks what it needs.
 
-    Live objects: ("X", c) the stored values of cut c (c ≥ 1), ("A", i) block i's kept bytes (which hold cut
-    i+1's values), ("H", i) block i's saved bytes on the host, ("G", c) the gradient of cut c. Cut 0 and the
-    gradient of cut L are resident and not counted.
+    Live objects: ("A", i) block i's kept bytes beyond its outputs (its saved tensors: the mark that its saving
+    forward ran), ("X", c) the stored values of cut c (c ≥ 1; from a non-saving pass, or an offloaded block's
+    outputs), ("H", i) block i's saved bytes on the host, ("G", c) the gradient of cut c, and each output value
+    of a saving forward or a non-saving pass on its own (`_Value`, held by an A or an X). Cut 0 and the gradient
+    of cut L are resident and not counted.
     """
     n = len(chain)
     live: dict[tuple[str, int], float] = {}
+    values: dict[int, _Value] = {}  # the live value copies, by serial
+    held: dict[tuple[str, int], list[int]] = {}  # A or X → the serials of the values it holds
+    serials = itertools.count()
     cur = peak = 0.0
     time_s = recompute_s = transfer_s = 0.0
     after_forward = 0.0
     computed: set[int] = set()
-    pinned: set[int] = set()  # blocks whose kept bytes a checkpoint holds whole (its input)
     segment_start: dict[int, int] = {}  # stored cut c → the first block of the segment that made it
-    shrunk: set[int] = set()  # blocks whose kept bytes already lost free_bytes
+    # block i → the owned values at its input cut when its saving forward ran, its own outputs' copies, and
+    # whether that forward was a recomputation
+    at_forward: dict[int, tuple[list[int], list[int], bool]] = {}
 
     def has_cut(c: int) -> bool:
         return c == 0 or ("X", c) in live or ("A", c - 1) in live
@@ -443,6 +564,33 @@ def replay_ops(
     def drop(key: tuple[str, int]) -> None:
         nonlocal cur
         cur -= live.pop(key)
+        for s in held.pop(key, []):
+            drop_value(s)
+
+    def make(block: int, index: int, holder: tuple[str, int], recomputed: bool, *, owned: bool = True) -> int:
+        nonlocal cur
+        serial = next(serials)
+        b, last = chain.out_values[block][index]
+        since = holder[1] if holder[0] == "X" else block
+        savers = chain.out_savers[block][index]
+        values[serial] = _Value(block, index, b, last, savers, since, recomputed, holder, owned)
+        held.setdefault(holder, []).append(serial)
+        cur += b
+        return serial
+
+    def drop_value(serial: int) -> None:
+        nonlocal cur
+        v = values.pop(serial, None)
+        if v is not None:
+            cur -= v.bytes
+
+    def owned_at(cut: int) -> list[int]:
+        return [s for s, v in values.items() if v.owned and v.block < cut <= v.last]
+
+    def dead(v: _Value, i: int) -> bool:
+        """Whether value v is dead during block i's backward: saved by none of its savers up to block i, and not
+        an output of the chain held by the caller (a first pass's)."""
+        return not v.saved_by(v.block, i) and (v.last < n or v.recomputed)
 
     def tau(i: int) -> float:
         return (chain.kept_bytes[i] - chain.out_bytes[i]) / offload_bw_bytes_per_s
@@ -456,35 +604,47 @@ def replay_ops(
                 raise ValueError(f"forward of block {i} without the values of cut {i}")
             save = op[2]
             t = chain.fwd_s[i]
-            if i in computed:
+            again = i in computed
+            if again:
                 recompute_s += t
             computed.add(i)
             time_s += t
-            held_by_previous = i > 0 and ("X", i) not in live and ("A", i - 1) in live
             if save == "nosave":
                 peak = max(peak, cur + chain.fwd_nosave_peak_bytes[i])
                 # Inside a segment (its input is freed right after), the segment's values live on.
                 inside = k + 1 < len(ops) and ops[k + 1] == ("free", i) and ("X", i) in live
                 start = segment_start[i] if inside else i
+                if not inside:
+                    for s in owned_at(i):  # the checkpoint holds its input until its backward is done
+                        values[s].owned = False
                 segment_start[i + 1] = start
-                add(("X", i + 1), chain.live_from(start, i + 1))
-                if held_by_previous:
-                    pinned.add(i - 1)
+                add(("X", i + 1), 0.0)
+                for j in range(start, i + 1):
+                    for x, (_, last) in enumerate(chain.out_values[j]):
+                        if last >= i + 1:
+                            make(j, x, ("X", i + 1), again)
+                continue
+            peak = max(peak, cur + chain.fwd_peak_bytes[i])
+            older = owned_at(i)
+            for s in older:  # the values whose last reader this is, saved by none of their readers, die
+                v = values[s]
+                if v.last == i and not v.saved_by(v.block, i):
+                    drop_value(s)
+            older = [s for s in older if s in values]
+            if save == "offload":
+                exposed = max(0.0, tau(i) - t)
+                time_s += exposed
+                transfer_s += exposed
+                for s in owned_at(i + 1):  # an offloaded block's output waits whole: the run of owned values ends
+                    values[s].owned = False
+                add(("X", i + 1), chain.out_bytes[i])
+                segment_start[i + 1] = i
+                live[("H", i)] = 0.0
+                at_forward[i] = (older, [], again)
             else:
-                peak = max(peak, cur + chain.fwd_peak_bytes[i])
-                if held_by_previous and i - 1 not in pinned and i - 1 not in shrunk:
-                    shrunk.add(i - 1)
-                    live[("A", i - 1)] -= chain.free_bytes[i - 1]
-                    cur -= chain.free_bytes[i - 1]
-                if save == "offload":
-                    exposed = max(0.0, tau(i) - t)
-                    time_s += exposed
-                    transfer_s += exposed
-                    add(("X", i + 1), chain.out_bytes[i])
-                    segment_start[i + 1] = i
-                    live[("H", i)] = 0.0
-                else:
-                    add(("A", i), chain.kept_bytes[i])
+                add(("A", i), chain.kept_bytes[i] - chain.out_bytes[i])
+                own = [make(i, x, ("A", i), again) for x in range(len(chain.out_values[i]))]
+                at_forward[i] = (older, own, again)
         elif kind == "prefetch":
             if ("H", i) not in live:
                 raise ValueError(f"prefetch of block {i}, which was not offloaded")
@@ -495,19 +655,34 @@ def replay_ops(
             time_s += exposed
             transfer_s += exposed
             drop(("X", i + 1))
-            add(("A", i), chain.kept_bytes[i])
+            add(("A", i), chain.kept_bytes[i] - chain.out_bytes[i])
+            older, _, again = at_forward[i]
+            own = [make(i, x, ("A", i), again, owned=False) for x in range(len(chain.out_values[i]))]
+            at_forward[i] = (older, own, again)
         elif kind == "B":
-            if ("A", i) not in live:
+            ran = ("A", i) in live
+            if chain.saves[i] and not ran:
                 raise ValueError(f"backward of block {i} without its saved tensors")
-            if not has_cut(i):
+            if ran and not has_cut(i):
                 raise ValueError(f"backward of block {i} without the values of cut {i}")
             if i < n - 1 and ("G", i + 1) not in live:
                 raise ValueError(f"backward of block {i} before the gradient of cut {i + 1}")
-            peak = max(peak, cur - live[("A", i)] - chain.grad_bytes[i + 1] + chain.bwd_peak_bytes[i])
+            older, own, _ = at_forward.pop(i, ([], [], False)) if ran else ([], [], False)
+            for s in older + own:  # what nobody holds any more by now: saved by none of its readers so far
+                if s in values and dead(values[s], i):
+                    drop_value(s)
+            # bwd_peak counts every output held; those dead now are not (a block that never ran: a recomputation
+            # stopped before it, all its outputs).
+            if ran:
+                copies = [values[s] for s in own if s in values]
+                gone = sum(b for x, (b, _) in enumerate(chain.out_values[i]) if all(v.index != x for v in copies))
+                held_now = live[("A", i)] + sum(v.bytes for v in copies)
+            else:
+                gone, held_now = chain.out_bytes[i], 0.0
+            peak = max(peak, cur - held_now - chain.grad_bytes[i + 1] + chain.bwd_peak_bytes[i] - gone)
             time_s += chain.bwd_s[i]
-            drop(("A", i))
-            pinned.discard(i)
-            shrunk.discard(i)
+            if ran:
+                drop(("A", i))
             if i < n - 1:
                 drop(("G", i + 1))
             if i > 0:
@@ -523,7 +698,7 @@ def replay_ops(
     if forward_ops is not None and forward_ops >= len(ops):
         after_forward = cur
     done = {key for key in live if key[0] != "X" or key[1] != 0}
-    if done:
+    if done or values:
         raise ValueError(f"the schedule leaves {sorted(done)} live")
     return Replay(time_s, peak, recompute_s, transfer_s, after_forward)
 
@@ -557,9 +732,15 @@ def _plan_of_steps(steps: Sequence[tuple[str, int]], offset: int) -> RematPlan:
     return RematPlan(tuple(stack[0]))
 
 
-def _arrays(chain: RematChain) -> list[list[float]]:
-    """The chain as the C++ core takes it: the per-block and per-cut vectors, then live_from flat."""
-    return [*(list(getattr(chain, k)) for k in _VECTORS), chain.live_from_matrix()]
+def _arrays(chain: RematChain) -> list[Any]:
+    """The chain as the C++ core takes it: the per-block and per-cut vectors, every output value as (block,
+    bytes, last cut, savers), and which blocks save anything."""
+    values = [
+        (i, b, last, list(savers))
+        for i, (vs, qs) in enumerate(zip(chain.out_values, chain.out_savers))
+        for (b, last), savers in zip(vs, qs)
+    ]
+    return [*(list(getattr(chain, k)) for k in _VECTORS), values, list(chain.saves)]
 
 
 def min_budget(chain: RematChain, *, offload: bool = False, max_depth: int | None = None) -> float:
@@ -614,10 +795,14 @@ def solve(
         # the plans everyone has (keep all, checkpoint_sequential's segment counts, checkpoint every block).
         n = len(chain)
         checkpoints = max_depth is None or max_depth >= 1
-        others = (full_remat(0, n), *(periodic(0, n, k) for k in range(1, n + 1))) if checkpoints else ()
+        # checkpoint_sequential's plan depends on the segment size alone: one segment count per size.
+        counts = {-(-n // k): k for k in range(n, 0, -1)}.values() if checkpoints else ()
+        others = (full_remat(0, n), *(periodic(0, n, k) for k in counts)) if checkpoints else ()
         for other in (no_remat(0, n), *others):
+            if _time_s(chain, other) >= rep.time_s:
+                continue  # no faster: its memory does not matter
             got = replay(chain, other)
-            if got.time_s < rep.time_s and got.peak_bytes + (in_flight - 1) * got.after_forward_bytes <= budget_bytes:
+            if got.peak_bytes + (in_flight - 1) * got.after_forward_bytes <= budget_bytes:
                 plan, rep = other, got
     return RematResult(
         plan=plan.shifted(first_block) if first_block else plan,

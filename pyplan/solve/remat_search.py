@@ -172,8 +172,13 @@ def refine_plan(
             fwd_nosave_peak_bytes=tuple(m.fwd_nosave_peak_bytes * scale for m in mems[lo:hi]),
             bwd_peak_bytes=tuple(m.bwd_peak_bytes * scale for m in mems[lo:hi]),
             grad_bytes=tuple(grads[lo : hi + 1]),
-            free_bytes=tuple(m.free_bytes * scale for m in mems[lo:hi]),
-            out_values=tuple(tuple((b * scale, min(last, hi) - lo) for b, last in m.out_values) for m in mems[lo:hi]),
+            out_values=tuple(
+                tuple((b * scale, min(last, hi) - lo) for b, last, _ in m.out_values) for m in mems[lo:hi]
+            ),
+            out_savers=tuple(
+                tuple(tuple(q - lo for q in savers if q < hi) for _, _, savers in m.out_values) for m in mems[lo:hi]
+            ),
+            saves=tuple(m.saves for m in mems[lo:hi]),
             checkpoint_s=checkpoint_s,
             checkpoint_block_s=tuple(checkpoint_block_s[lo:hi]),
         )

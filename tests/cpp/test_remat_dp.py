@@ -27,10 +27,14 @@ from pyplan.solve.remat import (
 
 
 def random_chain(rng: random.Random, n: int) -> RematChain:
-    """Integer sizes (so a budget of B bytes in B slots loses nothing to rounding), consistent with the model."""
+    """Integer sizes (so a budget of B bytes in B slots loses nothing to rounding), consistent with the model:
+    outputs split into values live one or more cuts, each saved by some of the blocks that may save it (its
+    block, later ones up to its last cut) or by none, and some blocks that save nothing at all."""
     grad = [rng.randint(1, 6) for _ in range(n + 1)]
+    saves = [rng.random() < 0.75 for _ in range(n)]
     out = [rng.randint(1, 8) for _ in range(n)]
-    kept = [o + rng.randint(0, 15) for o in out]
+    kept = [o + (rng.randint(0, 15) if saves[i] else 0) for i, o in enumerate(out)]
+    values = [_values(rng, i, n, o) for i, o in enumerate(out)]
     return RematChain(
         fwd_s=tuple(float(rng.randint(1, 9)) for _ in range(n)),
         bwd_s=tuple(float(rng.randint(1, 18)) for _ in range(n)),
@@ -40,8 +44,9 @@ def random_chain(rng: random.Random, n: int) -> RematChain:
         fwd_nosave_peak_bytes=tuple(float(o + rng.randint(0, 5)) for o in out),
         bwd_peak_bytes=tuple(float(kept[i] + grad[i] + grad[i + 1] + rng.randint(0, 5)) for i in range(n)),
         grad_bytes=tuple(float(g) for g in grad),
-        free_bytes=tuple(float(rng.randint(0, o)) if rng.random() < 0.7 else 0.0 for o in out),
-        out_values=tuple(_values(rng, i, n, o) for i, o in enumerate(out)),
+        out_values=tuple(values),
+        out_savers=tuple(tuple(_savers(rng, i, last, saves) for _, last in vs) for i, vs in enumerate(values)),
+        saves=tuple(saves),
         checkpoint_s=rng.choice((0.0, 0.0, 0.5, 2.0)),
         # What each block adds to a checkpoint it is inside (torch's saved-tensor hooks), in half the chains.
         checkpoint_block_s=tuple(float(rng.randint(0, 3)) for _ in range(n)) if rng.random() < 0.5 else (),
@@ -53,6 +58,11 @@ def _values(rng: random.Random, i: int, n: int, out: int) -> tuple[tuple[float, 
     first = rng.randint(0, out)
     lasts = [min(n, i + 1 + rng.choice((0, 0, 1, 2, 4))) for _ in range(2)]
     return tuple((float(b), last) for b, last in zip((first, out - first), lasts) if b > 0) or ((0.0, i + 1),)
+
+
+def _savers(rng: random.Random, i: int, last: int, saves: list[bool]) -> tuple[int, ...]:
+    """The blocks that save a value of block i live to cut `last`: each that saves anything, with chance 1/3."""
+    return tuple(q for q in range(i, min(last, len(saves) - 1) + 1) if saves[q] and rng.random() < 1 / 3)
 
 
 def all_plans(
@@ -201,6 +211,46 @@ def test_in_flight_micro_batches_fit_with_their_leftovers() -> None:
     assert one.plan == no_remat(0, 10)
 
 
+def test_a_value_nobody_saves_dies_with_its_last_reader() -> None:
+    # Block 0's output (10 bytes) is passed through block 1 to block 2, and none of them saves it: it dies with
+    # block 2's forward, and block 0's backward no longer counts it. Block 1's output is saved by block 1 itself.
+    chain = RematChain(
+        fwd_s=(1.0, 1.0, 1.0),
+        bwd_s=(1.0, 1.0, 1.0),
+        kept_bytes=(10.0, 5.0, 1.0),
+        out_bytes=(10.0, 5.0, 1.0),
+        fwd_peak_bytes=(10.0, 5.0, 1.0),
+        fwd_nosave_peak_bytes=(10.0, 5.0, 1.0),
+        bwd_peak_bytes=(11.0, 7.0, 20.0),
+        grad_bytes=(0.0, 1.0, 1.0, 1.0),
+        out_values=(((10.0, 2),), ((5.0, 2),), ((1.0, 3),)),
+        out_savers=(((),), ((1,),), ((2,),)),
+    )
+    got = replay(chain, no_remat(0, 3))
+    assert got.after_forward_bytes == 5 + 1  # block 1's output and block 2's, not block 0's
+    # Block 2's backward: what is live (6) less its kept bytes (1) and the resident output gradient (1), plus its
+    # peak (20); had block 0's output lived to its backward, 10 more.
+    assert got.peak_bytes == 24
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_what_a_micro_batch_holds_after_its_forward_is_the_replays(seed: int) -> None:
+    # The core picks plans for several micro-batches in flight by their leftovers after the forward: its own count
+    # must be the replay's, checkpoints and freed values included.
+    from pyplan import _core
+    from pyplan.solve.remat import _arrays, _plan_of_steps
+
+    rng = random.Random(500 + seed)
+    n = rng.randint(2, 12)
+    chain = random_chain(rng, n)
+    least, top = min_budget(chain), replay(chain, no_remat(0, n)).peak_bytes
+    for budget in {int(least) + 1, int((least + top) / 2), int(top) + 1}:
+        got = _core.remat(*_arrays(chain), budget_bytes=budget, slots=budget)
+        if got.feasible:
+            plan = _plan_of_steps(got.plan, 0)
+            assert got.after_forward_bytes == pytest.approx(replay(chain, plan).after_forward_bytes, abs=1e-9)
+
+
 def test_slots_round_towards_safety() -> None:
     rng = random.Random(3)
     chain = random_chain(rng, 30)
@@ -209,7 +259,9 @@ def test_slots_round_towards_safety() -> None:
         **{k: tuple(v * 1e6 + 0.37 for v in getattr(chain, k)) for k in sizes},
         fwd_s=chain.fwd_s,
         bwd_s=chain.bwd_s,
-        free_bytes=tuple(v * 1e6 for v in chain.free_bytes),
+        out_values=tuple(tuple((b * 1e6 + 0.37 / len(vs), last) for b, last in vs) for vs in chain.out_values),
+        out_savers=chain.out_savers,
+        saves=chain.saves,
     )
     least = min_budget(scaled)
     for budget in (least * 1.05, least * 1.5, least * 3):

@@ -141,6 +141,32 @@ def test_figures_of_an_mlp_by_hand() -> None:
     assert mems[1].bwd_peak_bytes == 3 * h
 
 
+def test_who_saves_each_output_by_hand() -> None:
+    # Linear(32, 64), ReLU, Linear(64, 64), ReLU, Linear(64, 10): a Linear saves its input, a ReLU its output, so
+    # a Linear's output is saved by nobody (it dies with the ReLU's forward) and a ReLU's by itself and the next
+    # Linear.
+    spec = zoo.get("mlp-tiny")
+    chain = linearize(trace(spec.build(), spec.example_inputs))
+    mems, _ = block_memory(chain, spec.example_inputs, 8)
+    assert [[savers for _, _, savers in m.out_values] for m in mems] == [[()], [(1, 2)], [()], [(3, 4)], [()]]
+    assert all(m.saves for m in mems)
+
+
+def test_adds_save_nothing_and_share_their_gradient() -> None:
+    # ResNet's first bottleneck: bn2's output is read by the residual add only, which saves nothing, and the
+    # add's backward hands one gradient to both its inputs (bn2's output and the stem's ReLU output, passed on
+    # from block 2): cut 9's gradients are one storage.
+    spec = zoo.get("resnet-tiny")
+    chain = linearize(trace(spec.build(), spec.example_inputs))
+    names = [b.name.removeprefix("model.") for b in chain.blocks]
+    mems, grads = block_memory(chain, spec.example_inputs, 2)
+    bn2, add = names.index("layer1.0.bn2"), names.index("layer1.0")
+    assert add == bn2 + 1 and not mems[add].saves
+    assert [savers for _, _, savers in mems[bn2].out_values] == [()]
+    ((size, last, _),) = mems[bn2].out_values
+    assert last == add and grads[add] == size  # two values live at the add's input cut, one gradient storage
+
+
 @pytest.mark.parametrize("name", SMALL)
 def test_fake_and_real_tensors_agree(name: str) -> None:
     spec = zoo.get(name)

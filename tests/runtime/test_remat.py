@@ -273,23 +273,22 @@ def test_offloading_on_cuda_frees_device_memory(plan: str) -> None:
     assert mem.peak_bytes <= predicted.peak_bytes * 1.05
 
 
-# --- blocks finer than layers (what the search plans on): the model never under-predicts ---
+# --- blocks finer than layers (what the search plans on): predicted as measured, never under ---
 
 
 @pytest.mark.parametrize("name", ["resnet-tiny", "gpt-tiny", "vgg-tiny", "mlp-tiny"])
-def test_fine_chains_never_peak_above_the_prediction(name: str) -> None:
-    """On the default chain every plan's measured peak is at most the prediction (4 bytes of slack: the loss),
-    and the plans the DP chooses are predicted within 20 %. The model over-counts where torch frees early: a
-    recomputed segment's last output (checkpoint's early stop) and outputs read by two later blocks."""
+def test_fine_chains_peak_as_predicted(name: str) -> None:
+    """On the default chain every plan's measured peak is its prediction within 5 % and never above it (4 bytes
+    of slack: the loss, which the caller holds to the end), the baselines and the plans the DP chooses at four
+    budgets alike."""
     model, example = _with_loss(name)
     chain = linearize(trace(model, example, batch_size=4))
     figures = remat_chain(chain, example, 4)
     n = len(chain)
     least, top = min_budget(figures), replay(figures, no_remat(0, n)).peak_bytes
-    chosen = [solve(figures, least + (top - least) * f, slots=300).plan for f in (0.2, 0.5, 0.8)]
+    chosen = [solve(figures, least + (top - least) * f, slots=300).plan for f in (0.1, 0.3, 0.5, 0.8)]
     for plan in [no_remat(0, n), full_remat(0, n), *(periodic(0, n, k) for k in (2, 3, 4)), *chosen]:
         peak, _ = _training_step_bytes(apply_remat(chain, plan), example(4))
         predicted = replay(figures, plan).peak_bytes
         assert peak <= predicted + 4, plan.describe()
-        if plan in chosen:
-            assert peak >= 0.8 * predicted, plan.describe()
+        assert peak == pytest.approx(predicted, rel=0.05), plan.describe()

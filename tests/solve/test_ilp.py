@@ -8,6 +8,7 @@ import math
 import random
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -410,6 +411,14 @@ def test_replay_dag_is_replay_ops_on_every_tree_plan() -> None:
             want = replay(chain, plan)
             got = replay_dag(dag, _dag_ops(plan_ops(plan)))
             assert (got.time_s, got.peak_bytes, got.recompute_s) == (want.time_s, want.peak_bytes, want.recompute_s)
+
+
+def test_the_remat_ilp_refuses_chain_figures_it_does_not_model() -> None:
+    chain = _remat_chain(random.Random(4), 3)
+    nothing_saved_by_0 = replace(chain, saves=(False, True, True), out_savers=(((1,),), ((1, 2),), ((2,),)))
+    for changed in (nothing_saved_by_0, replace(chain, out_savers=(((0,),), ((1,),), ((2,),)))):
+        with pytest.raises(PlanError, match="does not model which blocks save a value"):
+            RematDag.from_chain(changed)
 
 
 def _check_chain_schedule(chain: RematChain, budget: float, **kwargs: Any) -> Any:
