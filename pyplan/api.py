@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -26,7 +26,7 @@ from pyplan.profile.measure import checkpoint_block_s, checkpoint_call_s
 from pyplan.profile.remat import remat_bytes
 from pyplan.solve.dag_search import dag_plans
 from pyplan.solve.remat_search import OFFLOAD_MODES, RELAXED_SHARES, REMAT_MODES, refine_plan, relaxed_chain
-from pyplan.solve.tied import tied_parameters, tied_sync_s, with_tied_sync
+from pyplan.solve.tied import tied_parameters, tied_sync_s, with_tied_state, with_tied_sync
 
 __all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "add_loss", "chain_for", "memory_per_process", "plan", "search"]
 
@@ -416,11 +416,29 @@ def search(
         links = {"intra": group.intra_link, "inter": group.inter_link, "gpus_per_node": cluster.gpus_per_node}
         return with_tied_sync(p, tied_sync_s(p.layout, chain, tied, float(per_param.grad_bytes), **links))
 
+    def tied_state(p: Plan) -> Plan:
+        """Each rank's own copy of a tied parameter (weights, gradient, optimizer state), before the replay."""
+        if not tied or p.layout.pp < 2:
+            return p
+        lay = p.layout
+
+        def state(numel: float) -> float:
+            return _core.zero_model_state_bytes(
+                numel,
+                lay.dp,
+                lay.zero_stage,
+                param_bytes=float(per_param.param_bytes),
+                grad_bytes=float(per_param.grad_bytes),
+                optim_bytes=float(per_param.optimizer_bytes),
+            ).total_bytes
+
+        return with_tied_state(p, chain, tied, state)
+
     def refined(results: Iterable[Any], mode: str) -> list[Plan]:
         seen: set[tuple[Any, ...]] = set()
         out: list[Plan] = []
         for c in [cand for r in results if r.feasible for cand in (*r.top, *r.pareto)]:
-            start = _plan_of(c, chain, currency, workload)
+            start = tied_state(_plan_of(c, chain, currency, workload))
             key = _key(start)
             if key in seen:
                 continue
@@ -450,7 +468,7 @@ def search(
                     scale=scale, price_per_gpu_s=price, currency=currency, objective=objective, weight=weight,
                     host=host_costs) if stage_dag and plain is not None and plain.feasible else []  # fmt: skip
     if dag:
-        dag = [tied_sync(p) for p in dag]
+        dag = [q for p in dag if (q := tied_sync(tied_state(p))).predicted.peak_memory_bytes <= gpu_mem]
         top, pareto = _rank([*top, *dag], objective, weight)[:top_k], _frontier([*pareto, *dag])
     return PlanSearch(
         best=top[0],
@@ -479,19 +497,39 @@ def _key(p: Plan) -> tuple[Any, ...]:
     )
 
 
+T = TypeVar("T")
+TIE = 1e-3  # objective values within 0.1 % of each other are a tie (finer than any prediction is right)
+
+
+def rank_ties(items: Sequence[T], value: Callable[[T], float], tiebreak: Callable[[T], tuple[Any, ...]]) -> list[T]:
+    """`items` by increasing `value`, where runs of values within TIE of the run's first are ties, ordered by
+    `tiebreak` (then value)."""
+    ordered = sorted(items, key=value)
+    out: list[T] = []
+    run: list[T] = []
+    for it in ordered:
+        if run and value(it) > value(run[0]) * (1 + TIE):
+            out.extend(sorted(run, key=lambda x: (*tiebreak(x), value(x))))
+            run = []
+        run.append(it)
+    out.extend(sorted(run, key=lambda x: (*tiebreak(x), value(x))))
+    return out
+
+
 def _rank(plans: list[Plan], objective: str, weight: float) -> list[Plan]:
-    """Best first. Objective values that agree to 4 significant digits (0.1 %, finer than any prediction is
-    right) are a tie, broken by fewer GPUs, then less memory, then the value: on one stage GPipe and 1F1B are
-    predicted the same time, and GPipe, holding every micro-batch's activations, ran 4-8 % slower (resnet-tiny,
-    benchmarks/accuracy.py)."""
+    """Best first; tied objective values (rank_ties) go to fewer GPUs, then less memory: on one stage GPipe and
+    1F1B are predicted the same time, and GPipe, holding every micro-batch's activations, ran 4-8 % slower
+    (resnet-tiny, benchmarks/accuracy.py)."""
 
-    def score(p: Plan) -> tuple[float, int, float, float]:
+    def value(p: Plan) -> float:
         t, c = p.predicted.iteration_s, p.predicted.cost_per_iteration
-        value = t if objective == "time" else c if objective == "cost" else c + weight * t
-        return (float(f"{value:.4g}"), p.layout.num_gpus, p.predicted.peak_memory_bytes, value)
+        return t if objective == "time" else c if objective == "cost" else c + weight * t
 
-    unique = {_key(p): p for p in sorted(plans, key=score, reverse=True)}
-    return sorted(unique.values(), key=score)
+    def tiebreak(p: Plan) -> tuple[int, float]:
+        return (p.layout.num_gpus, p.predicted.peak_memory_bytes)
+
+    unique = {_key(p): p for p in sorted(plans, key=lambda p: (value(p), *tiebreak(p)), reverse=True)}
+    return rank_ties(list(unique.values()), value, tiebreak)
 
 
 def _frontier(plans: list[Plan]) -> list[Plan]:

@@ -152,3 +152,15 @@ def test_a_batchnorm_model_is_planned_from_two_samples(tmp_path: Path, monkeypat
     with pytest.raises(PlanError, match="micro-batches of 2 samples or more") as info:
         search(model, spec.example_inputs, cluster, workload, chain=chain, micro_batch_sizes=[1])
     assert "\n" not in str(info.value)
+
+
+def test_predictions_within_a_tenth_of_a_percent_rank_by_memory() -> None:
+    from pyplan.api import rank_ties
+
+    # (name, predicted seconds, memory): a, b and d are within 0.1 % of d, the fastest; c is not.
+    items = [("a", 1.0, 30), ("b", 1.0005, 10), ("c", 1.002, 0), ("d", 0.9996, 20)]
+    got = rank_ties(items, lambda it: it[1], lambda it: (it[2],))
+    assert [it[0] for it in got] == ["b", "d", "a", "c"]
+    # Equal memory: the faster first.
+    same = [("x", 1.0004, 5), ("y", 1.0, 5)]
+    assert [it[0] for it in rank_ties(same, lambda it: it[1], lambda it: (it[2],))] == ["y", "x"]

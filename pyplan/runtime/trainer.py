@@ -74,6 +74,10 @@ class PipelineTrainer:
     device: torch.device
     tied_groups: list[tuple[list[nn.Parameter], dist.ProcessGroup]] = field(default_factory=list)
     manual_grads: bool = False
+    # Zero the gradients in place instead of freeing them: DDP's gradients are views into its buckets, and freed
+    # ones come back as new tensors that DDP copies into the buckets, two copies at the step's peak (gpt-tiny,
+    # 2 x 1: 4.21 MB freed, 3.73 MB in place, as a single process trains).
+    zero_in_place: bool = False
 
     @property
     def dp_rank(self) -> int:
@@ -99,7 +103,7 @@ class PipelineTrainer:
 
     def step(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None) -> list[torch.Tensor]:
         """One optimizer step on this replica's samples; returns the per-micro-batch losses on the last stage."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.zero_in_place)
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {}
         if self.has_last:
@@ -246,7 +250,10 @@ def build_trainer(
     schedule = cls(stage_arg, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=not manual_grads)
     if device.type == "cpu":
         pin_rank()  # with PYPLAN_PIN_CPUS=1; after the process groups, so that gloo's threads move too
-    return PipelineTrainer(layout, mesh, mine, modules, optimizer, schedule, device, tied_groups, manual_grads)
+    bucket_views = any(isinstance(m, DistributedDataParallel) for m in modules)
+    return PipelineTrainer(
+        layout, mesh, mine, modules, optimizer, schedule, device, tied_groups, manual_grads, bucket_views
+    )
 
 
 def _unique_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:

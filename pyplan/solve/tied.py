@@ -12,7 +12,7 @@ pyplan/hardware/calibrate.py).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -22,7 +22,7 @@ from pyplan.graph.chain import Chain
 from pyplan.hardware.catalog import Link
 from pyplan.plan import Layout, Plan
 
-__all__ = ["TiedParameter", "tied_parameters", "tied_sync_s", "with_tied_sync"]
+__all__ = ["TiedParameter", "tied_parameters", "tied_sync_s", "with_tied_state", "with_tied_sync"]
 
 
 @dataclass(frozen=True)
@@ -63,20 +63,26 @@ def tied_parameters(chain: Chain) -> list[TiedParameter]:
     ]
 
 
+def _stages(layout: Layout, chain: Chain, blocks: Sequence[int]) -> list[int]:
+    """The stages holding the given blocks under `layout`, in the blocks' order (repeats removed)."""
+    stages: list[int] = []
+    if layout.stage_of_node:
+        found = [layout.stage_of_node[n] for b in blocks for n in chain.blocks[b].nodes if n in layout.stage_of_node]
+    else:
+        bounds = list(layout.cut_positions)
+        found = [bisect.bisect_right(bounds, chain.cuts[b].position) - 1 for b in blocks]
+    for s in found:
+        if s not in stages:
+            stages.append(s)
+    return stages
+
+
 def _stage_ranks(layout: Layout, chain: Chain, blocks: Sequence[int]) -> set[int]:
     """The pipeline ranks (0..pp−1) holding the given blocks under `layout`."""
     from pyplan.solve.schedules import stage_placement
 
     placement = stage_placement(layout.schedule, layout.pp, layout.stages_per_rank)
-    stages: set[int] = set()
-    if layout.stage_of_node:
-        for b in blocks:
-            stages.update(layout.stage_of_node[n] for n in chain.blocks[b].nodes if n in layout.stage_of_node)
-    else:
-        bounds = list(layout.cut_positions)
-        for b in blocks:
-            stages.add(bisect.bisect_right(bounds, chain.cuts[b].position) - 1)
-    return {placement[s] for s in stages}
+    return {placement[s] for s in _stages(layout, chain, blocks)}
 
 
 def tied_sync_s(
@@ -125,3 +131,36 @@ def with_tied_sync(plan: Plan, seconds: float) -> Plan:
         cost_per_epoch=None if p.cost_per_epoch is None else p.cost_per_epoch * ratio,
     )
     return replace(plan, predicted=predicted)
+
+
+def with_tied_state(
+    plan: Plan, chain: Chain, tied: Sequence[TiedParameter], state_bytes: Callable[[float], float]
+) -> Plan:
+    """`plan` with the model state of the tied parameters' copies: the chain counts a shared parameter once, in the
+    first block that reads it, while every rank holding a stage that reads it keeps its own copy, with its
+    gradient and optimizer state (`state_bytes(numel)`, by the plan's ZeRO stage). A rank's copy is charged to
+    its first stage that reads it; the plan's peak is its fullest rank's memory again (measured on gpt-tiny's
+    last stage, 1 x 2: 262 KB of AdamW state and weight for the 64 KiB embedding)."""
+    from pyplan.solve.schedules import stage_placement
+
+    lay = plan.layout
+    placement = stage_placement(lay.schedule, lay.pp, lay.stages_per_rank)
+    extra = [0.0] * len(plan.stages)
+    for t in tied:
+        stages = _stages(lay, chain, t.blocks)
+        charged = {placement[stages[0]]} if stages else set()  # the first block's rank: counted by the chain
+        for s in stages:
+            if placement[s] not in charged:
+                charged.add(placement[s])
+                extra[s] += state_bytes(t.numel)
+    if not any(extra):
+        return plan
+    stages_ = tuple(
+        replace(st, state_bytes=st.state_bytes + e, memory_bytes=st.memory_bytes + e) if e else st
+        for st, e in zip(plan.stages, extra)
+    )
+    ranks: dict[int, float] = {}
+    for s, st in enumerate(stages_):
+        ranks[placement[s]] = ranks.get(placement[s], 0.0) + st.memory_bytes
+    predicted = replace(plan.predicted, peak_memory_bytes=max(ranks.values()))
+    return replace(plan, stages=stages_, predicted=predicted)

@@ -95,3 +95,25 @@ def test_the_search_charges_it_to_pipelines_only() -> None:
         assert p.predicted.exposed_comm_s >= expected * (1 - 1e-9)
         parts = p.predicted.pipeline_s + p.predicted.exposed_comm_s + p.predicted.optimizer_s + p.predicted.host_step_s
         assert p.predicted.iteration_s == pytest.approx(parts, rel=1e-9)
+
+
+def test_every_rank_holding_a_tied_parameter_pays_for_its_copy() -> None:
+    spec = load_model("zoo:gpt-tiny")
+    cluster = Cluster.from_catalog("A100-80GB", 2)
+    workload = Workload(global_batch=16)
+    found = search(spec.build(), spec.example_inputs, cluster, workload, top_k=50, stage_dag=False)
+    per = workload.bytes_per_param()
+    per_param = per.param_bytes + per.grad_bytes + per.optimizer_bytes
+    chain = found.chain
+    checked = 0
+    for p in [found.best, *found.alternatives]:
+        if p.layout.pp != 2 or p.layout.stages_per_rank != 1 or p.layout.zero_stage != 0:
+            continue
+        for s, st in enumerate(p.stages):
+            own = sum(chain.blocks[i].param_numel for i in range(st.first_block, st.last_block + 1)) * per_param
+            copy = 256 * 64 * per_param if s == 1 else 0.0  # the last stage's lm_head reuses the first's wte
+            assert st.state_bytes == pytest.approx(own + copy, rel=1e-9)
+        ranks = [st.memory_bytes for st in p.stages]
+        assert p.predicted.peak_memory_bytes == pytest.approx(max(ranks), rel=1e-9)
+        checked += 1
+    assert checked
