@@ -421,18 +421,7 @@ def search(
         if not tied or p.layout.pp < 2:
             return p
         lay = p.layout
-
-        def state(numel: float) -> float:
-            return _core.zero_model_state_bytes(
-                numel,
-                lay.dp,
-                lay.zero_stage,
-                param_bytes=float(per_param.param_bytes),
-                grad_bytes=float(per_param.grad_bytes),
-                optim_bytes=float(per_param.optimizer_bytes),
-            ).total_bytes
-
-        return with_tied_state(p, chain, tied, state)
+        return with_tied_state(p, chain, tied, lambda n: workload.state_bytes_per_gpu(n, lay.dp, lay.zero_stage))
 
     def refined(results: Iterable[Any], mode: str) -> list[Plan]:
         seen: set[tuple[Any, ...]] = set()

@@ -55,6 +55,20 @@ class Workload:
         """Bytes per parameter element of weights, gradients and optimizer state (step counters left out)."""
         return model_state_bytes(1, 0, optimizer=self.optimizer, precision=self.precision)
 
+    def state_bytes_per_gpu(self, params: float, dp: int, zero_stage: int) -> float:
+        """Model-state bytes of `params` parameter elements on one GPU of `dp` replicas under a ZeRO stage."""
+        from pyplan import _core
+
+        per = self.bytes_per_param()
+        return _core.zero_model_state_bytes(
+            params,
+            dp,
+            zero_stage,
+            param_bytes=float(per.param_bytes),
+            grad_bytes=float(per.grad_bytes),
+            optim_bytes=float(per.optimizer_bytes),
+        ).total_bytes
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 

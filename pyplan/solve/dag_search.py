@@ -326,15 +326,7 @@ class StageCosts:
 
     def state_bytes(self, params: float) -> float:
         """Model-state bytes of `params` parameter elements on one GPU under the configuration's ZeRO stage."""
-        per = self.workload.bytes_per_param()
-        return _core.zero_model_state_bytes(
-            params,
-            self.config.dp,
-            self.config.zero_stage,
-            param_bytes=float(per.param_bytes),
-            grad_bytes=float(per.grad_bytes),
-            optim_bytes=float(per.optimizer_bytes),
-        ).total_bytes
+        return self.workload.state_bytes_per_gpu(params, self.config.dp, self.config.zero_stage)
 
     def optimizer_s(self, state_bytes: float, params: float, tensors: float) -> float:
         """The optimizer step of a rank (step 6, with step 8's per-element and per-tensor host costs)."""

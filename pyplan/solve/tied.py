@@ -15,8 +15,6 @@ import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-import torch
-
 from pyplan import _core
 from pyplan.graph.chain import Chain
 from pyplan.hardware.catalog import Link
@@ -34,15 +32,6 @@ class TiedParameter:
     blocks: tuple[int, ...]  # the blocks that read it, increasing
 
 
-def _resolve(module: torch.nn.Module, name: str) -> torch.Tensor | None:
-    obj: object = module
-    for part in name.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj if isinstance(obj, torch.Tensor) else None
-
-
 def tied_parameters(chain: Chain) -> list[TiedParameter]:
     """The parameters that more than one block reads (Block.param_names lists every parameter a block reads;
     names that resolve to one tensor are one parameter)."""
@@ -50,9 +39,10 @@ def tied_parameters(chain: Chain) -> list[TiedParameter]:
     users: dict[int, tuple[int, set[str], set[int]]] = {}
     for i, block in enumerate(chain.blocks):
         for name in block.param_names:
-            tensor = _resolve(module, name)
-            if tensor is None:
-                continue
+            try:
+                tensor = module.get_parameter(name)
+            except AttributeError:
+                continue  # not reachable under this name in the traced module
             _, names, blocks = users.setdefault(id(tensor), (tensor.numel(), set(), set()))
             names.add(name)
             blocks.add(i)
