@@ -530,8 +530,10 @@ def _link_worker(rank: int, out: str, init: str, backend: str, sizes: list[int],
     dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=2)
     if not cuda:
         from pyplan.runtime.affinity import pin_rank
+        from pyplan.runtime.heap import keep_freed_memory
 
-        pin_rank()  # as the runtime runs CPU ranks (pyplan/runtime/affinity.py)
+        keep_freed_memory()  # as the runtime runs CPU ranks (pyplan/runtime/heap.py, affinity.py)
+        pin_rank()
     try:
         warm = torch.zeros(1, device=device)
         for _ in range(10):  # the first messages set up connections: not timed

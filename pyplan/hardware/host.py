@@ -289,8 +289,10 @@ def _host_worker(rank: int, out: str, init: str, quick: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     from pyplan.runtime.affinity import pin_rank
+    from pyplan.runtime.heap import keep_freed_memory
 
-    pin_rank()  # as the runtime runs CPU ranks (pyplan/runtime/affinity.py)
+    keep_freed_memory()  # as the runtime runs CPU ranks (pyplan/runtime/heap.py, affinity.py)
+    pin_rank()
     try:
         reps = 15 if quick else 41
         found = {"message_s": _messages(rank, 10 * reps), **_runtime(reps, (2, 8))}

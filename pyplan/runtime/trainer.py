@@ -25,6 +25,7 @@ from pyplan.errors import PlanError
 from pyplan.graph.trace import ExampleInputs, LeafSpec, inputs_at
 from pyplan.plan import Layout
 from pyplan.runtime.affinity import pin_rank
+from pyplan.runtime.heap import keep_freed_memory
 from pyplan.runtime.optim import OptimizerFactory, OptimizerSpec, optimizer_factory
 from pyplan.runtime.stages import cut_model, local_stages, stage_io, tied_parameters
 from pyplan.spec import ModelSpec, default_loss
@@ -249,6 +250,7 @@ def build_trainer(
     stage_arg = pipeline_stages[0] if issubclass(cls, PipelineScheduleSingle) else pipeline_stages
     schedule = cls(stage_arg, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=not manual_grads)
     if device.type == "cpu":
+        keep_freed_memory()  # a step reuses what the last one freed, without page faults (pyplan/runtime/heap.py)
         pin_rank()  # with PYPLAN_PIN_CPUS=1; after the process groups, so that gloo's threads move too
     bucket_views = any(isinstance(m, DistributedDataParallel) for m in modules)
     return PipelineTrainer(
