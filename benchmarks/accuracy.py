@@ -14,7 +14,9 @@ Measurement, per configuration and rank:
   time     blocks of `warmup` untimed and `steps` timed steps (Protocol), each step started after a barrier; a
            step is the wall clock around `PipelineTrainer.step` (zero_grad, the schedule, gradient sync, optimizer
            step) and its iteration time the max over ranks. The blocks run in rounds over the whole matrix, so a
-           burst of load elsewhere falls on every configuration alike. On a shared 2-core machine other processes
+           burst of load elsewhere falls on every configuration alike; a block starts where another
+           configuration left the caches, so it warms up for 3 steps (after 1, gpt-tiny's stage forwards took
+           23-36 % more CPU time than profiled; after 4, 5-22 %). On a shared 2-core machine other processes
            take a rank's core and stretch the steps of both ranks (one waits for the other) by up to 3x: a block
            is quiet when other processes used at most `quiet_cores` cores during it (the machine's busy time in
            /proc/stat less both ranks' CPU time), rounds go on until every configuration has `quiet_blocks` quiet
@@ -511,7 +513,7 @@ class Protocol:
     the machine to be quiet."""
 
     steps: int = 3
-    warmup: int = 1
+    warmup: int = 3
     quiet_blocks: int = 2
     max_rounds: int = 8
     quiet_cores: float = 0.15

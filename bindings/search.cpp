@@ -101,13 +101,17 @@ void bind_search(py::module_& m) {
            const std::vector<std::string>& placements, bool allow_fewer_gpus, const std::string& objective,
            double weight, int top_k, std::vector<double> param_tensors, std::vector<double> cut_tensors,
            std::pair<double, double> intra_collective, std::pair<double, double> inter_collective,
-           const py::dict& host) {
-            const pyplan::ProfiledChain chain{std::move(fwd_alpha_s),     std::move(fwd_beta_s),
+           const py::dict& host, std::vector<double> time_sizes, std::vector<double> fwd_points_s,
+           std::vector<double> bwd_points_s) {
+            pyplan::ProfiledChain chain{std::move(fwd_alpha_s),     std::move(fwd_beta_s),
                                               std::move(bwd_alpha_s),     std::move(bwd_beta_s),
                                               std::move(act_per_sample_bytes), std::move(act_fixed_bytes),
                                               std::move(params),          std::move(cut_per_sample_bytes),
                                               std::move(cut_fixed_bytes), std::move(param_tensors),
                                               std::move(cut_tensors)};
+            chain.time_sizes = std::move(time_sizes);
+            chain.fwd_points_s = std::move(fwd_points_s);
+            chain.bwd_points_s = std::move(bwd_points_s);
             pyplan::Hardware hardware;
             hardware.num_gpus = num_gpus;
             hardware.gpus_per_node = gpus_per_node;
@@ -165,8 +169,11 @@ void bind_search(py::module_& m) {
         py::arg("top_k") = 5, py::arg("param_tensors") = std::vector<double>{},
         py::arg("cut_tensors") = std::vector<double>{}, py::arg("intra_collective") = std::make_pair(0.0, 0.0),
         py::arg("inter_collective") = std::make_pair(0.0, 0.0), py::arg("host") = py::dict(),
+        py::arg("time_sizes") = std::vector<double>{}, py::arg("fwd_points_s") = std::vector<double>{},
+        py::arg("bwd_points_s") = std::vector<double>{},
         "Searches data parallelism x pipeline stages x micro-batch size x schedule x ZeRO stage x placement\n"
-        "for a chain profiled as t(b) = alpha*b + beta per block (see cpp/include/pyplan/search.h for the\n"
+        "for a chain profiled as t(b) = alpha*b + beta per block, or, with time_sizes (K ascending sizes), as\n"
+        "the line between the neighbouring points fwd/bwd_points_s[i*K + k] (see cpp/include/pyplan/search.h for the\n"
         "model). Per block (L): fwd/bwd alpha and beta in seconds, saved activation bytes per sample and per\n"
         "micro-batch, parameter elements; per cut (L+1): live bytes per sample and per micro-batch.\n"
         "Optional: param_tensors (L) and cut_tensors (L+1) counts, intra/inter_collective (latency_s, bw) links\n"

@@ -12,13 +12,14 @@ from torch import nn
 from pyplan import _core
 from pyplan._torch import is_meta_module
 from pyplan.errors import InfeasibleError, PlanError
-from pyplan.graph.chain import Chain
+from pyplan.graph.chain import Block, Chain
+from pyplan.graph.layergraph import Piecewise
 from pyplan.graph.linearize import linearize
 from pyplan.graph.trace import ExampleInputs, LeafSpec, trace
 from pyplan.hardware.catalog import GPU, LOCAL, local_host_costs
 from pyplan.hardware.cluster import Cluster
 from pyplan.plan import OBJECTIVES, PLACEMENTS, Layout, Plan, Prediction, StagePlan, Workload
-from pyplan.profile import TimingOptions, default_batch_sizes, local_device, profile
+from pyplan.profile import TimingOptions, default_batch_sizes, local_device, measured_batch_sizes, profile
 from pyplan.profile.analytic import Roofline, block_times_analytic
 from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, measured_target
 from pyplan.profile.loss import LossCost, LossFn, TargetFn, loss_cost, remat_with_loss, with_loss
@@ -81,9 +82,10 @@ def chain_for(
     stored."""
     leaf_modules = tuple(leaf_modules)
     trace_batch = min(4, workload.global_batch)
-    sizes = default_batch_sizes(trace_batch)
     gpu = cluster.gpu
     measured = _is_local(gpu) and not is_meta_module(model)
+    # Measured times at the sizes plans use (they are not linear in b); analytic ones are (FLOPs and bytes are).
+    sizes = measured_batch_sizes(workload.global_batch) if measured else default_batch_sizes(trace_batch)
     if measured and workload.precision != "fp32":
         raise PlanError("measured profiling on this machine runs in fp32; plan `local` with --precision fp32")
     if not measured and (not gpu.peak_flops_per_s or not gpu.hbm_bw_bytes_per_s):
@@ -132,7 +134,8 @@ def chain_for(
             raise
         # A BatchNorm over a 1x1 map cannot train on one sample: profile from 2 and plan micro-batches of 2 or more.
         try:
-            profiled, how = profiled_at(tuple(sorted({max(2, b) for b in sizes} | {2 * max(sizes)})))
+            from_two = sorted({max(2, b) for b in sizes})
+            profiled, how = profiled_at(tuple(from_two if len(from_two) > 1 else [2, 4]))
         except ValueError as again:
             if "Expected more than 1 value per channel" not in str(again):
                 raise
@@ -170,13 +173,34 @@ def _loss_cost(
     target: TargetFn | None,
 ) -> LossCost:
     gpu = cluster.gpu
-    sizes = default_batch_sizes(min(4, workload.global_batch))
     measured = _is_local(gpu) and not is_meta_module(model)
+    sizes = (
+        measured_batch_sizes(workload.global_batch) if measured else default_batch_sizes(min(4, workload.global_batch))
+    )
     try:
         return loss_cost(chain, loss, target, sizes, roofline=None if measured else Roofline.from_gpu(gpu))
     except (RuntimeError, ValueError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PlanError(f"the loss cannot be computed on the model's output: {first}") from None
+
+
+def _time_tables(blocks: Sequence[Block]) -> dict[str, list[float]]:
+    """The search's tables of times measured at several sizes (`Piecewise`), when every block's are, at the union
+    of their sizes (the loss's and the blocks' agree when both were measured); else none, and the search uses
+    each block's line."""
+    fwd: list[Piecewise] = []
+    bwd: list[Piecewise] = []
+    for blk in blocks:
+        if not (isinstance(blk.fwd_time_s, Piecewise) and isinstance(blk.bwd_time_s, Piecewise)):
+            return {}
+        fwd.append(blk.fwd_time_s)
+        bwd.append(blk.bwd_time_s)
+    sizes = sorted({b for t in fwd + bwd for b in t.sizes})
+    return {
+        "time_sizes": [float(b) for b in sizes],
+        "fwd_points_s": [t(b) for t in fwd for b in sizes],
+        "bwd_points_s": [t(b) for t in bwd for b in sizes],
+    }
 
 
 def memory_per_process(cluster: Cluster) -> float:
@@ -327,6 +351,7 @@ def search(
     host = local_host_costs() if _is_local(gpu) and gpu.device_type == "cpu" else None
     host_costs = host.for_search(workload.optimizer) if host is not None else {}
     cut_tensors = [float(len(c.live)) for c in chain.cuts]
+    time_tables = _time_tables(blocks)
 
     def run(act_a: list[float], act_b: list[float], bwd_a: list[float], bwd_b: list[float], top: int) -> Any:
         try:
@@ -366,6 +391,7 @@ def search(
                 intra_collective=group.intra_link.collective,
                 inter_collective=group.inter_link.collective,
                 host=host_costs,
+                **time_tables,
             )
         except ValueError as exc:
             raise PlanError(str(exc)) from exc

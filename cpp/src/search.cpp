@@ -74,6 +74,18 @@ void validate(const ProfiledChain& c, const Hardware& hw, const SearchSpace& spa
     require_array(c.cut_fixed_bytes, L + 1, "cut_fixed_bytes");
     if (!c.param_tensors.empty()) require_array(c.param_tensors, L, "param_tensors");
     if (!c.cut_tensors.empty()) require_array(c.cut_tensors, L + 1, "cut_tensors");
+    if (!c.time_sizes.empty() || !c.fwd_points_s.empty() || !c.bwd_points_s.empty()) {
+        const std::size_t K = c.time_sizes.size();
+        if (K < 2) fail("time_sizes needs two or more sizes, got " + std::to_string(K));
+        require_array(c.time_sizes, K, "time_sizes");
+        for (std::size_t k = 0; k < K; ++k) {
+            if (!(c.time_sizes[k] > 0.0) || (k > 0 && !(c.time_sizes[k] > c.time_sizes[k - 1]))) {
+                fail("time_sizes must be positive and strictly ascending");
+            }
+        }
+        require_array(c.fwd_points_s, L * K, "fwd_points_s");
+        require_array(c.bwd_points_s, L * K, "bwd_points_s");
+    }
     if (hw.num_gpus <= 0) fail("the number of GPUs must be >= 1, got " + std::to_string(hw.num_gpus));
     if (hw.gpus_per_node <= 0) fail("gpus_per_node must be >= 1, got " + std::to_string(hw.gpus_per_node));
     if (!(hw.gpu_mem_bytes >= 0.0)) fail("gpu_mem_bytes must be >= 0, got " + std::to_string(hw.gpu_mem_bytes));
@@ -537,11 +549,28 @@ void Searcher::bound(Config& c) {
     c.bound_objective = objective_of(space_, hw_, c.d * c.p, c.bound_time_s);
 }
 
+// The line through the neighbouring points of `values` (at `sizes`, K >= 2 ascending) at b, extended along the
+// end segments, at least 0.
+double piecewise_at(const std::vector<double>& sizes, const double* values, double b) {
+    const std::size_t K = sizes.size();
+    std::size_t k = 1;
+    while (k < K - 1 && b > sizes[k]) ++k;
+    const double t = values[k - 1] + (values[k] - values[k - 1]) * (b - sizes[k - 1]) / (sizes[k] - sizes[k - 1]);
+    return std::max(t, 0.0);
+}
+
 // f_i (forward) or g_i (backward) at the configuration's b, with ZeRO-3's collectives (step 1).
 double Searcher::block_time_s(const Config& c, const Layout& lay, int i, bool forward) const {
     const BytesPerParam& bpp = space_.bytes_per_param;
-    double t = forward ? chain_.fwd_alpha_s[i] * c.b + chain_.fwd_beta_s[i]
-                       : chain_.bwd_alpha_s[i] * c.b + chain_.bwd_beta_s[i];
+    const std::size_t K = chain_.time_sizes.size();
+    double t = 0.0;
+    if (K >= 2) {
+        const std::vector<double>& points = forward ? chain_.fwd_points_s : chain_.bwd_points_s;
+        t = piecewise_at(chain_.time_sizes, points.data() + static_cast<std::size_t>(i) * K, c.b);
+    } else {
+        t = forward ? chain_.fwd_alpha_s[i] * c.b + chain_.fwd_beta_s[i]
+                    : chain_.bwd_alpha_s[i] * c.b + chain_.bwd_beta_s[i];
+    }
     if (c.zero == 3) {
         t += allreduce_s(lay, chain_.params[i] * bpp.param_bytes) / 2;  // all-gather the weights
         if (!forward) t += allreduce_s(lay, chain_.params[i] * bpp.grad_bytes) / 2;  // reduce-scatter grads

@@ -42,7 +42,9 @@ class Block:
     Parameters are counted in the first block that uses them (tied weights once). `saved_bytes` counts the
     storages produced inside the block and saved for backward by any block, so the blocks' sum plus the chain's
     `input_saved_bytes` is exactly what a whole training step keeps for backward. Times and FLOPs are per
-    micro-batch of b samples as `per_sample·b + fixed`; times are None until measured.
+    micro-batch of b samples as `per_sample·b + fixed`; measured times are `Piecewise` curves through the sizes
+    they were measured at (call them at b; `per_sample`/`fixed` hold their least-squares line); times are None
+    until measured.
     """
 
     name: str

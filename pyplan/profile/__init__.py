@@ -27,6 +27,7 @@ __all__ = [
     "block_times",
     "default_batch_sizes",
     "local_device",
+    "measured_batch_sizes",
     "model_state_bytes",
     "profile",
     "remat_bytes",
@@ -39,6 +40,19 @@ def default_batch_sizes(batch_size: int) -> tuple[int, ...]:
     """Micro-batch sizes to time at: a quarter, half and all of `batch_size` (at least two distinct sizes)."""
     sizes = sorted({max(1, batch_size // 4), max(1, batch_size // 2), batch_size})
     return tuple(sizes) if len(sizes) >= 2 else (batch_size, 2 * batch_size)
+
+
+# The largest micro-batch a measured profile times: beyond it a block's time grows along its last segment, as the
+# per-sample cost of a batch that fills the machine does, and profiling stays a matter of seconds on a CPU.
+MAX_MEASURED_BATCH = 32
+
+
+def measured_batch_sizes(largest: int, *, cap: int = MAX_MEASURED_BATCH) -> tuple[int, ...]:
+    """Micro-batch sizes a measured profile times at, for plans of micro-batches up to `largest` samples: the
+    powers of two from 1 up to it (and `largest` itself), at most `cap` (see `Piecewise` for why several)."""
+    top = max(2, min(largest, cap))
+    sizes = {1 << k for k in range(top.bit_length()) if 1 << k <= top} | {top}
+    return tuple(sorted(sizes))
 
 
 def profile(

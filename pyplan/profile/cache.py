@@ -40,7 +40,7 @@ from torch import fx, nn
 
 from pyplan._files import write_atomic
 from pyplan.graph.chain import Block, Chain
-from pyplan.graph.layergraph import Affine, GraphNode, LayerGraph, TensorInfo
+from pyplan.graph.layergraph import Affine, GraphNode, LayerGraph, Piecewise, TensorInfo
 from pyplan.graph.linearize import linearize
 from pyplan.graph.trace import ExampleInputs, LeafSpec, _symbolic_trace, inputs_at
 from pyplan.hardware.catalog import GPU, cache_dir
@@ -239,10 +239,13 @@ class _Invalid(Exception):
 
 
 def _encode(value: Any) -> Any:
-    """JSON for a profiled value: numbers and strings as they are, an Affine as [per_sample, fixed], other
-    pyplan dataclasses, tuples, lists and dicts tagged with what they are."""
+    """JSON for a profiled value: numbers and strings as they are, an Affine as [per_sample, fixed], a Piecewise
+    as [per_sample, fixed, [[size, value], ...]], other pyplan dataclasses, tuples, lists and dicts tagged with
+    what they are."""
     if value is None or isinstance(value, bool | int | float | str):
         return value
+    if isinstance(value, Piecewise):
+        return [value.per_sample, value.fixed, [[b, v] for b, v in value.points]]
     if isinstance(value, Affine):
         return [value.per_sample, value.fixed]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -282,6 +285,16 @@ def _dataclass(name: Any) -> type:
 
 def _decode(value: Any) -> Any:
     if isinstance(value, list):
+        if len(value) == 3 and isinstance(value[2], list):
+            points = value[2]
+            if len(points) < 2 or not all(isinstance(p, list) and len(p) == 2 for p in points):
+                raise _Invalid(f"a curve needs two or more [size, value] points, got {points!r}")
+            sizes = [int(_number(b)) for b, _ in points]
+            if sizes != sorted(set(sizes)):
+                raise _Invalid(f"a curve's sizes must increase, got {sizes}")
+            return Piecewise(
+                _number(value[0]), _number(value[1]), tuple((b, _number(v)) for b, (_, v) in zip(sizes, points))
+            )
         if len(value) != 2:
             raise _Invalid(f"an affine value needs 2 numbers, got {value!r}")
         return Affine(_number(value[0]), _number(value[1]))

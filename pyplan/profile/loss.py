@@ -21,7 +21,7 @@ from torch import nn
 
 from pyplan._torch import OpRecorder, storage_key
 from pyplan.graph.chain import Chain, LossCost
-from pyplan.graph.layergraph import Affine
+from pyplan.graph.layergraph import Affine, Piecewise
 from pyplan.profile.analytic import OpCost, Roofline, op_class
 from pyplan.profile.live import LiveMemory
 from pyplan.profile.measure import TimingOptions, _Clock, _overhead, _threads, _time_block, local_device
@@ -124,7 +124,7 @@ def loss_cost(
             )
             fwd.append(f)
             bwd.append(g)
-    return LossCost(Affine.fit(sizes, fwd), Affine.fit(sizes, bwd), saved, peak)
+    return LossCost(Piecewise.through(sizes, fwd), Piecewise.through(sizes, bwd), saved, peak)
 
 
 def with_loss(chain: Chain, loss: LossCost) -> Chain:

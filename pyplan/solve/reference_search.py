@@ -7,6 +7,7 @@ partition of the chain: per configuration it keeps the partition with the least 
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,7 +22,8 @@ _STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "LoopedBFS": 2}
 
 @dataclass(frozen=True)
 class ProfiledChain:
-    """Per block (L): times α·b + β and saved bytes; per cut (L+1): live bytes."""
+    """Per block (L): times α·b + β (or, with `time_sizes`, the line between the neighbouring points of the
+    block's row of `fwd_points_s`/`bwd_points_s`) and saved bytes; per cut (L+1): live bytes."""
 
     fwd_alpha_s: Sequence[float]
     fwd_beta_s: Sequence[float]
@@ -34,6 +36,22 @@ class ProfiledChain:
     cut_fixed_bytes: Sequence[float]
     param_tensors: Sequence[float] = ()  # [L], empty: none
     cut_tensors: Sequence[float] = ()  # [L+1], empty: none
+    time_sizes: Sequence[float] = ()  # [K], empty: times are α·b + β
+    fwd_points_s: Sequence[float] = ()  # [L*K], block i's at time_sizes[k] at i*K + k
+    bwd_points_s: Sequence[float] = ()  # [L*K]
+
+    def time_s(self, block: int, b: int, *, forward: bool) -> float:
+        """The block's forward or backward seconds at micro-batch size b."""
+        if not self.time_sizes:
+            if forward:
+                return self.fwd_alpha_s[block] * b + self.fwd_beta_s[block]
+            return self.bwd_alpha_s[block] * b + self.bwd_beta_s[block]
+        sizes = list(self.time_sizes)
+        n = len(sizes)
+        row = (self.fwd_points_s if forward else self.bwd_points_s)[block * n : (block + 1) * n]
+        k = min(max(bisect.bisect_left(sizes, b), 1), n - 1)
+        slope = (row[k] - row[k - 1]) / (sizes[k] - sizes[k - 1])
+        return max(0.0, row[k - 1] + slope * (b - sizes[k - 1]))
 
 
 @dataclass(frozen=True)
@@ -190,8 +208,8 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> P
         )
 
     # 1. Block times at b, with ZeRO-3's all-gathers and reduce-scatter; memory at b.
-    fwd = [chain.fwd_alpha_s[i] * c.b + chain.fwd_beta_s[i] for i in range(num_blocks)]
-    bwd = [chain.bwd_alpha_s[i] * c.b + chain.bwd_beta_s[i] for i in range(num_blocks)]
+    fwd = [chain.time_s(i, c.b, forward=True) for i in range(num_blocks)]
+    bwd = [chain.time_s(i, c.b, forward=False) for i in range(num_blocks)]
     if c.zero == 3:
         for i, params in enumerate(chain.params):
             fwd[i] += allreduce_s(params * param_b) / 2

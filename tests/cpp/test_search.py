@@ -30,7 +30,21 @@ def _chain(rng: random.Random, num_blocks: int) -> ProfiledChain:
         cut_fixed_bytes=u(0, 1e4, num_blocks + 1),
         param_tensors=[float(rng.randint(0, 12)) for _ in range(num_blocks)],
         cut_tensors=[float(rng.randint(1, 3)) for _ in range(num_blocks + 1)],
+        **_measured_times(rng, num_blocks),
     )
+
+
+def _measured_times(rng: random.Random, num_blocks: int) -> dict[str, list[float]]:
+    """Times measured at a few sizes (pyplan's Piecewise), for half the chains: sizes the searched micro-batches
+    fall between, on, below and above; per-sample costs that fall and rise with b, as on a real machine."""
+    if rng.random() < 0.5:
+        return {}
+    sizes = sorted(rng.sample((1, 2, 3, 4, 8, 16), rng.randint(2, 4)))
+    out: dict[str, list[float]] = {"time_sizes": [float(b) for b in sizes], "fwd_points_s": [], "bwd_points_s": []}
+    for _ in range(num_blocks):
+        for key, scale in (("fwd_points_s", 1e-3), ("bwd_points_s", 2e-3)):
+            out[key] += [scale * b * rng.uniform(0.5, 4.0) + rng.uniform(0, scale) for b in sizes]
+    return out
 
 
 def _host(rng: random.Random) -> Host:

@@ -107,6 +107,12 @@ struct ProfiledChain {
     std::vector<double> cut_fixed_bytes;       // [L+1] live across cut c, per micro-batch
     std::vector<double> param_tensors;         // [L] parameter tensors (the optimizer's per-tensor cost); empty: 0
     std::vector<double> cut_tensors;           // [L+1] tensors live across cut c (messages); empty: 0
+    // Times measured at K >= 2 micro-batch sizes (pyplan's Piecewise): block i's forward at b is the line through
+    // its neighbouring points fwd_points_s[i*K + k], extended along the end segments and at least 0; the alpha
+    // and beta arrays then serve nothing but validation. Empty: times are alpha * b + beta.
+    std::vector<double> time_sizes;            // [K] strictly ascending
+    std::vector<double> fwd_points_s;          // [L*K]
+    std::vector<double> bwd_points_s;          // [L*K]
 
     int num_blocks() const { return static_cast<int>(fwd_alpha_s.size()); }
 };
