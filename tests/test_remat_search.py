@@ -116,3 +116,30 @@ def test_each_checkpointed_block_adds_its_measured_cost(monkeypatch: pytest.Monk
     assert inside == len(chain) - 1  # full remat: every block but the last, whose output backward needs at once
     assert extra.recompute_s - zero.recompute_s == pytest.approx(1e-3 * inside, rel=1e-6)
     assert extra.backward_s - zero.backward_s == pytest.approx(1e-3 * inside, rel=1e-6)
+
+
+def test_checkpoint_costs_are_scaled_to_what_the_runtime_pays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per block, the checkpoint cost measured alone, scaled so that the chain under full remat in pyplan's
+    RematModule costs no remat + the recomputed forwards + a call per checkpoint + the blocks' costs."""
+    import torch
+
+    from pyplan.profile import measure
+
+    spec = zoo.get("mlp-tiny")
+    model = spec.build()
+    chain, _ = chain_for(model, spec.example_inputs, Cluster.from_catalog("local", 1), Workload(global_batch=4))
+    n, call, b = len(chain), 1e-4, 4
+    assert n >= 3
+    alone = [(1e-4 * (i + 1), 2e-5 * (i + 1)) for i in range(n)]
+    forward = sum(blk.fwd_time_s(b) for blk in chain.blocks[: n - 1])  # type: ignore[misc]
+    hooks = 3e-4
+    seconds = iter([0.01, 0.01 + forward + call * (n - 1) + hooks])  # RematModule: no remat, then full remat
+    monkeypatch.setattr(measure, "_module_s", lambda *a, **k: next(seconds))
+    clock = measure._Clock(torch.device("cpu"), 1)
+    mods = [None] * n
+    got = measure._as_in_the_runtime(chain, mods, [], alone, b, call, clock, measure.TimingOptions())
+    share = sum(x for _, x in alone[: n - 1])
+    assert got == pytest.approx([x * hooks / share for _, x in alone], rel=1e-6)
+    # Nothing left beyond the forwards and the calls: no block cost.
+    seconds = iter([0.01, 0.01 + forward])
+    assert measure._as_in_the_runtime(chain, mods, [], alone, b, call, clock, measure.TimingOptions()) == [0.0] * n
