@@ -352,8 +352,19 @@ def search(
     host_costs = host.for_search(workload.optimizer) if host is not None else {}
     cut_tensors = [float(len(c.live)) for c in chain.cuts]
     time_tables = _time_tables(blocks)
+    # Under full recomputation (the relaxed searches below) each block's backward also runs its forward again.
+    recomputing_tables = (
+        {
+            **time_tables,
+            "bwd_points_s": [g + f for g, f in zip(time_tables["bwd_points_s"], time_tables["fwd_points_s"])],
+        }
+        if time_tables
+        else {}
+    )
 
-    def run(act_a: list[float], act_b: list[float], bwd_a: list[float], bwd_b: list[float], top: int) -> Any:
+    def run(
+        act_a: list[float], act_b: list[float], bwd_a: list[float], bwd_b: list[float], top: int, recompute: bool
+    ) -> Any:
         try:
             return _core.search(
                 fwd_a,
@@ -391,7 +402,7 @@ def search(
                 intra_collective=group.intra_link.collective,
                 inter_collective=group.inter_link.collective,
                 host=host_costs,
-                **time_tables,
+                **(recomputing_tables if recompute else time_tables),
             )
         except ValueError as exc:
             raise PlanError(str(exc)) from exc
@@ -463,9 +474,12 @@ def search(
                 out.append(tied_sync(got))
         return out
 
-    plain = run(act_a, act_b, bwd_a, bwd_b, wide) if remat in ("none", "auto") else None
+    plain = run(act_a, act_b, bwd_a, bwd_b, wide, False) if remat in ("none", "auto") else None
     relaxed = (
-        [run(*relaxed_chain(fwd_a, fwd_b, bwd_a, bwd_b, profile_, scale, share), wide) for share in RELAXED_SHARES]
+        [
+            run(*relaxed_chain(fwd_a, fwd_b, bwd_a, bwd_b, profile_, scale, share), wide, True)
+            for share in RELAXED_SHARES
+        ]
         if remat != "none"
         else []
     )

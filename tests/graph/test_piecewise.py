@@ -103,3 +103,40 @@ def test_a_measured_profile_and_the_search_use_the_curves(monkeypatch: pytest.Mo
     curves = [(blk.fwd_time_s, blk.bwd_time_s) for blk in chain.blocks]
     assert plan.stages[0].forward_s == pytest.approx(sum(f(3) for f, _ in curves), rel=1e-9)  # type: ignore[misc]
     assert plan.stages[0].backward_s == pytest.approx(sum(g(3) for _, g in curves), rel=1e-9)  # type: ignore[misc]
+
+
+def test_the_relaxed_remat_searches_recompute_in_the_curves(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Under full recomputation (the searches that seed remat plans) each block's backward also runs its forward:
+    with curves, the search's backward points carry it, as its lines do without them."""
+    import pyplan.api
+    from pyplan import _core
+    from pyplan.hardware.catalog import local_gpu
+
+    monkeypatch.setenv("PYPLAN_CACHE_DIR", str(tmp_path))
+    calibration = {
+        "device": local_gpu().description,
+        "gpu": {"peak_flops_per_s": {"fp32": 1e11}, "hbm_bw_bytes_per_s": 2e10, "source": "test"},
+        "link": {"latency_s": 1e-4, "bw_bytes_per_s": 2e9, "source": "test"},
+    }
+    (tmp_path / "local.json").write_text(json.dumps(calibration))
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)))
+    inputs = lambda b: (torch.randn(b, 64),)  # noqa: E731
+    cluster, workload = Cluster.from_catalog("local", 1), Workload(global_batch=8)
+    chain, _ = chain_for(model, inputs, cluster, workload)
+    calls: list[dict] = []
+    real = _core.search
+
+    def spy(*args: object, **kwargs: object) -> object:
+        calls.append({"args": args, **kwargs})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pyplan.api._core, "search", spy)
+    search(model, inputs, cluster, workload, chain=chain, remat="auto", micro_batch_sizes=[4], schedules=["GPipe"])
+    plain, relaxed = calls[0], calls[1:]
+    assert relaxed and plain["time_sizes"] == list(map(float, measured_batch_sizes(8)))
+    for call in relaxed:
+        assert call["time_sizes"] == plain["time_sizes"] and call["fwd_points_s"] == plain["fwd_points_s"]
+        both = [g + f for g, f in zip(plain["bwd_points_s"], plain["fwd_points_s"])]
+        assert call["bwd_points_s"] == pytest.approx(both, rel=1e-12)
+        # The lines (alpha, beta) carry the recomputation too.
+        assert call["args"][2] == pytest.approx([g + f for g, f in zip(plain["args"][2], plain["args"][0])])
