@@ -51,6 +51,11 @@ message and per-step, pyplan/hardware/host.py); optimizer = measured − predict
 all-reduce waits − predicted exposed communication (DDP's and the tied parameters'); the rest (measured − everything
 above) is "p2p" for pipelines (time the ranks wait for sends and receives beyond what the schedule with the real
 compute and overhead implies) and "other" for dp x 1.
+With remat, torch's checkpoint hooks run in the forward (packing) and in the backward around the recomputation,
+and the plan charges all of them to its recomputation: a split between compute and recompute would move the
+forward's hooks from one to the other. Such rows have one term for both, "compute+remat" (CPU-time F and B, the
+recomputation included, against the predicted makespan), and their CPU F/B errors include the hooks and the
+recomputation likewise.
 A row whose error exceeds 10 % names its largest term as the wrong one.
 
 Targets (issue "Predictions users can trust"): median |error| of iteration time <= 10 %, worst <= 25 %; peak
@@ -192,12 +197,15 @@ class Terms:
     other_cores: float
     stage_overhead_s: float  # framework overhead inside the busiest stage's chunks, per micro-batch
     outside_s: float  # framework overhead outside the chunks, per step, on the rank where it is largest
+    remat: bool = False  # compute and recomputation in one term (see the module docstring)
 
     def named(self) -> dict[str, float]:
+        if self.remat:
+            first = {"compute+remat": self.compute_s, "contention": self.contention_s}
+        else:
+            first = {"compute": self.compute_s, "contention": self.contention_s, "recompute": self.recompute_s}
         return {
-            "compute": self.compute_s,
-            "contention": self.contention_s,
-            "recompute": self.recompute_s,
+            **first,
             "framework": self.framework_s,
             "optimizer": self.optimizer_s,
             "sync": self.sync_s,
@@ -207,8 +215,9 @@ class Terms:
     def describe(self, measured_s: float, error: float) -> str:
         terms = self.named()
         parts = [f"{k} {v / measured_s:+.0%}" for k, v in terms.items() if v]
+        what = "CPU F with hooks {:+.0%}, B with recompute {:+.0%}" if self.remat else "CPU F {:+.0%}, B {:+.0%}"
         text = ", ".join(parts) + (
-            f" (CPU F {self.forward_err:+.0%}, B {self.backward_err:+.0%}; framework "
+            f" ({what.format(self.forward_err, self.backward_err)}; framework "
             f"{self.stage_overhead_s * 1e3:.2f} ms/micro-batch in a stage + {self.outside_s * 1e3:.1f} ms/step)"
         )
         if abs(error) > TARGET_TIME_MEDIAN:
@@ -786,9 +795,15 @@ def analyse(planned: Planned, ranks: Sequence[dict[str, Any]]) -> Row:
     b_model = [x - h[1] for x, h in zip(b_pred, planned.host_s)]
     pipeline_model = makespan(f_model, b_model)
     framework_pred = pred.pipeline_s - pipeline_model + pred.host_step_s
-    sim_cpu = makespan(f_cpu, [x + r for x, r in zip(b_cpu_less, r_pred)])
-    sim_wall_less = makespan(f_wall, [x + r for x, r in zip(b_wall_less, r_pred)])
+    remat = any(r > 0 for r in r_pred)
     sim_wall = makespan(f_wall, b_wall)
+    if remat:
+        # One term for compute and recomputation, the checkpoint hooks of both passes in it (module docstring).
+        b_cpu = [x.backward_cpu_s / m for x in t]
+        sim_cpu = sim_wall_less = makespan(f_cpu, b_cpu)
+    else:
+        sim_cpu = makespan(f_cpu, [x + r for x, r in zip(b_cpu_less, r_pred)])
+        sim_wall_less = makespan(f_wall, [x + r for x, r in zip(b_wall_less, r_pred)])
     sim_fw = makespan([x + h for x, h in zip(f_wall, half_fw)], [x + h for x, h in zip(b_wall, half_fw)])
     optimizer_meas = max(r["optimizer_s"] for r in ranks)
     # DDP's wait in the last backward, plus the tied parameters' all-reduce after the schedule: the rank that
@@ -806,10 +821,15 @@ def analyse(planned: Planned, ranks: Sequence[dict[str, Any]]) -> Row:
         rest_s=measured_s - sim_fw - optimizer_meas - sync_meas,
         rest_name="other" if lay.pp == 1 else "p2p",
         forward_err=f_cpu[busiest] / f_model[busiest] - 1,
-        backward_err=b_cpu_less[busiest] / (b_model[busiest] - r_pred[busiest]) - 1,
+        backward_err=(
+            t[busiest].backward_cpu_s / m / b_model[busiest] - 1
+            if remat
+            else b_cpu_less[busiest] / (b_model[busiest] - r_pred[busiest]) - 1
+        ),
         other_cores=statistics.median(ranks[0]["other_cores"]),
         stage_overhead_s=t[busiest].overhead_s / m,
         outside_s=max(r["outside_s"] for r in ranks),
+        remat=remat,
     )
 
     # Memory of each rank: predicted (its stages' state + activations) against measured.
