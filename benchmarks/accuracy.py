@@ -86,6 +86,7 @@ from typing import Any
 
 LR = 1e-3
 MESHES = ((2, 1), (1, 2))
+DRIFT = 0.10  # a machine speed drift beyond which a run's errors are flagged (see machine_speed_s)
 SCHEDULES = ("GPipe", "1F1B")
 REMATS = ("none", "full")
 TARGET_TIME_MEDIAN, TARGET_TIME_WORST, TARGET_MEMORY, TARGET_RIGHT = 0.10, 0.25, 0.10, 0.90
@@ -277,6 +278,9 @@ class Summary:
     memory_worst: float
     decisions: tuple[Decision, ...]
     targets: dict[str, bool] = field(default_factory=dict)
+    # The machine's speed during the runs against at profiling (machine_speed_s, time over time, less one):
+    # positive when the machine ran slower than when the profile was taken.
+    speed_drift: float = 0.0
 
     @property
     def right_rate(self) -> float:
@@ -509,6 +513,28 @@ class _Probe:
 _FIELDS = tuple(StageTimes.__dataclass_fields__)
 
 
+def machine_speed_s() -> float:
+    """CPU seconds of a fixed piece of work on one thread (matrix products of 128 x 128, median of 7): the
+    machine's speed at this moment. A VM's speed drifts (a run of this benchmark once measured every configuration
+    60 % slower than the minutes before, no other process running), and the profile is taken once, before the
+    runs: comparing this figure at profiling time and during the runs says when a run's errors hold such a drift."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.ones(128, 128)
+        times = []
+        for _ in range(7):
+            t0 = time.thread_time()
+            for _ in range(100):
+                a @ a
+            times.append(time.thread_time() - t0)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(before)
+
+
 def _machine_busy_s() -> float:
     """CPU seconds every core of the machine has been busy since boot (/proc/stat: all but idle and iowait)."""
     with open("/proc/stat") as f:
@@ -673,6 +699,7 @@ def _worker(job_path: str, out_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     protocol = Protocol(**job["protocol"])
     runs: list[_Run] = []
+    speeds: list[float] = []
     item: dict[str, Any] = {}
     try:
         for item in job["items"]:
@@ -687,6 +714,7 @@ def _worker(job_path: str, out_path: str) -> None:
                 break
             if rank == 0:
                 _wait_quiet(protocol)
+                speeds.append(machine_speed_s())  # alone: rank 1 waits in the first block's barrier
             for run in pending:
                 item = run.item
                 _time_block(run, protocol)
@@ -700,16 +728,18 @@ def _worker(job_path: str, out_path: str) -> None:
         dist.all_gather_object(gathered, asdict(_result(run)))
         results.append(gathered)
     if rank == 0:
-        Path(out_path).write_text(json.dumps(results))
+        Path(out_path).write_text(json.dumps({"results": results, "speeds": speeds}))
     dist.barrier()
     dist.destroy_process_group()
     # Meshes sometimes abort the process at exit after a clean shutdown (TORCH_FACTS.md); exit at once.
     os._exit(0)
 
 
-def run_matrix(planned: Sequence[Planned], protocol: Protocol, *, timeout_s: float = 3600) -> list[list[dict]]:
+def run_matrix(
+    planned: Sequence[Planned], protocol: Protocol, *, timeout_s: float = 3600
+) -> tuple[list[list[dict]], list[float]]:
     """Every planned configuration in one torchrun launch of 2 ranks, timed following `protocol`; per
-    configuration, each rank's RankResult as a dict."""
+    configuration, each rank's RankResult as a dict; and `machine_speed_s` at the start of each round."""
     with tempfile.TemporaryDirectory(prefix="pyplan-accuracy-") as tmp:
         job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
         items = [{**asdict(p), "config": asdict(p.config)} for p in planned]
@@ -736,7 +766,8 @@ def run_matrix(planned: Sequence[Planned], protocol: Protocol, *, timeout_s: flo
             raise RuntimeError(f"a configuration failed:\n{errors[0].read_text()}")
         if done.returncode != 0 or not out.exists():
             raise RuntimeError(f"the torchrun launch failed ({done.returncode}):\n{done.stderr[-3000:]}")
-        return json.loads(out.read_text())
+        data = json.loads(out.read_text())
+        return data["results"], data["speeds"]
 
 
 # --- Analysis -------------------------------------------------------------------------------------------------
@@ -878,7 +909,7 @@ def decisions(rows: Sequence[Row]) -> list[Decision]:
     return out
 
 
-def summarize(rows: Sequence[Row]) -> Summary:
+def summarize(rows: Sequence[Row], speed_drift: float = 0.0) -> Summary:
     time_err = [abs(r.time_error) for r in rows]
     mem_err = [abs(r.memory_error) for r in rows]
     found = decisions(rows)
@@ -888,6 +919,7 @@ def summarize(rows: Sequence[Row]) -> Summary:
         memory_median=statistics.median(mem_err),
         memory_worst=max(mem_err),
         decisions=tuple(found),
+        speed_drift=speed_drift,
     )
     summary.targets.update(
         {
@@ -970,6 +1002,14 @@ def print_report(rows: Sequence[Row], summary: Summary, *, header: str) -> None:
         f"peak memory |error|: median {summary.memory_median:.1%}, worst {summary.memory_worst:.1%}; "
         f"right recommendation {right}/{len(summary.decisions)} ({summary.right_rate:.0%})"
     )
+    console.print(
+        f"machine speed during the runs against at profiling: {summary.speed_drift:+.1%} in time"
+        + (
+            f" (WARNING: more than {DRIFT:.0%}: the errors above hold the machine's drift, run again)"
+            if abs(summary.speed_drift) > DRIFT
+            else ""
+        )
+    )
     for name, met in summary.targets.items():
         console.print(f"target {name}: {'met' if met else 'MISSED'}")
 
@@ -985,13 +1025,19 @@ def run(
 ) -> tuple[list[Row], Summary]:
     """Calibrate (or use `calibration`), plan, run and analyse the matrix; returns the rows and the summary."""
     with calibration_dir(calibration, quick_calibration):
+        at_profiling = machine_speed_s()
         planned = [p for case in cases for p in plan_case(case, remats, keep)]
-        measured = []
+        measured: list[list[dict]] = []
+        speeds: list[float] = []
         for case in cases:
             mine = [p for p in planned if p.config.model == case.model]
-            measured += run_matrix(mine, protocol) if mine else []
+            if mine:
+                results, during = run_matrix(mine, protocol)
+                measured += results
+                speeds += during
     rows = [analyse(p, ranks) for p, ranks in zip(planned, measured)]
-    return rows, summarize(rows)
+    drift = statistics.median(speeds) / at_profiling - 1 if speeds else 0.0
+    return rows, summarize(rows, drift)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
