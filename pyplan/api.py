@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -63,6 +64,18 @@ def _is_local(gpu: GPU) -> bool:
     return gpu.name == LOCAL
 
 
+def timing_options(cluster: Cluster) -> TimingOptions:
+    """How `chain_for` times a model on this machine for `cluster`: on the CPU, beside as many companion processes
+    as the cluster places other ranks on one machine, up to the cores beside the timed one (see
+    pyplan/profile/measure.py); on CUDA alone."""
+    base = TimingOptions()
+    if local_device().type != "cpu":
+        return base
+    ranks = max(g.gpus_per_node for g in cluster.groups)
+    cores = max(1, (os.cpu_count() or 1) // base.threads)
+    return replace(base, corun=max(0, min(ranks, cores) - 1))
+
+
 def chain_for(
     model: nn.Module,
     example_inputs: ExampleInputs,
@@ -95,7 +108,7 @@ def chain_for(
     key = None
     if cache is not None:
         target = (
-            measured_target(gpu, local_device(), TimingOptions())
+            measured_target(gpu, local_device(), timing_options(cluster))
             if roofline is None
             else analytic_target(gpu, roofline, compute_dtype)
         )
@@ -117,7 +130,8 @@ def chain_for(
 
     def profiled_at(sizes: tuple[int, ...]) -> tuple[Chain, str]:
         if roofline is None:
-            profiled, how = profile(chain, example_inputs, batch_sizes=sizes), "measured on this machine"
+            profiled = profile(chain, example_inputs, batch_sizes=sizes, options=timing_options(cluster))
+            how = "measured on this machine"
         else:
             profiled = profile(chain, example_inputs, measure=False, batch_sizes=sizes)
             times = block_times_analytic(profiled, example_inputs, roofline, sizes, compute_dtype=compute_dtype)
@@ -178,7 +192,9 @@ def _loss_cost(
         measured_batch_sizes(workload.global_batch) if measured else default_batch_sizes(min(4, workload.global_batch))
     )
     try:
-        return loss_cost(chain, loss, target, sizes, roofline=None if measured else Roofline.from_gpu(gpu))
+        if measured:
+            return loss_cost(chain, loss, target, sizes, options=timing_options(cluster))
+        return loss_cost(chain, loss, target, sizes, roofline=Roofline.from_gpu(gpu))
     except (RuntimeError, ValueError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PlanError(f"the loss cannot be computed on the model's output: {first}") from None

@@ -24,7 +24,15 @@ from pyplan.graph.chain import Chain, LossCost
 from pyplan.graph.layergraph import Affine, Piecewise
 from pyplan.profile.analytic import OpCost, Roofline, op_class
 from pyplan.profile.live import LiveMemory
-from pyplan.profile.measure import TimingOptions, _Clock, _overhead, _threads, _time_block, local_device
+from pyplan.profile.measure import (
+    TimingOptions,
+    _Clock,
+    _companions,
+    _overhead,
+    _threads,
+    _time_block,
+    local_device,
+)
 from pyplan.profile.remat import RematProfile
 
 __all__ = ["LossCost", "LossFn", "TargetFn", "loss_cost", "remat_with_loss", "with_loss"]
@@ -119,9 +127,13 @@ def loss_cost(
             shape, dtype = _output_info(chain, b)
             out = torch.randn(shape, device=device).to(dtype)
             target = target_fn(b).to(device) if target_fn is not None else None
-            f, g = overhead.remove(
-                *_time_block(_Loss(loss_fn, target), (out,), clock, options.warmup, options.repeats, first=False)
-            )
+            loss = _Loss(loss_fn, target)
+
+            def work(loss: nn.Module = loss, out: torch.Tensor = out) -> None:
+                _time_block(loss, (out,), clock, 0, 1, first=False)
+
+            with _companions(options.corun, work):
+                f, g = overhead.remove(*_time_block(loss, (out,), clock, options.warmup, options.repeats, first=False))
             fwd.append(f)
             bwd.append(g)
     return LossCost(Piecewise.through(sizes, fwd), Piecewise.through(sizes, bwd), saved, peak)

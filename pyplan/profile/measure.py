@@ -13,6 +13,14 @@ runtime's ranks do: with glibc's default the timed passes paid page faults (vgg-
 4.9 ms against 4.4 ms). On CUDA each block runs alone, timed with CUDA events; on the CPU with a fixed number of
 threads, the thread's CPU time (one thread) or wall time.
 
+A rank that trains beside others on one CPU shares the machine's last-level cache, memory bandwidth and clock with
+them, and runs slower than alone: timed alone and then with a second process running the same work on the other
+core of this project's 2-core VM, a whole training step ran 2-3 % slower (resnet-tiny, vgg-tiny) and 1-16 % slower
+(gpt-tiny, b = 16), while a matrix product held in the core's own cache did not slow at all. So the CPU blocks can
+be timed under `TimingOptions.corun` companion processes (forked, each running the same blocks over and over, as
+the other ranks of a data- or pipeline-parallel step do at the same time); `pyplan.api.chain_for` asks for one per
+other rank the cluster places on this machine.
+
 On the CPU a block timed alone also pays for being called alone: the module call and, above all, one autograd
 engine run per backward (about 50 µs on a 2-core x86 VM, against a few µs per op), which a stage running many
 blocks in one forward and one backward pays once. Summed over a stage's blocks, that overhead made stage times
@@ -24,10 +32,14 @@ at least the cost of one trivial op.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
+import signal
 import statistics
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -46,11 +58,13 @@ __all__ = ["TimingOptions", "block_times", "checkpoint_block_s", "checkpoint_cal
 
 @dataclass(frozen=True)
 class TimingOptions:
-    """How to time: `threads` is the CPU thread count (fixed so timings repeat); medians of `repeats` runs."""
+    """How to time: `threads` is the CPU thread count (fixed so timings repeat); medians of `repeats` runs; on the
+    CPU, with `corun` other processes running the same blocks meanwhile (the ranks beside this one in training)."""
 
     warmup: int = 2
     repeats: int = 5
     threads: int = 1
+    corun: int = 0
 
 
 def local_device() -> torch.device:
@@ -147,27 +161,91 @@ def _overhead(device: torch.device, clock: _Clock) -> _Overhead:
     return _Overhead(over_f, over_b, t1[0] - over_f, t1[1] - over_b)
 
 
+def _pass(
+    mods: Sequence[fx.GraphModule],
+    args: Sequence[Sequence[object]],
+    clock: _Clock,
+    fwd: Sequence[list[float]],
+    bwd: Sequence[list[float]],
+) -> None:
+    """The blocks run once as a stage runs them: every forward in order, then every backward in reverse, each
+    block's activations freed by its backward; each block's seconds appended to its list in `fwd` and `bwd`."""
+    roots: list[list[torch.Tensor]] = []
+    for i, (mod, a) in enumerate(zip(mods, args)):
+        leaves = leaf_inputs(a, first=i == 0)
+        with clock.region(fwd[i]):
+            _, out = forward(mod, leaves)
+        roots.append(out)
+    for i in reversed(range(len(mods))):
+        grads = [torch.ones_like(t) for t in roots[i]]
+        with clock.region(bwd[i]):
+            backward(roots[i], grads)
+        roots[i] = []
+
+
 def _in_sequence(
     mods: Sequence[fx.GraphModule], args: Sequence[Sequence[object]], clock: _Clock, warmup: int, repeats: int
 ) -> list[tuple[float, float]]:
-    """Median forward and backward seconds of each block when the blocks run as a stage runs them: every
-    forward in order, then every backward in reverse, each block's activations freed by its backward."""
+    """Median forward and backward seconds of each block when the blocks run as a stage runs them (`_pass`)."""
     fwd: list[list[float]] = [[] for _ in mods]
     bwd: list[list[float]] = [[] for _ in mods]
+    untimed: list[list[float]] = [[] for _ in mods]
     for rep in range(warmup + repeats):
         timed = rep >= warmup
-        roots: list[list[torch.Tensor]] = []
-        for i, (mod, a) in enumerate(zip(mods, args)):
-            leaves = leaf_inputs(a, first=i == 0)
-            with clock.region(fwd[i] if timed else []):
-                _, out = forward(mod, leaves)
-            roots.append(out)
-        for i in reversed(range(len(mods))):
-            grads = [torch.ones_like(t) for t in roots[i]]
-            with clock.region(bwd[i] if timed else []):
-                backward(roots[i], grads)
-            roots[i] = []
+        _pass(mods, args, clock, fwd if timed else untimed, bwd if timed else untimed)
     return [(statistics.median(f), statistics.median(b)) for f, b in zip(fwd, bwd)]
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _companion(work: Callable[[], None], parent: int) -> None:
+    """A forked companion's life: `work` over and over until its parent kills it (or dies: the kernel then kills
+    it); never returns. Exit status 1 if `work` raised."""
+    status = 1
+    try:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == parent:
+            torch.set_num_threads(1)
+            while True:
+                work()
+        status = 0
+    except BaseException:
+        status = 1
+    finally:
+        os._exit(status)
+
+
+@contextlib.contextmanager
+def _companions(count: int, work: Callable[[], None]) -> Iterator[None]:
+    """`count` forked processes running `work` over and over while inside (none for 0, or where there is no
+    fork); killed on the way out. Raises RuntimeError if one stopped on its own (its `work` failed), which would
+    leave the timings taken without it."""
+    if count <= 0 or not hasattr(os, "fork"):
+        yield
+        return
+    pids: list[int] = []
+    parent = os.getpid()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: forking with threads alive
+            for _ in range(count):
+                pid = os.fork()
+                if pid == 0:
+                    _companion(work, parent)
+                pids.append(pid)
+        yield
+        stopped = [pid for pid in pids if os.waitpid(pid, os.WNOHANG) != (0, 0)]
+        if stopped:
+            pids = [pid for pid in pids if pid not in stopped]
+            raise RuntimeError("a process running the blocks beside the timed one stopped; time with corun=0")
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
 
 
 def _times_at(
@@ -179,7 +257,15 @@ def _times_at(
     clock = _Clock(device, opts.threads)
     overhead = _overhead(device, clock)
     if device.type == "cpu":
-        raw = _in_sequence(mods, args, clock, opts.warmup, opts.repeats)
+        sink: list[list[float]] = [[] for _ in mods]
+
+        def work() -> None:
+            _pass(mods, args, clock, sink, sink)
+            for lst in sink:
+                lst.clear()
+
+        with _companions(opts.corun, work):
+            raw = _in_sequence(mods, args, clock, opts.warmup, opts.repeats)
     else:
         raw = [
             _time_block(mod, a, clock, opts.warmup, opts.repeats, first=i == 0)
@@ -269,7 +355,7 @@ def checkpoint_block_s(
     options = options or TimingOptions()
     call = checkpoint_call_s(device, options) if call_s is None else call_s
     # A difference of two similar times: more repeats than a block's own timing.
-    options = TimingOptions(options.warmup, max(options.repeats, 11), options.threads)
+    options = replace(options, repeats=max(options.repeats, 11))
     chain.graph.module.to(device)
     with _threads(options.threads), torch.enable_grad():
         mods = block_modules(chain)
