@@ -45,7 +45,9 @@ def _inspect(args: argparse.Namespace) -> int:
         model = spec.build()
     graph = trace(model, spec.example_inputs, leaf_modules=args.leaf, batch_size=args.batch_size)
     chain = linearize(graph, min_blocks=args.min_blocks, max_blocks=args.max_blocks)
-    options = TimingOptions(warmup=args.warmup, repeats=args.repeats, threads=args.threads)
+    if args.corun < 0:
+        raise PlanError(f"--corun must be 0 or more, got {args.corun}")
+    options = TimingOptions(warmup=args.warmup, repeats=args.repeats, threads=args.threads, corun=args.corun)
     chain = profile(chain, spec.example_inputs, measure=not args.analytic, options=options)
     data = inspect_data(
         chain,
@@ -222,6 +224,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="CPU threads while timing (default 1)")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs per block (default 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per block, median kept (default 5)")
+    p.add_argument(
+        "--corun",
+        type=int,
+        default=0,
+        help="CPU: processes running the same blocks beside the timed one, as the other ranks of a run on this "
+        "machine do (default 0; `pyplan plan --gpu local` uses one per other rank)",
+    )
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.set_defaults(func=_inspect)
 

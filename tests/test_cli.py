@@ -50,6 +50,12 @@ def test_inspect_json_on_every_example(name: str, capsys: pytest.CaptureFixture[
     assert all(b["fwd_alpha"] is not None for b in data["blocks"])
 
 
+def test_inspect_times_beside_a_companion(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", os.path.join(EXAMPLES, "mlp.py"), "--corun", "1", "--repeats", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["blocks"] and all(b["fwd_time_s"] > 0 and b["bwd_time_s"] > 0 for b in data["blocks"])
+
+
 def test_inspect_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", os.path.join(EXAMPLES, "mlp.py"), "--analytic"]) == 0
     out = capsys.readouterr().out
@@ -61,6 +67,9 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureF
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "does not exist" in err and "\n" not in err
     assert main(["inspect", os.path.join(EXAMPLES, "mlp.py"), "--batch-size", "0"]) == 2
+    capsys.readouterr()
+    assert main(["inspect", os.path.join(EXAMPLES, "mlp.py"), "--corun", "-1"]) == 2
+    assert "--corun must be 0 or more" in capsys.readouterr().err
     # A model that cannot train on one sample (BatchNorm over a 1x1 map): planned with micro-batches of 2 or more.
     capsys.readouterr()
     assert main(["plan", "zoo:vgg11-mnist", "--gpus", "2", "--gpu", "a100-80g", "--global-batch", "8", "--json"]) == 0
