@@ -256,6 +256,8 @@ class Row:
     predicted_activation_bytes: float
     measured_activation_bytes: float
     terms: Terms
+    # Per pipeline rank (one replica), the plan's memory less the measured peak: where a memory error lies.
+    rank_bytes_error: tuple[float, ...] = ()
 
     @property
     def time_error(self) -> float:
@@ -926,6 +928,7 @@ def analyse(planned: Planned, ranks: Sequence[dict[str, Any]]) -> Row:
         predicted_activation_bytes=act_rank[top],
         measured_activation_bytes=measured[top] - state[top],
         terms=terms,
+        rank_bytes_error=tuple(pred_rank[k] - measured[k] for k in range(lay.pp)),
     )
 
 
@@ -1012,7 +1015,7 @@ def print_report(rows: Sequence[Row], summary: Summary, *, header: str) -> None:
 
     memory = Table(title="Peak memory of the fullest rank (weights, gradients, AdamW state, activations, buffers)")
     config_columns(memory)
-    for col in ("predicted", "measured", "error", "act. predicted", "act. measured"):
+    for col in ("predicted", "measured", "error", "act. predicted", "act. measured", "plan - measured per rank"):
         memory.add_column(col, justify="right")
     for r in rows:
         memory.add_row(
@@ -1022,6 +1025,7 @@ def print_report(rows: Sequence[Row], summary: Summary, *, header: str) -> None:
             f"{r.memory_error:+.1%}",
             fmt_bytes(r.predicted_activation_bytes),
             fmt_bytes(r.measured_activation_bytes),
+            ", ".join(("+" if d >= 0 else "-") + fmt_bytes(abs(d)) for d in r.rank_bytes_error),
         )
     console.print(memory)
 

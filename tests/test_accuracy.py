@@ -63,6 +63,7 @@ def test_accuracy_harness_runs_two_configurations(tmp_path: Path, capsys: pytest
         assert row.predicted_s > 0 and row.measured_s > 0 and row.steps == 1
         assert row.predicted_bytes > 0 and row.measured_bytes > 0 and row.measured_activation_bytes > 0
         assert math.isfinite(row.time_error) and math.isfinite(row.memory_error)
+        assert len(row.rank_bytes_error) == row.config.pp
         assert row.terms.describe(row.measured_s, row.time_error)
     assert len(summary.decisions) == 2 and 0 <= summary.right_rate <= 1
     assert all(math.isfinite(x) for x in (summary.time_median, summary.time_worst, summary.memory_worst))
