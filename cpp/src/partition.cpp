@@ -246,7 +246,7 @@ Problem build_problem(const Chain& chain, const PartitionOptions& options) {
                               : options.in_flight_per_stage[s];
         if (options.receive_buffers) {
             const int m = options.num_microbatches;
-            stage.extra_inputs = s > 0 ? m - stage.in_flight : 0;
+            stage.extra_inputs = s > 0 ? extra_input_cuts(m, stage.in_flight) : 0;
             stage.output_buffers = s + 1 < p ? m : 0;
         }
         stage.limit_bytes = options.mem_limit_bytes[s];
@@ -474,6 +474,10 @@ int in_flight_microbatches(InFlight rule, int stage, int num_stages, int num_mic
             return std::min(num_microbatches, num_stages - stage);
     }
     throw std::invalid_argument("unknown in-flight rule");
+}
+
+int extra_input_cuts(int num_microbatches, int in_flight) {
+    return num_microbatches - in_flight + (in_flight < num_microbatches ? 1 : 0);
 }
 
 PartitionResult partition(const Chain& chain, const PartitionOptions& options) {

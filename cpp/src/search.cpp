@@ -631,7 +631,7 @@ bool Searcher::stages_fit(const Config& c, const Chain& chain, const std::vector
             act += chain.act_bytes[i];
         }
         const double need = state + in_flight[s] * (act + chain.cut_bytes[cuts[s]]) +
-                            ((s > 0 ? (c.m - in_flight[s]) * chain.cut_bytes[cuts[s]] : 0.0) +
+                            ((s > 0 ? extra_input_cuts(c.m, in_flight[s]) * chain.cut_bytes[cuts[s]] : 0.0) +
                              (s + 1 < S ? c.m * chain.cut_bytes[cuts[s + 1]] : 0.0));
         if (need > hw_.gpu_mem_bytes) return false;
     }
@@ -816,11 +816,13 @@ void Searcher::evaluate(const Config& c) {
         cand.stage_in_flight.push_back(n);
         cand.stage_act_bytes.push_back(n * act_per_microbatch[s]);
         // 9. Receive buffers: one per micro-batch for the input (n of them counted with the activations) and
-        // for the output's gradient.
+        // for the output's gradient; and the last input gradient (extra_input_cuts).
         const double input_cut = chain.cut_bytes[part.cuts[s]], output_cut = chain.cut_bytes[part.cuts[s + 1]];
-        cand.stage_buffer_bytes.push_back((s > 0 ? (c.m - n) * input_cut : 0.0) +
+        cand.stage_buffer_bytes.push_back((s > 0 ? extra_input_cuts(c.m, n) * input_cut : 0.0) +
                                           (s + 1 < S ? c.m * output_cut : 0.0));
-        cand.rank_memory_bytes[cand.stage_rank[s]] += cand.stage_act_bytes[s] + cand.stage_buffer_bytes[s];
+        // Added one at a time, as the partition sums a stage's need: (state + activations) + buffers.
+        cand.rank_memory_bytes[cand.stage_rank[s]] += cand.stage_act_bytes[s];
+        cand.rank_memory_bytes[cand.stage_rank[s]] += cand.stage_buffer_bytes[s];
     }
     const auto fullest = std::max_element(cand.rank_memory_bytes.begin(), cand.rank_memory_bytes.end());
     cand.peak_memory_bytes = *fullest;

@@ -486,9 +486,9 @@ def _evaluate(
         g = sum(nc.bwd_s[v] for v in members) + costs.host_s("stage_backward_s") + messages_s
         state, act = figures.stage_state_bytes[s], figures.stage_act_bytes[s]
         # Step 9: torch's receive buffers, one per micro-batch for the input (those in flight counted with the
-        # activations) and for the output's gradient.
+        # activations) and for the output's gradient; and the last input gradient (partition.h's extra_input_cuts).
         n = figures.stage_in_flight[s]
-        into = (m - n) * figures.boundary_bytes[s - 1] if s > 0 else 0.0
+        into = (m - n + (n < m)) * figures.boundary_bytes[s - 1] if s > 0 else 0.0
         buffer = into + (m * figures.boundary_bytes[s] if s < p - 1 else 0.0)
         # Steps 5 and 6: the stage's gradient sync, overlapped with its backward or not; the optimizer step.
         params = sum(nc.params[v] for v in members)

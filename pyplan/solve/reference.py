@@ -163,7 +163,8 @@ def evaluate_partition(
         need = states[-1] + acts[-1]
         if receive_buffers:
             m = num_microbatches
-            need += (m - in_flight) * cut_bytes[i] * (s > 0) + m * cut_bytes[j] * (s < p - 1)
+            extra = m - in_flight + (in_flight < m)  # and the last input gradient (partition.h's extra_input_cuts)
+            need += extra * cut_bytes[i] * (s > 0) + m * cut_bytes[j] * (s < p - 1)
         overflows.append(need - mem_limit_bytes[s])
     return Evaluated(
         cuts=tuple(cuts),

@@ -160,6 +160,12 @@ def test_search_equals_brute_force(seed: int) -> None:
     assert _close(result.best.objective, ranked[0].objective)
     assert [c.objective for c in result.top] == pytest.approx([x.objective for x in ranked[:4]], rel=REL)
     assert result.best.num_gpus == ranked[0].dp * ranked[0].pp or _close(ranked[0].objective, ranked[1].objective)
+    # The same configuration and stages hold the same memory (receive buffers, the last input gradient).
+    same = {(x.dp, x.pp, x.micro_batch_size, x.schedule, x.zero_stage, x.placement, x.cuts): x for x in brute.feasible}
+    for c in result.top:
+        x = same.get((c.dp, c.pp, c.micro_batch_size, c.schedule, c.zero_stage, c.placement, tuple(c.cuts)))
+        if x is not None:
+            assert _close(c.peak_memory_bytes, x.peak_memory_bytes)
     frontier = _frontier([(x.iteration_s, x.cost_per_iteration) for x in brute.feasible])
     got = [(c.iteration_s, c.cost_per_iteration) for c in result.pareto]
     assert len(got) == len(frontier)
