@@ -62,6 +62,10 @@ void bind_partition(py::module_& m) {
                    std::to_string(r.pipeline_time_s) + ")";
         });
 
+    m.def("extra_input_cuts", &pyplan::extra_input_cuts, py::arg("num_microbatches"), py::arg("in_flight"),
+          "Input cuts a stage s > 0 holds beyond its n in-flight inputs: receive buffers for the other m - n\n"
+          "micro-batches, and its last backward's input gradient when n < m (partition.h).");
+
     m.def(
         "partition",
         [](std::vector<double> fwd_time_s, std::vector<double> bwd_time_s, std::vector<double> act_bytes,

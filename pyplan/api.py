@@ -105,10 +105,11 @@ def chain_for(
         raise PlanError(f"GPU '{gpu.name}' has no peak FLOP/s or memory bandwidth; run `pyplan calibrate` first")
     compute_dtype = _COMPUTE_DTYPE[workload.precision]
     roofline = None if measured else Roofline.from_gpu(gpu)
+    timing = timing_options(cluster)
     key = None
     if cache is not None:
         target = (
-            measured_target(gpu, local_device(), timing_options(cluster))
+            measured_target(gpu, local_device(), timing)
             if roofline is None
             else analytic_target(gpu, roofline, compute_dtype)
         )
@@ -130,7 +131,7 @@ def chain_for(
 
     def profiled_at(sizes: tuple[int, ...]) -> tuple[Chain, str]:
         if roofline is None:
-            profiled = profile(chain, example_inputs, batch_sizes=sizes, options=timing_options(cluster))
+            profiled = profile(chain, example_inputs, batch_sizes=sizes, options=timing)
             how = "measured on this machine"
         else:
             profiled = profile(chain, example_inputs, measure=False, batch_sizes=sizes)

@@ -202,19 +202,16 @@ _PR_SET_PDEATHSIG = 1
 def _companion(work: Callable[[], None], parent: int) -> None:
     """A forked companion's life: `work` over and over until its parent kills it (or dies: the kernel then kills
     it); never returns. Exit status 1 if `work` raised."""
-    status = 1
     try:
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == parent:
+        if os.getppid() == parent:  # else the parent died before prctl
             torch.set_num_threads(1)
             while True:
                 work()
-        status = 0
     except BaseException:
-        status = 1
-    finally:
-        os._exit(status)
+        os._exit(1)
+    os._exit(0)
 
 
 @contextlib.contextmanager

@@ -488,7 +488,7 @@ def _evaluate(
         # Step 9: torch's receive buffers, one per micro-batch for the input (those in flight counted with the
         # activations) and for the output's gradient; and the last input gradient (partition.h's extra_input_cuts).
         n = figures.stage_in_flight[s]
-        into = (m - n + (n < m)) * figures.boundary_bytes[s - 1] if s > 0 else 0.0
+        into = _core.extra_input_cuts(m, n) * figures.boundary_bytes[s - 1] if s > 0 else 0.0
         buffer = into + (m * figures.boundary_bytes[s] if s < p - 1 else 0.0)
         # Steps 5 and 6: the stage's gradient sync, overlapped with its backward or not; the optimizer step.
         params = sum(nc.params[v] for v in members)

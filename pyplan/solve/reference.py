@@ -104,6 +104,12 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_micro
     return min(num_microbatches, num_stages - stage)
 
 
+def extra_input_cuts(num_microbatches: int, in_flight: int) -> int:
+    """Input cuts a stage s > 0 holds beyond its in-flight inputs: receive buffers for the other m − n
+    micro-batches, and its last backward's input gradient when n < m (partition.h)."""
+    return num_microbatches - in_flight + (in_flight < num_microbatches)
+
+
 @dataclass(frozen=True)
 class Evaluated:
     """One partition, measured by the formulas of partition.h."""
@@ -163,8 +169,7 @@ def evaluate_partition(
         need = states[-1] + acts[-1]
         if receive_buffers:
             m = num_microbatches
-            extra = m - in_flight + (in_flight < m)  # and the last input gradient (partition.h's extra_input_cuts)
-            need += extra * cut_bytes[i] * (s > 0) + m * cut_bytes[j] * (s < p - 1)
+            need += extra_input_cuts(m, in_flight) * cut_bytes[i] * (s > 0) + m * cut_bytes[j] * (s < p - 1)
         overflows.append(need - mem_limit_bytes[s])
     return Evaluated(
         cuts=tuple(cuts),

@@ -274,7 +274,7 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> P
         rank_mem[s % c.p] += stage_state + in_flight[s] * (sum(act[i] for i in blocks) + cut[cuts[s]])
         # 9. Receive buffers: m inputs (n counted above) and m output gradients; the last input gradient when
         # fewer than m are in flight (partition.h's extra_input_cuts).
-        extra = c.m - in_flight[s] + (in_flight[s] < c.m)
+        extra = reference.extra_input_cuts(c.m, in_flight[s])
         rank_mem[s % c.p] += extra * cut[cuts[s]] * (s > 0) + c.m * cut[cuts[s + 1]] * (s < stages - 1)
     if max(rank_mem) > hw.gpu_mem_bytes:
         return max(rank_mem)
