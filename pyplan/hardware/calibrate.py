@@ -503,11 +503,16 @@ def _reps(nbytes: int, quick: bool) -> int:
     return base if quick else 3 * base
 
 
-# On a CPU the all-reduce is timed after each rank computed for a while, as the gradient all-reduce follows the
-# backward in a training step, and the mean is kept. On this project's 2-core VM, gloo's all-reduce of up to 1 MiB
-# then takes either 0.3-0.8 ms or 3.5-5 ms a call (bimodal; the slow mode looks like a wake-up waiting for a timer
-# tick), 0.7-2.1 ms on average. Timed back to back after a barrier, most calls were fast: 0.12 ms of latency was
-# fitted, and DDP's measured gradient sync ran 2-5 ms longer than that predicted (benchmarks/accuracy.py).
+# On a CPU both kinds of message are timed as training meets them: the ranks compute between messages.
+# - All-reduce: timed after each rank computed for a while, as the gradient all-reduce follows the backward, and
+#   the mean is kept. On this project's 2-core VM, gloo's all-reduce of up to 1 MiB then takes either 0.3-0.8 ms
+#   or 3.5-5 ms a call (bimodal; the slow mode looks like a wake-up waiting for a timer tick), 0.7-2.1 ms on
+#   average. Timed back to back after a barrier, most calls were fast: 0.12 ms of latency was fitted, and DDP's
+#   measured gradient sync ran 2-5 ms longer than that predicted (benchmarks/accuracy.py).
+# - Send/receive: in an unbroken stream of round trips, each rank computing between them, as pipeline stages
+#   pass activations and gradients (_p2p_stream). With each trip started after a barrier instead, ranks pinned
+#   to their cores (pyplan/runtime/affinity.py) took 0.9-1.9 ms a message of up to 256 KiB (a woken thread on an
+#   idle virtual CPU), where the stream took 0.08-0.13 ms, and 1x2 pipelines ran 13-47 % faster than so predicted.
 _BURST_S = 2e-3
 
 
@@ -516,6 +521,37 @@ def _busy(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         a @ a
+
+
+def _p2p_stream(rank: int, buf: torch.Tensor, trips: int, device: torch.device, burst_s: float) -> list[float]:
+    """One-way times of `trips` round trips in an unbroken stream, as a pipeline passes activations and gradients:
+    rank 0 computes for `burst_s`, sends and receives; rank 1 receives, computes for `burst_s` and sends back.
+    Each trip less rank 1's compute, halved; on rank 0 (rank 1 returns [])."""
+    import torch.distributed as dist
+
+    spans, computed = [], []
+    for _ in range(trips):
+        if rank == 0:
+            _busy(burst_s)
+            t0 = time.perf_counter()
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+            _sync(device)
+            spans.append(time.perf_counter() - t0)
+        else:
+            dist.recv(buf, 0)
+            _sync(device)
+            t0 = time.perf_counter()
+            _busy(burst_s)
+            computed.append(time.perf_counter() - t0)
+            dist.send(buf, 0)
+    # rank 1's compute spans, to take out of rank 0's trips (_busy overshoots by up to one small matmul)
+    spent = torch.tensor(computed if rank == 1 else [0.0] * trips, dtype=torch.float64, device=device)
+    if rank == 1:
+        dist.send(spent, 0)
+        return []
+    dist.recv(spent, 1)
+    return [max(0.0, (span - c) / 2) for span, c in zip(spans, spent.tolist(), strict=True)]
 
 
 def _link_worker(rank: int, out: str, init: str, backend: str, sizes: list[int], quick: bool, threads: int) -> None:
@@ -542,18 +578,12 @@ def _link_worker(rank: int, out: str, init: str, backend: str, sizes: list[int],
         p2p, allreduce = [], []
         for nbytes in sizes:
             buf = torch.zeros(max(1, nbytes // 4), device=device)
-            trips, reduces = [], []
-            for rep in range(2 + _reps(nbytes, quick)):
-                dist.barrier()
-                t0 = time.perf_counter()
-                if rank == 0:
-                    dist.send(buf, 1)
-                    dist.recv(buf, 1)
-                else:
-                    dist.recv(buf, 0)
-                    dist.send(buf, 0)
-                _sync(device)
-                trip = (time.perf_counter() - t0) / 2
+            reps = _reps(nbytes, quick)
+            dist.barrier()
+            # On a CPU the ranks compute between messages, as pipeline stages do (see _BURST_S).
+            trips = _p2p_stream(rank, buf, 2 + reps, device, 0.0 if cuda else _BURST_S)[2:]
+            reduces = []
+            for rep in range(2 + reps):
                 dist.barrier()
                 if not cuda:
                     _busy(_BURST_S)  # as the gradient all-reduce follows a backward (see _BURST_S)
@@ -561,9 +591,9 @@ def _link_worker(rank: int, out: str, init: str, backend: str, sizes: list[int],
                 dist.all_reduce(buf)
                 _sync(device)
                 if rep >= 2:
-                    trips.append(trip)
                     reduces.append(time.perf_counter() - t0)
-            p2p.append(statistics.median(trips))
+            if rank == 0:
+                p2p.append(statistics.median(trips))
             # gloo's all-reduce time is bimodal on a busy CPU (see _BURST_S): its mean is what steps pay.
             allreduce.append(statistics.median(reduces) if cuda else statistics.fmean(reduces))
         if rank == 0:

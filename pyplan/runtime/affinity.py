@@ -1,19 +1,25 @@
-"""Each CPU rank on cores of its own, on request (PYPLAN_PIN_CPUS=1).
+"""Each CPU rank on cores of its own (unless PYPLAN_PIN_CPUS=0).
 
 On a CPU, a rank of one compute thread shares the machine with the other ranks and with gloo's I/O threads. Left
 to the scheduler, a rank's threads wander between cores: a gloo thread that wakes up to move a message may wait for
 a core another rank's compute holds, and the rank posting its next send waits for that thread. Pinned, a rank's
-gloo threads run on its own cores. Measured on this project's 2-core VM, both ways:
-  - pipelines ran faster pinned: gpt-tiny on 1 x 2 stages, GPipe, 8 micro-batches, 44-51 ms a step unpinned and
-    38-40 ms pinned; resnet-tiny 1 x 2, GPipe, 8 micro-batches, 67-74 ms and 52-58 ms; data parallel alike;
-  - but a rank that sleeps in a receive is woken on its own, idle core, which a VM may have halted: gloo's
-    ping-pong latency went from 0.12 ms to 1.5-2 ms pinned (a woken thread on a halted virtual CPU).
-So pinning is off by default; `pyplan calibrate` and the runtime both follow PYPLAN_PIN_CPUS, so that the
+gloo threads run on its own cores. Measured on this project's 2-core VM (2 ranks, one thread each, gloo):
+  - pipelines ran faster pinned: in benchmarks/accuracy.py's 1x2 plans at 8 micro-batches, vgg-tiny GPipe 31.9 ms a
+    step pinned against 40.6 ms unpinned, 1F1B 29.0 against 42.5 ms; gpt-tiny GPipe 42.1 against 60.3 ms, 1F1B 38.4
+    against 59.5 ms. Unpinned, rank 0's gloo thread spent 9 ms of kernel time a GPipe step (1 ms pinned);
+  - data parallel alike (2x1 plans within the runs' noise: vgg-tiny 23.2 against 23.2 ms, resnet-tiny 38.8 against
+    39.4 ms);
+  - a message in a stream of them, each rank computing between messages as pipeline stages do, took as long pinned
+    as unpinned (0.08-0.13 ms up to 256 KiB); but a rank that waits longer, as after a barrier, is woken on its
+    own idle core, which a VM may have halted: 0.9-1.9 ms a message pinned. `pyplan calibrate` times messages in
+    a stream (pyplan/hardware/calibrate.py, _p2p_stream).
+So CPU ranks are pinned by default; `pyplan calibrate` and the runtime both follow PYPLAN_PIN_CPUS, so that the
 calibrated costs are those of the runtime as it runs.
 
 `pin_rank` gives local rank r of w the r-th of w equal slices of the cores this process may use, sets every thread
 of the process to it (threads started later inherit it) and caps torch's intra-op threads at the slice's size. It
-does nothing when the ranks outnumber the cores (the slices would be empty) or unless PYPLAN_PIN_CPUS=1.
+does nothing when the ranks outnumber the cores (the slices would be empty), for a single rank, or with
+PYPLAN_PIN_CPUS=0.
 """
 
 from __future__ import annotations
@@ -44,9 +50,9 @@ def _local_rank_and_size() -> tuple[int, int] | None:
 
 
 def pin_rank() -> tuple[int, ...]:
-    """With PYPLAN_PIN_CPUS=1, pin this process (every thread) to its local rank's slice of the usable cores;
+    """Pin this process (every thread) to its local rank's slice of the usable cores, unless PYPLAN_PIN_CPUS=0;
     returns the slice, empty when nothing was pinned (see the module docstring)."""
-    if os.environ.get(ENV, "0") != "1" or not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+    if os.environ.get(ENV, "1") == "0" or not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
         return ()
     pid, _, pinned = os.environ.get(_PINNED, "").partition(":")
     if pid == str(os.getpid()):

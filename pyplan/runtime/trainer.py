@@ -251,7 +251,7 @@ def build_trainer(
     schedule = cls(stage_arg, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=not manual_grads)
     if device.type == "cpu":
         keep_freed_memory()  # a step reuses what the last one freed, without page faults (pyplan/runtime/heap.py)
-        pin_rank()  # with PYPLAN_PIN_CPUS=1; after the process groups, so that gloo's threads move too
+        pin_rank()  # unless PYPLAN_PIN_CPUS=0; after the process groups, so that gloo's threads move too
     bucket_views = any(isinstance(m, DistributedDataParallel) for m in modules)
     return PipelineTrainer(
         layout, mesh, mine, modules, optimizer, schedule, device, tied_groups, manual_grads, bucket_views

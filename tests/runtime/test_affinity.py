@@ -1,4 +1,4 @@
-"""pin_rank: each local rank on its own slice of the cores, only when asked (PYPLAN_PIN_CPUS=1)."""
+"""pin_rank: each local rank on its own slice of the cores, unless turned off (PYPLAN_PIN_CPUS=0)."""
 
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ CORES = sorted(os.sched_getaffinity(0))
 
 
 @pytest.mark.skipif(len(CORES) < 2, reason="needs two cores")
-@pytest.mark.parametrize("rank", [0, 1])
-def test_each_local_rank_gets_its_own_slice(rank: int) -> None:
-    got = _pin({"PYPLAN_PIN_CPUS": "1", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"})
+@pytest.mark.parametrize(("rank", "env"), [(0, {}), (1, {}), (1, {"PYPLAN_PIN_CPUS": "1"})])
+def test_each_local_rank_gets_its_own_slice(rank: int, env: dict[str, str]) -> None:
+    got = _pin({**env, "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"})
     per = len(CORES) // 2
     assert got["first"] == CORES[rank * per : (rank + 1) * per]
     assert got["cores"] == got["first"]
@@ -43,12 +43,12 @@ def test_each_local_rank_gets_its_own_slice(rank: int) -> None:
     assert got["threads"] == min(4, per)
 
 
-def test_nothing_is_pinned_unless_asked_or_when_ranks_outnumber_cores() -> None:
+def test_nothing_is_pinned_when_turned_off_or_when_ranks_outnumber_cores() -> None:
     for env in (
-        {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"},
         {"PYPLAN_PIN_CPUS": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"},
-        {"PYPLAN_PIN_CPUS": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(len(CORES) + 1)},
-        {"PYPLAN_PIN_CPUS": "1"},  # no local rank and no process group: nothing to go by
+        {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(len(CORES) + 1)},
+        {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"},  # one rank: nothing to keep apart
+        {},  # no local rank and no process group: nothing to go by
     ):
         got = _pin(env)
         assert got["first"] == [] and got["cores"] == CORES and got["threads"] == 4, env
