@@ -36,10 +36,12 @@ Measurement, per configuration and rank:
   memory   the two first steps run under `LiveMemory` (pyplan/profile/live.py: every storage torch allocates, from
            its allocation to its death); the peak is taken over the second step, so it holds what the first step
            left (optimizer state, the pipeline's receive buffers, DDP's buckets, gradients) and every transient
-           of a steady step; the rank's parameter bytes, allocated before, are added. That is compared with the
-           plan's memory of the rank: Σ StagePlan.memory_bytes = weights + gradients + optimizer state (AdamW,
-           16 bytes per parameter) + activations of the micro-batches in flight. Not seen: memory inside kernels
-           and allocations made by gloo's threads. The plan counts torch's receive buffers (one per micro-batch).
+           of a steady step; the rank's parameter bytes and, on the first stage's rank, the replica's batch, both
+           allocated before, are added. That is compared with the plan's memory of the rank: Σ
+           StagePlan.memory_bytes = weights + gradients + optimizer state (AdamW, 16 bytes per parameter) +
+           activations of the micro-batches in flight + what the PipelineStage keeps (inputs, outputs, torch's
+           receive buffers, pyplan/solve/remat_search.py StageHeld). Not seen: memory inside kernels and
+           allocations made by gloo's threads.
   busy     per stage, wall and CPU time of the stage module's forward (+ the loss on the last stage), of its
            autograd backward (torch's stage_backward) and of recomputation inside it (checkpointed blocks run
            again); the rest of forward_one_chunk / backward_one_chunk and of the step outside them, the loss, the
@@ -639,10 +641,13 @@ def _build(item: dict[str, Any]) -> _Run:
         stop = mem.mark()
     params = list({id(p): p for mod in trainer.modules for p in mod.parameters()}.values())
     param_bytes = sum(p.numel() * p.element_size() for p in params)
+    # The replica's batch, made before the steps, is held by the first stage through each step (as a data
+    # loader's batch would be); the plan counts it there.
+    batch_bytes = sum(t.numel() * t.element_size() for t in x) if trainer.has_first else 0
     state = trainer.optimizer.state.values()
     run = _Run(item, trainer, (x, y))
     run.memory = {
-        "peak_bytes": param_bytes + mem.peak_bytes_since(start, stop),
+        "peak_bytes": param_bytes + batch_bytes + mem.peak_bytes_since(start, stop),
         "param_bytes": param_bytes,
         "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
         "optimizer_state_bytes": sum(

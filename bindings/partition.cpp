@@ -65,13 +65,18 @@ void bind_partition(py::module_& m) {
     m.def("extra_input_cuts", &pyplan::extra_input_cuts, py::arg("num_microbatches"), py::arg("in_flight"),
           "Input cuts a stage s > 0 holds beyond its n in-flight inputs: receive buffers for the other m - n\n"
           "micro-batches, and its last backward's input gradient when n < m (partition.h).");
+    m.def("held_input_cuts", &pyplan::held_input_cuts, py::arg("num_microbatches"), py::arg("in_flight"),
+          py::arg("stage"),
+          "Input cuts stage `stage` holds beyond its n in-flight inputs: extra_input_cuts for a later stage, the\n"
+          "rest of the replica's batch (m - n) for the first (partition.h).");
 
     m.def(
         "partition",
         [](std::vector<double> fwd_time_s, std::vector<double> bwd_time_s, std::vector<double> act_bytes,
            std::vector<double> state_bytes, std::vector<double> cut_bytes, int num_stages, int num_microbatches,
            std::vector<double> mem_limit_bytes, const std::string& schedule, const std::string& objective,
-           double latency_s, double bw_bytes_per_s, std::vector<int> in_flight_per_stage, bool receive_buffers) {
+           double latency_s, double bw_bytes_per_s, std::vector<int> in_flight_per_stage, bool receive_buffers,
+           std::vector<int> extra_output_cuts) {
             const pyplan::Chain chain{std::move(fwd_time_s), std::move(bwd_time_s), std::move(act_bytes),
                                       std::move(state_bytes), std::move(cut_bytes)};
             pyplan::PartitionOptions options;
@@ -83,6 +88,7 @@ void bind_partition(py::module_& m) {
             options.mem_limit_bytes = std::move(mem_limit_bytes);
             options.link = {latency_s, bw_bytes_per_s};
             options.receive_buffers = receive_buffers;
+            options.extra_output_cuts = std::move(extra_output_cuts);
             py::gil_scoped_release release;
             return pyplan::partition(chain, options);
         },
@@ -91,6 +97,7 @@ void bind_partition(py::module_& m) {
         py::arg("mem_limit_bytes"), py::arg("schedule") = "1F1B", py::arg("objective") = "pipeline_time",
         py::arg("latency_s") = 0.0, py::arg("bw_bytes_per_s") = std::numeric_limits<double>::infinity(),
         py::arg("in_flight_per_stage") = std::vector<int>{}, py::arg("receive_buffers") = false,
+        py::arg("extra_output_cuts") = std::vector<int>{},
         "Exact split of a chain of L blocks into num_stages contiguous stages minimizing\n"
         "sum(t_s) + (m-1) max(t_s) under each stage's memory limit (objective='pipeline_time'), or max(t_s)\n"
         "then sum(t_s) (objective='bottleneck', the limit m -> inf). Per block: fwd_time_s, bwd_time_s,\n"
@@ -98,6 +105,7 @@ void bind_partition(py::module_& m) {
         "in flight per stage (m, or min(m, p-s)); in_flight_per_stage, when not empty, gives them instead (one\n"
         "per stage, each in [1, m]: e.g. an interleaved schedule's simulated peak). A boundary at cut c costs\n"
         "latency_s + cut_bytes[c]/bw each way; a stage pays the send of its output and the gradient send of\n"
-        "its input.\n"
+        "its input. With receive_buffers, a stage also holds torch's receive buffers, the first stage the\n"
+        "replica's batch, and extra_output_cuts[s] more output-sized tensors (partition.h).\n"
         "Raises ValueError on malformed input; returns feasible=False with a reason when nothing fits.");
 }

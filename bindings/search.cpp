@@ -108,10 +108,8 @@ void bind_search(py::module_& m) {
                                               std::move(act_per_sample_bytes), std::move(act_fixed_bytes),
                                               std::move(params),          std::move(cut_per_sample_bytes),
                                               std::move(cut_fixed_bytes), std::move(param_tensors),
-                                              std::move(cut_tensors)};
-            chain.time_sizes = std::move(time_sizes);
-            chain.fwd_points_s = std::move(fwd_points_s);
-            chain.bwd_points_s = std::move(bwd_points_s);
+                                              std::move(cut_tensors),     std::move(time_sizes),
+                                              std::move(fwd_points_s),    std::move(bwd_points_s)};
             pyplan::Hardware hardware;
             hardware.num_gpus = num_gpus;
             hardware.gpus_per_node = gpus_per_node;

@@ -87,6 +87,14 @@ void bind_simulate(py::module_& m) {
         "[stage] -> rank: loop placement, or V placement for ZBVZeroBubble and DualPipeV.");
 
     m.def(
+        "warmup_send_held",
+        [](const std::string& schedule, int num_microbatches, int num_stages, int stage) {
+            return pyplan::warmup_send_held(to_schedule(schedule), num_microbatches, num_stages, stage);
+        },
+        py::arg("schedule"), py::arg("num_microbatches"), py::arg("num_stages"), py::arg("stage"),
+        "Whether the stage keeps the output of its last warm-up send past that micro-batch's backward (1F1B).");
+
+    m.def(
         "torch_rejection",
         [](const std::string& schedule, int num_ranks, int num_microbatches, int stages_per_rank) {
             return pyplan::torch_rejection(to_schedule(schedule), num_ranks, num_microbatches, stages_per_rank);

@@ -210,6 +210,15 @@ void validate(const Chain& chain, const PartitionOptions& options) {
                  std::to_string(options.num_microbatches) + "], got " + std::to_string(in_flight[s]));
         }
     }
+    const std::vector<int>& kept = options.extra_output_cuts;
+    if (!kept.empty() && kept.size() != static_cast<std::size_t>(p)) {
+        fail("extra_output_cuts must be empty or have one entry per stage (" + std::to_string(p) + "), got " +
+             std::to_string(kept.size()));
+    }
+    for (std::size_t s = 0; s < kept.size(); ++s) {
+        if (kept[s] < 0) fail("extra_output_cuts[" + std::to_string(s) + "] must be >= 0, got " +
+                              std::to_string(kept[s]));
+    }
 }
 
 // Cost of sending across cut c between two stages; nothing at the chain's ends.
@@ -246,8 +255,9 @@ Problem build_problem(const Chain& chain, const PartitionOptions& options) {
                               : options.in_flight_per_stage[s];
         if (options.receive_buffers) {
             const int m = options.num_microbatches;
-            stage.extra_inputs = s > 0 ? extra_input_cuts(m, stage.in_flight) : 0;
-            stage.output_buffers = s + 1 < p ? m : 0;
+            stage.extra_inputs = held_input_cuts(m, stage.in_flight, s);
+            const int kept = options.extra_output_cuts.empty() ? 0 : options.extra_output_cuts[s];
+            stage.output_buffers = s + 1 < p ? m + kept : 0;
         }
         stage.limit_bytes = options.mem_limit_bytes[s];
         // Each of S, A and the block-by-block sums is off by at most (L+1)·ε/2 of its total; the slack
@@ -478,6 +488,10 @@ int in_flight_microbatches(InFlight rule, int stage, int num_stages, int num_mic
 
 int extra_input_cuts(int num_microbatches, int in_flight) {
     return num_microbatches - in_flight + (in_flight < num_microbatches ? 1 : 0);
+}
+
+int held_input_cuts(int num_microbatches, int in_flight, int stage) {
+    return stage > 0 ? extra_input_cuts(num_microbatches, in_flight) : num_microbatches - in_flight;
 }
 
 PartitionResult partition(const Chain& chain, const PartitionOptions& options) {

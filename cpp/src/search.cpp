@@ -630,9 +630,10 @@ bool Searcher::stages_fit(const Config& c, const Chain& chain, const std::vector
             state += chain.state_bytes[i];
             act += chain.act_bytes[i];
         }
+        const int outputs = c.m + (warmup_send_held(c.schedule, c.m, S, s) ? 1 : 0);
         const double need = state + in_flight[s] * (act + chain.cut_bytes[cuts[s]]) +
-                            ((s > 0 ? extra_input_cuts(c.m, in_flight[s]) * chain.cut_bytes[cuts[s]] : 0.0) +
-                             (s + 1 < S ? c.m * chain.cut_bytes[cuts[s + 1]] : 0.0));
+                            (held_input_cuts(c.m, in_flight[s], s) * chain.cut_bytes[cuts[s]] +
+                             (s + 1 < S ? outputs * chain.cut_bytes[cuts[s + 1]] : 0.0));
         if (need > hw_.gpu_mem_bytes) return false;
     }
     return true;
@@ -652,12 +653,16 @@ const PartitionResult& Searcher::cached_partition(const Config& c, const Layout&
                                   c.zero == 3 ? lay.dp_nodes : 0,
                                   c.p > 1 && lay.pipeline_inter};
     key.insert(key.end(), in_flight.begin(), in_flight.end());
+    std::vector<int> kept(c.p * c.v);
+    for (int s = 0; s < c.p * c.v; ++s) kept[s] = warmup_send_held(c.schedule, c.m, c.p * c.v, s) ? 1 : 0;
+    key.insert(key.end(), kept.begin(), kept.end());
     auto it = partitions_.find(key);
     if (it != partitions_.end()) return it->second;
     PartitionOptions options;
     options.num_stages = c.p * c.v;
     options.num_microbatches = c.m;
     options.in_flight_per_stage = in_flight;
+    options.extra_output_cuts = kept;
     options.mem_limit_bytes.assign(options.num_stages, hw_.gpu_mem_bytes);
     options.link = lay.pipeline_inter ? hw_.inter : hw_.intra;
     options.receive_buffers = true;
@@ -816,10 +821,12 @@ void Searcher::evaluate(const Config& c) {
         cand.stage_in_flight.push_back(n);
         cand.stage_act_bytes.push_back(n * act_per_microbatch[s]);
         // 9. Receive buffers: one per micro-batch for the input (n of them counted with the activations) and
-        // for the output's gradient; and the last input gradient (extra_input_cuts).
+        // for the output's gradient; the last input gradient; the first stage's batch (held_input_cuts); 1F1B's
+        // last warm-up send (warmup_send_held).
         const double input_cut = chain.cut_bytes[part.cuts[s]], output_cut = chain.cut_bytes[part.cuts[s + 1]];
-        cand.stage_buffer_bytes.push_back((s > 0 ? extra_input_cuts(c.m, n) * input_cut : 0.0) +
-                                          (s + 1 < S ? c.m * output_cut : 0.0));
+        const int outputs = c.m + (warmup_send_held(c.schedule, c.m, S, s) ? 1 : 0);
+        cand.stage_buffer_bytes.push_back(held_input_cuts(c.m, n, s) * input_cut +
+                                          (s + 1 < S ? outputs * output_cut : 0.0));
         // Added one at a time, as the partition sums a stage's need: (state + activations) + buffers.
         cand.rank_memory_bytes[cand.stage_rank[s]] += cand.stage_act_bytes[s];
         cand.rank_memory_bytes[cand.stage_rank[s]] += cand.stage_buffer_bytes[s];

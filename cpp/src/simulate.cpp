@@ -278,6 +278,11 @@ std::string torch_rejection(Schedule schedule, int num_ranks, int num_microbatch
     return {};
 }
 
+bool warmup_send_held(Schedule schedule, int num_microbatches, int num_stages, int stage) {
+    const int w = std::min(num_microbatches, num_stages - stage);
+    return schedule == Schedule::OneFOneB && stage < num_stages - 1 && w >= 2 && num_microbatches >= 2 * w - 1;
+}
+
 RankOrder schedule_order(Schedule schedule, int num_ranks, int num_microbatches, int stages_per_rank) {
     const std::string reason = torch_rejection(schedule, num_ranks, num_microbatches, stages_per_rank);
     if (!reason.empty()) throw std::invalid_argument(reason);

@@ -43,7 +43,7 @@ from pyplan.plan import Layout, Plan, Prediction, StagePlan, Workload
 from pyplan.profile.analytic import OpCost, Roofline, op_class
 from pyplan.profile.memory import SavedRecorder
 from pyplan.solve.ilp import StageAssignment, StageDag, assign_stages, evaluate_stages, stage_dag_from_layergraph
-from pyplan.solve.schedules import simulate
+from pyplan.solve.schedules import simulate, warmup_send_held
 
 __all__ = [
     "DAG_SCHEDULES",
@@ -486,10 +486,12 @@ def _evaluate(
         g = sum(nc.bwd_s[v] for v in members) + costs.host_s("stage_backward_s") + messages_s
         state, act = figures.stage_state_bytes[s], figures.stage_act_bytes[s]
         # Step 9: torch's receive buffers, one per micro-batch for the input (those in flight counted with the
-        # activations) and for the output's gradient; and the last input gradient (partition.h's extra_input_cuts).
+        # activations) and for the output's gradient; the last input gradient; the first stage's whole batch; 1F1B's
+        # last warm-up send (partition.h's held_input_cuts, simulate.h's warmup_send_held).
         n = figures.stage_in_flight[s]
-        into = _core.extra_input_cuts(m, n) * figures.boundary_bytes[s - 1] if s > 0 else 0.0
-        buffer = into + (m * figures.boundary_bytes[s] if s < p - 1 else 0.0)
+        into = _core.held_input_cuts(m, n, s) * (figures.boundary_bytes[s - 1] if s > 0 else sum(nc.dag.input_bytes))
+        outputs = m + warmup_send_held(c.schedule, m, p, s)
+        buffer = into + (outputs * figures.boundary_bytes[s] if s < p - 1 else 0.0)
         # Steps 5 and 6: the stage's gradient sync, overlapped with its backward or not; the optimizer step.
         params = sum(nc.params[v] for v in members)
         sync = costs.allreduce_s(params * grad_bytes) if c.dp > 1 and c.zero_stage < 3 else 0.0

@@ -110,6 +110,18 @@ def extra_input_cuts(num_microbatches: int, in_flight: int) -> int:
     return num_microbatches - in_flight + (in_flight < num_microbatches)
 
 
+def held_input_cuts(num_microbatches: int, in_flight: int, stage: int) -> int:
+    """Input cuts a stage holds beyond its in-flight inputs: extra_input_cuts for a later stage, the rest of the
+    replica's batch (m − n) for the first (partition.h)."""
+    return extra_input_cuts(num_microbatches, in_flight) if stage > 0 else num_microbatches - in_flight
+
+
+def warmup_send_held(schedule: str, num_microbatches: int, num_stages: int, stage: int) -> int:
+    """1 when a 1F1B stage keeps its last warm-up send's output past that micro-batch's backward (simulate.h)."""
+    w = min(num_microbatches, num_stages - stage)
+    return int(schedule == "1F1B" and stage < num_stages - 1 and w >= 2 and num_microbatches >= 2 * w - 1)
+
+
 @dataclass(frozen=True)
 class Evaluated:
     """One partition, measured by the formulas of partition.h."""
@@ -143,12 +155,14 @@ def evaluate_partition(
     bw_bytes_per_s: float = math.inf,
     in_flight_per_stage: Sequence[int] = (),
     receive_buffers: bool = False,
+    extra_output_cuts: Sequence[int] = (),
 ) -> Evaluated:
     """Stage times and memory of the stages [cuts[s], cuts[s+1]), computed directly from the definitions.
 
     Stage s holds `in_flight_per_stage[s]` micro-batches when given, else the schedule's rule. With
-    `receive_buffers`, torch's receive buffers count too: (m − n_s) more inputs (s > 0) and m output gradients
-    (s < p − 1).
+    `receive_buffers`, torch's receive buffers count too: (m − n_s) more inputs (s > 0; on the first stage the
+    rest of the batch), the last input gradient when n_s < m (s > 0), and m + extra_output_cuts[s] output-sized
+    tensors (s < p − 1).
     """
     num_blocks, p = len(fwd_time_s), len(cuts) - 1
 
@@ -169,7 +183,8 @@ def evaluate_partition(
         need = states[-1] + acts[-1]
         if receive_buffers:
             m = num_microbatches
-            need += extra_input_cuts(m, in_flight) * cut_bytes[i] * (s > 0) + m * cut_bytes[j] * (s < p - 1)
+            outputs = m + (extra_output_cuts[s] if extra_output_cuts else 0)
+            need += held_input_cuts(m, in_flight, s) * cut_bytes[i] + outputs * cut_bytes[j] * (s < p - 1)
         overflows.append(need - mem_limit_bytes[s])
     return Evaluated(
         cuts=tuple(cuts),
@@ -207,6 +222,7 @@ def partition_brute_force(
     bw_bytes_per_s: float = math.inf,
     in_flight_per_stage: Sequence[int] = (),
     receive_buffers: bool = False,
+    extra_output_cuts: Sequence[int] = (),
 ) -> BruteForce:
     """Evaluates every split of the L blocks into num_stages non-empty contiguous stages."""
     num_blocks = len(fwd_time_s)
@@ -225,6 +241,7 @@ def partition_brute_force(
             bw_bytes_per_s=bw_bytes_per_s,
             in_flight_per_stage=in_flight_per_stage,
             receive_buffers=receive_buffers,
+            extra_output_cuts=extra_output_cuts,
         )
         for inner in itertools.combinations(range(1, num_blocks), num_stages - 1)
     ]

@@ -227,6 +227,7 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> P
     else:
         unit = [1.0] * stages
         in_flight = list(simulate(c.schedule, unit, unit, num_microbatches=c.m, stages_per_rank=c.v).peak_in_flight)
+    kept = [reference.warmup_send_held(c.schedule, c.m, stages, s) for s in range(stages)]
     found = reference.partition_brute_force(
         fwd,
         bwd,
@@ -241,6 +242,7 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> P
         bw_bytes_per_s=link[1],
         in_flight_per_stage=in_flight,
         receive_buffers=True,
+        extra_output_cuts=kept,
     )
     if found.best_pipeline_time is None:
         # Two stages per rank: the stage limits are necessary only, the need a lower bound (search.cpp).
@@ -273,9 +275,10 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> P
         rank_state[s % c.p] += stage_state
         rank_mem[s % c.p] += stage_state + in_flight[s] * (sum(act[i] for i in blocks) + cut[cuts[s]])
         # 9. Receive buffers: m inputs (n counted above) and m output gradients; the last input gradient when
-        # fewer than m are in flight (partition.h's extra_input_cuts).
-        extra = reference.extra_input_cuts(c.m, in_flight[s])
-        rank_mem[s % c.p] += extra * cut[cuts[s]] * (s > 0) + c.m * cut[cuts[s + 1]] * (s < stages - 1)
+        # fewer than m are in flight; the first stage's whole batch; 1F1B's last warm-up send (partition.h).
+        extra = reference.held_input_cuts(c.m, in_flight[s], s)
+        outputs = c.m + kept[s]
+        rank_mem[s % c.p] += extra * cut[cuts[s]] + outputs * cut[cuts[s + 1]] * (s < stages - 1)
     if max(rank_mem) > hw.gpu_mem_bytes:
         return max(rank_mem)
 

@@ -20,6 +20,7 @@ __all__ = [
     "simulate_order",
     "stage_placement",
     "torch_rejection",
+    "warmup_send_held",
 ]
 
 # torch.distributed.pipelining's schedule names (`get_schedule_class`), in the C++ core's order.
@@ -81,12 +82,17 @@ def default_stages_per_rank(schedule: str) -> int:
     return 1 if schedule in _SINGLE_STAGE else 2
 
 
-def torch_rejection(
-    schedule: str, num_ranks: int, num_microbatches: int, stages_per_rank: int | None = None
-) -> str:
+def torch_rejection(schedule: str, num_ranks: int, num_microbatches: int, stages_per_rank: int | None = None) -> str:
     """Why torch 2.13 refuses to build `schedule` for this shape; "" when it accepts it."""
     v = _stages_per_rank(schedule, stages_per_rank)
     return _call(_core.torch_rejection, schedule, num_ranks, num_microbatches, v)
+
+
+def warmup_send_held(schedule: str, num_microbatches: int, num_stages: int, stage: int) -> bool:
+    """Whether `stage` keeps one output beyond its micro-batches in flight through its peak: Schedule1F1B keeps the
+    Work of its last warm-up send, with its tensor, until the steady phase ends (simulate.h)."""
+    _check_name(schedule)
+    return bool(_core.warmup_send_held(schedule, num_microbatches, num_stages, stage))
 
 
 def stage_placement(schedule: str, num_ranks: int, stages_per_rank: int | None = None) -> list[int]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from pyplan import _core
 from pyplan.solve import partition
 from pyplan.solve.reference import evaluate_partition, partition_brute_force
 
@@ -149,13 +150,16 @@ def test_per_stage_in_flight_equals_brute_force(objective: str) -> None:
 
 @pytest.mark.parametrize("objective", ["pipeline_time", "bottleneck"])
 def test_receive_buffers_equal_brute_force(objective: str) -> None:
-    # torch's receive buffers: (m − n_s) more inputs into a non-first stage and m output gradients out of a
-    # non-last one; they depend on both cuts of a stage, which the DP's windows and the overflow DP must get right.
+    # torch's receive buffers: (m − n_s) more inputs into a non-first stage (the rest of the batch on the first)
+    # and m output gradients (and sends a schedule keeps) out of a non-last one; they depend on both cuts of a
+    # stage, which the DP's windows and the overflow DP must get right.
     rng = random.Random(77)
     feasible = 0
-    for _ in range(400):
+    for k in range(400):
         kwargs = _instance(rng)
         kwargs["receive_buffers"] = True
+        if k % 2:
+            kwargs["extra_output_cuts"] = [rng.randint(0, 2) for _ in range(kwargs["num_stages"])]
         _check_against_brute_force(kwargs, objective)
         got = partition(*_chain(kwargs), **_without(kwargs, *_CHAIN))
         feasible += got.feasible
@@ -272,6 +276,8 @@ def test_infeasible_reason_names_the_stage_and_the_bytes() -> None:
         ({"in_flight_per_stage": [1]}, "in_flight_per_stage must be empty or have one entry per stage (2), got 1"),
         ({"in_flight_per_stage": [1, 0]}, "in_flight_per_stage[1] must be in [1, 2], got 0"),
         ({"in_flight_per_stage": [3, 1]}, "in_flight_per_stage[0] must be in [1, 2], got 3"),
+        ({"extra_output_cuts": [1]}, "extra_output_cuts must be empty or have one entry per stage (2), got 1"),
+        ({"extra_output_cuts": [0, -1]}, "extra_output_cuts[1] must be >= 0, got -1"),
     ],
 )
 def test_bad_input_raises(change: dict[str, Any], message: str) -> None:
@@ -304,3 +310,17 @@ def test_large_chain_is_solved() -> None:
         even = evaluate_partition(cuts, *_chain(kwargs), **_without(kwargs, *_CHAIN, "num_stages"))
         assert even.fits
         assert got.pipeline_time_s <= even.pipeline_time_s * (1 + REL)
+
+
+def test_held_cuts_follow_torchs_schedules() -> None:
+    # The first stage holds the rest of the replica's batch; a later one receive buffers and, with fewer than m
+    # in flight, its last input gradient.
+    assert [_core.held_input_cuts(4, n, 0) for n in (1, 2, 4)] == [3, 2, 0]
+    assert [_core.held_input_cuts(4, n, 1) for n in (1, 2, 4)] == [4, 3, 0]
+    # Schedule1F1B keeps the Work of its last warm-up send: on a non-last stage with w = min(m, p − s) >= 2
+    # warm-ups, past that micro-batch's backward once the steady phase reaches backward w − 1 (m >= 2w − 1).
+    held = {(m, p, s) for m in range(1, 9) for p in range(1, 5) for s in range(p)
+            if _core.warmup_send_held("1F1B", m, p, s)}  # fmt: skip
+    assert (4, 2, 0) in held and (3, 2, 0) in held and (2, 2, 0) not in held and (4, 2, 1) not in held
+    assert (5, 3, 0) in held and (4, 3, 0) not in held and (4, 3, 1) in held
+    assert not any(_core.warmup_send_held(name, 8, 2, 0) for name in ("GPipe", "Interleaved1F1B"))

@@ -13,8 +13,9 @@
 //               (GPipe m, 1F1B min(m, p−s), or in_flight_per_stage[s] when given, e.g. the simulated
 //               peak of an interleaved schedule); the stage keeps its input cut for backward. A tensor
 //               that is both in some act_bytes_k and in cut i is counted twice (an over-estimate).
-//               With receive_buffers, mem_s adds extra_input_cuts(m, n_s)·cut_bytes[i] for s > 0 and m·cut_bytes[j] for
-//               s < p−1 (torch's receive buffers); the sure/loose estimates below take both cuts (κ, or 0).
+//               With receive_buffers, mem_s adds held_input_cuts(m, n_s, s)·cut_bytes[i] and (m + extra_output_cuts[s])·
+//               cut_bytes[j] for s < p−1 (torch's receive buffers, the first stage's batch, kept sends); the sure/loose
+//               estimates below take both cuts (κ, or 0).
 // Times are these floating-point expressions, evaluated the same way everywhere (bounds, candidates,
 // results), so that "t ≤ B" means one thing; memory is compared in the block-by-block sum above.
 //
@@ -107,9 +108,13 @@ struct PartitionOptions {
     std::vector<double> mem_limit_bytes;  // [p] memory available to each stage
     Link link;                            // between consecutive stages
     // torch's PipelineStage keeps a receive buffer per micro-batch for a stage's input (s > 0) and for its
-    // output's gradient (s < p−1) all step: mem_s adds extra_input_cuts(m, n_s)·cut_bytes[i] (the n_s in flight
-    // are counted; the last input gradient when n_s < m) and m·cut_bytes[j].
+    // output's gradient (s < p−1) all step, and the first stage holds the replica's whole batch: mem_s adds
+    // held_input_cuts(m, n_s, s)·cut_bytes[i] (the n_s in flight are counted; the last input gradient when
+    // n_s < m) and (m + extra_output_cuts[s])·cut_bytes[j] for s < p−1.
     bool receive_buffers = false;
+    // [p] output-sized tensors stage s holds beyond its output gradients' buffers (with receive_buffers): what the
+    // schedule keeps of its sends (simulate.h's warmup_send_held). Empty: none.
+    std::vector<int> extra_output_cuts;
 };
 
 // The stage that overflows least when nothing fits: blocks [begin_cut, end_cut) as stage `stage`.
@@ -145,6 +150,11 @@ int in_flight_microbatches(InFlight rule, int stage, int num_stages, int num_mic
 // 1x2 1F1B pipelines: the last stage's peak held one such tensor more than the plan (vgg-tiny b=16: 525 KB against
 // 524 KB cuts; gpt-tiny and resnet-tiny alike); GPipe's peak (all m in flight, before any backward) does not.
 int extra_input_cuts(int num_microbatches, int in_flight);
+
+// Input-cut-sized tensors stage `stage` holds beyond its n in-flight inputs: extra_input_cuts for a later stage;
+// the first stage the rest of the replica's batch, m − n micro-batches (the schedule splits the batch into views,
+// and the whole batch lives through the step; measured as the input tensor the benchmark's first-stage rank holds).
+int held_input_cuts(int num_microbatches, int in_flight, int stage);
 
 // The exact optimum. Throws std::invalid_argument on malformed input (array lengths, p outside [1, L],
 // m < 1, negative or NaN values, in_flight_per_stage of the wrong length or outside [1, m]); an input

@@ -52,8 +52,10 @@
 //  9. Receive buffers: torch's PipelineStage keeps one receive buffer per micro-batch for a stage's input
 //     (non-first stages) and for its output's gradient (non-last stages), for the whole step; with the n_s
 //     inputs in flight counted in step 3, a stage adds (m − n_s)·input cut + m·output cut bytes, and one
-//     input cut more when n_s < m (the last input gradient the stage keeps, partition.h's extra_input_cuts),
-//     in the partition's memory (partition.h's receive_buffers) and in the reported memory.
+//     input cut more when n_s < m (the last input gradient the stage keeps, partition.h's extra_input_cuts);
+//     the first stage (m − n_s)·input cut for the rest of the replica's batch (held_input_cuts); under 1F1B
+//     one output cut more where the last warm-up send outlives its micro-batch (simulate.h's
+//     warmup_send_held). In the partition's memory (partition.h's receive_buffers) and in the reported memory.
 //
 // Objectives: time T, cost C, weighted C + w·T (Huang et al. §III). Ties go to fewer GPUs, then less peak
 // memory, then the enumeration order above. The Pareto frontier keeps the feasible candidates that no

@@ -68,6 +68,13 @@ std::vector<int> stage_placement(Schedule schedule, int num_ranks, int stages_pe
 // Why torch 2.13 refuses to build `schedule` for this shape, in its terms; empty when it accepts it.
 std::string torch_rejection(Schedule schedule, int num_ranks, int num_microbatches, int stages_per_rank);
 
+// Whether `stage` keeps one output beyond its micro-batches in flight through its peak: Schedule1F1B waits for the
+// send of each warm-up forward's output but the last one it fires, and keeps that send's Work (its tensor with it)
+// until the steady phase ends. That outlives the micro-batch's backward when the stage sends (not the last) after
+// w = min(m, stages − stage) ≥ 2 warm-ups and the steady phase reaches backward w − 1 (m ≥ 2w − 1). Measured on
+// the zoo's 1x2 1F1B first stages: micro-batch 0's output live beside the in-flight ones during backward 1.
+bool warmup_send_held(Schedule schedule, int num_microbatches, int num_stages, int stage);
+
 // The per-rank compute order of `schedule`; throws std::invalid_argument with torch_rejection's reason
 // for a shape torch does not accept.
 RankOrder schedule_order(Schedule schedule, int num_ranks, int num_microbatches, int stages_per_rank);
