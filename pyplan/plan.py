@@ -86,9 +86,11 @@ class StagePlan:
 
     `time_s` is the stage's time per micro-batch in the partition's model: `forward_s` + `backward_s` plus the
     boundary sends; `memory_bytes` = `state_bytes` (weights, gradients, optimizer state after ZeRO sharding)
-    + `activation_bytes` (`in_flight` micro-batches of saved activations and received inputs) + `buffer_bytes`
-    (the receive buffers torch's PipelineStage keeps for the other micro-batches and the output gradients, and the
-    input gradient it keeps from its last backward while others are in flight). With a
+    + `activation_bytes` (`in_flight` micro-batches of saved activations, received inputs and outputs, which the
+    PipelineStage keeps to the end of the backward, and one backward's working memory) + `buffer_bytes` (the
+    receive buffers torch's PipelineStage keeps for the other micro-batches and the output gradients, the input
+    gradient it keeps from its last backward while others are in flight, the rest of the replica's batch on the
+    first stage, and the output of Schedule1F1B's last warm-up send). With a
     rematerialization plan (the layout's `remat`), `backward_s` includes `recompute_s` and the exposed offload
     `transfer_s` per micro-batch.
     """
@@ -104,7 +106,7 @@ class StagePlan:
     backward_s: float = 0.0
     recompute_s: float = 0.0
     transfer_s: float = 0.0
-    buffer_bytes: float = 0.0  # receive buffers beyond the in-flight inputs, the last input gradient (in memory_bytes)
+    buffer_bytes: float = 0.0  # receive buffers, the last input gradient, the batch, a kept send (in memory_bytes)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

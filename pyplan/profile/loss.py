@@ -159,14 +159,22 @@ def with_loss(chain: Chain, loss: LossCost) -> Chain:
 
 
 def remat_with_loss(remat: RematProfile, loss: LossCost) -> RematProfile:
-    """The remat profile with the loss's saved bytes kept by the last block from its forward to its backward
-    (and in its forward peak): the loss runs between the two; and its backward's peak in the last block's (the
-    model's own profile takes the output's gradient as given, not counted)."""
+    """The remat profile with the loss folded into the last block: the loss's saved bytes kept from the block's
+    forward to its backward (and in its forward peak: the loss runs between the two); the loss's backward, which
+    runs first, peaks with the block's kept bytes, the loss's saved bytes and the loss's own peak (the output's
+    gradient and temporaries); the block's own backward then holds that gradient as its output gradient. The
+    gradient of the model's output is made by the loss, so it is counted in those peaks, not given (the chain's
+    last gradient becomes zero: the replay takes a given output gradient as resident).
+
+    Measured on gpt-tiny at 16 samples: the live bytes peak in the loss's backward, with the logits, the
+    log-softmax output, its gradient and the logits' gradient (524 KB each) live beside the saved activations;
+    counting the loss's peak on top of the block's own, less a given output gradient, left out 393 KB."""
     tail = remat.blocks[-1]
     tail = replace(
         tail,
         kept_bytes=tail.kept_bytes + loss.saved_bytes,
         fwd_peak_bytes=tail.fwd_peak_bytes + loss.saved_bytes,
-        bwd_peak_bytes=tail.bwd_peak_bytes + loss.bwd_peak_bytes,
+        loss_bwd_peak_bytes=tail.kept_bytes + loss.saved_bytes + loss.bwd_peak_bytes,
     )
-    return replace(remat, blocks=(*remat.blocks[:-1], tail))
+    grads = (*remat.grad_bytes[:-1], Affine(0.0, 0.0))
+    return replace(remat, blocks=(*remat.blocks[:-1], tail), grad_bytes=grads)

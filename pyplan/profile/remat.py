@@ -85,18 +85,24 @@ class RematBytes:
     bwd_peak_bytes: Affine
     out_values: tuple[tuple[Affine, int, tuple[int, ...]], ...] = ()  # (bytes, last cut live, savers)
     saves: bool = True
+    # The last block with the loss folded in (pyplan/profile/loss.py): the peak of the loss's backward, which runs
+    # before the block's own; the block's backward peak is the larger of the two at each batch size.
+    loss_bwd_peak_bytes: Affine | None = None
 
     def at(self, batch_size: int) -> BlockMemory:
         def value(a: Affine) -> int:
             return round(a(batch_size))
 
         values = tuple((value(b), last, saver) for b, last, saver in self.out_values)
+        bwd_peak = value(self.bwd_peak_bytes)
+        if self.loss_bwd_peak_bytes is not None:
+            bwd_peak = max(bwd_peak, value(self.loss_bwd_peak_bytes))
         return BlockMemory(
             value(self.kept_bytes),
             sum(b for b, _, _ in values) if values else value(self.out_bytes),
             value(self.fwd_peak_bytes),
             value(self.fwd_nosave_peak_bytes),
-            value(self.bwd_peak_bytes),
+            bwd_peak,
             values,
             self.saves,
         )
