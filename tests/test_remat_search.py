@@ -143,3 +143,28 @@ def test_checkpoint_costs_are_scaled_to_what_the_runtime_pays(monkeypatch: pytes
     # Nothing left beyond the forwards and the calls: no block cost.
     seconds = iter([0.01, 0.01 + forward])
     assert measure._as_in_the_runtime(chain, mods, [], alone, b, call, clock, measure.TimingOptions()) == [0.0] * n
+
+
+def test_what_a_stage_holds_beside_the_replay_of_its_blocks() -> None:
+    from pyplan.profile.remat import BlockMemory
+    from pyplan.solve.remat import Keep, RematPlan, full_remat, no_remat
+    from pyplan.solve.remat_search import _recomputed_outputs, _without, stage_outputs
+
+    def block(values: tuple[tuple[int, int, tuple[int, ...]], ...]) -> BlockMemory:
+        out = sum(b for b, _, _ in values)
+        return BlockMemory(out + 5, out, out + 7, out + 3, out + 11, values)
+
+    # Blocks 0-3 of a 6-block chain (cuts 0..6) as a stage over [1, 4): block 1's output dies inside, block 2's
+    # (saved by itself) is carried past cut 4 by a residual, block 3's output crosses cut 4 and nobody saves it.
+    mems = [block(((10, 1, (0,)),)), block(((20, 2, ()),)), block(((30, 5, (2, 5)),)), block(((40, 4, ()),))]
+    mems += [block(((1, 5, ()),)), block(((1, 6, ()),))]
+    outputs = stage_outputs(1, 4, mems, num_cuts=7)
+    assert outputs == ((2, 0), (3, 0))
+    assert stage_outputs(4, 6, mems, num_cuts=7) == ()  # the last stage's output goes to the loss
+    # Counted elsewhere (held by the stage), an output leaves every figure of its block.
+    assert _without(mems[2], {0}) == BlockMemory(5, 0, 7, 3, 11, ((0, 5, (2, 5)),))
+    assert _without(mems[1], set()) is mems[1]
+    # Recomputing block 2 makes its output again (it saves it); block 3's is made by nobody that saves it.
+    assert _recomputed_outputs(full_remat(0, 3), 1, mems, outputs) == 30
+    assert _recomputed_outputs(no_remat(0, 3), 1, mems, outputs) == 0
+    assert _recomputed_outputs(RematPlan((Keep(0), Keep(1), Checkpoint(no_remat(2, 3)))), 1, mems, outputs) == 0
