@@ -514,6 +514,11 @@ def _reps(nbytes: int, quick: bool) -> int:
 #   to their cores (pyplan/runtime/affinity.py) took 0.9-1.9 ms a message of up to 256 KiB (a woken thread on an
 #   idle virtual CPU), where the stream took 0.08-0.13 ms, and 1x2 pipelines ran 13-47 % faster than so predicted.
 _BURST_S = 2e-3
+# Ranks reach the gradient all-reduce apart, by the spread of their backwards; the rank that waits sleeps, and the
+# late one pays its waking. Measured on this VM (2 ranks pinned, 512 KiB, the late rank's view, 40 calls): 0.48 ms
+# median arriving together, 3.7-5.3 ms arriving 0.5-2 ms apart; unpinned 1.2 and 1.0-1.7 ms. DDP's gradient sync
+# in the benchmark's 2x1 plans ran 2-3 ms longer than an all-reduce timed arriving together predicted.
+_SKEW_S = 1e-3
 
 
 def _busy(seconds: float) -> None:
@@ -586,7 +591,9 @@ def _link_worker(rank: int, out: str, init: str, backend: str, sizes: list[int],
             for rep in range(2 + reps):
                 dist.barrier()
                 if not cuda:
-                    _busy(_BURST_S)  # as the gradient all-reduce follows a backward (see _BURST_S)
+                    # As the gradient all-reduce follows a backward, which one rank ends later (see _SKEW_S);
+                    # rank 0, which writes the figures, is the late one.
+                    _busy(_BURST_S + (_SKEW_S if rank == 0 else 0.0))
                 t0 = time.perf_counter()
                 dist.all_reduce(buf)
                 _sync(device)
