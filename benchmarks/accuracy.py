@@ -40,8 +40,8 @@ Measurement, per configuration and rank:
            allocated before, are added. That is compared with the plan's memory of the rank: Σ
            StagePlan.memory_bytes = weights + gradients + optimizer state (AdamW, 16 bytes per parameter) +
            activations of the micro-batches in flight + what the PipelineStage keeps (inputs, outputs, torch's
-           receive buffers, pyplan/solve/remat_search.py StageHeld). Not seen: memory inside kernels and
-           allocations made by gloo's threads.
+           receive buffers: pyplan/solve/remat_search.py's stage_outputs, partition.h's held_input_cuts, simulate.h's
+           warmup_send_held). Not seen: memory inside kernels and allocations made by gloo's threads.
   busy     per stage, wall and CPU time of the stage module's forward (+ the loss on the last stage), of its
            autograd backward (torch's stage_backward) and of recomputation inside it (checkpointed blocks run
            again); the rest of forward_one_chunk / backward_one_chunk and of the step outside them, the loss, the

@@ -188,6 +188,13 @@ struct Config {
     double need_bound_bytes = 0.0;  // the fullest GPU of any partition needs at least this much
 };
 
+// Output-cut-sized tensors a non-last stage s of S holds (step 9): a gradient receive buffer per micro-batch, and
+// under 1F1B the output of its last warm-up send where that outlives its micro-batch (partition.h's
+// extra_output_cuts).
+int held_output_cuts(const Config& c, int S, int s) {
+    return c.m + (warmup_send_held(c.schedule, c.m, S, s) ? 1 : 0);
+}
+
 double objective_of(const SearchSpace& space, const Hardware& hw, int num_gpus, double time_s) {
     const double cost = num_gpus * hw.price_per_gpu_s * time_s;
     switch (space.objective) {
@@ -630,10 +637,9 @@ bool Searcher::stages_fit(const Config& c, const Chain& chain, const std::vector
             state += chain.state_bytes[i];
             act += chain.act_bytes[i];
         }
-        const int outputs = c.m + (warmup_send_held(c.schedule, c.m, S, s) ? 1 : 0);
         const double need = state + in_flight[s] * (act + chain.cut_bytes[cuts[s]]) +
                             (held_input_cuts(c.m, in_flight[s], s) * chain.cut_bytes[cuts[s]] +
-                             (s + 1 < S ? outputs * chain.cut_bytes[cuts[s + 1]] : 0.0));
+                             (s + 1 < S ? held_output_cuts(c, S, s) * chain.cut_bytes[cuts[s + 1]] : 0.0));
         if (need > hw_.gpu_mem_bytes) return false;
     }
     return true;
@@ -654,7 +660,7 @@ const PartitionResult& Searcher::cached_partition(const Config& c, const Layout&
                                   c.p > 1 && lay.pipeline_inter};
     key.insert(key.end(), in_flight.begin(), in_flight.end());
     std::vector<int> kept(c.p * c.v);
-    for (int s = 0; s < c.p * c.v; ++s) kept[s] = warmup_send_held(c.schedule, c.m, c.p * c.v, s) ? 1 : 0;
+    for (int s = 0; s < c.p * c.v; ++s) kept[s] = held_output_cuts(c, c.p * c.v, s) - c.m;
     key.insert(key.end(), kept.begin(), kept.end());
     auto it = partitions_.find(key);
     if (it != partitions_.end()) return it->second;
@@ -824,9 +830,8 @@ void Searcher::evaluate(const Config& c) {
         // for the output's gradient; the last input gradient; the first stage's batch (held_input_cuts); 1F1B's
         // last warm-up send (warmup_send_held).
         const double input_cut = chain.cut_bytes[part.cuts[s]], output_cut = chain.cut_bytes[part.cuts[s + 1]];
-        const int outputs = c.m + (warmup_send_held(c.schedule, c.m, S, s) ? 1 : 0);
         cand.stage_buffer_bytes.push_back(held_input_cuts(c.m, n, s) * input_cut +
-                                          (s + 1 < S ? outputs * output_cut : 0.0));
+                                          (s + 1 < S ? held_output_cuts(c, S, s) * output_cut : 0.0));
         // Added one at a time, as the partition sums a stage's need: (state + activations) + buffers.
         cand.rank_memory_bytes[cand.stage_rank[s]] += cand.stage_act_bytes[s];
         cand.rank_memory_bytes[cand.stage_rank[s]] += cand.stage_buffer_bytes[s];

@@ -219,10 +219,7 @@ def refine_plan(
         rank_state = sum(plan.stages[x].state_bytes for x in rank_stages)
         rank_held = sum(resident[x] + plan.stages[x].buffer_bytes for x in rank_stages)
         budget = (gpu_mem_bytes - rank_state - rank_held) / len(rank_stages)
-        mine = set(outputs[s])
-        blocks = [
-            _without(mems[k], {i for i in range(len(mems[k].out_values)) if (k, i) in mine}) for k in range(lo, hi)
-        ]
+        blocks = [_without(mems[k], {i for j, i in outputs[s] if j == k}) for k in range(lo, hi)]
         chain = RematChain(
             fwd_s=tuple(f_all[lo:hi]),
             bwd_s=tuple(g_all[lo:hi]),

@@ -13,9 +13,9 @@
 //               (GPipe m, 1F1B min(m, p−s), or in_flight_per_stage[s] when given, e.g. the simulated
 //               peak of an interleaved schedule); the stage keeps its input cut for backward. A tensor
 //               that is both in some act_bytes_k and in cut i is counted twice (an over-estimate).
-//               With receive_buffers, mem_s adds held_input_cuts(m, n_s, s)·cut_bytes[i] and (m + extra_output_cuts[s])·
-//               cut_bytes[j] for s < p−1 (torch's receive buffers, the first stage's batch, kept sends); the sure/loose
-//               estimates below take both cuts (κ, or 0).
+//               With receive_buffers, mem_s adds held_input_cuts(m, n_s, s)·cut_bytes[i] and
+//               (m + extra_output_cuts[s])·cut_bytes[j] for s < p−1 (torch's receive buffers, the first stage's
+//               batch, kept sends); the sure/loose estimates below take both cuts (κ, or 0).
 // Times are these floating-point expressions, evaluated the same way everywhere (bounds, candidates,
 // results), so that "t ≤ B" means one thing; memory is compared in the block-by-block sum above.
 //

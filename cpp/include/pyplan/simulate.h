@@ -70,9 +70,10 @@ std::string torch_rejection(Schedule schedule, int num_ranks, int num_microbatch
 
 // Whether `stage` keeps one output beyond its micro-batches in flight through its peak: Schedule1F1B waits for the
 // send of each warm-up forward's output but the last one it fires, and keeps that send's Work (its tensor with it)
-// until the steady phase ends. That outlives the micro-batch's backward when the stage sends (not the last) after
-// w = min(m, stages − stage) ≥ 2 warm-ups and the steady phase reaches backward w − 1 (m ≥ 2w − 1). Measured on
-// the zoo's 1x2 1F1B first stages: micro-batch 0's output live beside the in-flight ones during backward 1.
+// until the steady phase ends. That outlives the micro-batch's backward when the stage sends (not the last)
+// after w = min(m, stages − stage) ≥ 2 warm-ups and the steady phase reaches backward w − 1 (m ≥ 2w − 1).
+// Measured on the zoo's 1x2 1F1B first stages: micro-batch 0's output live beside the in-flight ones during
+// backward 1.
 bool warmup_send_held(Schedule schedule, int num_microbatches, int num_stages, int stage);
 
 // The per-rank compute order of `schedule`; throws std::invalid_argument with torch_rejection's reason
