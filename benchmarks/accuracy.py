@@ -55,17 +55,18 @@ Diagnosis. The iteration's error is split into terms by re-simulating the planne
 the plan's send times) with measured per-micro-batch stage times: compute = makespan(CPU-time F and B less
 recompute, plus the predicted recompute) − the predicted makespan without its host costs (CPU time is what the
 profile measures: what the stages cost); contention = the same in wall-clock time, less that (other threads held the
-core while a stage computed); recompute = makespan(wall F, B) − that; framework = makespan with each stage's
-framework overhead per micro-batch added to its F and B, less that, less the predicted host costs (per-stage, per-
-message and per-step, pyplan/hardware/host.py); optimizer = measured − predicted optimizer step; sync = measured
-all-reduce waits − predicted exposed communication (DDP's and the tied parameters'); the rest (measured − everything
-above) is "p2p" for pipelines (time the ranks wait for sends and receives beyond what the schedule with the real
-compute and overhead implies) and "other" for dp x 1.
-With remat, torch's checkpoint hooks run in the forward (packing) and in the backward around the recomputation,
-and the plan charges all of them to its recomputation: a split between compute and recompute would move the
-forward's hooks from one to the other. Such rows have one term for both, "compute+remat" (CPU-time F and B, the
-recomputation included, against the predicted makespan), and their CPU F/B errors include the hooks and the
-recomputation likewise.
+core while a stage computed); recompute = makespan(wall F, B) − that (the blocks a checkpoint runs again in the
+backward, measured against the plan's recomputed forwards: its recompute_s less checkpoint_s); framework = makespan
+with each stage's framework overhead per micro-batch added to its F and B, less that, less the predicted host costs
+(per-stage, per-message and per-step, pyplan/hardware/host.py); optimizer = measured − predicted optimizer step;
+sync = measured all-reduce waits − predicted exposed communication (DDP's and the tied parameters'); the rest
+(measured − everything above) is "p2p" for pipelines (time the ranks wait for sends and receives beyond what the
+schedule with the real compute and overhead implies) and "other" for dp x 1.
+With remat, a checkpoint's call and torch's hooks on the saved tensors run in the forward (packing) and in the
+backward around the recomputation, interleaved with the blocks' own work: they are in the compute term where they
+run, measured in F and B, predicted in the plan's forward_s (checkpoint_forward_s) and backward_s (the rest of
+checkpoint_s). The CPU F and B errors printed are those of the busiest stage per micro-batch, B without the
+recomputation, and R that of the recomputation.
 A row whose error exceeds 10 % names its largest term as the wrong one.
 
 Targets (issue "Predictions users can trust"): median |error| of iteration time <= 10 %, worst <= 25 %; peak
@@ -198,8 +199,9 @@ class Terms:
     """The iteration-time error split into terms: measured minus predicted seconds (see the module docstring).
 
     `forward_err`/`backward_err`: measured (CPU time, what the profile measures) over predicted, less one, of the
-    busiest stage's forward and backward per micro-batch, recomputation left out. `other_cores`: how many cores
-    other processes kept busy on average while the configuration ran (2 cores in all)."""
+    busiest stage's forward and backward (recomputation left out) per micro-batch; `recompute_cpu_s` and
+    `recompute_pred_s` its recomputation per micro-batch, measured and predicted (0 without). `other_cores`: how
+    many cores other processes kept busy on average while the configuration ran (2 cores in all)."""
 
     compute_s: float
     contention_s: float
@@ -214,15 +216,14 @@ class Terms:
     other_cores: float
     stage_overhead_s: float  # framework overhead inside the busiest stage's chunks, per micro-batch
     outside_s: float  # framework overhead outside the chunks, per step, on the rank where it is largest
-    remat: bool = False  # compute and recomputation in one term (see the module docstring)
+    recompute_cpu_s: float = 0.0
+    recompute_pred_s: float = 0.0
 
     def named(self) -> dict[str, float]:
-        if self.remat:
-            first = {"compute+remat": self.compute_s, "contention": self.contention_s}
-        else:
-            first = {"compute": self.compute_s, "contention": self.contention_s, "recompute": self.recompute_s}
         return {
-            **first,
+            "compute": self.compute_s,
+            "contention": self.contention_s,
+            "recompute": self.recompute_s,
             "framework": self.framework_s,
             "optimizer": self.optimizer_s,
             "sync": self.sync_s,
@@ -232,9 +233,11 @@ class Terms:
     def describe(self, measured_s: float, error: float) -> str:
         terms = self.named()
         parts = [f"{k} {v / measured_s:+.0%}" for k, v in terms.items() if v]
-        what = "CPU F with hooks {:+.0%}, B with recompute {:+.0%}" if self.remat else "CPU F {:+.0%}, B {:+.0%}"
+        errors = f"CPU F {self.forward_err:+.0%}, B {self.backward_err:+.0%}"
+        if self.recompute_pred_s > 0:
+            errors += f", R {self.recompute_cpu_s / self.recompute_pred_s - 1:+.0%}"
         text = ", ".join(parts) + (
-            f" ({what.format(self.forward_err, self.backward_err)}; framework "
+            f" ({errors}; framework "
             f"{self.stage_overhead_s * 1e3:.2f} ms/micro-batch in a stage + {self.outside_s * 1e3:.1f} ms/step)"
         )
         if abs(error) > TARGET_TIME_MEDIAN:
@@ -260,6 +263,9 @@ class Row:
     terms: Terms
     # Per pipeline rank (one replica), the plan's memory less the measured peak: where a memory error lies.
     rank_bytes_error: tuple[float, ...] = ()
+    # Every timed step's iteration time (the max over ranks) and whether it was quiet, in the order run.
+    step_s: tuple[float, ...] = ()
+    step_quiet: tuple[bool, ...] = ()
 
     @property
     def time_error(self) -> float:
@@ -845,7 +851,9 @@ def analyse(planned: Planned, ranks: Sequence[dict[str, Any]]) -> Row:
     # overhead (the stage's, and its rank's outside the chunks, shared by the rank's stages) split between F and B.
     f_pred = [st.forward_s for st in plan.stages]
     b_pred = [st.backward_s for st in plan.stages]
-    r_pred = [st.recompute_s for st in plan.stages]
+    # The blocks checkpoints run again in the backward (the rest of recompute_s is the checkpoints' calls and hooks,
+    # in forward_s and backward_s where they run).
+    r_pred = [st.recompute_s - st.checkpoint_s for st in plan.stages]
     t = [stages[s] for s in range(n)]
     per_rank = [sum(1 for r in planned.stage_rank if r == k) for k in range(lay.pp)]
     outside = [ranks[planned.stage_rank[s]]["outside_s"] / per_rank[planned.stage_rank[s]] for s in range(n)]
@@ -854,6 +862,7 @@ def analyse(planned: Planned, ranks: Sequence[dict[str, Any]]) -> Row:
     b_cpu_less = [(x.backward_cpu_s - x.recompute_cpu_s) / m for x in t]
     b_wall_less = [(x.backward_s - x.recompute_s) / m for x in t]
     b_wall = [x.backward_s / m for x in t]
+    r_cpu = [x.recompute_cpu_s / m for x in t]
     half_fw = [(x.overhead_s + o) / (2 * m) for x, o in zip(t, outside)]
 
     def makespan(f: list[float], b: list[float]) -> float:
@@ -874,15 +883,9 @@ def analyse(planned: Planned, ranks: Sequence[dict[str, Any]]) -> Row:
     b_model = [x - h[1] for x, h in zip(b_pred, planned.host_s)]
     pipeline_model = makespan(f_model, b_model)
     framework_pred = pred.pipeline_s - pipeline_model + pred.host_step_s
-    remat = any(r > 0 for r in r_pred)
     sim_wall = makespan(f_wall, b_wall)
-    if remat:
-        # One term for compute and recomputation, the checkpoint hooks of both passes in it (module docstring).
-        b_cpu = [x.backward_cpu_s / m for x in t]
-        sim_cpu = sim_wall_less = makespan(f_cpu, b_cpu)
-    else:
-        sim_cpu = makespan(f_cpu, [x + r for x, r in zip(b_cpu_less, r_pred)])
-        sim_wall_less = makespan(f_wall, [x + r for x, r in zip(b_wall_less, r_pred)])
+    sim_cpu = makespan(f_cpu, [x + r for x, r in zip(b_cpu_less, r_pred)])
+    sim_wall_less = makespan(f_wall, [x + r for x, r in zip(b_wall_less, r_pred)])
     sim_fw = makespan([x + h for x, h in zip(f_wall, half_fw)], [x + h for x, h in zip(b_wall, half_fw)])
     optimizer_meas = max(r["optimizer_s"] for r in ranks)
     # DDP's wait in the last backward, plus the tied parameters' all-reduce after the schedule: the rank that
@@ -900,15 +903,12 @@ def analyse(planned: Planned, ranks: Sequence[dict[str, Any]]) -> Row:
         rest_s=measured_s - sim_fw - optimizer_meas - sync_meas,
         rest_name="other" if lay.pp == 1 else "p2p",
         forward_err=f_cpu[busiest] / f_model[busiest] - 1,
-        backward_err=(
-            t[busiest].backward_cpu_s / m / b_model[busiest] - 1
-            if remat
-            else b_cpu_less[busiest] / (b_model[busiest] - r_pred[busiest]) - 1
-        ),
+        backward_err=b_cpu_less[busiest] / (b_model[busiest] - r_pred[busiest]) - 1,
+        recompute_cpu_s=r_cpu[busiest],
+        recompute_pred_s=r_pred[busiest],
         other_cores=statistics.median(ranks[0]["other_cores"]),
         stage_overhead_s=t[busiest].overhead_s / m,
         outside_s=max(r["outside_s"] for r in ranks),
-        remat=remat,
     )
 
     # Memory of each rank: predicted (its stages' state + activations) against measured.
@@ -934,6 +934,8 @@ def analyse(planned: Planned, ranks: Sequence[dict[str, Any]]) -> Row:
         measured_activation_bytes=measured[top] - state[top],
         terms=terms,
         rank_bytes_error=tuple(pred_rank[k] - measured[k] for k in range(lay.pp)),
+        step_s=tuple(per_step),
+        step_quiet=tuple(ranks[0]["quiet"]),
     )
 
 

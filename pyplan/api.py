@@ -24,7 +24,7 @@ from pyplan.profile import TimingOptions, default_batch_sizes, local_device, mea
 from pyplan.profile.analytic import Roofline, block_times_analytic
 from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, measured_target
 from pyplan.profile.loss import LossCost, LossFn, TargetFn, loss_cost, remat_with_loss, with_loss
-from pyplan.profile.measure import checkpoint_block_s, checkpoint_call_s
+from pyplan.profile.measure import CheckpointCosts, checkpoint_call_s, checkpoint_costs
 from pyplan.profile.remat import remat_bytes
 from pyplan.solve.dag_search import dag_plans
 from pyplan.solve.remat_search import OFFLOAD_MODES, RELAXED_SHARES, REMAT_MODES, refine_plan, relaxed_chain
@@ -435,8 +435,10 @@ def search(
     # the kernels, and an analytic profile has no host to measure: none is charged).
     hosted = remat != "none" and _is_local(gpu) and not is_meta_module(model)
     checkpoint_s = checkpoint_call_s() if hosted else 0.0
-    block_s = (
-        checkpoint_block_s(chain, example_inputs, min(4, workload.global_batch), call_s=checkpoint_s) if hosted else []
+    costs = (
+        checkpoint_costs(chain, example_inputs, min(4, workload.global_batch), call_s=checkpoint_s)
+        if hosted
+        else CheckpointCosts(())
     )
     wide = max(4 * top_k, 20)
 
@@ -458,7 +460,8 @@ def search(
             checkpoint_s=checkpoint_s,
             host=host_costs,
             cut_tensors=cut_tensors,
-            checkpoint_block_s=block_s,
+            checkpoint_block_s=costs.block_s,
+            checkpoint_forward_share=costs.forward_share,
         )
 
     # Parameters on stages of different ranks (tied embeddings) are all-reduced after the pipeline drains.

@@ -92,7 +92,9 @@ class StagePlan:
     gradient it keeps from its last backward while others are in flight, the rest of the replica's batch on the
     first stage, and the output of Schedule1F1B's last warm-up send). With a
     rematerialization plan (the layout's `remat`), `backward_s` includes `recompute_s` and the exposed offload
-    `transfer_s` per micro-batch.
+    `transfer_s` per micro-batch, less `checkpoint_forward_s`. Of `recompute_s`, `checkpoint_s` is what the
+    checkpoints cost beyond running blocks again (their calls, torch's hooks on saved tensors), and
+    `checkpoint_forward_s` the part of that paid in their first, non-saving pass, which `forward_s` includes.
     """
 
     first_block: int
@@ -105,6 +107,8 @@ class StagePlan:
     forward_s: float = 0.0
     backward_s: float = 0.0
     recompute_s: float = 0.0
+    checkpoint_s: float = 0.0  # of recompute_s, the checkpoints' calls and hooks
+    checkpoint_forward_s: float = 0.0  # of checkpoint_s, what the forward pays (in forward_s)
     transfer_s: float = 0.0
     buffer_bytes: float = 0.0  # receive buffers, the last input gradient, the batch, a kept send (in memory_bytes)
 

@@ -82,11 +82,11 @@ def test_bad_remat_mode(gpt) -> None:
 
 
 def test_each_checkpointed_block_adds_its_measured_cost(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """On this machine every block inside a checkpoint costs its measured checkpoint_block_s more: with full
-    remat on one stage, per micro-batch exactly their sum."""
+    """On this machine every block inside a checkpoint costs its measured checkpoint_costs more: with full
+    remat on one stage, per micro-batch exactly their sum, its forward share in the forward."""
     import pyplan.api as api
     from pyplan.hardware.catalog import local_gpu
-    from pyplan.profile.measure import checkpoint_block_s
+    from pyplan.profile.measure import CheckpointCosts, checkpoint_costs
 
     monkeypatch.setenv("PYPLAN_CACHE_DIR", str(tmp_path))
     (tmp_path / "local.json").write_text(
@@ -102,20 +102,33 @@ def test_each_checkpointed_block_adds_its_measured_cost(monkeypatch: pytest.Monk
     model = spec.build()
     cluster, workload = Cluster.from_catalog("local", 1), Workload(global_batch=4)
     chain, _ = chain_for(model, spec.example_inputs, cluster, workload)
-    measured = checkpoint_block_s(chain, spec.example_inputs, 2)
-    assert len(measured) == len(chain) and all(0 <= x < 0.1 for x in measured)
+    measured = checkpoint_costs(chain, spec.example_inputs, 2)
+    assert len(measured.block_s) == len(chain) and all(0 <= x < 0.1 for x in measured.block_s)
+    assert 0 <= measured.forward_share <= 1
     options = dict(chain=chain, micro_batch_sizes=[4], remat="full", stage_dag=False)
     found = {}
-    monkeypatch.setattr(api, "checkpoint_call_s", lambda: 1e-4)  # measured anew by each search otherwise
-    for cost in (0.0, 1e-3):
-        monkeypatch.setattr(api, "checkpoint_block_s", lambda c, *a, cost=cost, **k: [cost] * len(c))
-        found[cost] = search(model, spec.example_inputs, cluster, workload, **options).best
-    zero, extra = found[0.0].stages[0], found[1e-3].stages[0]
-    plan = found[1e-3].layout.remat[0].plan
-    inside = sum(it.inner.last - it.inner.first + 1 for it in plan.items if isinstance(it, Checkpoint))
+    call = 1e-4
+    monkeypatch.setattr(api, "checkpoint_call_s", lambda: call)  # measured anew by each search otherwise
+    for cost, share in ((0.0, 0.0), (1e-3, 0.0), (1e-3, 0.25)):
+        costs = CheckpointCosts((cost,) * len(chain), share)
+        monkeypatch.setattr(api, "checkpoint_costs", lambda *a, costs=costs, **k: costs)
+        found[cost, share] = search(model, spec.example_inputs, cluster, workload, **options).best
+    zero, extra, ahead = (found[k].stages[0] for k in ((0.0, 0.0), (1e-3, 0.0), (1e-3, 0.25)))
+    plan = found[1e-3, 0.0].layout.remat[0].plan
+    top = [it for it in plan.items if isinstance(it, Checkpoint)]
+    inside = sum(it.inner.last - it.inner.first + 1 for it in top)
     assert inside == len(chain) - 1  # full remat: every block but the last, whose output backward needs at once
     assert extra.recompute_s - zero.recompute_s == pytest.approx(1e-3 * inside, rel=1e-6)
+    assert extra.checkpoint_s - zero.checkpoint_s == pytest.approx(1e-3 * inside, rel=1e-6)
+    assert zero.checkpoint_s == pytest.approx(call * len(top), rel=1e-6)
     assert extra.backward_s - zero.backward_s == pytest.approx(1e-3 * inside, rel=1e-6)
+    assert extra.forward_s == zero.forward_s and extra.checkpoint_forward_s == 0.0
+    # A quarter of every checkpoint's cost (its call and its blocks') moves from the backward to the forward.
+    moved = 0.25 * (1e-3 * inside + call * len(top))
+    assert ahead.checkpoint_forward_s == pytest.approx(moved, rel=1e-6)
+    assert ahead.forward_s - extra.forward_s == pytest.approx(moved, rel=1e-6)
+    assert extra.backward_s - ahead.backward_s == pytest.approx(moved, rel=1e-6)
+    assert ahead.recompute_s == pytest.approx(extra.recompute_s, rel=1e-9)
 
 
 def test_checkpoint_costs_are_scaled_to_what_the_runtime_pays(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,19 +143,23 @@ def test_checkpoint_costs_are_scaled_to_what_the_runtime_pays(monkeypatch: pytes
     chain, _ = chain_for(model, spec.example_inputs, Cluster.from_catalog("local", 1), Workload(global_batch=4))
     n, call, b = len(chain), 1e-4, 4
     assert n >= 3
-    alone = [(1e-4 * (i + 1), 2e-5 * (i + 1)) for i in range(n)]
+    alone = [(1e-4 * (i + 1), 2e-5 * (i + 1), 1e-5 * (i + 1)) for i in range(n)]
     forward = sum(blk.fwd_time_s(b) for blk in chain.blocks[: n - 1])  # type: ignore[misc]
     hooks = 3e-4
-    seconds = iter([0.01, 0.01 + forward + call * (n - 1) + hooks])  # RematModule: no remat, then full remat
+    ahead = 0.4 * (call * (n - 1) + hooks)  # what the forward pass pays of the calls and hooks
+    # RematModule: no remat, then full remat, as (forward, backward)
+    seconds = iter([(0.004, 0.006), (0.004 + ahead, 0.006 + forward + call * (n - 1) + hooks - ahead)])
     monkeypatch.setattr(measure, "_module_s", lambda *a, **k: next(seconds))
     clock = measure._Clock(torch.device("cpu"), 1)
     mods = [None] * n
     got = measure._as_in_the_runtime(chain, mods, [], alone, b, call, clock, measure.TimingOptions())
-    share = sum(x for _, x in alone[: n - 1])
-    assert got == pytest.approx([x * hooks / share for _, x in alone], rel=1e-6)
-    # Nothing left beyond the forwards and the calls: no block cost.
-    seconds = iter([0.01, 0.01 + forward])
-    assert measure._as_in_the_runtime(chain, mods, [], alone, b, call, clock, measure.TimingOptions()) == [0.0] * n
+    share = sum(x for _, x, _ in alone[: n - 1])
+    assert got.block_s == pytest.approx([x * hooks / share for _, x, _ in alone], rel=1e-6)
+    assert got.forward_share == pytest.approx(0.4, rel=1e-6)
+    # Nothing left beyond the forwards and the calls: no block cost, the calls' forward part alone.
+    seconds = iter([(0.004, 0.006), (0.004 + call, 0.006 + forward + call * (n - 2))])
+    got = measure._as_in_the_runtime(chain, mods, [], alone, b, call, clock, measure.TimingOptions())
+    assert got.block_s == (0.0,) * n and got.forward_share == pytest.approx(1 / (n - 1), rel=1e-6)
 
 
 def test_what_a_stage_holds_beside_the_replay_of_its_blocks() -> None:

@@ -53,7 +53,7 @@ from pyplan.graph.trace import ExampleInputs, inputs_at
 from pyplan.profile.pieces import backward, block_inputs, block_modules, forward, leaf_inputs
 from pyplan.runtime.heap import keep_freed_memory
 
-__all__ = ["TimingOptions", "block_times", "checkpoint_block_s", "checkpoint_call_s", "local_device"]
+__all__ = ["CheckpointCosts", "TimingOptions", "block_times", "checkpoint_call_s", "checkpoint_costs", "local_device"]
 
 
 @dataclass(frozen=True)
@@ -333,7 +333,18 @@ def checkpoint_call_s(device: torch.device | None = None, opts: TimingOptions | 
     return max(0.0, (wrapped[0] + wrapped[1]) - (plain[0] + plain[1]))
 
 
-def checkpoint_block_s(
+@dataclass(frozen=True)
+class CheckpointCosts:
+    """What checkpoints cost on this device beyond running their blocks again (`checkpoint_costs`): per block,
+    the seconds it adds to a checkpoint it is inside (`block_s`: torch's hooks on its saved tensors in both
+    passes), and the share of a checkpoint's cost (its call and its blocks' hooks) paid in its first, non-saving
+    pass (`forward_share`); the rest is paid in the backward, around the recomputation."""
+
+    block_s: tuple[float, ...]
+    forward_share: float = 0.0
+
+
+def checkpoint_costs(
     chain: Chain,
     example_inputs: ExampleInputs,
     batch_size: int,
@@ -341,13 +352,14 @@ def checkpoint_block_s(
     call_s: float | None = None,
     device: torch.device | None = None,
     options: TimingOptions | None = None,
-) -> list[float]:
+) -> CheckpointCosts:
     """Per block, the seconds it adds to a checkpoint it is inside beyond running its forward once more: each
     block timed alone plain and under `torch.utils.checkpoint` (non-reentrant), forward and backward; the wrapped
     run also recomputes the forward and pays the call (`call_s`, default `checkpoint_call_s()`), the rest is
     torch's hooks on the block's saved tensors in both passes (on a CPU about 5-15 µs per saved tensor, so
     a block of many small ops pays more than its forward suggests). With two blocks or more, scaled to what the
-    whole chain pays in pyplan's runtime (`_as_in_the_runtime`). At least 0."""
+    whole chain pays in pyplan's runtime (`_as_in_the_runtime`), which also gives the forward pass's share of
+    the calls and hooks; with one, that share is the block's alone. Costs are at least 0, the share in [0, 1]."""
     device = device or local_device()
     options = options or TimingOptions()
     call = checkpoint_call_s(device, options) if call_s is None else call_s
@@ -358,33 +370,37 @@ def checkpoint_block_s(
         mods = block_modules(chain)
         args = block_inputs(mods, [t.to(device) for t in inputs_at(example_inputs, batch_size)])
         clock = _Clock(device, options.threads)
-        alone = []  # per block: its forward, and what a checkpoint adds beyond recomputing it and the call
+        alone = []  # per block: its forward; what a checkpoint adds beyond recomputing it and the call; in forward
         for i, (mod, a) in enumerate(zip(mods, args)):
             f, b = _time_block(mod, a, clock, options.warmup, options.repeats, first=i == 0)
             fw, bw = _time_block(_Checkpointed(mod), a, clock, options.warmup, options.repeats, first=i == 0)
-            alone.append((f, max(0.0, fw + bw - 2 * f - b - call)))
-        out = [x for _, x in alone]
+            alone.append((f, max(0.0, fw + bw - 2 * f - b - call), max(0.0, fw - f)))
         if len(mods) >= 2:
-            out = _as_in_the_runtime(chain, mods, args[0], alone, batch_size, call, clock, options)
+            costs = _as_in_the_runtime(chain, mods, args[0], alone, batch_size, call, clock, options)
+        else:
+            paid = sum(x + call for _, x, _ in alone)
+            share = min(1.0, sum(y for _, _, y in alone) / paid) if paid > 0 else 0.0
+            costs = CheckpointCosts(tuple(x for _, x, _ in alone), share)
     for p in chain.graph.module.parameters():
         p.grad = None
-    return out
+    return costs
 
 
 def _as_in_the_runtime(
     chain: Chain,
     mods: Sequence[nn.Module],
     inputs: Sequence[Any],
-    alone: Sequence[tuple[float, float]],
+    alone: Sequence[tuple[float, float, float]],
     batch_size: int,
     call: float,
     clock: _Clock,
     options: TimingOptions,
-) -> list[float]:
+) -> CheckpointCosts:
     """The blocks' checkpoint costs scaled to what the runtime pays: the whole chain run by pyplan's RematModule
     (one forward, one backward) under full remat (every block but the last in a checkpoint of its own) against
     no remat; beyond recomputing the blocks (their profiled forward) and the calls, the rest is the blocks'
-    share, divided in proportion to what each adds when timed alone.
+    share, divided in proportion to what each adds when timed alone. The forward share is what the forward
+    pass adds over what the calls and hooks add in all.
 
     Timed alone, a block under a checkpoint also pays the module call of its recomputation, which the runtime's
     checkpoints, running the blocks' code, do not: measured on resnet-tiny at b = 8, the blocks alone added 5.1-5.6
@@ -396,19 +412,23 @@ def _as_in_the_runtime(
     plain = _module_s(apply_remat(chain, no_remat(0, n)), inputs, clock, options)
     full = _module_s(apply_remat(chain, full_remat(0, n)), inputs, clock, options)
     forward = [
-        blk.fwd_time_s(batch_size) if blk.fwd_time_s is not None else f for blk, (f, _) in zip(chain.blocks, alone)
+        blk.fwd_time_s(batch_size) if blk.fwd_time_s is not None else f for blk, (f, _, _) in zip(chain.blocks, alone)
     ]
-    in_chain = max(0.0, full - plain - sum(forward[: n - 1]) - call * (n - 1))
-    total = sum(x for _, x in alone[: n - 1])
+    in_chain = max(0.0, sum(full) - sum(plain) - sum(forward[: n - 1]) - call * (n - 1))
+    total = sum(x for _, x, _ in alone[: n - 1])
     scale = in_chain / total if total > 0 else 0.0
-    return [x * scale for _, x in alone]
+    paid = in_chain + call * (n - 1)
+    share = min(1.0, max(0.0, full[0] - plain[0]) / paid) if paid > 0 else 0.0
+    return CheckpointCosts(tuple(x * scale for _, x, _ in alone), share)
 
 
-def _module_s(module: nn.Module, inputs: Sequence[Any], clock: _Clock, options: TimingOptions) -> float:
-    """Median seconds of one forward and backward of `module` on the model's `inputs`."""
-    runs: list[float] = []
+def _module_s(module: nn.Module, inputs: Sequence[Any], clock: _Clock, options: TimingOptions) -> tuple[float, float]:
+    """Median seconds of one forward and of one backward of `module` on the model's `inputs`."""
+    fwd: list[float] = []
+    bwd: list[float] = []
     for rep in range(options.warmup + options.repeats):
-        with clock.region(runs if rep >= options.warmup else []):
+        with clock.region(fwd if rep >= options.warmup else []):
             out = module(*leaf_inputs(inputs, first=True))
+        with clock.region(bwd if rep >= options.warmup else []):
             backward([t for t in tensor_leaves(out) if t.requires_grad])
-    return statistics.median(runs)
+    return statistics.median(fwd), statistics.median(bwd)

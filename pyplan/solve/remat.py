@@ -104,6 +104,8 @@ __all__ = [
     "RematResult",
     "Replay",
     "checkpoint_calls",
+    "checkpoint_cost_s",
+    "checkpoint_forward_s",
     "full_remat",
     "min_budget",
     "no_remat",
@@ -136,9 +138,14 @@ class RematChain:
     # [L]; empty: none. What block i adds to each checkpoint it is inside, beyond fwd_s: torch's hooks on its
     # saved tensors in the non-saving pass and in the recomputation (pyplan/profile/measure.py).
     checkpoint_block_s: tuple[float, ...] = ()
+    # Of a checkpoint's cost (checkpoint_s and its blocks' checkpoint_block_s), the share paid in its first,
+    # non-saving pass; the rest is paid in the backward (`checkpoint_forward_s`).
+    checkpoint_forward_share: float = 0.0
 
     def __post_init__(self) -> None:
         n = len(self.fwd_s)
+        if not 0.0 <= self.checkpoint_forward_share <= 1.0:
+            raise ValueError(f"checkpoint_forward_share is {self.checkpoint_forward_share}, it must be in [0, 1]")
         for name in ("bwd_s", "kept_bytes", "out_bytes", "fwd_peak_bytes", "fwd_nosave_peak_bytes", "bwd_peak_bytes"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries, the chain has {n} blocks")
@@ -216,6 +223,7 @@ class RematChain:
             saves=self.saves[start:stop],
             checkpoint_s=self.checkpoint_s,
             checkpoint_block_s=self.checkpoint_block_s[start:stop],
+            checkpoint_forward_share=self.checkpoint_forward_share,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -225,6 +233,7 @@ class RematChain:
         out["saves"] = list(self.saves)
         out["checkpoint_s"] = self.checkpoint_s
         out["checkpoint_block_s"] = list(self.checkpoint_block_s)
+        out["checkpoint_forward_share"] = self.checkpoint_forward_share
         return out
 
     @staticmethod
@@ -235,6 +244,7 @@ class RematChain:
         fields["saves"] = tuple(bool(v) for v in data.get("saves", []))
         fields["checkpoint_s"] = float(data.get("checkpoint_s", 0.0))
         fields["checkpoint_block_s"] = tuple(float(v) for v in data.get("checkpoint_block_s", []))
+        fields["checkpoint_forward_share"] = float(data.get("checkpoint_forward_share", 0.0))
         return RematChain(**fields)
 
 
@@ -472,7 +482,7 @@ def replay(chain: RematChain, plan: RematPlan, *, offload_bw_bytes_per_s: float 
     _first_pass(plan, first, chain.saves)
     ops = plan_ops(plan, chain.saves)
     rep = replay_ops(chain, ops, offload_bw_bytes_per_s=offload_bw_bytes_per_s, forward_ops=len(first))
-    extra = chain.checkpoint_s * checkpoint_calls(plan) + _checkpoint_blocks_s(chain, plan)
+    extra = checkpoint_cost_s(chain, plan)
     return replace(rep, time_s=rep.time_s + extra, recompute_s=rep.recompute_s + extra)
 
 
@@ -491,6 +501,21 @@ def _checkpoint_blocks_s(chain: RematChain, plan: RematPlan) -> float:
             total += sum(chain.checkpoint_block_s[it.inner.first : it.inner.last + 1])
             total += _checkpoint_blocks_s(chain, it.inner)
     return total
+
+
+def checkpoint_cost_s(chain: RematChain, plan: RematPlan) -> float:
+    """What `plan`'s checkpoints cost beyond running blocks again: `checkpoint_s` per call (`checkpoint_calls`)
+    and, per such call, its blocks' `checkpoint_block_s`."""
+    return chain.checkpoint_s * checkpoint_calls(plan) + _checkpoint_blocks_s(chain, plan)
+
+
+def checkpoint_forward_s(chain: RematChain, plan: RematPlan) -> float:
+    """Of `checkpoint_cost_s`, the part paid in the forward pass: `checkpoint_forward_share` of what
+    the checkpoints the forward runs cost, each with every block inside it (a checkpoint nested in another first
+    runs in the backward, during the outer one's recomputation)."""
+    top = [it.inner for it in plan.items if isinstance(it, Checkpoint)]
+    paid = sum(chain.checkpoint_s + sum(chain.checkpoint_block_s[p.first : p.last + 1]) for p in top)
+    return chain.checkpoint_forward_share * paid
 
 
 def checkpoint_calls(plan: RematPlan) -> int:

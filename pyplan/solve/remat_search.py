@@ -1,15 +1,16 @@
 """Rematerialization in the plan search: configurations that fit only with recomputation, and each stage's plan.
 
-The search of pyplan/search.h sees one additive memory model per block. With remat it runs on relaxed models
-of full recomputation, where every backward also recomputes its forward (an upper bound on time) and a
-micro-batch in flight holds a share of each block's output (RELAXED_SHARES: from full recomputation's holding
-down to nothing, a lower bound on memory); then each candidate they rank is refined exactly, stage by stage:
-the stage's blocks get the plan of the chosen mode that fits its memory with its in-flight micro-batches
-(`solve` of pyplan/remat.h for "auto", the best `checkpoint_sequential` segment count for "periodic", one
-checkpoint per block for "full"), the stage times become compute + recompute + exposed transfers, and the
-pipeline is simulated again. Candidates that fit no plan are dropped. The refined candidates are ranked among
-themselves and with the plain search's. The ranking is exact among the candidates refined, not over every
-configuration: a configuration that none of the relaxed searches ranks near the top is not refined.
+The search of pyplan/search.h sees one additive memory model per block. With remat it runs on relaxed models of full
+recomputation, where every backward also recomputes its forward (an upper bound on time) and a micro-batch in flight
+holds a share of each block's output (RELAXED_SHARES: from full recomputation's holding down to nothing, a lower
+bound on memory); then each candidate they rank is refined exactly, stage by stage: the stage's blocks get the plan
+of the chosen mode that fits its memory with its in-flight micro-batches (`solve` of pyplan/remat.h for "auto", the
+best `checkpoint_sequential` segment count for "periodic", one checkpoint per block for "full"), the stage times
+become compute + recompute + exposed transfers (the checkpoints' cost in their first pass in the forward, the rest
+in the backward), and the pipeline is simulated again. Candidates that fit no plan are dropped. The refined
+candidates are ranked among themselves and with the plain search's. The ranking is exact among the candidates
+refined, not over every configuration: a configuration that none of the relaxed searches ranks near the top is not
+refined.
 """
 
 from __future__ import annotations
@@ -21,7 +22,18 @@ from dataclasses import dataclass, replace
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.plan import Plan, StagePlan, StageRemat
 from pyplan.profile.remat import BlockMemory, RematProfile
-from pyplan.solve.remat import Checkpoint, RematChain, RematPlan, full_remat, no_remat, periodic, replay, solve
+from pyplan.solve.remat import (
+    Checkpoint,
+    RematChain,
+    RematPlan,
+    checkpoint_cost_s,
+    checkpoint_forward_s,
+    full_remat,
+    no_remat,
+    periodic,
+    replay,
+    solve,
+)
 from pyplan.solve.schedules import simulate
 
 __all__ = [
@@ -186,13 +198,15 @@ def refine_plan(
     host: Mapping[str, float | bool] | None = None,
     cut_tensors: Sequence[float] = (),
     checkpoint_block_s: Sequence[float] = (),
+    checkpoint_forward_share: float = 0.0,
 ) -> Plan | None:
     """`plan` (from the search on the relaxed chain) with each stage's remat plan, times and memory; None
     when some stage fits no plan of `mode`. `fwd_s(b)`/`bwd_s(b)` give the blocks' seconds at micro-batch b,
     `cut_bytes(b)` every cut's bytes, `positions` every cut's node position; `send_s(bytes)` a boundary transfer
     on the plan's pipeline link; `checkpoint_s` the cost of one checkpoint call on the device; `host` the search's
     host costs (search.h's HostCosts by name) with `cut_tensors` the tensors crossing each cut;
-    `checkpoint_block_s` what each block adds to a checkpoint it is inside (empty: nothing)."""
+    `checkpoint_block_s` what each block adds to a checkpoint it is inside (empty: nothing), and
+    `checkpoint_forward_share` the share of those costs paid in the forward pass (the rest in the backward)."""
     host = host or {}
     tensors = list(cut_tensors) or [0.0] * len(cut_bytes(1))
     tensors[0] = tensors[-1] = 0.0
@@ -236,6 +250,7 @@ def refine_plan(
             saves=tuple(m.saves for m in blocks),
             checkpoint_s=checkpoint_s,
             checkpoint_block_s=tuple(checkpoint_block_s[lo:hi]),
+            checkpoint_forward_share=checkpoint_forward_share,
         )
         got = stage_remat(chain, budget, st.in_flight, mode=mode, offload_bw_bytes_per_s=offload_bw_bytes_per_s)
         if got is None:
@@ -245,8 +260,10 @@ def refine_plan(
             return None
         remat.append(None if got.plan == no_remat(0, hi - lo) else StageRemat(tuple(positions[lo : hi + 1]), got.plan))
         messages = float(host.get("message_s", 0.0)) * (tensors[lo] + tensors[hi])
-        fwd = sum(chain.fwd_s) + float(host.get("stage_forward_s", 0.0)) + messages
-        bwd = got.time_s - sum(chain.fwd_s) + float(host.get("stage_backward_s", 0.0)) + messages
+        # The checkpoints' first passes run in the forward: what they cost there is the forward's.
+        ahead = checkpoint_forward_s(chain, got.plan)
+        fwd = sum(chain.fwd_s) + ahead + float(host.get("stage_forward_s", 0.0)) + messages
+        bwd = got.time_s - sum(chain.fwd_s) - ahead + float(host.get("stage_backward_s", 0.0)) + messages
         activation = got.activation_bytes + again + resident[s]
         sends = send_s(cuts[lo]) * (lo > 0) + send_s(cuts[hi]) * (hi < len(cuts) - 1)
         stages.append(
@@ -258,6 +275,8 @@ def refine_plan(
                 activation_bytes=activation,
                 memory_bytes=st.state_bytes + activation + st.buffer_bytes,
                 recompute_s=got.recompute_s,
+                checkpoint_s=checkpoint_cost_s(chain, got.plan),
+                checkpoint_forward_s=ahead,
                 transfer_s=got.transfer_s,
             )
         )
