@@ -591,12 +591,17 @@ class Protocol:
     """How the configurations are timed: in blocks of `warmup` untimed and `steps` timed steps, in rounds over the
     matrix until each configuration has `quiet_blocks` quiet blocks (other processes used at most `quiet_cores`
     cores meanwhile) or `max_rounds` rounds have run; before each round, up to `wait_s` seconds of waiting for
-    the machine to be quiet."""
+    the machine to be quiet.
 
-    steps: int = 3
+    20 quiet steps per configuration: a 2x1 step on this VM spreads over 20 % (vgg-tiny b=16: 20.3-25.8 ms, the
+    gradient all-reduce's wait), and the median of 6 steps moved by more than the 5 % a recommendation is judged
+    by: drawn from the steps of a 2x1 GPipe/1F1B pair (equal work), two medians of 6 differ by more than 5 % in
+    0-24 % of draws, of 24 in 0-15 % (vgg-tiny the most; two runs' 24 pairs)."""
+
+    steps: int = 4
     warmup: int = 3
-    quiet_blocks: int = 2
-    max_rounds: int = 8
+    quiet_blocks: int = 5
+    max_rounds: int = 10
     quiet_cores: float = 0.15
     wait_s: float = 60.0
 
