@@ -1,6 +1,6 @@
 """Prediction accuracy: plans run on 2 CPU processes, predicted against measured time and memory; prints tables.
 
-Run: `python benchmarks/accuracy.py` (3-15 minutes on 2 cores, longer while it waits for a quiet machine or runs a
+Run: `python benchmarks/accuracy.py` (5-15 minutes on 2 cores, longer while it waits for a quiet machine or runs a
 model again; `--help` for the options). It calibrates this machine (`pyplan calibrate`, into a temporary cache
 directory, so the `local` GPU and link carry today's figures); then, model by model, it profiles the model with
 `chain_for` on the `local` GPU of 2 processes (block times measured with 1 thread beside a companion process running
