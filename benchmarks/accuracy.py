@@ -8,17 +8,18 @@ the same blocks, as the ranks run), for each remat policy ("none", "full") runs 
 constrained to the matrix (dp x pp in {2x1, 1x2}, GPipe and 1F1B, the case's micro-batch sizes, ZeRO 0, every GPU
 used), and runs the plans at once. Every plan the search returns is a configuration of the matrix: its Layout is
 what runs, so the prediction printed is the prediction of the configuration measured. Each model's configurations
-run in one torchrun launch of their own (2 ranks, gloo, one thread each), each rank building its stages from the
-Layout with `build_trainer` as the emitted script does. One process per model, as a user's training has: with every
-model's trainers in one process, gpt-tiny's stage forwards took 9-26 % more CPU time than with its own alone (2 x 1
-plans, four runs each), though the trainers of the other models sat idle.
+run in torchrun launches of their own (2 ranks, gloo, one thread each; `Protocol.launches` of the same plans, whose
+steps are pooled), each rank building its stages from the Layout with `build_trainer` as the emitted script does.
+One process per model, as a user's training has: with every model's trainers in one process, gpt-tiny's stage
+forwards took 9-26 % more CPU time than with its own alone (2 x 1 plans, four runs each), though the trainers of the
+other models sat idle.
 
 The machine's speed. This VM's speed drifts by 10-50 % within minutes, unseen by a matrix product held in one core's
 cache (a run's gpt-tiny forwards took 38-51 % more time than profiled while such a probe moved 1 %): a prediction
 made from a profile taken at one speed and measured at another holds the drift, not the cost model's error. So at
 the start of each round both ranks time the model's blocks again, as `chain_for` did (`_Reprofile`), and a model
 whose blocks then take more than DRIFT more or less time than in its plans' profile is profiled, planned and run
-again, up to ATTEMPTS launches; the launch with the least drift is kept and its drift printed.
+again, up to ATTEMPTS times; the attempt with the least drift is kept and its drift printed.
 
 Measurement, per configuration and rank:
   time     blocks of `warmup` untimed and `steps` timed steps (Protocol), each step started after a barrier; a
@@ -31,8 +32,8 @@ Measurement, per configuration and rank:
            is quiet when other processes used at most `quiet_cores` cores during it (the machine's busy time in
            /proc/stat less both ranks' CPU time), rounds go on until every configuration has `quiet_blocks` quiet
            blocks, and before each round the benchmark waits for a quiet second. The figure is the median over the
-           quiet steps (over every step, said so by the "quiet steps" column, when fewer than 3 were quiet); the
-           median over every step is printed beside it.
+           quiet steps of every launch (over every step, said so by the "quiet steps" column, when fewer than 3
+           were quiet); the median over every step is printed beside it.
   memory   the two first steps run under `LiveMemory` (pyplan/profile/live.py: every storage torch allocates, from
            its allocation to its death); the peak is taken over the second step, so it holds what the first step
            left (optimizer state, the pipeline's receive buffers, DDP's buckets, gradients) and every transient
@@ -97,7 +98,7 @@ from typing import Any
 
 LR = 1e-3
 MESHES = ((2, 1), (1, 2))
-# A model's matrix runs again (up to ATTEMPTS launches, each planned afresh) while its blocks, timed again in the
+# A model's matrix runs again (up to ATTEMPTS times, each planned afresh) while its blocks, timed again in the
 # ranks during the runs, take more than DRIFT more or less time than the profile its plans were made from.
 DRIFT = 0.05
 ATTEMPTS = 3
@@ -303,8 +304,8 @@ class Summary:
     decisions: tuple[Decision, ...]
     targets: dict[str, bool] = field(default_factory=dict)
     # Per model: its blocks timed again by the ranks during the runs against the profile its plans were made
-    # from (time over time, less one; positive when the machine ran slower), and the launches it took to get
-    # within DRIFT (at most ATTEMPTS; the launch with the least drift is kept).
+    # from (time over time, less one; positive when the machine ran slower), and the attempts it took to get
+    # within DRIFT (at most ATTEMPTS; the attempt with the least drift is kept).
     drift: dict[str, float] = field(default_factory=dict)
     attempts: dict[str, int] = field(default_factory=dict)
 
@@ -588,22 +589,25 @@ def _machine_busy_s() -> float:
 
 @dataclass(frozen=True)
 class Protocol:
-    """How the configurations are timed: in blocks of `warmup` untimed and `steps` timed steps, in rounds over the
-    matrix until each configuration has `quiet_blocks` quiet blocks (other processes used at most `quiet_cores`
-    cores meanwhile) or `max_rounds` rounds have run; before each round, up to `wait_s` seconds of waiting for
-    the machine to be quiet.
+    """How the configurations are timed: in `launches` torchrun launches of the same plans (fresh processes), in
+    each blocks of `warmup` untimed and `steps` timed steps, in rounds over the matrix until each configuration
+    has `quiet_blocks` quiet blocks (other processes used at most `quiet_cores` cores meanwhile) or `max_rounds`
+    rounds have run; before each round, up to `wait_s` seconds of waiting for the machine to be quiet.
 
-    32 quiet steps per configuration: a 2x1 step on this VM spreads over 20 % (vgg-tiny b=16: 20.3-25.8 ms, the
-    gradient all-reduce's wait), and the median of 6 steps moved by more than the 5 % a recommendation is judged
-    by. A 2x1 GPipe/1F1B pair does the same work: measured with 6 steps their times differed by 5.4 % (standard
-    deviation, 156 pairs), with 12-20 steps by 2.9 % (48 pairs), and about one run in four lost a tie."""
+    32 quiet steps per configuration, in two launches: a 2x1 step on this VM spreads over 20 % (vgg-tiny b=16:
+    20.3-25.8 ms, the gradient all-reduce's wait), and the median of 6 steps moved by more than the 5 % a
+    recommendation is judged by. A 2x1 GPipe/1F1B pair does the same work: measured with 6 steps their times
+    differed by 5.4 % (standard deviation, 156 pairs), with 12-20 steps by 2.9 % (48 pairs). A difference can also
+    hold through a launch: with 32 steps in one, vgg-tiny's 1F1B b=16 ran 6.3 % slower than its GPipe, slower in 7
+    of 8 rounds; steps from two launches average two such draws."""
 
     steps: int = 4
     warmup: int = 3
-    quiet_blocks: int = 8
-    max_rounds: int = 14
+    quiet_blocks: int = 4
+    max_rounds: int = 8
     quiet_cores: float = 0.15
     wait_s: float = 60.0
+    launches: int = 2
 
 
 @dataclass
@@ -830,6 +834,32 @@ def run_matrix(
             raise RuntimeError(f"the torchrun launch failed ({done.returncode}):\n{done.stderr[-3000:]}")
         data = json.loads(out.read_text())
         return data["results"], data["profiles"]
+
+
+def merge_launches(launches: Sequence[list[list[dict[str, Any]]]]) -> list[list[dict[str, Any]]]:
+    """Per configuration and rank, the RankResults (as dicts) of several launches of the same plans as one: the
+    steps, their quietness and the blocks' other load one after the other; the medians (optimizer, framework,
+    waits, stage times) averaged over the launches; memory, the same tensor bytes in every launch, the most."""
+    if not launches:
+        raise ValueError("no launch to merge")
+
+    def one(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        out = dict(parts[0])
+        for key in ("step_s", "quiet", "other_cores"):
+            out[key] = [x for p in parts for x in p[key]]
+        for key in ("optimizer_s", "outside_s", "wait_s", "finish_s"):
+            out[key] = statistics.fmean(p[key] for p in parts)
+        for key in ("peak_bytes", "param_bytes", "grad_bytes", "optimizer_state_bytes"):
+            out[key] = max(p[key] for p in parts)
+        out["stages"] = {
+            s: {f: statistics.fmean(p["stages"][s][f] for p in parts) for f in _FIELDS} for s in parts[0]["stages"]
+        }
+        return out
+
+    return [
+        [one([launch[c][r] for launch in launches]) for r in range(len(launches[0][c]))]
+        for c in range(len(launches[0]))
+    ]
 
 
 # --- Analysis -------------------------------------------------------------------------------------------------
@@ -1068,7 +1098,7 @@ def print_report(rows: Sequence[Row], summary: Summary, *, header: str) -> None:
     for model, drift in summary.drift.items():
         tries = summary.attempts.get(model, 1)
         console.print(
-            f"{model}: blocks timed during the runs against the plans' profile {drift:+.1%}, launch "
+            f"{model}: blocks timed during the runs against the plans' profile {drift:+.1%}, attempt "
             f"{tries} of at most {ATTEMPTS}"
             + (
                 f" (WARNING: beyond {DRIFT:.0%}: its errors hold the machine's drift, run again)"
@@ -1092,7 +1122,7 @@ def run(
 ) -> tuple[list[Row], Summary]:
     """Calibrate (or use `calibration`), then per model: profile and plan, and run at once; a model whose blocks
     ran more than DRIFT slower or faster during the runs than when profiled is planned and run again, up to
-    `attempts` launches (the launch with the least drift is kept). Returns the rows and the summary."""
+    `attempts` times (the attempt with the least drift is kept). Returns the rows and the summary."""
     rows: list[Row] = []
     drift: dict[str, float] = {}
     tries: dict[str, int] = {}
@@ -1103,7 +1133,9 @@ def run(
                 planned = plan_case(case, remats, keep)
                 if not planned:
                     break
-                results, profiles = run_matrix(planned, protocol)
+                launched = [run_matrix(planned, protocol) for _ in range(max(1, protocol.launches))]
+                results = merge_launches([r for r, _ in launched])
+                profiles = [t for _, p in launched for t in p]
                 off = model_drift(planned, profiles)
                 if best is None or abs(off) < abs(best[0]):
                     best = (off, [analyse(p, ranks) for p, ranks in zip(planned, results)])
@@ -1126,6 +1158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--max-rounds", type=int, default=default.max_rounds)
     parser.add_argument(
+        "--launches", type=int, default=default.launches, help="torchrun launches of the same plans per model"
+    )
+    parser.add_argument(
         "--quiet-cores",
         type=float,
         default=default.quiet_cores,
@@ -1138,7 +1173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--attempts",
         type=int,
         default=ATTEMPTS,
-        help=f"launches per model while its blocks run more than {DRIFT:.0%} off their profile (1: no retry)",
+        help=f"attempts per model, each planned afresh, while its blocks run more than {DRIFT:.0%} off their profile",
     )
     parser.add_argument("--calibration", metavar="FILE", help="use this calibration file instead of calibrating")
     parser.add_argument("--quick-calibration", action="store_true")
@@ -1148,7 +1183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     rows, summary = run(
         cases,
-        protocol=Protocol(args.steps, args.warmup, args.quiet_blocks, args.max_rounds, args.quiet_cores, args.wait),
+        protocol=Protocol(
+            args.steps, args.warmup, args.quiet_blocks, args.max_rounds, args.quiet_cores, args.wait, args.launches
+        ),
         calibration=args.calibration,
         quick_calibration=args.quick_calibration,
         attempts=args.attempts,
@@ -1157,7 +1194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     header = (
         f"2 ranks x 1 thread, gloo, torch {torch.__version__}, blocks of {args.warmup} + {args.steps} steps, "
-        f"medians over quiet steps ({time.perf_counter() - start:.0f} s)"
+        f"{args.launches} launches, medians over quiet steps ({time.perf_counter() - start:.0f} s)"
     )
     print_report(rows, summary, header=header)
     if args.json:

@@ -52,7 +52,7 @@ def test_accuracy_harness_runs_two_configurations(tmp_path: Path, capsys: pytest
     rows, summary = acc.run(
         [acc.Case("vgg-tiny", 32, (8,))],
         remats=("none",),
-        protocol=acc.Protocol(steps=1, warmup=0, quiet_blocks=1, max_rounds=1, wait_s=0.0),
+        protocol=acc.Protocol(steps=1, warmup=0, quiet_blocks=1, max_rounds=1, wait_s=0.0, launches=1),
         calibration=str(calibration),
         keep=lambda c: c.label in wanted,
     )
@@ -72,3 +72,37 @@ def test_accuracy_harness_runs_two_configurations(tmp_path: Path, capsys: pytest
     acc.print_report(rows, summary, header="test")
     out = capsys.readouterr().out
     assert "vgg-tiny" in out and "target median |time error|" in out
+
+
+def test_launches_merge_into_one_result_per_configuration_and_rank() -> None:
+    """Steps of two launches one after the other (their median is the row's), medians averaged, memory the most."""
+    acc = _benchmark()
+
+    def result(steps: list[float], quiet: list[bool], wait: float, forward: float, peak: int) -> dict:
+        stage = {f: 0.0 for f in acc._FIELDS} | {"forward_s": forward}
+        return {
+            "step_s": steps,
+            "quiet": quiet,
+            "optimizer_s": 1e-3,
+            "outside_s": 2e-3,
+            "wait_s": wait,
+            "finish_s": 0.0,
+            "stages": {"0": stage},
+            "other_cores": [0.0] * (len(steps) // 2),
+            "peak_bytes": peak,
+            "param_bytes": 10,
+            "grad_bytes": 10,
+            "optimizer_state_bytes": 20,
+        }
+
+    first = [[result([0.030, 0.032], [True, True], 1e-3, 0.010, 100)]]
+    second = [[result([0.040, 0.036], [True, False], 3e-3, 0.014, 100)]]
+    (merged,) = acc.merge_launches([first, second])
+    (rank,) = merged
+    assert rank["step_s"] == [0.030, 0.032, 0.040, 0.036] and rank["quiet"] == [True, True, True, False]
+    assert rank["other_cores"] == [0.0, 0.0]
+    assert rank["wait_s"] == pytest.approx(2e-3) and rank["stages"]["0"]["forward_s"] == pytest.approx(0.012)
+    assert rank["peak_bytes"] == 100 and rank["optimizer_s"] == pytest.approx(1e-3)
+    assert acc.merge_launches([first]) == [[first[0][0]]]
+    with pytest.raises(ValueError, match="no launch"):
+        acc.merge_launches([])
