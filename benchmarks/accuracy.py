@@ -1184,7 +1184,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, summary = run(
         cases,
         protocol=Protocol(
-            args.steps, args.warmup, args.quiet_blocks, args.max_rounds, args.quiet_cores, args.wait, args.launches
+            steps=args.steps,
+            warmup=args.warmup,
+            quiet_blocks=args.quiet_blocks,
+            max_rounds=args.max_rounds,
+            quiet_cores=args.quiet_cores,
+            wait_s=args.wait,
+            launches=args.launches,
         ),
         calibration=args.calibration,
         quick_calibration=args.quick_calibration,

@@ -490,32 +490,30 @@ def _time_s(chain: RematChain, plan: RematPlan) -> float:
     """`replay(chain, plan).time_s` without offloading, from the operations alone (no memory replayed)."""
     ops = plan_ops(plan, chain.saves)
     run = sum(chain.fwd_s[op[1]] if op[0] == "F" else chain.bwd_s[op[1]] for op in ops if op[0] in ("F", "B"))
-    return run + chain.checkpoint_s * checkpoint_calls(plan) + _checkpoint_blocks_s(chain, plan)
+    return run + checkpoint_cost_s(chain, plan)
 
 
-def _checkpoint_blocks_s(chain: RematChain, plan: RematPlan) -> float:
-    """Σ over the checkpoints `checkpoint_calls` counts of what their blocks add (checkpoint_block_s)."""
-    total = 0.0
-    for it in plan.items:
-        if isinstance(it, Checkpoint):
-            total += sum(chain.checkpoint_block_s[it.inner.first : it.inner.last + 1])
-            total += _checkpoint_blocks_s(chain, it.inner)
-    return total
+def _call_s(chain: RematChain, inner: RematPlan) -> float:
+    """What one call of a checkpoint around `inner` costs beyond running its blocks: `checkpoint_s` and its blocks'
+    `checkpoint_block_s`."""
+    return chain.checkpoint_s + sum(chain.checkpoint_block_s[inner.first : inner.last + 1])
 
 
 def checkpoint_cost_s(chain: RematChain, plan: RematPlan) -> float:
-    """What `plan`'s checkpoints cost beyond running blocks again: `checkpoint_s` per call (`checkpoint_calls`)
-    and, per such call, its blocks' `checkpoint_block_s`."""
-    return chain.checkpoint_s * checkpoint_calls(plan) + _checkpoint_blocks_s(chain, plan)
+    """What `plan`'s checkpoints cost beyond running blocks again: each call `checkpoint_calls` counts (a
+    checkpoint's own, then those of its recomputation) at `_call_s`."""
+    return sum(
+        _call_s(chain, it.inner) + checkpoint_cost_s(chain, it.inner) for it in plan.items if isinstance(it, Checkpoint)
+    )
 
 
 def checkpoint_forward_s(chain: RematChain, plan: RematPlan) -> float:
-    """Of `checkpoint_cost_s`, the part paid in the forward pass: `checkpoint_forward_share` of what
-    the checkpoints the forward runs cost, each with every block inside it (a checkpoint nested in another first
-    runs in the backward, during the outer one's recomputation)."""
-    top = [it.inner for it in plan.items if isinstance(it, Checkpoint)]
-    paid = sum(chain.checkpoint_s + sum(chain.checkpoint_block_s[p.first : p.last + 1]) for p in top)
-    return chain.checkpoint_forward_share * paid
+    """Of `checkpoint_cost_s`, the part paid in the forward pass: `checkpoint_forward_share` of the calls the
+    forward makes (a checkpoint nested in another first runs in the backward, during the outer one's
+    recomputation)."""
+    return chain.checkpoint_forward_share * sum(
+        _call_s(chain, it.inner) for it in plan.items if isinstance(it, Checkpoint)
+    )
 
 
 def checkpoint_calls(plan: RematPlan) -> int:
