@@ -1173,7 +1173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--attempts",
         type=int,
         default=ATTEMPTS,
-        help=f"attempts per model, each planned afresh, while its blocks run more than {DRIFT:.0%} off their profile",
+        help=f"attempts per model (each planned afresh) while its blocks run over {DRIFT * 100:.0f}%% off profile",
     )
     parser.add_argument("--calibration", metavar="FILE", help="use this calibration file instead of calibrating")
     parser.add_argument("--quick-calibration", action="store_true")
