@@ -1,4 +1,4 @@
-"""Prediction accuracy: plans run on 2 CPU processes, predicted against measured time and memory; prints tables.
+"""Prediction accuracy: plans run on 2 CPU processes and on one device, predicted against measured; prints tables.
 
 Run: `python benchmarks/accuracy.py` (5-15 minutes on 2 cores, longer while it waits for a quiet machine or runs a
 model again; `--help` for the options). It calibrates this machine (`pyplan calibrate`, into a temporary cache
@@ -51,6 +51,17 @@ Measurement, per configuration and rank:
            also waits for DDP's all-reduce: backward is taken from the other micro-batches, the excess is sync;
            after the schedule, stages on two ranks that share a parameter (gpt-tiny's tied embedding) all-reduce
            its gradient: the rank that gets there last times that all-reduce, which is sync too.
+
+One device (`--matrices one-cpu` or `one-cuda`; one-cuda by default where torch sees a GPU). The choices a single
+device leaves, the remat policy and the micro-batch size with its GA steps (GPipe runs every forward first, 1F1B
+each micro-batch's forward and backward in turn), on ONE_CPU_CASES (one process of one thread) or ONE_CUDA_CASES
+(one GPU, models large enough to keep it busy). Each model is calibrated (on a GPU: `pyplan calibrate` of it, once),
+profiled and planned in a process of its own (`_plan_worker`), then run as above in launches of one rank (gloo on
+the CPU, NCCL on a GPU). On a GPU, a step is timed from a synchronize to a synchronize, the probe synchronizes
+at each mark (its wall times are the GPU's work, and stand for the CPU times of the terms below), and memory is
+torch.cuda.max_memory_allocated over the second step, less what the GPU held before the trainer was built. This
+process never touches CUDA: it hides the GPU from itself and the CPU matrices' ranks (CUDA_VISIBLE_DEVICES), and
+shows it again to the one-cuda processes.
 
 Diagnosis. The iteration's error is split into terms by re-simulating the planned schedule (pyplan's simulator, with
 the plan's send times) with measured per-micro-batch stage times: compute = makespan(CPU-time F and B less
@@ -123,6 +134,27 @@ CASES = (
     Case("vgg-tiny", 64, (8, 16)),
     Case("gpt-tiny", 64, (8, 16)),
 )
+# One device: remat and the micro-batch size / GA steps of one process, on the CPU (one thread) or one GPU.
+ONE_CPU_CASES = (
+    Case("resnet-tiny", 32, (4, 8, 16)),
+    Case("vgg-tiny", 64, (8, 16, 32)),
+    Case("gpt-tiny", 64, (8, 16, 32)),
+)
+# On a GPU, models whose kernels keep it busy: a tiny model's step is the host launching kernels, which the
+# profile (CUDA events around each block) does not time. Every configuration's trainer is held at once (see
+# _worker), so their weights and AdamW state share the GPU's memory with the peak of the one that runs: 12
+# trainers of gpt2-small hold 24 GB of weights, gradients and AdamW state.
+ONE_CUDA_CASES = (
+    Case("resnet50", 128, (16, 32, 64)),
+    Case("gpt2-small", 8, (1, 2, 4)),
+    Case("vgg16-cifar10", 512, (64, 128, 256)),
+)
+# The matrices: name -> (processes, device, cases).
+MATRICES: dict[str, tuple[int, str, tuple[Case, ...]]] = {
+    "ranks": (2, "cpu", CASES),
+    "one-cpu": (1, "cpu", ONE_CPU_CASES),
+    "one-cuda": (1, "cuda", ONE_CUDA_CASES),
+}
 
 
 @dataclass(frozen=True)
@@ -161,6 +193,20 @@ class Planned:
     # The profile's forward and backward of the whole model (every block, no loss) at the micro-batch size: what
     # the ranks time again during the runs to see whether the machine still runs at the profile's speed.
     profiled_s: float = 0.0
+    device: str = "cpu"  # where the plan was profiled and runs: "cpu" or "cuda"
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> Planned:
+        """The inverse of dataclasses.asdict."""
+        return Planned(
+            **{
+                **d,
+                "config": Config(**d["config"]),
+                "send_s": tuple(d["send_s"]),
+                "stage_rank": tuple(d["stage_rank"]),
+                "host_s": tuple(tuple(h) for h in d["host_s"]),
+            }
+        )
 
 
 @dataclass(frozen=True)
@@ -267,6 +313,10 @@ class Row:
     # Every timed step's iteration time (the max over ranks) and whether it was quiet, in the order run.
     step_s: tuple[float, ...] = ()
     step_quiet: tuple[bool, ...] = ()
+    # The whole model's forward and backward at the micro-batch size (every block, no loss): in the profile the
+    # plan was made from, and timed again by the ranks at the start of each round (_Reprofile), in order.
+    profiled_s: float = 0.0
+    reprofiled_s: tuple[float, ...] = ()
 
     @property
     def time_error(self) -> float:
@@ -340,8 +390,11 @@ def calibration_dir(calibration: str | None, quick: bool) -> Iterator[str]:
                 os.environ["PYPLAN_CACHE_DIR"] = before
 
 
-def plan_case(case: Case, remats: Sequence[str], keep: Callable[[Config], bool] = lambda c: True) -> list[Planned]:
-    """The matrix of one model: one search per remat policy, constrained to the matrix, every plan it returns."""
+def plan_case(
+    case: Case, remats: Sequence[str], keep: Callable[[Config], bool] = lambda c: True, *, processes: int = 2
+) -> list[Planned]:
+    """The matrix of one model: one search per remat policy, constrained to the matrix, every plan it returns.
+    With 2 processes the matrix is dp x pp in MESHES; with 1, one device (where `local_device` is)."""
     import torch
 
     from pyplan import load_model, search
@@ -349,18 +402,21 @@ def plan_case(case: Case, remats: Sequence[str], keep: Callable[[Config], bool] 
     from pyplan.hardware import Cluster
     from pyplan.hardware.catalog import local_host_costs
     from pyplan.plan import Plan, Workload
+    from pyplan.profile.measure import local_device
     from pyplan.solve.schedules import stage_placement
     from pyplan.spec import default_loss
 
+    meshes = MESHES if processes == 2 else ((1, 1),)
+    device = local_device().type
     spec = load_model(f"zoo:{case.model}")
     torch.manual_seed(0)
     model = spec.build()
-    cluster = Cluster.from_catalog("local", 2)
+    cluster = Cluster.from_catalog("local", processes)
     workload = Workload(global_batch=case.global_batch, optimizer="adamw", precision="fp32")
     chain, _ = chain_for(model, spec.example_inputs, cluster, workload)
     link = cluster.groups[0].intra_link
     assert link.latency_s is not None and link.bw_bytes_per_s is not None
-    host = local_host_costs()
+    host = local_host_costs() if device == "cpu" else None  # as the search charges them
     out = []
     for remat in remats:
         found = search(
@@ -384,7 +440,7 @@ def plan_case(case: Case, remats: Sequence[str], keep: Callable[[Config], bool] 
         for p in plans:
             lay = p.layout
             config = Config(case.model, lay.dp, lay.pp, lay.schedule, lay.micro_batch_size, lay.num_microbatches, remat)
-            if (lay.dp, lay.pp) not in MESHES or config in seen or not keep(config):
+            if (lay.dp, lay.pp) not in meshes or config in seen or not keep(config):
                 continue
             seen.add(config)
             b = lay.micro_batch_size
@@ -404,7 +460,9 @@ def plan_case(case: Case, remats: Sequence[str], keep: Callable[[Config], bool] 
                 )
             profiled = sum(blk.fwd_time_s(b) + blk.bwd_time_s(b) for blk in chain.blocks)
             out.append(
-                Planned(config, case.global_batch, p.to_json(), sends, tuple(placement), tuple(host_s), profiled)
+                Planned(
+                    config, case.global_batch, p.to_json(), sends, tuple(placement), tuple(host_s), profiled, device
+                )
             )
     return out
 
@@ -418,9 +476,13 @@ class _Probe:
     forward_one_chunk / backward_one_chunk calls (the rest of them is the stage's framework overhead); the time
     blocked in the schedule's waits for sends and receives; the optimizer step. Methods are wrapped on this rank's
     objects; the schedule's wait and torch's stage_backward are module functions, replaced in this worker process
-    only."""
+    only. On a GPU each mark first waits for the GPU (torch.cuda.synchronize), so that wall times are the GPU's
+    work (a few microseconds of launch gap per mark, against steps of tens of milliseconds), and the "CPU" times
+    are those wall times: the GPU's work is what the profile measured there (CUDA events), and the host's time in
+    the synchronize, spinning or asleep, says nothing of it."""
 
     def __init__(self, trainer: Any) -> None:
+        import torch
         import torch.distributed.pipelining.schedules as schedules
         import torch.distributed.pipelining.stage as stage_module
         from torch.nn.parallel import DistributedDataParallel
@@ -428,6 +490,7 @@ class _Probe:
         from pyplan.runtime.remat import RematModule
 
         sched = trainer.schedule
+        self.sync: Callable[[], None] | None = torch.cuda.synchronize if trainer.device.type == "cuda" else None
         self.stages = list(sched._stages) if hasattr(sched, "_stages") else [sched._stage]
         self.current = -1  # the stage whose chunk runs
         self.in_backward = 0
@@ -475,12 +538,17 @@ class _Probe:
         self.marks: list[tuple[float, float]] = []
 
     def _start(self) -> None:
+        if self.sync is not None:
+            self.sync()
         self.marks.append((time.perf_counter(), time.thread_time()))
 
     def _stop(self, key: tuple[int, str]) -> None:
+        if self.sync is not None:
+            self.sync()
         t0, c0 = self.marks.pop()
-        self.wall.setdefault(key, []).append(time.perf_counter() - t0)
-        self.cpu.setdefault(key, []).append(time.thread_time() - c0)
+        wall = time.perf_counter() - t0
+        self.wall.setdefault(key, []).append(wall)
+        self.cpu.setdefault(key, []).append(wall if self.sync is not None else time.thread_time() - c0)
 
     def _timed(self, fn: Callable[..., Any], stage: int, kind: str, backward: bool = False) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -631,7 +699,10 @@ class _Run:
 
 def _build(item: dict[str, Any]) -> _Run:
     """Build this rank's stages from the plan's Layout, as the emitted script does, and measure the memory of a
-    steady step: the first step leaves the state a steady step starts from; the peak is taken over the second."""
+    steady step: the first step leaves the state a steady step starts from; the peak is taken over the second.
+    On a GPU the peak is torch.cuda.max_memory_allocated over the second step, less what was allocated before the
+    trainer was built (the other configurations' trainers); the replica's batch is moved to the GPU first, as a
+    data loader's would be."""
     import torch
     import torch.distributed as dist
 
@@ -642,27 +713,39 @@ def _build(item: dict[str, Any]) -> _Run:
 
     layout = Plan.from_json(item["plan"]).layout
     spec = load_model(f"zoo:{item['config']['model']}")
+    device = torch.device(item.get("device", "cpu"))
+    cuda = device.type == "cuda"
+    before = torch.cuda.memory_allocated(device) if cuda else 0
     torch.manual_seed(0)
-    trainer = build_trainer(spec, spec.build(), layout, optimizer_factory("adamw", LR))
+    trainer = build_trainer(spec, spec.build(), layout, optimizer_factory("adamw", LR), device=device)
     batch = item["global_batch"]
     inputs, target = spec.example_inputs(batch), spec.target(batch)
     mine = replica_slice(layout, trainer.dp_rank)
-    x, y = tuple(t[mine] for t in inputs), target[mine]
+    x, y = tuple(t[mine].to(device) for t in inputs), target[mine].to(device)
     dist.barrier()
-    with LiveMemory() as mem:
-        trainer.step(x, y)
-        start = mem.mark()
-        trainer.step(x, y)
-        stop = mem.mark()
     params = list({id(p): p for mod in trainer.modules for p in mod.parameters()}.values())
     param_bytes = sum(p.numel() * p.element_size() for p in params)
-    # The replica's batch, made before the steps, is held by the first stage through each step (as a data
-    # loader's batch would be); the plan counts it there.
-    batch_bytes = sum(t.numel() * t.element_size() for t in x) if trainer.has_first else 0
+    if cuda:
+        trainer.step(x, y)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        trainer.step(x, y)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+    else:
+        with LiveMemory() as mem:
+            trainer.step(x, y)
+            start = mem.mark()
+            trainer.step(x, y)
+            stop = mem.mark()
+        # The replica's batch, made before the steps, is held by the first stage through each step (as a data
+        # loader's batch would be); the plan counts it there.
+        batch_bytes = sum(t.numel() * t.element_size() for t in x) if trainer.has_first else 0
+        peak = param_bytes + batch_bytes + mem.peak_bytes_since(start, stop)
     state = trainer.optimizer.state.values()
     run = _Run(item, trainer, (x, y))
     run.memory = {
-        "peak_bytes": param_bytes + batch_bytes + mem.peak_bytes_since(start, stop),
+        "peak_bytes": peak,
         "param_bytes": param_bytes,
         "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
         "optimizer_state_bytes": sum(
@@ -680,9 +763,11 @@ def _time_block(run: _Run, protocol: Protocol) -> None:
 
     assert run.probe is not None
     trainer, probe, (x, y) = run.trainer, run.probe, run.batch
+    sync = probe.sync or (lambda: None)  # on a GPU a step ends when its kernels have
     for _ in range(protocol.warmup):
         dist.barrier()
         trainer.step(x, y)
+    sync()
     dist.barrier()
     _Probe.active = probe
     busy0, cpu0, wall0 = _machine_busy_s(), time.process_time(), time.perf_counter()
@@ -691,6 +776,7 @@ def _time_block(run: _Run, protocol: Protocol) -> None:
         probe.reset()
         t0 = time.perf_counter()
         trainer.step(x, y)
+        sync()
         step = time.perf_counter() - t0
         run.step_s.append(step)
         run.optimizer_s.append(probe.total(-1, "O"))
@@ -750,10 +836,13 @@ def _worker(job_path: str, out_path: str) -> None:
     import torch.distributed as dist
 
     faulthandler.dump_traceback_later(float(os.environ.get("PYPLAN_HANG_S", "1800")), exit=True)
-    dist.init_process_group("gloo")
+    job = json.loads(Path(job_path).read_text())
+    cuda = any(i.get("device") == "cuda" for i in job["items"])
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    job = json.loads(Path(job_path).read_text())
     protocol = Protocol(**job["protocol"])
     runs: list[_Run] = []
     profiles: list[dict[int, float]] = []
@@ -800,12 +889,90 @@ def _worker(job_path: str, out_path: str) -> None:
     os._exit(0)
 
 
+def _plan_worker(job_path: str, out_path: str) -> None:
+    """Plan one model's one-device matrix in a process of its own (where a GPU may be visible): with the given
+    calibration file, or with a fresh `pyplan calibrate` of this device, which is copied to the job's `store`."""
+    job = json.loads(Path(job_path).read_text())
+    with calibration_dir(job["calibration"], job["quick"]) as used:
+        case = job["case"]
+        planned = plan_case(
+            Case(case["model"], case["global_batch"], tuple(case["micro_batch_sizes"])), job["remats"], processes=1
+        )
+        if job["calibration"] is None:
+            shutil.copyfile(used, job["store"])
+    Path(out_path).write_text(json.dumps([asdict(p) for p in planned]))
+
+
+def plan_one_device(
+    case: Case,
+    remats: Sequence[str],
+    device: str,
+    calibration: str | None,
+    store: Path,
+    *,
+    quick: bool = False,
+    timeout_s: float = 3600,
+) -> list[Planned]:
+    """The one-device matrix of one model, planned in a process of its own (`_plan_worker`) on `device`; without
+    a `calibration` file, that process calibrates the device first and leaves the file at `store`."""
+    with tempfile.TemporaryDirectory(prefix="pyplan-accuracy-") as tmp:
+        job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job.write_text(
+            json.dumps(
+                {
+                    "case": asdict(case),
+                    "remats": list(remats),
+                    "calibration": calibration,
+                    "store": str(store),
+                    "quick": quick,
+                }
+            )
+        )
+        done = subprocess.run(
+            [sys.executable, __file__, "--plan-worker", str(job), str(out)],
+            env=_device_env(device),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(
+                f"planning {case.model} on one {device} failed ({done.returncode}):\n{done.stderr[-3000:]}"
+            )
+        planned = [Planned.from_dict(d) for d in json.loads(out.read_text())]
+    wrong = {p.device for p in planned} - {device}
+    if wrong:
+        raise RuntimeError(f"{case.model} was planned on {sorted(wrong)}, not {device}: is the device visible?")
+    return planned
+
+
+def _device_env(device: str) -> dict[str, str]:
+    """The environment of a process that profiles or runs on `device`: on "cuda", the GPUs main() hid from the
+    CPU matrices (its own process measures on the CPU) are visible again."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if device == "cuda" and _VISIBLE_KEY in env:
+        visible = env.pop(_VISIBLE_KEY)
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        if visible != _UNSET:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+    return env
+
+
+_VISIBLE_KEY, _UNSET = "PYPLAN_ACCURACY_CUDA_VISIBLE_DEVICES", "<unset>"
+
+
 def run_matrix(
     planned: Sequence[Planned], protocol: Protocol, *, timeout_s: float = 3600
 ) -> tuple[list[list[dict]], list[dict[str, float]]]:
-    """Every planned configuration (of one model) in one torchrun launch of 2 ranks, timed following `protocol`;
-    per configuration, each rank's RankResult as a dict; and the model's blocks timed again by each rank at the
-    start of each round (`_Reprofile`: micro-batch size, as a string, to seconds)."""
+    """Every planned configuration (of one model) in one torchrun launch of as many ranks as the plans have GPUs,
+    timed following `protocol`; per configuration, each rank's RankResult as a dict; and the model's blocks timed
+    again by each rank at the start of each round (`_Reprofile`: micro-batch size, as a string, to seconds)."""
+    from pyplan.plan import Plan
+
+    sizes = {Plan.from_json(p.plan).layout.num_gpus for p in planned}
+    devices = {p.device for p in planned}
+    if len(sizes) != 1 or len(devices) != 1:
+        raise ValueError(f"a launch runs plans of one size on one device, got {sorted(sizes)} on {sorted(devices)}")
     with tempfile.TemporaryDirectory(prefix="pyplan-accuracy-") as tmp:
         job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
         items = [{**asdict(p), "config": asdict(p.config)} for p in planned]
@@ -816,13 +983,13 @@ def run_matrix(
                 "-m",
                 "torch.distributed.run",
                 "--nproc-per-node",
-                "2",
+                str(sizes.pop()),
                 __file__,
                 "--worker",
                 str(job),
                 str(out),
             ],
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            env=_device_env(devices.pop()),
             capture_output=True,
             text=True,
             timeout=timeout_s,
@@ -869,8 +1036,9 @@ def _stage_times(data: dict[str, Any]) -> dict[int, StageTimes]:
     return {int(s): StageTimes(**t) for s, t in data.items()}
 
 
-def analyse(planned: Planned, ranks: Sequence[dict[str, Any]]) -> Row:
-    """The row of one configuration from its plan and every rank's measurement."""
+def analyse(planned: Planned, ranks: Sequence[dict[str, Any]], reprofiled: Sequence[float] = ()) -> Row:
+    """The row of one configuration from its plan and every rank's measurement (and the blocks timed again during
+    the runs at its micro-batch size, `reprofiled`)."""
     from pyplan.plan import Plan
     from pyplan.solve.schedules import simulate
 
@@ -974,6 +1142,8 @@ def analyse(planned: Planned, ranks: Sequence[dict[str, Any]]) -> Row:
         rank_bytes_error=tuple(pred_rank[k] - measured[k] for k in range(lay.pp)),
         step_s=tuple(per_step),
         step_quiet=tuple(ranks[0]["quiet"]),
+        profiled_s=planned.profiled_s,
+        reprofiled_s=tuple(reprofiled),
     )
 
 
@@ -1119,18 +1289,35 @@ def run(
     quick_calibration: bool = False,
     keep: Callable[[Config], bool] = lambda c: True,
     attempts: int = ATTEMPTS,
+    matrix: str = "ranks",
 ) -> tuple[list[Row], Summary]:
     """Calibrate (or use `calibration`), then per model: profile and plan, and run at once; a model whose blocks
     ran more than DRIFT slower or faster during the runs than when profiled is planned and run again, up to
-    `attempts` times (the attempt with the least drift is kept). Returns the rows and the summary."""
+    `attempts` times (the attempt with the least drift is kept). Returns the rows and the summary.
+
+    `matrix` (a key of MATRICES): "ranks" plans in this process and runs 2 ranks; "one-cpu" and "one-cuda" plan
+    and run one process on one device, each in a process of its own, so that a GPU this process does not see
+    (main() hides it from the CPU matrices) is seen there. On a GPU, that process calibrates it, unless given a
+    `calibration` file."""
+    processes, device, _ = MATRICES[matrix]
     rows: list[Row] = []
     drift: dict[str, float] = {}
     tries: dict[str, int] = {}
-    with calibration_dir(calibration, quick_calibration):
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="pyplan-accuracy-"))
+        store = Path(tmp) / "calibration.json"
+        used: str | None = calibration
+        if device == "cpu":
+            used = stack.enter_context(calibration_dir(calibration, quick_calibration))
         for case in cases:
             best: tuple[float, list[Row]] | None = None
             for attempt in range(1, max(1, attempts) + 1):
-                planned = plan_case(case, remats, keep)
+                if processes == 2:
+                    planned = plan_case(case, remats, keep)
+                else:
+                    found = plan_one_device(case, remats, device, used, store, quick=quick_calibration)
+                    planned = [p for p in found if keep(p.config)]
+                    used = used or str(store)
                 if not planned:
                     break
                 launched = [run_matrix(planned, protocol) for _ in range(max(1, protocol.launches))]
@@ -1138,7 +1325,13 @@ def run(
                 profiles = [t for _, p in launched for t in p]
                 off = model_drift(planned, profiles)
                 if best is None or abs(off) < abs(best[0]):
-                    best = (off, [analyse(p, ranks) for p, ranks in zip(planned, results)])
+                    best = (
+                        off,
+                        [
+                            analyse(p, ranks, [t[str(p.config.micro_batch_size)] for t in profiles])
+                            for p, ranks in zip(planned, results)
+                        ],
+                    )
                     drift[case.model], tries[case.model] = off, attempt
                 if abs(off) <= DRIFT:
                     break
@@ -1147,9 +1340,34 @@ def run(
     return rows, summarize(rows, drift, tries)
 
 
+def _gpu_name() -> str | None:
+    """The name of the GPU a process started now would use, or None: asked in a process of its own, so that this
+    one never initializes CUDA (main() hides the GPU from it and its children afterwards)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"could not ask torch for a GPU:\n{done.stderr[-2000:]}")
+    return done.stdout.strip() or None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=[c.model for c in CASES], help="default: all")
+    models = sorted({c.model for _, _, cases in MATRICES.values() for c in cases})
+    parser.add_argument("--models", nargs="+", choices=models, help="default: all of each matrix")
+    parser.add_argument(
+        "--matrices",
+        nargs="+",
+        choices=list(MATRICES),
+        help="ranks: dp x pp on 2 CPU processes; one-cpu: remat and micro-batch/GA on one CPU process; one-cuda: "
+        "the same on one GPU (default: ranks, and one-cuda where a GPU is present)",
+    )
     default = Protocol()
     parser.add_argument("--steps", type=int, default=default.steps, help="timed steps per block")
     parser.add_argument("--warmup", type=int, default=default.warmup, help="untimed steps before each block")
@@ -1179,37 +1397,63 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick-calibration", action="store_true")
     parser.add_argument("--json", metavar="FILE", help="also write the rows and summary here")
     args = parser.parse_args(argv)
-    cases = [c for c in CASES if not args.models or c.model in args.models]
-    start = time.perf_counter()
-    rows, summary = run(
-        cases,
-        protocol=Protocol(
-            steps=args.steps,
-            warmup=args.warmup,
-            quiet_blocks=args.quiet_blocks,
-            max_rounds=args.max_rounds,
-            quiet_cores=args.quiet_cores,
-            wait_s=args.wait,
-            launches=args.launches,
-        ),
-        calibration=args.calibration,
-        quick_calibration=args.quick_calibration,
-        attempts=args.attempts,
+    gpu = _gpu_name()
+    matrices = args.matrices or (["ranks", "one-cuda"] if gpu else ["ranks"])
+    if "one-cuda" in matrices and gpu is None:
+        parser.error("the one-cuda matrix needs a GPU, and torch sees none")
+    # This process plans the CPU matrices and measures on the CPU: the GPU is hidden from it and from their ranks
+    # (CUDA reads the variable when first used, and this process has not used it); the one-cuda matrix's
+    # processes see it again (_device_env).
+    os.environ[_VISIBLE_KEY] = os.environ.get("CUDA_VISIBLE_DEVICES", _UNSET)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    protocol = Protocol(
+        steps=args.steps,
+        warmup=args.warmup,
+        quiet_blocks=args.quiet_blocks,
+        max_rounds=args.max_rounds,
+        quiet_cores=args.quiet_cores,
+        wait_s=args.wait,
+        launches=args.launches,
     )
     import torch
 
-    header = (
-        f"2 ranks x 1 thread, gloo, torch {torch.__version__}, blocks of {args.warmup} + {args.steps} steps, "
-        f"{args.launches} launches, medians over quiet steps ({time.perf_counter() - start:.0f} s)"
-    )
-    print_report(rows, summary, header=header)
+    report: dict[str, Any] = {}
+    met = True
+    for name in matrices:
+        processes, device, table = MATRICES[name]
+        cases = [c for c in table if not args.models or c.model in args.models]
+        if not cases:
+            continue
+        start = time.perf_counter()
+        rows, summary = run(
+            cases,
+            protocol=protocol,
+            calibration=args.calibration if device == "cpu" else None,
+            quick_calibration=args.quick_calibration,
+            attempts=args.attempts,
+            matrix=name,
+        )
+        where = (
+            "2 ranks x 1 thread, gloo"
+            if processes == 2
+            else ("1 process x 1 thread, CPU" if device == "cpu" else f"1 process, {gpu}")
+        )
+        header = (
+            f"{name}: {where}, torch {torch.__version__}, blocks of {args.warmup} + {args.steps} steps, "
+            f"{args.launches} launches, medians over quiet steps ({time.perf_counter() - start:.0f} s)"
+        )
+        print_report(rows, summary, header=header)
+        report[name] = {"rows": [asdict(r) for r in rows], "summary": asdict(summary)}
+        met = met and all(summary.targets.values())
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": [asdict(r) for r in rows], "summary": asdict(summary)}))
-    return 0 if all(summary.targets.values()) else 1
+        Path(args.json).write_text(json.dumps({"matrices": report}))
+    return 0 if met else 1
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
         _worker(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) == 4 and sys.argv[1] == "--plan-worker":
+        _plan_worker(sys.argv[2], sys.argv[3])
     else:
         sys.exit(main())
