@@ -1,0 +1,33 @@
+"""Blocks timed one by one, brought down to the whole model's time (pyplan/profile/measure.py, `_spread`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyplan.profile.measure import _Overhead, _spread
+
+OVERHEAD = _Overhead(forward_s=1.0, backward_s=2.0, op_forward_s=0.5, op_backward_s=0.25)
+
+
+def test_the_excess_over_the_whole_model_is_taken_off_every_block_alike() -> None:
+    blocks = [(10.0, 20.0), (6.0, 8.0), (4.0, 2.0)]  # sums 20 and 30
+    # The whole model took 18 + one call's overhead (1) forward and 24 + 2 backward: 2 and 6 too many.
+    out = _spread(blocks, (19.0, 26.0), OVERHEAD)
+    # Backward: 2 each, but the third block stops at one op (0.25); its last 0.25 comes off the other two.
+    assert out == [
+        pytest.approx((10 - 2 / 3, 17.875)),
+        pytest.approx((6 - 2 / 3, 5.875)),
+        pytest.approx((4 - 2 / 3, 0.25)),
+    ]
+    assert sum(f for f, _ in out) == pytest.approx(18.0) and sum(b for _, b in out) == pytest.approx(24.0)
+
+
+def test_blocks_are_never_raised_to_the_whole_model_nor_cut_below_one_op() -> None:
+    blocks = [(3.0, 3.0), (1.0, 0.6)]
+    assert _spread(blocks, (10.0, 10.0), OVERHEAD) == blocks  # the sum is under the whole: unchanged
+    out = _spread(blocks, (1.0, 2.0), OVERHEAD)  # the whole less a call is 0: all but the floors is excess
+    assert out == [(0.5, 0.25), (0.5, 0.25)]
+    # What a block at its floor cannot give comes off the others: 2 too many, the second block gives 0.5.
+    out = _spread(blocks, (3.0, 100.0), OVERHEAD)
+    assert out == [pytest.approx((1.5, 3.0)), pytest.approx((0.5, 0.6))]
+    assert _spread([], (1.0, 1.0), OVERHEAD) == []
