@@ -25,8 +25,10 @@ def test_the_excess_over_the_whole_model_is_taken_off_every_block_alike() -> Non
 def test_blocks_are_never_raised_to_the_whole_model_nor_cut_below_one_op() -> None:
     blocks = [(3.0, 3.0), (1.0, 0.6)]
     assert _spread(blocks, (10.0, 10.0), OVERHEAD) == blocks  # the sum is under the whole: unchanged
-    out = _spread(blocks, (1.0, 2.0), OVERHEAD)  # the whole less a call is 0: all but the floors is excess
-    assert out == [(0.5, 0.25), (0.5, 0.25)]
+    # A whole model under half the blocks' sum did other work (no backward to time, say): the blocks are kept.
+    assert _spread(blocks, (1.0, 2.0), OVERHEAD) == blocks
+    assert _spread(blocks, (1.0 + 2.1, 2.0 + 1.7), OVERHEAD)[0][0] < 3.0  # 2.1 of 4 forward: spread
+    assert _spread(blocks, (1.0 + 1.9, 2.0 + 1.7), OVERHEAD)[0][1] == 3.0  # 1.7 of 3.6 backward: kept
     # What a block at its floor cannot give comes off the others: 2 too many, the second block gives 0.5.
     out = _spread(blocks, (3.0, 100.0), OVERHEAD)
     assert out == [pytest.approx((1.5, 3.0)), pytest.approx((0.5, 0.6))]
