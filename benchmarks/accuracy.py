@@ -946,6 +946,10 @@ def plan_one_device(
     return planned
 
 
+# Where main() keeps the CUDA_VISIBLE_DEVICES it replaced (_UNSET: there was none), for the one-cuda processes.
+_VISIBLE_KEY, _UNSET = "PYPLAN_ACCURACY_CUDA_VISIBLE_DEVICES", "<unset>"
+
+
 def _device_env(device: str) -> dict[str, str]:
     """The environment of a process that profiles or runs on `device`: on "cuda", the GPUs main() hid from the
     CPU matrices (its own process measures on the CPU) are visible again."""
@@ -956,9 +960,6 @@ def _device_env(device: str) -> dict[str, str]:
         if visible != _UNSET:
             env["CUDA_VISIBLE_DEVICES"] = visible
     return env
-
-
-_VISIBLE_KEY, _UNSET = "PYPLAN_ACCURACY_CUDA_VISIBLE_DEVICES", "<unset>"
 
 
 def run_matrix(

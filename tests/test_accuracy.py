@@ -9,6 +9,7 @@ import math
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -80,7 +81,7 @@ def test_accuracy_harness_runs_one_device(tmp_path: Path, capsys: pytest.Capture
     _check_report(acc, rows, summary, capsys)
 
 
-def _check_report(acc: ModuleType, rows: list, summary: object, capsys: pytest.CaptureFixture[str]) -> None:
+def _check_report(acc: ModuleType, rows: list[Any], summary: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """Every field of every row and of the summary filled and finite, and the report printed."""
     for row in rows:
         fields = dataclasses.asdict(row)

@@ -218,7 +218,6 @@ def _spread(
     does not exceed it, or where the whole model took less than _WHOLE_FLOOR of it (then it did not do the
     blocks' work: the per-call cost this removes was 8-10 % of gpt-tiny's blocks at b = 8)."""
     out = [list(t) for t in times]
-    n = max(1, len(out))
     calls = (overhead.forward_s, overhead.backward_s)
     floors = (overhead.op_forward_s, overhead.op_backward_s)
     for k in (0, 1):
@@ -228,15 +227,15 @@ def _spread(
             # Not the blocks' work run as one (a model output with no gradient: no backward to time): kept.
             continue
         excess = total - target
-        # Equal shares; what a block at its floor cannot give is shared among the others, until none is left.
-        free = [t for t in out if t[k] > floors[k]]
-        while excess > 1e-15 * n and free:
-            share = excess / len(free)
-            for t in free:
-                cut = min(share, t[k] - floors[k])
-                t[k] -= cut
-                excess -= cut
-            free = [t for t in free if t[k] > floors[k]]
+        # Equal shares, the blocks with the least room above their floor first: one that cannot give its share
+        # gives its room, and what it could not give is shared among the rest.
+        by_room = sorted(out, key=lambda t: t[k] - floors[k])
+        for i, t in enumerate(by_room):
+            if excess <= 0:
+                break
+            cut = min(excess / (len(by_room) - i), max(0.0, t[k] - floors[k]))
+            t[k] -= cut
+            excess -= cut
     return [(f, b) for f, b in out]
 
 
