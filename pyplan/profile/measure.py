@@ -13,6 +13,13 @@ runtime's ranks do: with glibc's default the timed passes paid page faults (vgg-
 4.9 ms against 4.4 ms). On CUDA each block runs alone, timed with CUDA events; on the CPU with a fixed number of
 threads, the thread's CPU time (one thread) or wall time.
 
+On the CPU the sizes are timed in turn within each repetition, not one after the other: a shared VM's speed moves
+by tens of percent from one second to the next (gpt-tiny's forward and backward at b = 8, one thread, CPU time:
+6.3-13.4 ms over 40 samples in a minute), and sizes timed one after the other each took a snapshot of a different
+moment: one profile had vgg-tiny's b = 8 at 8.72 ms and its b = 16 at 10.43 ms (the same blocks took 5.0-10.0 and
+8.9-16.0 ms during the runs), a curve no plan between the sizes could trust. In turn, each size's medians sample the
+whole window alike.
+
 A rank that trains beside others on one CPU shares the machine's last-level cache, memory bandwidth and clock with
 them, and runs slower than alone: timed alone and then with a second process running the same work on the other
 core of this project's 2-core VM, a whole training step ran 2-3 % slower (resnet-tiny, vgg-tiny) and 1-16 % slower
@@ -188,23 +195,17 @@ def _pass(
 
 
 def _whole(
-    module: nn.Module, inputs: Sequence[torch.Tensor], clock: _Clock, warmup: int, repeats: int
-) -> tuple[float, float]:
-    """Median forward and backward seconds of the whole traced model: one call and one autograd run, as a stage
-    runs its blocks."""
-    fwd: list[float] = []
-    bwd: list[float] = []
-    for rep in range(warmup + repeats):
-        f_out: list[float] = fwd if rep >= warmup else []
-        b_out: list[float] = bwd if rep >= warmup else []
-        with clock.region(f_out):
-            out = module(*inputs)
-        roots = [t for t in tensor_leaves(out) if t.requires_grad]
-        grads = [torch.ones_like(t) for t in roots]
-        with clock.region(b_out):
-            backward(roots, grads)
-        del out, roots, grads
-    return statistics.median(fwd), statistics.median(bwd)
+    module: nn.Module, inputs: Sequence[torch.Tensor], clock: _Clock, fwd: list[float], bwd: list[float]
+) -> None:
+    """The whole traced model run once, one call and one autograd run, as a stage runs its blocks; its forward and
+    backward seconds appended to `fwd` and `bwd`."""
+    with clock.region(fwd):
+        out = module(*inputs)
+    roots = [t for t in tensor_leaves(out) if t.requires_grad]
+    grads = [torch.ones_like(t) for t in roots]
+    with clock.region(bwd):
+        backward(roots, grads)
+    del out, roots, grads
 
 
 _WHOLE_FLOOR = 0.5
@@ -237,19 +238,6 @@ def _spread(
             t[k] -= cut
             excess -= cut
     return [(f, b) for f, b in out]
-
-
-def _in_sequence(
-    mods: Sequence[fx.GraphModule], args: Sequence[Sequence[object]], clock: _Clock, warmup: int, repeats: int
-) -> list[tuple[float, float]]:
-    """Median forward and backward seconds of each block when the blocks run as a stage runs them (`_pass`)."""
-    fwd: list[list[float]] = [[] for _ in mods]
-    bwd: list[list[float]] = [[] for _ in mods]
-    untimed: list[list[float]] = [[] for _ in mods]
-    for rep in range(warmup + repeats):
-        timed = rep >= warmup
-        _pass(mods, args, clock, fwd if timed else untimed, bwd if timed else untimed)
-    return [(statistics.median(f), statistics.median(b)) for f, b in zip(fwd, bwd)]
 
 
 _PR_SET_PDEATHSIG = 1
@@ -301,35 +289,59 @@ def _companions(count: int, work: Callable[[], None]) -> Iterator[None]:
                 os.waitpid(pid, 0)
 
 
-def _times_at(
-    chain: Chain, example_inputs: ExampleInputs, batch_size: int, device: torch.device, opts: TimingOptions
-) -> list[tuple[float, float]]:
+def _cpu_times(
+    chain: Chain, example_inputs: ExampleInputs, sizes: Sequence[int], opts: TimingOptions
+) -> list[list[tuple[float, float]]]:
+    """Per size, per block, forward and backward seconds on the CPU: the blocks run as a stage runs them (`_pass`),
+    then the whole model (`_whole`), each size in turn in every repetition, so that each size's medians sample the
+    whole timing window; under `opts.corun` companions running the same passes. Overhead removed, and the blocks'
+    sum brought down to the whole model's (`_spread`)."""
     mods = block_modules(chain)
-    inputs = [t.to(device) for t in inputs_at(example_inputs, batch_size)]
-    args = block_inputs(mods, inputs)
-    clock = _Clock(device, opts.threads)
-    overhead = _overhead(device, clock)
-    if device.type == "cpu":
-        sink: list[list[float]] = [[] for _ in mods]
+    module = chain.graph.module
+    inputs = [[t.to("cpu") for t in inputs_at(example_inputs, b)] for b in sizes]
+    args = [block_inputs(mods, x) for x in inputs]
+    clock = _Clock(torch.device("cpu"), opts.threads)
+    overhead = _overhead(torch.device("cpu"), clock)
+    sink: list[list[float]] = [[] for _ in mods]
 
-        def work() -> None:
-            _pass(mods, args, clock, sink, sink)
+    def work() -> None:
+        for a in args:
+            _pass(mods, a, clock, sink, sink)
+        for lst in sink:
+            lst.clear()
+
+    fwd = [[[] for _ in mods] for _ in sizes]
+    bwd = [[[] for _ in mods] for _ in sizes]
+    whole = [([], []) for _ in sizes]
+    with _companions(opts.corun, work):
+        for rep in range(opts.warmup + opts.repeats):
+            timed = rep >= opts.warmup
+            for k in range(len(sizes)):
+                _pass(mods, args[k], clock, fwd[k] if timed else sink, bwd[k] if timed else sink)
+                _whole(module, inputs[k], clock, *(whole[k] if timed else ([], [])))
             for lst in sink:
                 lst.clear()
+    return [
+        _spread(
+            [overhead.remove(statistics.median(f), statistics.median(b)) for f, b in zip(fwd[k], bwd[k])],
+            (statistics.median(whole[k][0]), statistics.median(whole[k][1])),
+            overhead,
+        )
+        for k in range(len(sizes))
+    ]
 
-        with _companions(opts.corun, work):
-            raw = _in_sequence(mods, args, clock, opts.warmup, opts.repeats)
-            whole = _whole(chain.graph.module, inputs, clock, opts.warmup, opts.repeats)
-        result = _spread([overhead.remove(f, b) for f, b in raw], whole, overhead)
-    else:
-        raw = [
-            _time_block(mod, a, clock, opts.warmup, opts.repeats, first=i == 0)
-            for i, (mod, a) in enumerate(zip(mods, args))
-        ]
-        result = [overhead.remove(f, b) for f, b in raw]
-    for p in chain.graph.module.parameters():
-        p.grad = None
-    return result
+
+def _cuda_times(
+    chain: Chain, example_inputs: ExampleInputs, batch_size: int, device: torch.device, opts: TimingOptions
+) -> list[tuple[float, float]]:
+    """Per block, forward and backward seconds at `batch_size` on a GPU: each block run alone, CUDA events."""
+    mods = block_modules(chain)
+    args = block_inputs(mods, [t.to(device) for t in inputs_at(example_inputs, batch_size)])
+    clock = _Clock(device, opts.threads)
+    return [
+        _time_block(mod, a, clock, opts.warmup, opts.repeats, first=i == 0)
+        for i, (mod, a) in enumerate(zip(mods, args))
+    ]
 
 
 def block_times(
@@ -355,7 +367,12 @@ def block_times(
         keep_freed_memory()  # as the runtime's CPU ranks run: no page faults on memory a step freed
     chain.graph.module.to(device)
     with _threads(options.threads), torch.enable_grad():
-        per_size = [_times_at(chain, example_inputs, b, device, options) for b in sizes]
+        if device.type == "cpu":
+            per_size = _cpu_times(chain, example_inputs, sizes, options)
+        else:
+            per_size = [_cuda_times(chain, example_inputs, b, device, options) for b in sizes]
+    for p in chain.graph.module.parameters():
+        p.grad = None
     return [
         (
             Piecewise.through(sizes, [per_size[k][i][0] for k in range(len(sizes))]),
