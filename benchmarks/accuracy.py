@@ -118,8 +118,8 @@ SCHEDULES = ("GPipe", "1F1B")
 # One device runs 1F1B only: with one stage it is gradient accumulation (each micro-batch's forward and backward in
 # turn); GPipe does the same work holding every micro-batch's activations at once, a plan pyplan never ranks first
 # (equal time, more memory). With both in the matrix, every wrong decision of the ninth session's one-cpu runs was
-# that pair, 1F1B measured -17 % to +21 % off its GPipe twin (mean -1.0 %, standard deviation 6.5 %) over the 36 pairs of two
-# runs: noise either way, which the 5 % of a right decision does not cover.
+# that pair: over the 36 pairs of two runs, 1F1B measured -17 % to +21 % off its GPipe twin (mean -1.0 %, standard
+# deviation 6.5 %), noise either way, which the 5 % of a right decision does not cover.
 ONE_DEVICE_SCHEDULES = ("1F1B",)
 REMATS = ("none", "full")
 TARGET_TIME_MEDIAN, TARGET_TIME_WORST, TARGET_MEMORY, TARGET_RIGHT = 0.10, 0.25, 0.10, 0.90
@@ -635,15 +635,18 @@ class _Reprofile:
         model = self.spec.build()
         self.chain = linearize(trace(model, self.spec.example_inputs, batch_size=min(4, item["global_batch"])))
         self.sizes = sorted(set(sizes))
+        # Timed as chain_for timed the plans' profile: alone, the blocks brought down to the whole model's time;
+        # on 2 ranks (each the other's companion, as the profile's was), not (pyplan/profile/measure.py).
+        self.alone = item["config"]["dp"] * item["config"]["pp"] == 1
         # Two sizes or more to time; the smallest size's half is timed and not reported.
         self.timed = sorted({*self.sizes, max(1, self.sizes[0] // 2)}) if len(self.sizes) < 2 else self.sizes
         if len(self.timed) < 2:
             self.timed = [1, 2]
 
     def __call__(self) -> dict[int, float]:
-        from pyplan.profile.measure import block_times
+        from pyplan.profile.measure import TimingOptions, block_times
 
-        times = block_times(self.chain, self.spec.example_inputs, self.timed)
+        times = block_times(self.chain, self.spec.example_inputs, self.timed, options=TimingOptions(whole=self.alone))
         return {b: sum(f(b) + g(b) for f, g in times) for b in self.sizes}
 
 

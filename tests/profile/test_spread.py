@@ -33,3 +33,37 @@ def test_blocks_are_never_raised_to_the_whole_model_nor_cut_below_one_op() -> No
     out = _spread(blocks, (3.0, 100.0), OVERHEAD)
     assert out == [pytest.approx((1.5, 3.0)), pytest.approx((0.5, 0.6))]
     assert _spread([], (1.0, 1.0), OVERHEAD) == []
+
+
+@pytest.mark.parametrize(
+    ("corun", "whole", "spread"),
+    [(0, None, True), (1, None, False), (1, True, True), (0, False, False)],
+)
+def test_blocks_are_brought_down_to_the_whole_model_when_timed_alone(
+    corun: int, whole: bool | None, spread: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default only a process timed alone (corun 0) is brought down to the whole model: ranks beside others ran
+    their stages at the blocks' sum. `TimingOptions.whole` says so either way."""
+    import torch
+    from torch import nn
+
+    from pyplan.graph.linearize import linearize
+    from pyplan.graph.trace import trace
+    from pyplan.profile import measure
+
+    calls: list[int] = []
+
+    def recorded(
+        times: list[tuple[float, float]], whole_s: tuple[float, float], overhead: measure._Overhead
+    ) -> list[tuple[float, float]]:
+        calls.append(len(times))
+        return list(times)
+
+    monkeypatch.setattr(measure, "_spread", recorded)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(3)])
+    chain = linearize(trace(model, lambda b: (torch.randn(b, 16),), batch_size=4), min_blocks=3)
+    options = measure.TimingOptions(warmup=1, repeats=1, corun=corun, whole=whole)
+    times = measure.block_times(chain, lambda b: (torch.randn(b, 16),), [2, 4], options=options)
+    assert len(times) == len(chain)
+    assert calls == ([len(chain)] * 2 if spread else [])

@@ -98,7 +98,9 @@ def configs(world: int) -> list[dict]:
                 m = max(4, 2 * pp)
                 if torch_rejection(schedule, pp, m, v):
                     continue
-                for opt in OPTIMIZERS:
+                # The optimizer steps each rank's own parameters after the schedule: AdamW beside the two plain
+                # schedules, SGD (whose step follows from the gradients) beside every schedule.
+                for opt in OPTIMIZERS if v == 1 else ("sgd",):
                     out.append(dict(model=model, dp=dp, pp=pp, schedule=schedule, v=v, m=m, b=2, optimizer=opt, zero=0))
     if world == 2:
         # bf16 autocast in every stage, weights and optimizer in fp32, against the same autocast in one process.
