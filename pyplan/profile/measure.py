@@ -37,13 +37,14 @@ at least the cost of one trivial op. That leaves what real blocks pay beyond a t
 outputs, their leaves' gradients): gpt-tiny's 17 blocks summed 0.56-0.64 ms more than the whole model run as one
 call and one backward, at micro-batches of 2 to 32 (8-10 % at 8). So the whole model is timed too, in the same
 passes' conditions, and the blocks' sum is brought down to it (`_spread`: equal shares per block, forward and
-backward apart). Only for a process alone on its machine: ranks training beside others (timed beside companions)
-ran their stages at the blocks' sum, not at the whole model's time. On 2 CPU ranks (benchmarks/accuracy.py, four
-runs), the stages' forward and backward took 4-25 % more CPU time than the blocks brought down to the whole model,
-timed in the same launches, and the predictions' signed median error was -11 % to -23 %; with the blocks' sum it
-was -3 % that day and -4 % to +2 % in ten runs of an earlier one. Alone (one rank, one process), the blocks' sum
-over-predicted 33 of 36 steps (median error 20 %); with the whole model's time the signed errors centred on -1 %
-and -9 % in two runs.
+backward apart). By default only for a process timed alone (`TimingOptions.whole`). On 2 CPU ranks the whole
+model's call is faster than the blocks' sum too (the stage module called directly on a rank, in the same rounds
+as the blocks timed again beside the other rank: 10-13 % on resnet-tiny, 2-4 % on vgg-tiny), but the stage in the
+pipeline trainer (2x1 plans, under DDP) paid 2-5 % more forward and 3-7 % more backward CPU time than that call,
+which no host cost charges yet, so that the blocks' sum came nearer: the 2-rank matrix's
+signed median error was -11 % to -23 % in three runs with the whole model's time, -9 % to +3 % in three without
+(benchmarks/accuracy.py, one noisy day). Alone (one rank, one process), the blocks' sum over-predicted 33 of 36
+steps (median error 20 %); with the whole model's time the signed errors centred on -1 % and -9 % in two runs.
 """
 
 from __future__ import annotations
