@@ -15,10 +15,10 @@ threads, the thread's CPU time (one thread) or wall time.
 
 On the CPU the sizes are timed in turn within each repetition, not one after the other: a shared VM's speed moves
 by tens of percent from one second to the next (gpt-tiny's forward and backward at b = 8, one thread, CPU time:
-6.3-13.4 ms over 40 samples in a minute), and sizes timed one after the other each took a snapshot of a different
-moment: one profile had vgg-tiny's b = 8 at 8.72 ms and its b = 16 at 10.43 ms (the same blocks took 5.0-10.0 and
-8.9-16.0 ms during the runs), a curve no plan between the sizes could trust. In turn, each size's medians sample the
-whole window alike.
+7.9-12.6 ms in one-second medians over a minute, in phases of 1-10 s), and sizes timed one after the other each
+took a snapshot of a different moment: one profile had vgg-tiny's b = 8 at 8.72 ms and its b = 16 at 10.43 ms (the
+same blocks took 5.0-10.0 and 8.9-16.0 ms during the runs), a curve no plan between the sizes could trust. In
+turn, each size's medians sample the whole window alike.
 
 A rank that trains beside others on one CPU shares the machine's last-level cache, memory bandwidth and clock with
 them, and runs slower than alone: timed alone and then with a second process running the same work on the other
@@ -41,9 +41,9 @@ backward apart). By default only for a process timed alone (`TimingOptions.whole
 model's call is faster than the blocks' sum too (the stage module called directly on a rank, in the same rounds
 as the blocks timed again beside the other rank: 10-13 % on resnet-tiny, 2-4 % on vgg-tiny), but the stage in the
 pipeline trainer (2x1 plans, under DDP) paid 2-5 % more forward and 3-7 % more backward CPU time than that call,
-which no host cost charges yet, so that the blocks' sum came nearer: the 2-rank matrix's
-signed median error was -11 % to -23 % in three runs with the whole model's time, -9 % to +3 % in three without
-(benchmarks/accuracy.py, one noisy day). Alone (one rank, one process), the blocks' sum over-predicted 33 of 36
+which no host cost charges yet, so that the blocks' sum came nearer: the 2-rank matrix's signed median error was
+-11 % to -23 % in three runs with the whole model's time, -9 % to +3 % in three without (benchmarks/accuracy.py,
+one noisy day). Alone (one rank, one process), the blocks' sum over-predicted 33 of 36
 steps (median error 20 %); with the whole model's time the signed errors centred on -1 % and -9 % in two runs.
 """
 
@@ -304,9 +304,10 @@ def _cpu_times(
     chain: Chain, example_inputs: ExampleInputs, sizes: Sequence[int], opts: TimingOptions
 ) -> list[list[tuple[float, float]]]:
     """Per size, per block, forward and backward seconds on the CPU: the blocks run as a stage runs them (`_pass`),
-    then the whole model (`_whole`), each size in turn in every repetition, so that each size's medians sample the
-    whole timing window; under `opts.corun` companions running the same passes. Overhead removed, and the blocks'
-    sum brought down to the whole model's (`_spread`)."""
+    then, where they are brought down to it (`TimingOptions.whole`), the whole model (`_whole`); each size in turn
+    in every repetition, so that each size's medians sample the whole timing window; under `opts.corun`
+    companions running the same passes. Overhead removed, and the blocks' sum brought down to the whole model's
+    (`_spread`) where asked."""
     mods = block_modules(chain)
     module = chain.graph.module
     inputs = [[t.to("cpu") for t in inputs_at(example_inputs, b)] for b in sizes]
@@ -321,18 +322,19 @@ def _cpu_times(
         for lst in sink:
             lst.clear()
 
+    spread = opts.whole if opts.whole is not None else opts.corun == 0
     fwd = [[[] for _ in mods] for _ in sizes]
     bwd = [[[] for _ in mods] for _ in sizes]
-    whole = [([], []) for _ in sizes]
+    whole: list[tuple[list[float], list[float]]] = [([], []) for _ in sizes]
     with _companions(opts.corun, work):
         for rep in range(opts.warmup + opts.repeats):
             timed = rep >= opts.warmup
             for k in range(len(sizes)):
                 _pass(mods, args[k], clock, fwd[k] if timed else sink, bwd[k] if timed else sink)
-                _whole(module, inputs[k], clock, *(whole[k] if timed else ([], [])))
+                if spread:  # the whole model is timed only where the blocks are brought down to it
+                    _whole(module, inputs[k], clock, *(whole[k] if timed else ([], [])))
             for lst in sink:
                 lst.clear()
-    spread = opts.whole if opts.whole is not None else opts.corun == 0
     out = []
     for k in range(len(sizes)):
         times = [overhead.remove(statistics.median(f), statistics.median(b)) for f, b in zip(fwd[k], bwd[k])]
