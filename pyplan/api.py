@@ -427,7 +427,9 @@ def search(
     # Every plan is refined with the exact replay of its stages' activations (pyplan/solve/remat.py): the search's
     # memory counts saved activations per micro-batch in flight; the replay adds each stage's working memory
     # (outputs, gradients and transients of the forward and backward). A plan that then does not fit is dropped,
-    # so the searches return more candidates than asked.
+    # so the searches return more candidates than asked. The replay also finds the parameter gradients not yet
+    # made at a GPipe stage's peak (`unmade_grad_bytes`), which the search counts in the state: a plan that fits
+    # only by them is not found (conservative).
     profile_ = chain.memory if chain.memory is not None else remat_bytes(chain, example_inputs, (1, 2))
     if chain.loss is not None:
         profile_ = remat_with_loss(profile_, chain.loss)
@@ -462,6 +464,8 @@ def search(
             cut_tensors=cut_tensors,
             checkpoint_block_s=costs.block_s,
             checkpoint_forward_share=costs.forward_share,
+            param_grad_bytes=[b.param_numel * float(per_param.grad_bytes) for b in blocks],
+            tied_grads=[(t.blocks, t.numel * float(per_param.grad_bytes)) for t in tied],
         )
 
     # Parameters on stages of different ranks (tied embeddings) are all-reduced after the pipeline drains.

@@ -90,7 +90,10 @@ class StagePlan:
     PipelineStage keeps to the end of the backward, and one backward's working memory) + `buffer_bytes` (the
     receive buffers torch's PipelineStage keeps for the other micro-batches and the output gradients, the input
     gradient it keeps from its last backward while others are in flight, the rest of the replica's batch on the
-    first stage, and the output of Schedule1F1B's last warm-up send). With a
+    first stage, and the output of Schedule1F1B's last warm-up send) - `unmade_grad_bytes` (of the gradients in
+    `state_bytes`, those not yet made at the stage's peak: on one data-parallel replica zero_grad frees them every
+    step, and a stage whose every micro-batch runs its forward first, as under GPipe, peaks in its first
+    backward). With a
     rematerialization plan (the layout's `remat`), `backward_s` includes `recompute_s` and the exposed offload
     `transfer_s` per micro-batch, less `checkpoint_forward_s`. Of `recompute_s`, `checkpoint_s` is what the
     checkpoints cost beyond running blocks again (their calls, torch's hooks on saved tensors), and
@@ -111,6 +114,7 @@ class StagePlan:
     checkpoint_forward_s: float = 0.0  # of checkpoint_s, what the forward pays (in forward_s)
     transfer_s: float = 0.0
     buffer_bytes: float = 0.0  # receive buffers, the last input gradient, the batch, a kept send (in memory_bytes)
+    unmade_grad_bytes: float = 0.0  # gradients of state_bytes not yet made at the peak (taken off memory_bytes)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

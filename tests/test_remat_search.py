@@ -185,3 +185,23 @@ def test_what_a_stage_holds_beside_the_replay_of_its_blocks() -> None:
     assert _recomputed_outputs(full_remat(0, 3), 1, mems, outputs) == 30
     assert _recomputed_outputs(no_remat(0, 3), 1, mems, outputs) == 0
     assert _recomputed_outputs(RematPlan((Keep(0), Keep(1), Checkpoint(no_remat(2, 3)))), 1, mems, outputs) == 0
+
+
+def test_unmade_gradients_by_hand() -> None:
+    """A stage of m micro-batches all in flight before its first backward, gradients G = 100 bytes: peak P = 1000
+    without gradients, 1040 with those made by then (`peak_with_grads_bytes`), each other micro-batch holding
+    A = 300 after its forward. The state counts P + (m-1)A + G; the step peaks at the most of the first backward
+    (1040 + (m-1)A), the second (P + (m-2)A + G) and the end (G)."""
+    from pyplan.solve.remat import Replay
+    from pyplan.solve.remat_search import unmade_grad_bytes
+
+    rep = Replay(0.0, 1000.0, 0.0, 0.0, 300.0, 1040.0)
+    assert unmade_grad_bytes(rep, 1, 100.0) == 60.0  # one micro-batch: 1100 counted, 1040 reached
+    assert unmade_grad_bytes(rep, 4, 100.0) == 60.0  # 2000 counted; the first 1940, the second 1800
+    assert unmade_grad_bytes(rep, 4, 0.0) == 0.0
+    # Made early (within 10 bytes of P + G): the second backward's peak is below, nothing to take off but 10.
+    assert unmade_grad_bytes(Replay(0.0, 1000.0, 0.0, 0.0, 300.0, 1090.0), 3, 100.0) == 10.0
+    # Small activations, large gradients: the end of the step holds every gradient.
+    assert unmade_grad_bytes(Replay(0.0, 10.0, 0.0, 0.0, 5.0, 10.0), 1, 100.0) == 10.0
+    # Gradients made late and A small: the second backward peaks higher (1000 + 0 + 100 against 1000 + 20).
+    assert unmade_grad_bytes(Replay(0.0, 1000.0, 0.0, 0.0, 20.0, 1000.0), 2, 100.0) == 20.0

@@ -120,6 +120,8 @@ def show_data(document: PlanFile) -> dict[str, Any]:
             "remat": lay.remat[s].plan.describe() if lay.remat and lay.remat[s] is not None else None,
             "state_bytes": st.state_bytes,
             "activation_bytes": st.activation_bytes,
+            "buffer_bytes": st.buffer_bytes,
+            "unmade_grad_bytes": st.unmade_grad_bytes,
             "memory_bytes": st.memory_bytes,
         }
         for s, st in enumerate(plan.stages)

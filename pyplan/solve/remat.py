@@ -471,17 +471,34 @@ class Replay:
     recompute_s: float
     transfer_s: float
     after_forward_bytes: float  # live at the end of the first forward pass: what each micro-batch in flight holds
+    # The peak with the parameter gradients the backward makes counted too, from none (`param_grad_bytes`), as in
+    # the first backward of a step whose gradients zero_grad freed; peak_bytes when none are given.
+    peak_with_grads_bytes: float = 0.0
 
 
-def replay(chain: RematChain, plan: RematPlan, *, offload_bw_bytes_per_s: float = math.inf) -> Replay:
+def replay(
+    chain: RematChain,
+    plan: RematPlan,
+    *,
+    offload_bw_bytes_per_s: float = math.inf,
+    param_grad_bytes: Sequence[float] = (),
+) -> Replay:
     """Run `plan` on the model of the module docstring, operation by operation, plus `checkpoint_s` per
-    checkpoint call (`checkpoint_calls`) and, per such call, its blocks' `checkpoint_block_s`."""
+    checkpoint call (`checkpoint_calls`) and, per such call, its blocks' `checkpoint_block_s`. With
+    `param_grad_bytes` (per block), `peak_with_grads_bytes` also counts each block's parameter gradients from its
+    backward on."""
     if plan.first != 0 or plan.last != len(chain) - 1:
         raise ValueError(f"the plan covers blocks {plan.first}..{plan.last}, the chain has {len(chain)}")
     first: list[Op] = []
     _first_pass(plan, first, chain.saves)
     ops = plan_ops(plan, chain.saves)
-    rep = replay_ops(chain, ops, offload_bw_bytes_per_s=offload_bw_bytes_per_s, forward_ops=len(first))
+    rep = replay_ops(
+        chain,
+        ops,
+        offload_bw_bytes_per_s=offload_bw_bytes_per_s,
+        forward_ops=len(first),
+        param_grad_bytes=param_grad_bytes,
+    )
     extra = checkpoint_cost_s(chain, plan)
     return replace(rep, time_s=rep.time_s + extra, recompute_s=rep.recompute_s + extra)
 
@@ -551,8 +568,13 @@ def replay_ops(
     *,
     offload_bw_bytes_per_s: float = math.inf,
     forward_ops: int | None = None,
+    param_grad_bytes: Sequence[float] = (),
 ) -> Replay:
     """Replay any operation sequence; raise ValueError when an operation lacks what it needs.
+
+    `param_grad_bytes` (per block, empty: none): the parameter gradients block i's backward makes, which live from
+    then on (model state, left out of peak_bytes); `peak_with_grads_bytes` counts them beside everything else, at
+    block i's backward peak with its own (autograd accumulates them during it).
 
     Live objects: ("A", i) block i's kept bytes beyond its outputs (its saved tensors: the mark that its saving
     forward ran), ("X", c) the stored values of cut c (c ≥ 1; from a non-saving pass, or an offloaded block's
@@ -561,6 +583,9 @@ def replay_ops(
     of cut L are resident and not counted.
     """
     n = len(chain)
+    if param_grad_bytes and len(param_grad_bytes) != n:
+        raise ValueError(f"param_grad_bytes has {len(param_grad_bytes)} entries, the chain has {n} blocks")
+    made_grads = peak_with_grads = 0.0
     live: dict[tuple[str, int], float] = {}
     values: dict[int, _Value] = {}  # the live value copies, by serial
     held: dict[tuple[str, int], list[int]] = {}  # A or X → the serials of the values it holds
@@ -634,6 +659,7 @@ def replay_ops(
             time_s += t
             if save == "nosave":
                 peak = max(peak, cur + chain.fwd_nosave_peak_bytes[i])
+                peak_with_grads = max(peak_with_grads, cur + chain.fwd_nosave_peak_bytes[i] + made_grads)
                 # Inside a segment (its input is freed right after), the segment's values live on.
                 inside = k + 1 < len(ops) and ops[k + 1] == ("free", i) and ("X", i) in live
                 start = segment_start[i] if inside else i
@@ -648,6 +674,7 @@ def replay_ops(
                             make(j, x, ("X", i + 1), again)
                 continue
             peak = max(peak, cur + chain.fwd_peak_bytes[i])
+            peak_with_grads = max(peak_with_grads, cur + chain.fwd_peak_bytes[i] + made_grads)
             older = owned_at(i)
             for s in older:  # the values whose last reader this is, saved by none of their readers, die
                 v = values[s]
@@ -702,7 +729,11 @@ def replay_ops(
                 held_now = live[("A", i)] + sum(v.bytes for v in copies)
             else:
                 gone, held_now = chain.out_bytes[i], 0.0
-            peak = max(peak, cur - held_now - chain.grad_bytes[i + 1] + chain.bwd_peak_bytes[i] - gone)
+            at_peak = cur - held_now - chain.grad_bytes[i + 1] + chain.bwd_peak_bytes[i] - gone
+            peak = max(peak, at_peak)
+            if param_grad_bytes:
+                made_grads += param_grad_bytes[i]
+            peak_with_grads = max(peak_with_grads, at_peak + made_grads)
             time_s += chain.bwd_s[i]
             if ran:
                 drop(("A", i))
@@ -723,7 +754,7 @@ def replay_ops(
     done = {key for key in live if key[0] != "X" or key[1] != 0}
     if done or values:
         raise ValueError(f"the schedule leaves {sorted(done)} live")
-    return Replay(time_s, peak, recompute_s, transfer_s, after_forward)
+    return Replay(time_s, peak, recompute_s, transfer_s, after_forward, peak_with_grads)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from pyplan.solve.remat import (
     Checkpoint,
     RematChain,
     RematPlan,
+    Replay,
     checkpoint_cost_s,
     checkpoint_forward_s,
     full_remat,
@@ -45,6 +46,7 @@ __all__ = [
     "relaxed_chain",
     "stage_outputs",
     "stage_remat",
+    "unmade_grad_bytes",
 ]
 
 REMAT_MODES = ("none", "full", "periodic", "auto")
@@ -83,6 +85,28 @@ class StageChoice:
     recompute_s: float
     transfer_s: float
     activation_bytes: float
+    unmade_grad_bytes: float = 0.0  # parameter gradients not yet made at the peak (`unmade_grad_bytes`)
+
+
+def unmade_grad_bytes(rep: Replay, in_flight: int, grads_bytes: float) -> float:
+    """Of a stage's parameter gradients (`grads_bytes`, counted in its state), those not yet made at its peak, for
+    a stage whose gradients zero_grad frees every step and whose every micro-batch runs its forward before the
+    stage's first backward (`in_flight` of them: GPipe, and 1F1B where m ≤ stages − stage). `rep` is one
+    micro-batch's replay with the gradients made block by block (`replay`'s `param_grad_bytes`).
+
+    The stage then peaks in its first backward, beside the other micro-batches in flight and the gradients made
+    so far (`peak_with_grads_bytes`), or in its second, one micro-batch fewer in flight and every gradient made,
+    and holds every gradient at the end of the step: the largest of the three, against the activation peak plus
+    every gradient that the state counts. Measured on the zoo's 1x2 GPipe first stages (every storage live at the
+    peak of a steady step): what the plan counted beyond the runtime's peak was exactly the gradients not yet
+    made there (gpt-tiny 207,872 bytes of 274,176, resnet-tiny 20,544 of 41,280, vgg-tiny 1,792 of 20,352)."""
+    if grads_bytes <= 0:
+        return 0.0
+    others = (in_flight - 1) * rep.after_forward_bytes
+    counted = rep.peak_bytes + others + grads_bytes
+    first = rep.peak_with_grads_bytes + others
+    second = rep.peak_bytes + others - rep.after_forward_bytes + grads_bytes if in_flight >= 2 else 0.0
+    return max(0.0, counted - max(first, second, grads_bytes))
 
 
 def stage_remat(
@@ -93,18 +117,30 @@ def stage_remat(
     mode: str,
     offload_bw_bytes_per_s: float | None,
     slots: int = 200,
+    fresh_grad_bytes: Sequence[float] = (),
 ) -> StageChoice | None:
     """The plan of `mode` for one stage's blocks (numbered from 0) within `budget_bytes` (activations only), or
-    None."""
+    None. `fresh_grad_bytes` (per block; empty: none): the stage's parameter gradients, where zero_grad frees them
+    every step and every micro-batch's forward runs before the stage's first backward (`unmade_grad_bytes`); what
+    is not yet made at the peak is left out of the need. ("auto" chooses its plan within the budget without
+    that allowance, then counts it.)"""
     n = len(chain)
     bw = offload_bw_bytes_per_s or math.inf
 
+    def unmade(plan: RematPlan, rep: Replay | None = None) -> float:
+        if not fresh_grad_bytes:
+            return 0.0
+        if rep is None:
+            rep = replay(chain, plan, offload_bw_bytes_per_s=bw, param_grad_bytes=fresh_grad_bytes)
+        return unmade_grad_bytes(rep, in_flight, sum(fresh_grad_bytes))
+
     def fits(plan: RematPlan) -> StageChoice | None:
-        rep = replay(chain, plan, offload_bw_bytes_per_s=bw)
+        rep = replay(chain, plan, offload_bw_bytes_per_s=bw, param_grad_bytes=fresh_grad_bytes)
         need = rep.peak_bytes + (in_flight - 1) * rep.after_forward_bytes
-        if need > budget_bytes:
+        free = unmade(plan, rep)
+        if need - free > budget_bytes:
             return None
-        return StageChoice(plan, rep.time_s, rep.recompute_s, rep.transfer_s, need)
+        return StageChoice(plan, rep.time_s, rep.recompute_s, rep.transfer_s, need, free)
 
     if mode == "none":
         return fits(no_remat(0, n))
@@ -125,7 +161,7 @@ def stage_remat(
     except InfeasibleError:
         return None
     need = got.peak_bytes + (in_flight - 1) * got.after_forward_bytes
-    return StageChoice(got.plan, got.time_s, got.recompute_s, got.transfer_s, need)
+    return StageChoice(got.plan, got.time_s, got.recompute_s, got.transfer_s, need, unmade(got.plan))
 
 
 def stage_outputs(lo: int, hi: int, mems: Sequence[BlockMemory], num_cuts: int) -> tuple[tuple[int, int], ...]:
@@ -199,6 +235,8 @@ def refine_plan(
     cut_tensors: Sequence[float] = (),
     checkpoint_block_s: Sequence[float] = (),
     checkpoint_forward_share: float = 0.0,
+    param_grad_bytes: Sequence[float] = (),
+    tied_grads: Sequence[tuple[Sequence[int], float]] = (),
 ) -> Plan | None:
     """`plan` (from the search on the relaxed chain) with each stage's remat plan, times and memory; None
     when some stage fits no plan of `mode`. `fwd_s(b)`/`bwd_s(b)` give the blocks' seconds at micro-batch b,
@@ -206,7 +244,12 @@ def refine_plan(
     on the plan's pipeline link; `checkpoint_s` the cost of one checkpoint call on the device; `host` the search's
     host costs (search.h's HostCosts by name) with `cut_tensors` the tensors crossing each cut;
     `checkpoint_block_s` what each block adds to a checkpoint it is inside (empty: nothing), and
-    `checkpoint_forward_share` the share of those costs paid in the forward pass (the rest in the backward)."""
+    `checkpoint_forward_share` the share of those costs paid in the forward pass (the rest in the backward);
+    `param_grad_bytes` the bytes of each block's parameter gradients (a parameter several blocks read counted in
+    the first), `tied_grads` those parameters as (the blocks that read them, gradient bytes): on one data-parallel
+    replica (no DDP buckets) zero_grad frees the gradients every step, and a stage whose every micro-batch runs its
+    forward before its first backward peaks before most are made again (`unmade_grad_bytes`; a tied parameter's
+    gradient is made at the backward of the last block of the stage that reads it)."""
     host = host or {}
     tensors = list(cut_tensors) or [0.0] * len(cut_bytes(1))
     tensors[0] = tensors[-1] = 0.0
@@ -252,11 +295,21 @@ def refine_plan(
             checkpoint_block_s=tuple(checkpoint_block_s[lo:hi]),
             checkpoint_forward_share=checkpoint_forward_share,
         )
-        got = stage_remat(chain, budget, st.in_flight, mode=mode, offload_bw_bytes_per_s=offload_bw_bytes_per_s)
+        # One replica (no DDP buckets), one stage per rank (GPipe, 1F1B), every forward before the first backward.
+        fresh = bool(param_grad_bytes) and lay.dp == 1 and lay.stages_per_rank == 1
+        fresh = fresh and st.in_flight == lay.num_microbatches
+        got = stage_remat(
+            chain,
+            budget,
+            st.in_flight,
+            mode=mode,
+            offload_bw_bytes_per_s=offload_bw_bytes_per_s,
+            fresh_grad_bytes=_stage_grads(param_grad_bytes, tied_grads, lo, hi) if fresh else (),
+        )
         if got is None:
             return None
         again = scale * _recomputed_outputs(got.plan, lo, mems, outputs[s])
-        if got.activation_bytes + again > budget:
+        if got.activation_bytes - got.unmade_grad_bytes + again > budget:
             return None
         remat.append(None if got.plan == no_remat(0, hi - lo) else StageRemat(tuple(positions[lo : hi + 1]), got.plan))
         messages = float(host.get("message_s", 0.0)) * (tensors[lo] + tensors[hi])
@@ -273,7 +326,8 @@ def refine_plan(
                 backward_s=bwd,
                 time_s=fwd + bwd + sends,
                 activation_bytes=activation,
-                memory_bytes=st.state_bytes + activation + st.buffer_bytes,
+                memory_bytes=st.state_bytes + activation + st.buffer_bytes - got.unmade_grad_bytes,
+                unmade_grad_bytes=got.unmade_grad_bytes,
                 recompute_s=got.recompute_s,
                 checkpoint_s=checkpoint_cost_s(chain, got.plan),
                 checkpoint_forward_s=ahead,
@@ -312,6 +366,22 @@ def refine_plan(
     )
     layout = replace(lay, remat=tuple(remat) if any(r is not None for r in remat) else ())
     return replace(plan, layout=layout, stages=tuple(stages), predicted=predicted)
+
+
+def _stage_grads(
+    param_grad_bytes: Sequence[float], tied_grads: Sequence[tuple[Sequence[int], float]], lo: int, hi: int
+) -> list[float]:
+    """The parameter gradient bytes each block of a stage over blocks [lo, hi) makes in its backward: its own, with
+    each tied parameter the stage reads made at its last reader there (counted in its first reader by the chain)."""
+    out = list(param_grad_bytes[lo:hi])
+    for blocks, nbytes in tied_grads:
+        readers = [k for k in blocks if lo <= k < hi]
+        if not readers:
+            continue
+        if lo <= blocks[0] < hi:
+            out[blocks[0] - lo] -= nbytes
+        out[max(readers) - lo] += nbytes
+    return out
 
 
 def _stage_ranks(plan: Plan) -> list[int]:

@@ -292,3 +292,28 @@ def test_fine_chains_peak_as_predicted(name: str) -> None:
         predicted = replay(figures, plan).peak_bytes
         assert peak <= predicted + 4, plan.describe()
         assert peak == pytest.approx(predicted, rel=0.05), plan.describe()
+
+
+@pytest.mark.parametrize("name", ["resnet-tiny", "gpt-tiny", "vgg-tiny"])
+def test_peak_with_the_gradients_made_from_none(name: str) -> None:
+    """A step whose parameter gradients start from none (zero_grad(set_to_none=True)): the measured peak with them
+    counted is `peak_with_grads_bytes` at most, and at least that less one block's gradients (the replay counts a
+    block's gradients at its own backward peak; autograd makes them somewhere in that backward)."""
+    model, example = _with_loss(name)
+    chain = linearize(trace(model, example, batch_size=4))
+    figures = remat_chain(chain, example, 4)
+    grads = [4.0 * b.param_numel for b in chain.blocks]
+    n = len(chain)
+    for plan in [no_remat(0, n), full_remat(0, n), periodic(0, n, 3)]:
+        module = apply_remat(chain, plan)
+        for p in module.parameters():
+            p.grad = None
+        inputs, seed = example(4), torch.ones(())  # made before, as the caller's
+        with LiveMemory() as mem:
+            loss = module(*inputs)
+            loss.backward(seed)
+            del loss
+        predicted = replay(figures, plan, param_grad_bytes=grads)
+        assert predicted.peak_bytes <= predicted.peak_with_grads_bytes <= predicted.peak_bytes + sum(grads)
+        assert mem.peak_bytes <= predicted.peak_with_grads_bytes + 4, plan.describe()
+        assert mem.peak_bytes >= predicted.peak_with_grads_bytes - max(grads) - 4, plan.describe()
