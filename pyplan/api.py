@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -25,9 +26,17 @@ from pyplan.profile.analytic import Roofline, block_times_analytic
 from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, measured_target
 from pyplan.profile.loss import LossCost, LossFn, TargetFn, loss_cost, remat_with_loss, with_loss
 from pyplan.profile.measure import CheckpointCosts, checkpoint_call_s, checkpoint_costs
+from pyplan.profile.memory import optimizer_step_bytes
 from pyplan.profile.remat import remat_bytes
 from pyplan.solve.dag_search import dag_plans
-from pyplan.solve.remat_search import OFFLOAD_MODES, RELAXED_SHARES, REMAT_MODES, refine_plan, relaxed_chain
+from pyplan.solve.remat_search import (
+    OFFLOAD_MODES,
+    RELAXED_SHARES,
+    REMAT_MODES,
+    StageParams,
+    refine_plan,
+    relaxed_chain,
+)
 from pyplan.solve.tied import tied_parameters, tied_sync_s, with_tied_state, with_tied_sync
 
 __all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "add_loss", "chain_for", "memory_per_process", "plan", "search"]
@@ -464,12 +473,39 @@ def search(
             cut_tensors=cut_tensors,
             checkpoint_block_s=costs.block_s,
             checkpoint_forward_share=costs.forward_share,
-            param_grad_bytes=[b.param_numel * float(per_param.grad_bytes) for b in blocks],
-            tied_grads=[(t.blocks, t.numel * float(per_param.grad_bytes)) for t in tied],
+            params=stage_params,
         )
 
     # Parameters on stages of different ranks (tied embeddings) are all-reduced after the pipeline drains.
     tied = tied_parameters(chain)
+    # The parameters as the refinement counts their gradients and the optimizer step's temporaries: torch's Adam
+    # runs foreach on a GPU and tensor by tensor on the CPU; ZeRO 1-3 shard the optimizer over the replicas.
+    module = chain.graph.module
+
+    def largest(names: Iterable[str]) -> float:
+        sizes = [0]
+        for name in names:
+            with contextlib.suppress(AttributeError):
+                sizes.append(module.get_parameter(name).numel())
+        return float(max(sizes))
+
+    def step_bytes(elements: float, largest_tensor: float, dp: int, zero_stage: int) -> float:
+        shard = dp if zero_stage >= 1 else 1
+        return optimizer_step_bytes(
+            workload.optimizer,
+            workload.precision,
+            elements=elements / shard,
+            largest_tensor=largest_tensor,
+            foreach=gpu.device_type != "cpu",
+        )
+
+    stage_params = StageParams(
+        numel=[float(b.param_numel) for b in blocks],
+        largest=[largest(b.param_names) for b in blocks],
+        tied=[(t.blocks, float(t.numel)) for t in tied],
+        grad_bytes=float(per_param.grad_bytes),
+        step_bytes=step_bytes,
+    )
 
     def tied_sync(p: Plan) -> Plan:
         if not tied or p.layout.pp < 2:

@@ -93,7 +93,8 @@ class StagePlan:
     first stage, and the output of Schedule1F1B's last warm-up send) - `unmade_grad_bytes` (of the gradients in
     `state_bytes`, those not yet made at the stage's peak: on one data-parallel replica zero_grad frees them every
     step, and a stage whose every micro-batch runs its forward first, as under GPipe, peaks in its first
-    backward). With a
+    backward); or, where that is more, the optimizer step's: `state_bytes` + `buffer_bytes` + the inputs of the
+    micro-batches in flight + `optimizer_step_bytes` (Adam's out-of-place sqrt(exp_avg_sq) + eps). With a
     rematerialization plan (the layout's `remat`), `backward_s` includes `recompute_s` and the exposed offload
     `transfer_s` per micro-batch, less `checkpoint_forward_s`. Of `recompute_s`, `checkpoint_s` is what the
     checkpoints cost beyond running blocks again (their calls, torch's hooks on saved tensors), and
@@ -115,6 +116,7 @@ class StagePlan:
     transfer_s: float = 0.0
     buffer_bytes: float = 0.0  # receive buffers, the last input gradient, the batch, a kept send (in memory_bytes)
     unmade_grad_bytes: float = 0.0  # gradients of state_bytes not yet made at the peak (taken off memory_bytes)
+    optimizer_step_bytes: float = 0.0  # the optimizer step's temporaries beside state and buffers (see memory_bytes)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

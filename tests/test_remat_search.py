@@ -48,8 +48,9 @@ def test_remat_finds_plans_that_only_fit_with_it(gpt) -> None:
         assert st.recompute_s == pytest.approx(rep.recompute_s)
         assert st.backward_s == pytest.approx(rep.time_s - sum(sub.fwd_s))
         cut_in = chain.cuts[st.first_block].bytes(b)
-        assert st.activation_bytes == pytest.approx(rep.peak_bytes + (st.in_flight - 1) * rep.after_forward_bytes
-                                                     + st.in_flight * cut_in)
+        assert st.activation_bytes == pytest.approx(
+            rep.peak_bytes + (st.in_flight - 1) * rep.after_forward_bytes + st.in_flight * cut_in
+        )
     assert Plan.from_json(best.to_json()) == best
     # Forced modes are no faster than the optimal plan, when they fit at all.
     fitted = 0
@@ -68,8 +69,9 @@ def test_auto_is_never_slower_than_no_remat(gpt) -> None:
     spec, model, cluster, workload, chain = gpt
     for fraction in (0.0006, 0.001, 0.9):
         plain = search(model, spec.example_inputs, cluster, workload, chain=chain, memory_fraction=fraction).best
-        auto = search(model, spec.example_inputs, cluster, workload, chain=chain, memory_fraction=fraction,
-                      remat="auto").best
+        auto = search(
+            model, spec.example_inputs, cluster, workload, chain=chain, memory_fraction=fraction, remat="auto"
+        ).best
         assert auto.predicted.iteration_s <= plain.predicted.iteration_s + 1e-12
     # With memory to spare the plan keeps everything.
     assert auto.layout.remat == ()
@@ -205,3 +207,16 @@ def test_unmade_gradients_by_hand() -> None:
     assert unmade_grad_bytes(Replay(0.0, 10.0, 0.0, 0.0, 5.0, 10.0), 1, 100.0) == 10.0
     # Gradients made late and A small: the second backward peaks higher (1000 + 0 + 100 against 1000 + 20).
     assert unmade_grad_bytes(Replay(0.0, 1000.0, 0.0, 0.0, 20.0, 1000.0), 2, 100.0) == 20.0
+
+
+def test_optimizer_step_bytes() -> None:
+    """Adam's sqrt(exp_avg_sq) + eps out of place in the master dtype: every tensor at once on a GPU (foreach), two
+    of the largest on the CPU (measured on mlp-tiny: tests/runtime/test_step_memory.py); SGD updates in place."""
+    from pyplan.profile.memory import optimizer_step_bytes
+
+    assert optimizer_step_bytes("adamw", "fp32", elements=1000, largest_tensor=300, foreach=True) == 4000
+    assert optimizer_step_bytes("adam", "fp32", elements=1000, largest_tensor=300, foreach=False) == 2400
+    assert optimizer_step_bytes("adamw", "bf16-mixed", elements=1000, largest_tensor=300, foreach=True) == 4000
+    assert optimizer_step_bytes("sgd-momentum", "fp32", elements=1000, largest_tensor=300, foreach=True) == 0
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        optimizer_step_bytes("lion", "fp32", elements=1, largest_tensor=1, foreach=True)

@@ -26,6 +26,7 @@ __all__ = [
     "ModelState",
     "SavedBytes",
     "model_state_bytes",
+    "optimizer_step_bytes",
     "saved_bytes",
 ]
 
@@ -73,6 +74,28 @@ def model_state_bytes(numel: int, tensors: int, *, optimizer: str = "adamw", pre
     if optimizer in _STEP_TENSOR:
         optimizer_bytes += 4 * tensors
     return ModelState(param_bytes=weight * numel, grad_bytes=grad * numel, optimizer_bytes=optimizer_bytes)
+
+
+def optimizer_step_bytes(
+    optimizer: str, precision: str, *, elements: float, largest_tensor: float, foreach: bool
+) -> float:
+    """Bytes an optimizer step holds beside the model state, over `elements` parameter elements whose largest tensor
+    has `largest_tensor` elements (torch 2.13's defaults, as `pyplan.runtime.optim.optimizer_factory` builds them).
+
+    Adam and AdamW divide by sqrt(exp_avg_sq) + eps made out of place, in the master dtype. On the CPU torch runs
+    them tensor by tensor: measured on mlp-tiny's one-device plans, the step peaked with two such temporaries of its
+    largest tensors live beside the whole state (16,384 + 16,640 bytes). On a GPU the foreach path makes them for
+    every tensor at once (`torch._foreach_sqrt` of the exp_avg_sq list; from torch's source, not measured here).
+    SGD, with or without momentum, updates in place."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer '{optimizer}'; choose one of {', '.join(OPTIMIZERS)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision '{precision}'; choose one of {', '.join(PRECISIONS)}")
+    if optimizer not in _STEP_TENSOR:
+        return 0.0
+    weight, _, master = PRECISIONS[precision]
+    master_bytes = master if master is not None else weight
+    return float(master_bytes * (elements if foreach else 2 * largest_tensor))
 
 
 class SavedRecorder(fx.Interpreter):

@@ -122,6 +122,7 @@ def show_data(document: PlanFile) -> dict[str, Any]:
             "activation_bytes": st.activation_bytes,
             "buffer_bytes": st.buffer_bytes,
             "unmade_grad_bytes": st.unmade_grad_bytes,
+            "optimizer_step_bytes": st.optimizer_step_bytes,
             "memory_bytes": st.memory_bytes,
         }
         for s, st in enumerate(plan.stages)

@@ -42,6 +42,7 @@ __all__ = [
     "RELAXED_SHARES",
     "REMAT_MODES",
     "StageChoice",
+    "StageParams",
     "refine_plan",
     "relaxed_chain",
     "stage_outputs",
@@ -86,6 +87,21 @@ class StageChoice:
     transfer_s: float
     activation_bytes: float
     unmade_grad_bytes: float = 0.0  # parameter gradients not yet made at the peak (`unmade_grad_bytes`)
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """What `refine_plan` needs of the parameters, per block of the chain: `numel` its parameter elements (a
+    parameter several blocks read counted in the first), `largest` the elements of the largest tensor it reads;
+    `tied` the parameters several blocks read, as (those blocks, elements); `grad_bytes` the gradient bytes per
+    element; `step_bytes(elements, largest tensor, dp, ZeRO stage)` what the optimizer step holds beside the state
+    (pyplan.profile.memory.optimizer_step_bytes, sharded as the plan's ZeRO stage shards the optimizer)."""
+
+    numel: Sequence[float]
+    largest: Sequence[float]
+    tied: Sequence[tuple[Sequence[int], float]]
+    grad_bytes: float
+    step_bytes: Callable[[float, float, int, int], float]
 
 
 def unmade_grad_bytes(rep: Replay, in_flight: int, grads_bytes: float) -> float:
@@ -235,8 +251,7 @@ def refine_plan(
     cut_tensors: Sequence[float] = (),
     checkpoint_block_s: Sequence[float] = (),
     checkpoint_forward_share: float = 0.0,
-    param_grad_bytes: Sequence[float] = (),
-    tied_grads: Sequence[tuple[Sequence[int], float]] = (),
+    params: StageParams | None = None,
 ) -> Plan | None:
     """`plan` (from the search on the relaxed chain) with each stage's remat plan, times and memory; None
     when some stage fits no plan of `mode`. `fwd_s(b)`/`bwd_s(b)` give the blocks' seconds at micro-batch b,
@@ -244,12 +259,13 @@ def refine_plan(
     on the plan's pipeline link; `checkpoint_s` the cost of one checkpoint call on the device; `host` the search's
     host costs (search.h's HostCosts by name) with `cut_tensors` the tensors crossing each cut;
     `checkpoint_block_s` what each block adds to a checkpoint it is inside (empty: nothing), and
-    `checkpoint_forward_share` the share of those costs paid in the forward pass (the rest in the backward);
-    `param_grad_bytes` the bytes of each block's parameter gradients (a parameter several blocks read counted in
-    the first), `tied_grads` those parameters as (the blocks that read them, gradient bytes): on one data-parallel
-    replica (no DDP buckets) zero_grad frees the gradients every step, and a stage whose every micro-batch runs its
-    forward before its first backward peaks before most are made again (`unmade_grad_bytes`; a tied parameter's
-    gradient is made at the backward of the last block of the stage that reads it)."""
+    `checkpoint_forward_share` the share of those costs paid in the forward pass (the rest in the backward).
+
+    With `params`, a stage's memory is the larger of two moments. In the pipeline: on one data-parallel replica
+    (no DDP buckets) zero_grad frees the gradients every step, and a stage whose every micro-batch runs its forward
+    before its first backward peaks before most are made again (`unmade_grad_bytes`; a tied parameter's gradient
+    is made at the backward of the last block of the stage that reads it). In the optimizer step: the state, the
+    buffers and the step's temporaries (`optimizer_step_bytes`), which matter where activations are small."""
     host = host or {}
     tensors = list(cut_tensors) or [0.0] * len(cut_bytes(1))
     tensors[0] = tensors[-1] = 0.0
@@ -270,6 +286,15 @@ def refine_plan(
     ]
     stages: list[StagePlan] = []
     remat: list[StageRemat | None] = []
+    # The optimizer step holds the state, the buffers, the inputs of the micro-batches in flight (the caller's
+    # batch on the first stage, torch's receive buffers on the others) and the step's temporaries.
+    step = _step_bytes(plan, params, stage_rank) if params is not None else [0.0] * len(plan.stages)
+    in_step = [
+        st.state_bytes + st.buffer_bytes + st.in_flight * cuts[st.first_block] + step[s]
+        for s, st in enumerate(plan.stages)
+    ]
+    if any(sum(in_step[x] for x in xs) > gpu_mem_bytes for xs in ranks.values()):
+        return None
     for s, st in enumerate(plan.stages):
         lo, hi = st.first_block, st.last_block + 1
         rank_stages = ranks[stage_rank[s]]
@@ -296,7 +321,7 @@ def refine_plan(
             checkpoint_forward_share=checkpoint_forward_share,
         )
         # One replica (no DDP buckets), one stage per rank (GPipe, 1F1B), every forward before the first backward.
-        fresh = bool(param_grad_bytes) and lay.dp == 1 and lay.stages_per_rank == 1
+        fresh = params is not None and lay.dp == 1 and lay.stages_per_rank == 1
         fresh = fresh and st.in_flight == lay.num_microbatches
         got = stage_remat(
             chain,
@@ -304,7 +329,7 @@ def refine_plan(
             st.in_flight,
             mode=mode,
             offload_bw_bytes_per_s=offload_bw_bytes_per_s,
-            fresh_grad_bytes=_stage_grads(param_grad_bytes, tied_grads, lo, hi) if fresh else (),
+            fresh_grad_bytes=_stage_grads(params, lo, hi) if params is not None and fresh else (),
         )
         if got is None:
             return None
@@ -326,8 +351,12 @@ def refine_plan(
                 backward_s=bwd,
                 time_s=fwd + bwd + sends,
                 activation_bytes=activation,
-                memory_bytes=st.state_bytes + activation + st.buffer_bytes - got.unmade_grad_bytes,
+                memory_bytes=max(
+                    st.state_bytes + activation + st.buffer_bytes - got.unmade_grad_bytes,
+                    in_step[s],
+                ),
                 unmade_grad_bytes=got.unmade_grad_bytes,
+                optimizer_step_bytes=step[s],
                 recompute_s=got.recompute_s,
                 checkpoint_s=checkpoint_cost_s(chain, got.plan),
                 checkpoint_forward_s=ahead,
@@ -368,20 +397,38 @@ def refine_plan(
     return replace(plan, layout=layout, stages=tuple(stages), predicted=predicted)
 
 
-def _stage_grads(
-    param_grad_bytes: Sequence[float], tied_grads: Sequence[tuple[Sequence[int], float]], lo: int, hi: int
-) -> list[float]:
+def _stage_grads(params: StageParams, lo: int, hi: int) -> list[float]:
     """The parameter gradient bytes each block of a stage over blocks [lo, hi) makes in its backward: its own, with
     each tied parameter the stage reads made at its last reader there (counted in its first reader by the chain)."""
-    out = list(param_grad_bytes[lo:hi])
-    for blocks, nbytes in tied_grads:
+    out = [n * params.grad_bytes for n in params.numel[lo:hi]]
+    for blocks, numel in params.tied:
         readers = [k for k in blocks if lo <= k < hi]
         if not readers:
             continue
         if lo <= blocks[0] < hi:
-            out[blocks[0] - lo] -= nbytes
-        out[max(readers) - lo] += nbytes
+            out[blocks[0] - lo] -= numel * params.grad_bytes
+        out[max(readers) - lo] += numel * params.grad_bytes
     return out
+
+
+def _step_bytes(plan: Plan, params: StageParams, stage_rank: Sequence[int]) -> list[float]:
+    """Per stage, what the optimizer step holds beside the state: over its parameters and the tied copies its rank
+    keeps (charged to the rank's first stage that reads one, as `with_tied_state` charges their state)."""
+    lay = plan.layout
+    spans = [(st.first_block, st.last_block + 1) for st in plan.stages]
+    elements = [sum(params.numel[lo:hi]) for lo, hi in spans]
+    for blocks, numel in params.tied:
+        reading = [s for s, (lo, hi) in enumerate(spans) if any(lo <= k < hi for k in blocks)]
+        owner = next((s for s, (lo, hi) in enumerate(spans) if lo <= blocks[0] < hi), None)
+        charged = {stage_rank[owner]} if owner is not None else set()
+        for s in reading:
+            if stage_rank[s] not in charged:
+                charged.add(stage_rank[s])
+                elements[s] += numel
+    return [
+        params.step_bytes(e, max(params.largest[lo:hi], default=0.0), lay.dp, lay.zero_stage)
+        for e, (lo, hi) in zip(elements, spans)
+    ]
 
 
 def _stage_ranks(plan: Plan) -> list[int]:
