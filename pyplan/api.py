@@ -37,7 +37,7 @@ from pyplan.solve.remat_search import (
     refine_plan,
     relaxed_chain,
 )
-from pyplan.solve.tied import tied_parameters, tied_sync_s, with_tied_state, with_tied_sync
+from pyplan.solve.tied import tied_copies, tied_parameters, tied_sync_s, with_tied_state, with_tied_sync
 
 __all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "add_loss", "chain_for", "memory_per_process", "plan", "search"]
 
@@ -474,6 +474,7 @@ def search(
             checkpoint_block_s=costs.block_s,
             checkpoint_forward_share=costs.forward_share,
             params=stage_params,
+            tied_copy_numel=[sum(float(t.numel) for t in ts) for ts in tied_copies(start.layout, chain, tied)],
         )
 
     # Parameters on stages of different ranks (tied embeddings) are all-reduced after the pipeline drains.

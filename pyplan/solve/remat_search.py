@@ -252,6 +252,7 @@ def refine_plan(
     checkpoint_block_s: Sequence[float] = (),
     checkpoint_forward_share: float = 0.0,
     params: StageParams | None = None,
+    tied_copy_numel: Sequence[float] = (),
 ) -> Plan | None:
     """`plan` (from the search on the relaxed chain) with each stage's remat plan, times and memory; None
     when some stage fits no plan of `mode`. `fwd_s(b)`/`bwd_s(b)` give the blocks' seconds at micro-batch b,
@@ -265,7 +266,9 @@ def refine_plan(
     (no DDP buckets) zero_grad frees the gradients every step, and a stage whose every micro-batch runs its forward
     before its first backward peaks before most are made again (`unmade_grad_bytes`; a tied parameter's gradient
     is made at the backward of the last block of the stage that reads it). In the optimizer step: the state, the
-    buffers and the step's temporaries (`optimizer_step_bytes`), which matter where activations are small."""
+    buffers and the step's temporaries (`optimizer_step_bytes`), which matter where activations are small; over the
+    stage's parameters and, per stage, `tied_copy_numel` (the elements of the tied copies it keeps, as
+    pyplan.solve.tied.tied_copies charges them; empty: none)."""
     host = host or {}
     tensors = list(cut_tensors) or [0.0] * len(cut_bytes(1))
     tensors[0] = tensors[-1] = 0.0
@@ -288,7 +291,7 @@ def refine_plan(
     remat: list[StageRemat | None] = []
     # The optimizer step holds the state, the buffers, the inputs of the micro-batches in flight (the caller's
     # batch on the first stage, torch's receive buffers on the others) and the step's temporaries.
-    step = _step_bytes(plan, params, stage_rank) if params is not None else [0.0] * len(plan.stages)
+    step = _step_bytes(plan, params, tied_copy_numel) if params is not None else [0.0] * len(plan.stages)
     in_step = [
         st.state_bytes + st.buffer_bytes + st.in_flight * cuts[st.first_block] + step[s]
         for s, st in enumerate(plan.stages)
@@ -321,8 +324,7 @@ def refine_plan(
             checkpoint_forward_share=checkpoint_forward_share,
         )
         # One replica (no DDP buckets), one stage per rank (GPipe, 1F1B), every forward before the first backward.
-        fresh = params is not None and lay.dp == 1 and lay.stages_per_rank == 1
-        fresh = fresh and st.in_flight == lay.num_microbatches
+        fresh = lay.dp == 1 and lay.stages_per_rank == 1 and st.in_flight == lay.num_microbatches
         got = stage_remat(
             chain,
             budget,
@@ -411,23 +413,18 @@ def _stage_grads(params: StageParams, lo: int, hi: int) -> list[float]:
     return out
 
 
-def _step_bytes(plan: Plan, params: StageParams, stage_rank: Sequence[int]) -> list[float]:
-    """Per stage, what the optimizer step holds beside the state: over its parameters and the tied copies its rank
-    keeps (charged to the rank's first stage that reads one, as `with_tied_state` charges their state)."""
+def _step_bytes(plan: Plan, params: StageParams, tied_copy_numel: Sequence[float]) -> list[float]:
+    """Per stage, what the optimizer step holds beside the state: over its parameters and its tied copies."""
     lay = plan.layout
-    spans = [(st.first_block, st.last_block + 1) for st in plan.stages]
-    elements = [sum(params.numel[lo:hi]) for lo, hi in spans]
-    for blocks, numel in params.tied:
-        reading = [s for s, (lo, hi) in enumerate(spans) if any(lo <= k < hi for k in blocks)]
-        owner = next((s for s, (lo, hi) in enumerate(spans) if lo <= blocks[0] < hi), None)
-        charged = {stage_rank[owner]} if owner is not None else set()
-        for s in reading:
-            if stage_rank[s] not in charged:
-                charged.add(stage_rank[s])
-                elements[s] += numel
+    copies = list(tied_copy_numel) or [0.0] * len(plan.stages)
     return [
-        params.step_bytes(e, max(params.largest[lo:hi], default=0.0), lay.dp, lay.zero_stage)
-        for e, (lo, hi) in zip(elements, spans)
+        params.step_bytes(
+            sum(params.numel[st.first_block : st.last_block + 1]) + copy,
+            max(params.largest[st.first_block : st.last_block + 1], default=0.0),
+            lay.dp,
+            lay.zero_stage,
+        )
+        for st, copy in zip(plan.stages, copies)
     ]
 
 

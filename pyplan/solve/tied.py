@@ -20,7 +20,7 @@ from pyplan.graph.chain import Chain
 from pyplan.hardware.catalog import Link
 from pyplan.plan import Layout, Plan
 
-__all__ = ["TiedParameter", "tied_parameters", "tied_sync_s", "with_tied_state", "with_tied_sync"]
+__all__ = ["TiedParameter", "tied_copies", "tied_parameters", "tied_sync_s", "with_tied_state", "with_tied_sync"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,24 @@ def with_tied_sync(plan: Plan, seconds: float) -> Plan:
     return replace(plan, predicted=predicted)
 
 
+def tied_copies(layout: Layout, chain: Chain, tied: Sequence[TiedParameter]) -> list[list[TiedParameter]]:
+    """Per stage of `layout`, the tied parameters whose own copy its rank keeps there: the chain counts a shared
+    parameter once, in the first block that reads it; every other rank holding a stage that reads it keeps a copy,
+    charged to its first such stage."""
+    from pyplan.solve.schedules import stage_placement
+
+    placement = stage_placement(layout.schedule, layout.pp, layout.stages_per_rank)
+    out: list[list[TiedParameter]] = [[] for _ in range(layout.num_stages)]
+    for t in tied:
+        stages = _stages(layout, chain, t.blocks)
+        charged = {placement[stages[0]]} if stages else set()  # the first block's rank: counted by the chain
+        for s in stages:
+            if placement[s] not in charged:
+                charged.add(placement[s])
+                out[s].append(t)
+    return out
+
+
 def with_tied_state(
     plan: Plan, chain: Chain, tied: Sequence[TiedParameter], state_bytes: Callable[[float], float]
 ) -> Plan:
@@ -135,14 +153,7 @@ def with_tied_state(
 
     lay = plan.layout
     placement = stage_placement(lay.schedule, lay.pp, lay.stages_per_rank)
-    extra = [0.0] * len(plan.stages)
-    for t in tied:
-        stages = _stages(lay, chain, t.blocks)
-        charged = {placement[stages[0]]} if stages else set()  # the first block's rank: counted by the chain
-        for s in stages:
-            if placement[s] not in charged:
-                charged.add(placement[s])
-                extra[s] += state_bytes(t.numel)
+    extra = [sum((state_bytes(t.numel) for t in copies), 0.0) for copies in tied_copies(lay, chain, tied)]
     if not any(extra):
         return plan
     stages_ = tuple(
