@@ -422,7 +422,8 @@ def plan_case(
     workload = Workload(global_batch=case.global_batch, optimizer="adamw", precision="fp32")
     chain, _ = chain_for(model, spec.example_inputs, cluster, workload)
     link = cluster.groups[0].intra_link
-    assert link.latency_s is not None and link.bw_bytes_per_s is not None
+    # One device sends nothing: a calibration without a link (`pyplan calibrate --no-link`) plans it.
+    assert processes == 1 or (link.latency_s is not None and link.bw_bytes_per_s is not None)
     host = local_host_costs() if device == "cpu" else None  # as the search charges them
     out = []
     for remat in remats:
@@ -452,7 +453,8 @@ def plan_case(
             seen.add(config)
             b = lay.micro_batch_size
             sends = tuple(
-                link.latency_s + chain.cuts[st.last_block + 1].bytes(b) / link.bw_bytes_per_s for st in p.stages[:-1]
+                link.latency_s + chain.cuts[st.last_block + 1].bytes(b) / link.bw_bytes_per_s  # type: ignore[operator]
+                for st in p.stages[:-1]
             )
             placement = stage_placement(lay.schedule, lay.pp, lay.stages_per_rank)
             last = len(p.stages) - 1
@@ -1410,7 +1412,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=ATTEMPTS,
         help=f"attempts per model (each planned afresh) while its blocks run over {DRIFT * 100:.0f}%% off profile",
     )
-    parser.add_argument("--calibration", metavar="FILE", help="use this calibration file instead of calibrating")
+    parser.add_argument(
+        "--calibration", metavar="FILE", help="a calibration file of the matrices' device, instead of calibrating it"
+    )
     parser.add_argument("--quick-calibration", action="store_true")
     parser.add_argument("--json", metavar="FILE", help="also write the rows and summary here")
     args = parser.parse_args(argv)
@@ -1445,7 +1449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows, summary = run(
             cases,
             protocol=protocol,
-            calibration=args.calibration if device == "cpu" else None,
+            calibration=args.calibration,
             quick_calibration=args.quick_calibration,
             attempts=args.attempts,
             matrix=name,

@@ -18,7 +18,7 @@ from pyplan.graph.chain import Block, Chain
 from pyplan.graph.layergraph import Piecewise
 from pyplan.graph.linearize import linearize
 from pyplan.graph.trace import ExampleInputs, LeafSpec, trace
-from pyplan.hardware.catalog import GPU, LOCAL, local_host_costs
+from pyplan.hardware.catalog import GPU, LOCAL, Link, local_host_costs
 from pyplan.hardware.cluster import Cluster
 from pyplan.plan import OBJECTIVES, PLACEMENTS, Layout, Plan, Prediction, StagePlan, Workload
 from pyplan.profile import TimingOptions, default_batch_sizes, local_device, measured_batch_sizes, profile
@@ -229,6 +229,13 @@ def _time_tables(blocks: Sequence[Block]) -> dict[str, list[float]]:
     }
 
 
+def _unused(link: Link) -> Link:
+    """`link` as a one-GPU search takes it: figures it never uses where it has none."""
+    if link.latency_s is not None and link.bw_bytes_per_s is not None:
+        return link
+    return replace(link, latency_s=0.0, bw_bytes_per_s=1.0)
+
+
 def memory_per_process(cluster: Cluster) -> float:
     """A GPU's memory, or for `local` on the CPU the machine's memory shared by the processes on it."""
     gpu = cluster.gpu
@@ -360,6 +367,10 @@ def search(
     if gpu.memory_bytes is None or not gpu.hbm_bw_bytes_per_s:
         raise PlanError(f"GPU '{gpu.name}' has no memory size or bandwidth; run `pyplan calibrate` first")
     group = cluster.groups[0]
+    if cluster.gpus == 1:
+        # One GPU sends nothing: a link without figures (`pyplan calibrate --no-link`, one GPU on the machine)
+        # takes no part in its plans, and any positive figures stand in for it.
+        group = replace(group, intra_link=_unused(group.intra_link), inter_link=_unused(group.inter_link))
     for link, where in ((group.intra_link, "inside a node"), (group.inter_link, "between nodes")):
         if link.latency_s is None or link.bw_bytes_per_s is None:
             raise PlanError(f"the link {where} ({link.name}) has no latency or bandwidth; run `pyplan calibrate`")

@@ -26,7 +26,8 @@ import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import fx
@@ -42,8 +43,10 @@ from pyplan.hardware.cluster import Cluster
 from pyplan.plan import Layout, Plan, Prediction, StagePlan, Workload
 from pyplan.profile.analytic import OpCost, Roofline, op_class
 from pyplan.profile.memory import SavedRecorder
-from pyplan.solve.ilp import StageAssignment, StageDag, assign_stages, evaluate_stages, stage_dag_from_layergraph
 from pyplan.solve.schedules import simulate, warmup_send_held
+
+if TYPE_CHECKING:
+    from pyplan.solve.ilp import StageAssignment, StageDag
 
 __all__ = [
     "DAG_SCHEDULES",
@@ -386,6 +389,21 @@ def _split(totals: Sequence[float], weights: Sequence[float], block: Sequence[in
     return [totals[i] * (w / sums[i] if sums[i] > 0 else 1.0 / counts[i]) for w, i in zip(weights, block)]
 
 
+def _ilp() -> ModuleType:
+    """pyplan.solve.ilp, imported where a DAG is solved: OR-Tools (CP-SAT) is needed only there, so a machine
+    without it (a GPU host with no package index) still plans chains, profiles and runs plans."""
+    try:
+        from pyplan.solve import ilp  # ortools: optional at import, needed only for DAG stage assignment
+    except ModuleNotFoundError as exc:
+        if not (exc.name or "").startswith("ortools"):
+            raise
+        raise PlanError(
+            "the stage assignment of a branching graph needs OR-Tools: pip install 'ortools>=9.10' "
+            "(or search with stage_dag=False to plan chain partitions only)"
+        ) from None
+    return ilp
+
+
 @dataclass(frozen=True)
 class _NodeCosts:
     """Per-operation seconds at the configuration's micro-batch, their blocks and parameters, and the StageDag
@@ -406,7 +424,7 @@ def _node_costs(chain: Chain, nodes: NodeProfile, costs: StageCosts) -> _NodeCos
     bwd = _split(block_bwd, nodes.bwd_weight_s, nodes.block)
     saved = [blk.saved_bytes(b) * costs.scale if blk.saved_bytes is not None else 0.0 for blk in chain.blocks]
     act = _split(saved, nodes.saved_bytes, nodes.block)
-    dag = stage_dag_from_layergraph(
+    dag = _ilp().stage_dag_from_layergraph(
         chain.graph,
         batch_size=b,
         time_s={name: f + g for name, f, g in zip(nodes.names, fwd, bwd)},
@@ -461,7 +479,7 @@ def _evaluate(
     p, m = c.pp, c.num_microbatches
     latency_s, bw = costs.link()
     # Boundary bytes, stage times with sends, state and in-flight activations, as the stage model counts them.
-    figures = evaluate_stages(
+    figures = _ilp().evaluate_stages(
         nc.dag,
         stage_of_node,
         num_microbatches=m,
@@ -639,7 +657,7 @@ def dag_plans(
         nc = _node_costs(chain, profiles[b], costs)
         latency_s, bw = costs.link()
         try:
-            got: StageAssignment = assign_stages(
+            got: StageAssignment = _ilp().assign_stages(
                 nc.dag,
                 num_stages=config.pp,
                 num_microbatches=config.num_microbatches,

@@ -270,3 +270,33 @@ def test_a_solve_is_tried_only_when_balancing_could_pay() -> None:
     assert not worth_solving(cand([2.0, 2.0], m=8, t=20.0))  # balanced
     assert not worth_solving(cand([3.0, 1.0], m=1, t=4.0))  # no steady phase to shorten
     assert not worth_solving(cand([2.01, 1.99], m=2, t=4.0))  # 0.01 s of 4: below 2 %
+
+
+def test_planning_chains_needs_no_ortools() -> None:
+    """A machine without OR-Tools (a GPU host with no package index) imports pyplan and plans chains; the DAG
+    stage assignment, the one user of CP-SAT, names the missing package in one line."""
+    import subprocess
+    import sys
+
+    program = """
+import sys
+sys.modules["ortools"] = None  # as if it were not installed
+import pyplan, pyplan.cli
+from pyplan import load_model
+from pyplan.api import search
+from pyplan.errors import PlanError
+from pyplan.hardware import Cluster
+from pyplan.plan import Workload
+from pyplan.solve import dag_search
+spec = load_model("zoo:mlp-tiny")
+found = search(spec.build(), spec.example_inputs, Cluster.from_catalog("a100-80g", 2), Workload(global_batch=8),
+               stage_dag=False)
+assert found.best.layout.dp * found.best.layout.pp <= 2
+try:
+    dag_search._ilp()
+except PlanError as exc:
+    print(exc)
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "needs OR-Tools: pip install 'ortools>=9.10'" in done.stdout

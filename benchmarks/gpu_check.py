@@ -1,0 +1,666 @@
+"""Every GPU check of pyplan in one command: one JSON result file per check, a table at the end.
+
+Run: `python benchmarks/gpu_check.py OUT_DIR` on a machine with one CUDA GPU (about 7 minutes on an H100 or H200,
+never more than `--budget-s`, 470 s by default). `--device cpu` runs the same code paths on the CPU with tiny
+models, as tests/test_gpu_check.py does, so the script cannot break before it ever reaches a GPU.
+
+Each check runs in a process of its own (its own session, killed with its children at its time limit) and writes
+OUT_DIR/<check>.json with at least {"check", "status" ("ok", "failed", "timeout", "error"), "elapsed_s"}; a check
+that dies or runs out of time still leaves its file, with what it had finished. In order:
+
+  env        torch, CUDA, the device; two ceilings measured as METHOD says: a large bf16 (fp32 on the CPU) matrix
+             product's FLOP/s on random data and a device-to-device copy's bytes/s (read + written).
+  calibrate  `pyplan calibrate --no-link --quick` on the device (one GPU has no link to measure) into a private
+             cache directory, then the full calibration in the time left, kept when it finishes; the files are
+             embedded in the result, and the later checks plan with the one kept as the `local` GPU.
+  gpu_tests  `pytest -m gpu`: every test marked gpu, with each test's outcome.
+  profile    per model, the chain `pyplan inspect` builds (trace, linearize, profile: each block's forward and
+             backward timed alone with CUDA events, median of `repeats`), the whole traced model's forward and
+             backward timed as one call, and the same chain priced by the analytic roofline, once for the catalog
+             entry of this GPU (h100-sxm, h100-pcie or h200 by the device's name) and once for the calibrated
+             `local` entry: per block and for the whole step, analytic over measured, with the FLOPs-weighted
+             median and the worst block (the one farthest from 1 in ratio). Then `pyplan inspect --json` itself on
+             the first model, as a user runs it.
+  accuracy   `benchmarks/accuracy.py --matrices one-cuda` (remat none/full and micro-batch/GA choices on one GPU)
+             with the calibration above, one model per process, a short protocol (one launch, no waiting for a
+             quiet machine: a GPU host's other cores do not stretch the GPU's steps); its rows and summary.
+
+The models: gpt2-small and resnet50 in fp32, and the 1B Llama-style model built in bf16 (its weights and
+activations bf16, no autocast: the analytic model prices its ops in their own dtype). On the CPU: gpt-tiny and
+resnet-tiny in fp32, gpt-tiny in bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKS = ("env", "calibrate", "gpu_tests", "profile", "accuracy")
+# Each check's own limit, in seconds; the run as a whole stays within --budget-s.
+LIMITS_S = {"env": 60, "calibrate": 100, "gpu_tests": 120, "profile": 150, "accuracy": 210}
+DEFAULT_BUDGET_S = 470.0
+
+
+@dataclass(frozen=True)
+class ProfileCase:
+    """A zoo model profiled at `batch_sizes` (compared at the largest) in `dtype`."""
+
+    model: str
+    dtype: str
+    batch_sizes: tuple[int, ...]
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.dtype}"
+
+
+PROFILE_CASES = {
+    "cuda": (
+        ProfileCase("gpt2-small", "float32", (4, 8)),
+        ProfileCase("resnet50", "float32", (32, 64)),
+        ProfileCase("llama-1b-style", "bfloat16", (1, 2)),
+    ),
+    "cpu": (
+        ProfileCase("gpt-tiny", "float32", (4, 8)),
+        ProfileCase("resnet-tiny", "float32", (4, 8)),
+        ProfileCase("gpt-tiny", "bfloat16", (4, 8)),
+    ),
+}
+# The one-device accuracy matrix per device: its name in benchmarks/accuracy.py and the models run (all of the
+# matrix on a GPU; one small model on the CPU).
+ACCURACY = {"cuda": ("one-cuda", ("resnet50", "gpt2-small", "vgg16-cifar10")), "cpu": ("one-cpu", ("vgg-tiny",))}
+ACCURACY_PROTOCOL = {
+    "cuda": ["--steps", "4", "--warmup", "3", "--quiet-blocks", "1", "--max-rounds", "1"],
+    "cpu": ["--steps", "1", "--warmup", "1", "--quiet-blocks", "1", "--max-rounds", "1"],
+}
+# The catalog entry of this GPU, by a substring of torch's device name.
+CATALOG = (("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), ("A100-SXM4-80GB", "a100-80g-sxm"))
+
+
+# --- helpers ------------------------------------------------------------------------------------------------------
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON atomically, so a check killed mid-write leaves the previous version."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+
+
+def _error(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(exc))[-4000:]
+
+
+def _tail(text: str, n: int = 4000) -> str:
+    return text[-n:]
+
+
+class Result:
+    """A check's result file, written again after every part so a timeout keeps what was done."""
+
+    def __init__(self, out: Path, check: str) -> None:
+        self.path = out / f"{check}.json"
+        self.start = time.perf_counter()
+        self.data: dict[str, Any] = {"check": check, "status": "running"}
+        self.save()
+
+    def save(self) -> None:
+        self.data["elapsed_s"] = round(time.perf_counter() - self.start, 2)
+        _write(self.path, self.data)
+
+    def finish(self, status: str) -> None:
+        self.data["status"] = status
+        self.save()
+
+
+def _run(cmd: Sequence[str], timeout_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `cmd` in a session of its own; at `timeout_s` kill it with its children. Returns rc, output, time."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env
+    )
+    try:
+        out, _ = proc.communicate(timeout=max(1.0, timeout_s))
+        rc: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        rc = None
+    return {"rc": rc, "timed_out": rc is None, "output": out or "", "elapsed_s": round(time.perf_counter() - start, 2)}
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_s(fn: Callable[[], object], device: Any, *, warmup: int, repeats: int) -> float:
+    """Median seconds of `fn` on `device`: CUDA events on a GPU, the wall clock around a synchronize on the CPU."""
+    import torch
+
+    times = []
+    for rep in range(warmup + repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            fn()
+            seconds = time.perf_counter() - t0
+        if rep >= warmup:
+            times.append(seconds)
+    return statistics.median(times)
+
+
+# --- env ----------------------------------------------------------------------------------------------------------
+
+
+def check_env(out: Path, device_name: str, deadline: float) -> str:
+    import platform
+
+    import torch
+
+    res = Result(out, "env")
+    device = torch.device(device_name)
+    data = res.data
+    data.update(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        device=device_name,
+        cpus=os.cpu_count(),
+    )
+    try:
+        import pyplan
+        from pyplan import _core  # noqa: F401  (the compiled core imports)
+
+        data["pyplan"] = getattr(pyplan, "__version__", "?")
+    except Exception as exc:  # the install is what this check is for
+        data["pyplan_error"] = _error(exc)
+    try:
+        import ortools
+
+        data["ortools"] = ortools.__version__
+    except ModuleNotFoundError:
+        data["ortools"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        data.update(
+            gpu=props.name,
+            capability=f"{props.major}.{props.minor}",
+            multiprocessors=props.multi_processor_count,
+            memory_bytes=props.total_memory,
+            driver=_driver(),
+        )
+    res.save()
+    # The two ceilings: a large matrix product on random data and a device-to-device copy.
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    mm_s = _median_s(lambda: a @ b, device, warmup=3, repeats=10)
+    data["matmul"] = {"n": n, "dtype": str(dtype), "s": mm_s, "flops_per_s": 2 * n**3 / mm_s}
+    numel = (1 << 30) if device.type == "cuda" else (1 << 24)
+    src = torch.randn(numel, device=device, generator=gen)
+    dst = torch.empty_like(src)
+    copy_s = _median_s(lambda: dst.copy_(src), device, warmup=3, repeats=10)
+    data["copy"] = {"bytes": 2 * src.nbytes, "s": copy_s, "bytes_per_s": 2 * src.nbytes / copy_s}
+    res.finish("ok" if "pyplan_error" not in data else "failed")
+    return res.data["status"]
+
+
+def _driver() -> str | None:
+    done = subprocess.run(
+        ["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.mem", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+# --- calibrate ----------------------------------------------------------------------------------------------------
+
+
+def check_calibrate(out: Path, device_name: str, deadline: float) -> str:
+    """`pyplan calibrate --quick` first, which fits any budget, then the full calibration in the time left, kept
+    when it finishes (the dry run stops after the quick one)."""
+    res = Result(out, "calibrate")
+    cache = Path(os.environ["PYPLAN_CACHE_DIR"])
+    target = cache / "local.json"
+    res.data["runs"] = []
+    for quick in (True, False):
+        if not quick and device_name == "cpu":
+            break
+        path = cache / ("quick.json" if quick else "full.json")
+        cmd = [sys.executable, "-m", "pyplan.cli", "calibrate", "--no-link", "--out", str(path)]
+        cmd += ["--quick"] if quick else []
+        done = _run(cmd, deadline - time.time())
+        run = {"command": " ".join(cmd[1:]), "rc": done["rc"], "elapsed_s": done["elapsed_s"]}
+        if done["rc"] == 0 and path.exists():
+            run["calibration"] = json.loads(path.read_text())
+            path.replace(target)
+        else:
+            run["output"] = _tail(done["output"], 3000)
+        res.data["runs"].append(run)
+        res.save()
+    kept = [r for r in res.data["runs"] if "calibration" in r]
+    if kept:
+        res.data["calibration"] = kept[-1]["calibration"]
+        res.data["kept"] = kept[-1]["command"]
+    res.finish("ok" if len(kept) == len(res.data["runs"]) else ("failed" if not kept else "partial"))
+    return res.data["status"]
+
+
+# --- gpu_tests ----------------------------------------------------------------------------------------------------
+
+
+def check_gpu_tests(out: Path, device_name: str, deadline: float) -> str:
+    import xml.etree.ElementTree as ET
+
+    res = Result(out, "gpu_tests")
+    with tempfile.TemporaryDirectory(prefix="pyplan-gpu-tests-") as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+        done = _run(cmd, deadline - time.time())
+        tests = []
+        if junit.exists():
+            for case in ET.parse(junit).getroot().iter("testcase"):
+                outcome, message = "passed", ""
+                for tag in ("failure", "error", "skipped"):
+                    found = case.find(tag)
+                    if found is not None:
+                        outcome, message = tag, (found.get("message") or "")[:500]
+                tests.append(
+                    {
+                        "test": f"{case.get('classname')}::{case.get('name')}",
+                        "outcome": outcome,
+                        "time_s": float(case.get("time") or 0),
+                        "message": message,
+                    }
+                )
+    counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failure", "error", "skipped")}
+    res.data.update(rc=done["rc"], tests=tests, counts=counts, output=_tail(done["output"], 3000))
+    # pytest exits 5 when no test is collected; on a machine without a GPU every gpu test skips.
+    ok = done["rc"] in (0, 5) and counts["failure"] == counts["error"] == 0
+    if device_name == "cuda":
+        ok = ok and counts["passed"] > 0 and counts["skipped"] == 0
+    res.finish("timeout" if done["timed_out"] else ("ok" if ok else "failed"))
+    return res.data["status"]
+
+
+# --- profile ------------------------------------------------------------------------------------------------------
+
+
+def catalog_gpu(device_name: str) -> str:
+    """The catalog entry of this GPU (h100-sxm for a CPU dry run, whose ratios mean nothing)."""
+    import torch
+
+    if device_name != "cuda":
+        return "h100-sxm"
+    name = torch.cuda.get_device_name(0)
+    for key, entry in CATALOG:
+        if key in name:
+            return entry
+    raise RuntimeError(f"no catalog entry for the GPU {name!r}: add it to CATALOG")
+
+
+def _cast(example_inputs: Callable[[int], Any], dtype: Any) -> Callable[[int], Any]:
+    """`example_inputs` with floating-point tensors in `dtype` (token ids stay integers)."""
+    import torch
+
+    def inputs(b: int) -> Any:
+        got = example_inputs(b)
+        return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in got)
+
+    return inputs
+
+
+def _weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
+    pairs = sorted(zip(values, weights))
+    total = sum(w for _, w in pairs)
+    if total <= 0:
+        return statistics.median(values)
+    acc = 0.0
+    for v, w in pairs:
+        acc += w
+        if acc >= total / 2:
+            return v
+    return pairs[-1][0]
+
+
+def _ratios(analytic: Sequence[float], measured: Sequence[float], flops: Sequence[float]) -> dict[str, Any]:
+    """analytic / measured per block: the FLOPs-weighted median, the worst (farthest from 1), and the total's."""
+    ratios = [a / m if m > 0 else math.nan for a, m in zip(analytic, measured)]
+    finite = [(r, w, i) for i, (r, w) in enumerate(zip(ratios, flops)) if math.isfinite(r) and r > 0]
+    worst = max(finite, key=lambda x: abs(math.log(x[0]))) if finite else (math.nan, 0.0, -1)
+    return {
+        "weighted_median": _weighted_median([r for r, _, _ in finite], [w for _, w, _ in finite]) if finite else None,
+        "worst": worst[0],
+        "worst_block": worst[2],
+        "total": sum(analytic) / sum(measured) if sum(measured) > 0 else None,
+    }
+
+
+def _whole_s(module: Any, inputs: Sequence[Any], device: Any, *, warmup: int, repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of the whole traced model, one call and one autograd run each."""
+    import torch
+
+    from pyplan._torch import tensor_leaves
+
+    fwd: list[float] = []
+    bwd: list[float] = []
+    for rep in range(warmup + repeats):
+        holder: dict[str, Any] = {}
+
+        def forward(holder: dict[str, Any] = holder) -> None:
+            holder["out"] = module(*inputs)
+
+        def backward(holder: dict[str, Any] = holder) -> None:
+            roots = [t for t in tensor_leaves(holder["out"]) if t.requires_grad]
+            torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+
+        f = _median_s(forward, device, warmup=0, repeats=1)
+        b = _median_s(backward, device, warmup=0, repeats=1)
+        holder.clear()
+        for p in module.parameters():
+            p.grad = None
+        if rep >= warmup:
+            fwd.append(f)
+            bwd.append(b)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def profile_case(case: ProfileCase, device_name: str, rooflines: dict[str, Any]) -> dict[str, Any]:
+    """The measured chain of one model on the device, its whole step, and the analytic times of the same chain."""
+    import torch
+
+    from pyplan import linearize, load_model, trace
+    from pyplan.profile import TimingOptions, profile
+    from pyplan.profile.analytic import block_op_costs
+
+    device = torch.device(device_name)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as the blocks are timed
+    dtype = getattr(torch, case.dtype)
+    spec = load_model(f"zoo:{case.model}")
+    inputs = _cast(spec.example_inputs, dtype)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = spec.build().to(dtype)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    graph = trace(model, inputs, batch_size=min(case.batch_sizes))
+    chain = linearize(graph)
+    timings["trace_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    options = TimingOptions(warmup=3, repeats=10)
+    chain = profile(chain, inputs, measure=True, batch_sizes=case.batch_sizes, device=device, options=options)
+    timings["measure_s"] = time.perf_counter() - t0
+    b = max(case.batch_sizes)
+    module = chain.graph.module
+    batch = [t.to(device) for t in inputs(b)]
+    t0 = time.perf_counter()
+    whole_f, whole_b = _whole_s(module, batch, device, warmup=3, repeats=10)
+    timings["whole_s"] = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    ops = block_op_costs(chain, inputs, b)
+    timings["record_s"] = time.perf_counter() - t0
+    blocks = []
+    for blk, (f_ops, b_ops) in zip(chain.blocks, ops):
+        row = {
+            "name": blk.name,
+            "flops_fwd": blk.flops_fwd(b),
+            "flops_bwd": blk.flops_bwd(b),
+            "measured_fwd_s": blk.fwd_time_s(b),
+            "measured_bwd_s": blk.bwd_time_s(b),
+        }
+        for key, roof in rooflines.items():
+            row[f"{key}_fwd_s"] = sum(roof.op_time_s(op) for op in f_ops)
+            row[f"{key}_bwd_s"] = sum(roof.op_time_s(op) for op in b_ops)
+        blocks.append(row)
+    measured = [r["measured_fwd_s"] + r["measured_bwd_s"] for r in blocks]
+    flops = [r["flops_fwd"] + r["flops_bwd"] for r in blocks]
+    compare = {}
+    for key in rooflines:
+        analytic = [r[f"{key}_fwd_s"] + r[f"{key}_bwd_s"] for r in blocks]
+        compare[key] = {
+            "blocks": _ratios(analytic, measured, flops),
+            "fwd": _ratios([r[f"{key}_fwd_s"] for r in blocks], [r["measured_fwd_s"] for r in blocks], flops),
+            "bwd": _ratios([r[f"{key}_bwd_s"] for r in blocks], [r["measured_bwd_s"] for r in blocks], flops),
+            "whole_step": sum(analytic) / (whole_f + whole_b),
+        }
+    del batch, module, chain, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "model": case.model,
+        "dtype": case.dtype,
+        "batch_size": b,
+        "blocks": blocks,
+        "whole_fwd_s": whole_f,
+        "whole_bwd_s": whole_b,
+        "blocks_sum_s": sum(measured),
+        "flops": sum(flops),
+        "achieved_flops_per_s": sum(flops) / (whole_f + whole_b),
+        "compare": compare,
+        "timings": timings,
+    }
+
+
+def check_profile(out: Path, device_name: str, deadline: float) -> str:
+    from pyplan.hardware import get_gpu
+    from pyplan.profile.analytic import Roofline
+
+    res = Result(out, "profile")
+    entry = catalog_gpu(device_name)
+    rooflines = {"catalog": Roofline.from_gpu(get_gpu(entry))}
+    try:
+        rooflines["local"] = Roofline.from_gpu(get_gpu("local"))
+    except Exception as exc:  # no calibration: the catalog comparison still stands
+        res.data["local_error"] = _error(exc)
+    res.data.update(catalog_gpu=entry, models=[], errors={})
+    failed = False
+    for case in PROFILE_CASES[device_name]:
+        try:
+            res.data["models"].append(profile_case(case, device_name, rooflines))
+        except Exception as exc:
+            res.data["errors"][case.label] = _error(exc)
+            failed = True
+        res.save()
+    # `pyplan inspect` as a user runs it, on the first model.
+    first = PROFILE_CASES[device_name][0]
+    cmd = [sys.executable, "-m", "pyplan.cli", "inspect", f"zoo:{first.model}", "--json"]
+    cmd += ["--batch-size", str(max(first.batch_sizes))]
+    done = _run(cmd, deadline - time.time() - 5)
+    inspect: dict[str, Any] = {"command": " ".join(cmd[1:]), "rc": done["rc"], "elapsed_s": done["elapsed_s"]}
+    if done["rc"] == 0:
+        data = json.loads(done["output"][done["output"].index("{") :])
+        inspect.update(
+            device=data["device"],
+            fwd_time_s=data["fwd_time_s"],
+            bwd_time_s=data["bwd_time_s"],
+            blocks=[[b["name"], b["fwd_time_s"], b["bwd_time_s"]] for b in data["blocks"]],
+        )
+    else:
+        inspect["output"] = _tail(done["output"], 2000)
+        failed = True
+    res.data["inspect"] = inspect
+    res.finish("failed" if failed else "ok")
+    return res.data["status"]
+
+
+# --- accuracy -----------------------------------------------------------------------------------------------------
+
+
+def check_accuracy(out: Path, device_name: str, deadline: float) -> str:
+    res = Result(out, "accuracy")
+    matrix, models = ACCURACY[device_name]
+    calibration = Path(os.environ["PYPLAN_CACHE_DIR"]) / "local.json"
+    res.data.update(matrix=matrix, runs={})
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="pyplan-gpu-accuracy-") as tmp:
+        for k, model in enumerate(models):
+            report = Path(tmp) / f"{model}.json"
+            cmd = [sys.executable, str(ROOT / "benchmarks" / "accuracy.py"), "--matrices", matrix, "--models", model]
+            cmd += ["--launches", "1", "--attempts", "1", "--wait", "0", "--quiet-cores", "1000"]
+            cmd += [*ACCURACY_PROTOCOL[device_name], "--json", str(report)]
+            if calibration.exists():
+                cmd += ["--calibration", str(calibration)]
+            # An equal share of what is left for each model still to run.
+            share = (deadline - time.time()) / (len(models) - k)
+            done = _run(cmd, share)
+            run: dict[str, Any] = {"rc": done["rc"], "timed_out": done["timed_out"], "elapsed_s": done["elapsed_s"]}
+            if report.exists():
+                run["report"] = json.loads(report.read_text())["matrices"].get(matrix)
+            # accuracy.py exits 1 when a target is missed: that is a result, not a failure of the check.
+            if done["rc"] not in (0, 1) or "report" not in run:
+                run["output"] = _tail(done["output"], 4000)
+                failed = True
+            else:
+                run["table"] = _tail(done["output"], 6000)
+            res.data["runs"][model] = run
+            res.save()
+    res.finish("failed" if failed else "ok")
+    return res.data["status"]
+
+
+CHECK_FUNCTIONS: dict[str, Callable[[Path, str, float], str]] = {
+    "env": check_env,
+    "calibrate": check_calibrate,
+    "gpu_tests": check_gpu_tests,
+    "profile": check_profile,
+    "accuracy": check_accuracy,
+}
+
+
+# --- the driver ---------------------------------------------------------------------------------------------------
+
+
+def _fmt(x: Any, spec: str = ".2f") -> str:
+    return format(x, spec) if isinstance(x, int | float) and math.isfinite(x) else "-"
+
+
+def summary_lines(out: Path) -> Iterator[str]:
+    """A short table of what each check's file says."""
+    for check in CHECKS:
+        path = out / f"{check}.json"
+        if not path.exists():
+            yield f"{check:10} not run"
+            continue
+        d = json.loads(path.read_text())
+        head = f"{check:10} {d['status']:8} {d.get('elapsed_s', 0):6.1f} s"
+        if check == "env":
+            mm, cp = d.get("matmul", {}), d.get("copy", {})
+            yield (
+                f"{head}  {d.get('gpu', d.get('device'))}, torch {d.get('torch')}, matmul "
+                f"{_fmt(mm.get('flops_per_s', math.nan) / 1e12, '.0f')} TFLOP/s, copy "
+                f"{_fmt(cp.get('bytes_per_s', math.nan) / 1e12, '.2f')} TB/s"
+            )
+        elif check == "calibrate":
+            gpu = d.get("calibration", {}).get("gpu", {})
+            peaks = {k: round(v / 1e12, 1) for k, v in gpu.get("peak_flops_per_s", {}).items()}
+            bandwidth = _fmt(gpu.get("hbm_bw_bytes_per_s", math.nan) / 1e12)
+            yield f"{head}  peaks TFLOP/s {peaks}, bandwidth {bandwidth} TB/s"
+        elif check == "gpu_tests":
+            yield f"{head}  {d.get('counts')}"
+        elif check == "profile":
+            yield f"{head}  catalog entry {d.get('catalog_gpu')}; errors: {sorted(d.get('errors', {}))}"
+            for m in d.get("models", []):
+                for key, c in m["compare"].items():
+                    blk = c["blocks"]
+                    yield (
+                        f"{'':10} {m['model']} {m['dtype']} b={m['batch_size']} {key:8} whole step "
+                        f"{_fmt(c['whole_step'])} (measured {_fmt((m['whole_fwd_s'] + m['whole_bwd_s']) * 1e3)} ms, "
+                        f"blocks {_fmt(m['blocks_sum_s'] * 1e3)} ms), blocks median {_fmt(blk['weighted_median'])}, "
+                        f"worst {_fmt(blk['worst'])}"
+                    )
+        elif check == "accuracy":
+            for model, run in d.get("runs", {}).items():
+                s = (run.get("report") or {}).get("summary") or {}
+                yield (
+                    f"{head}  {model}: time median {_fmt(s.get('time_median', math.nan) * 100, '.1f')} %, worst "
+                    f"{_fmt(s.get('time_worst', math.nan) * 100, '.1f')} %, memory worst "
+                    f"{_fmt(s.get('memory_worst', math.nan) * 100, '.1f')} %, rc {run.get('rc')}"
+                )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="folder for the result files (created)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the dry run, tiny models")
+    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="the whole run's time limit")
+    parser.add_argument("--checks", nargs="+", choices=CHECKS, default=list(CHECKS))
+    parser.add_argument("--check", choices=CHECKS, help=argparse.SUPPRESS)  # one check, in its own process
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.check:
+        try:
+            status = CHECK_FUNCTIONS[args.check](args.out, args.device, args.deadline)
+        except Exception as exc:
+            path = args.out / f"{args.check}.json"
+            data = json.loads(path.read_text()) if path.exists() else {"check": args.check}
+            data.update(status="error", error=_error(exc))
+            _write(path, data)
+            raise
+        return 0 if status == "ok" else 1
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("torch sees no CUDA device; --device cpu runs the dry run")
+    end = time.time() + args.budget_s
+    statuses = {}
+    with tempfile.TemporaryDirectory(prefix="pyplan-gpu-check-") as cache:
+        env = {**os.environ, "PYPLAN_CACHE_DIR": cache, "PYTHONUNBUFFERED": "1"}
+        for check in args.checks:
+            left = end - time.time()
+            if left < 5:
+                _write(args.out / f"{check}.json", {"check": check, "status": "timeout", "elapsed_s": 0.0})
+                statuses[check] = "timeout"
+                continue
+            deadline = time.time() + min(LIMITS_S[check], left)
+            cmd = [sys.executable, __file__, str(args.out), "--device", args.device, "--check", check]
+            cmd += ["--deadline", str(deadline)]
+            print(f"[gpu_check] {check}: up to {deadline - time.time():.0f} s", flush=True)
+            # The check itself stops its children at the deadline; this margin lets it write what it has.
+            done = _run(cmd, deadline - time.time() + 15, env)
+            path = args.out / f"{check}.json"
+            data = json.loads(path.read_text()) if path.exists() else {"check": check}
+            if done["timed_out"] or data.get("status") == "running":
+                data["status"] = "timeout" if done["timed_out"] else "error"
+            if done["rc"] != 0:
+                data["process_output"] = _tail(done["output"], 4000)
+            _write(path, data)
+            statuses[check] = data["status"]
+            print(f"[gpu_check] {check}: {data['status']} in {done['elapsed_s']:.0f} s", flush=True)
+    for line in summary_lines(args.out):
+        print(line)
+    return 0 if all(s == "ok" for s in statuses.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
