@@ -43,13 +43,19 @@ def default_batch_sizes(batch_size: int) -> tuple[int, ...]:
 
 
 # The largest micro-batch a measured profile times: beyond it a block's time grows along its last segment, as the
-# per-sample cost of a batch that fills the machine does, and profiling stays a matter of seconds on a CPU.
+# per-sample cost of a batch that fills the machine does, and profiling stays a matter of seconds on a CPU. A GPU
+# fills only at far larger batches, and times them in milliseconds, so there the sizes go up to
+# MAX_MEASURED_BATCH_CUDA.
 MAX_MEASURED_BATCH = 32
+MAX_MEASURED_BATCH_CUDA = 512
 
 
-def measured_batch_sizes(largest: int, *, cap: int = MAX_MEASURED_BATCH) -> tuple[int, ...]:
+def measured_batch_sizes(largest: int, *, cap: int | None = None) -> tuple[int, ...]:
     """Micro-batch sizes a measured profile times at, for plans of micro-batches up to `largest` samples: the
-    powers of two from 1 up to it (and `largest` itself), at most `cap` (see `Piecewise` for why several)."""
+    powers of two from 1 up to it (and `largest` itself), at most `cap` (default: MAX_MEASURED_BATCH on the CPU,
+    MAX_MEASURED_BATCH_CUDA on a GPU; see `Piecewise` for why several)."""
+    if cap is None:
+        cap = MAX_MEASURED_BATCH_CUDA if local_device().type == "cuda" else MAX_MEASURED_BATCH
     top = max(2, min(largest, cap))
     sizes = {1 << k for k in range(top.bit_length()) if 1 << k <= top} | {top}
     return tuple(sorted(sizes))

@@ -10,8 +10,13 @@ medians kept), so that each block finds the caches as a training step leaves the
 again, a block found its weights and inputs in a warm cache, and resnet-tiny's forwards (b = 8) were timed 8-10 %
 short of the same blocks in sequence. The process keeps the memory it frees (pyplan/runtime/heap.py), as the
 runtime's ranks do: with glibc's default the timed passes paid page faults (vgg-tiny's forwards at b = 16 read
-4.9 ms against 4.4 ms). On CUDA each block runs alone, timed with CUDA events; on the CPU with a fixed number of
-threads, the thread's CPU time (one thread) or wall time.
+4.9 ms against 4.4 ms). On the CPU a block is timed with a fixed number of threads, by the thread's CPU time (one
+thread) or wall time. On CUDA the blocks run in passes too, CUDA events recorded between them and no wait for the
+GPU inside a pass, so that a block's time is what it adds to the stage's stream: its kernels, and the launches the
+GPU waits for where the host issues them slower than they run. Timed alone, each block waited for the GPU and then
+launched into an empty queue, paying its launches in full (H200, vgg16-cifar10 at 64-256 samples: one-GPU steps
+predicted 60-190 % over measured). Warm-up passes run until the GPU has worked for CUDA_WARM_S, as its clocks ramp up
+from idle.
 
 On the CPU the sizes are timed in turn within each repetition, not one after the other: a shared VM's speed moves
 by tens of percent from one second to the next (gpt-tiny's forward and backward at b = 8, one thread, CPU time:
@@ -108,9 +113,12 @@ class _Clock:
     """Seconds a region takes: CUDA events on a GPU; on the CPU with one thread, the thread's CPU time (what the
     block costs, whatever else the machine runs at the same moment); with several threads, wall time."""
 
-    def __init__(self, device: torch.device, threads: int) -> None:
+    def __init__(self, device: torch.device, threads: int, *, defer: bool = False) -> None:
         self.cuda = device.type == "cuda"
         self.now = time.thread_time if threads == 1 else time.perf_counter
+        # On CUDA with `defer`, regions are recorded without waiting for the GPU; `settle` waits and appends them.
+        self.defer = defer
+        self._pending: list[tuple[list[float], torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextlib.contextmanager
     def region(self, out: list[float]) -> Iterator[None]:
@@ -119,12 +127,21 @@ class _Clock:
             start.record()
             yield
             end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end) / 1e3)
+            self._pending.append((out, start, end))
+            if not self.defer:
+                self.settle()
         else:
             t0 = self.now()
             yield
             out.append(self.now() - t0)
+
+    def settle(self) -> None:
+        """Wait for the GPU to reach the regions recorded so far and append their seconds."""
+        if self._pending:
+            self._pending[-1][2].synchronize()
+            for out, start, end in self._pending:
+                out.append(start.elapsed_time(end) / 1e3)
+            self._pending.clear()
 
 
 def _time_block(
@@ -344,16 +361,37 @@ def _cpu_times(
     return out
 
 
+# Seconds of warm-up passes on a GPU before any is timed: its clocks ramp up from idle (an H200 read 345 MHz idle and
+# 1980 MHz after a few matrix products).
+CUDA_WARM_S = 0.5
+
+
 def _cuda_times(
-    chain: Chain, example_inputs: ExampleInputs, batch_size: int, device: torch.device, opts: TimingOptions
-) -> list[tuple[float, float]]:
-    """Per block, forward and backward seconds at `batch_size` on a GPU: each block run alone, CUDA events."""
+    chain: Chain, example_inputs: ExampleInputs, sizes: Sequence[int], device: torch.device, opts: TimingOptions
+) -> list[list[tuple[float, float]]]:
+    """Per size, per block, forward and backward seconds on a GPU: the blocks run as a stage runs them (`_pass`),
+    events recorded between them and waited for once a pass (see the module docstring); each size in turn in every
+    repetition, after warm-up passes lasting at least CUDA_WARM_S."""
     mods = block_modules(chain)
-    args = block_inputs(mods, [t.to(device) for t in inputs_at(example_inputs, batch_size)])
-    clock = _Clock(device, opts.threads)
+    args = [block_inputs(mods, [t.to(device) for t in inputs_at(example_inputs, b)]) for b in sizes]
+    clock = _Clock(device, opts.threads, defer=True)
+    fwd = [[[] for _ in mods] for _ in sizes]
+    bwd = [[[] for _ in mods] for _ in sizes]
+    sink: list[list[float]] = [[] for _ in mods]
+    start, rep = time.perf_counter(), 0
+    while rep < opts.warmup or time.perf_counter() - start < CUDA_WARM_S:
+        for a in args:
+            _pass(mods, a, clock, sink, sink)
+            clock.settle()
+        for lst in sink:
+            lst.clear()
+        rep += 1
+    for _ in range(opts.repeats):
+        for k, a in enumerate(args):
+            _pass(mods, a, clock, fwd[k], bwd[k])
+            clock.settle()
     return [
-        _time_block(mod, a, clock, opts.warmup, opts.repeats, first=i == 0)
-        for i, (mod, a) in enumerate(zip(mods, args))
+        [(statistics.median(f), statistics.median(b)) for f, b in zip(fwd[k], bwd[k])] for k in range(len(sizes))
     ]
 
 
@@ -383,7 +421,7 @@ def block_times(
         if device.type == "cpu":
             per_size = _cpu_times(chain, example_inputs, sizes, options)
         else:
-            per_size = [_cuda_times(chain, example_inputs, b, device, options) for b in sizes]
+            per_size = _cuda_times(chain, example_inputs, sizes, device, options)
     for p in chain.graph.module.parameters():
         p.grad = None
     return [
