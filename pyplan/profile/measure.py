@@ -14,9 +14,13 @@ runtime's ranks do: with glibc's default the timed passes paid page faults (vgg-
 thread) or wall time. On CUDA the blocks run in passes too, CUDA events recorded between them and no wait for the
 GPU inside a pass, so that a block's time is what it adds to the stage's stream: its kernels, and the launches the
 GPU waits for where the host issues them slower than they run. Timed alone, each block waited for the GPU and then
-launched into an empty queue, paying its launches in full (H200, vgg16-cifar10 at 64-256 samples: one-GPU steps
-predicted 60-190 % over measured). Warm-up passes run until the GPU has worked for CUDA_WARM_S, as its clocks ramp up
-from idle.
+launched into an empty queue, paying its launches in full: on an H200, vgg16-cifar10's one-GPU steps (micro-batches
+of 64-256, the profile timed at 1-32) were predicted 75-194 % over measured without remat; timed in passes and at
+the plans' own sizes, 37-52 % (resnet50, 16-64: 3-41 %), the excess growing as the micro-batch shrinks, as a
+per-block host cost does: each block timed in a pass still makes its own autograd call, which a stage makes once.
+So the whole model is timed in the same passes and the blocks' sum brought down to it, as on the CPU (`_spread`;
+not yet run on a GPU).
+Warm-up passes run until the GPU has worked for CUDA_WARM_S, as its clocks ramp up from idle.
 
 On the CPU the sizes are timed in turn within each repetition, not one after the other: a shared VM's speed moves
 by tens of percent from one second to the next (gpt-tiny's forward and backward at b = 8, one thread, CPU time:
@@ -370,28 +374,40 @@ def _cuda_times(
     chain: Chain, example_inputs: ExampleInputs, sizes: Sequence[int], device: torch.device, opts: TimingOptions
 ) -> list[list[tuple[float, float]]]:
     """Per size, per block, forward and backward seconds on a GPU: the blocks run as a stage runs them (`_pass`),
-    events recorded between them and waited for once a pass (see the module docstring); each size in turn in every
-    repetition, after warm-up passes lasting at least CUDA_WARM_S."""
+    events recorded between them and waited for once a pass, then the whole model (`_whole`), whose time the blocks'
+    sum is brought down to (`_spread`; see the module docstring); each size in turn in every repetition, after
+    warm-up passes lasting at least CUDA_WARM_S."""
     mods = block_modules(chain)
-    args = [block_inputs(mods, [t.to(device) for t in inputs_at(example_inputs, b)]) for b in sizes]
+    module = chain.graph.module
+    inputs = [[t.to(device) for t in inputs_at(example_inputs, b)] for b in sizes]
+    args = [block_inputs(mods, x) for x in inputs]
     clock = _Clock(device, opts.threads, defer=True)
     fwd = [[[] for _ in mods] for _ in sizes]
     bwd = [[[] for _ in mods] for _ in sizes]
+    whole: list[tuple[list[float], list[float]]] = [([], []) for _ in sizes]
     sink: list[list[float]] = [[] for _ in mods]
     start, rep = time.perf_counter(), 0
     while rep < opts.warmup or time.perf_counter() - start < CUDA_WARM_S:
-        for a in args:
-            _pass(mods, a, clock, sink, sink)
+        for k in range(len(sizes)):
+            _pass(mods, args[k], clock, sink, sink)
+            _whole(module, inputs[k], clock, [], [])
             clock.settle()
         for lst in sink:
             lst.clear()
         rep += 1
     for _ in range(opts.repeats):
-        for k, a in enumerate(args):
-            _pass(mods, a, clock, fwd[k], bwd[k])
+        for k in range(len(sizes)):
+            _pass(mods, args[k], clock, fwd[k], bwd[k])
+            clock.settle()
+            _whole(module, inputs[k], clock, *whole[k])
             clock.settle()
     return [
-        [(statistics.median(f), statistics.median(b)) for f, b in zip(fwd[k], bwd[k])] for k in range(len(sizes))
+        _spread(
+            [(statistics.median(f), statistics.median(b)) for f, b in zip(fwd[k], bwd[k])],
+            (statistics.median(whole[k][0]), statistics.median(whole[k][1])),
+            _Overhead(),
+        )
+        for k in range(len(sizes))
     ]
 
 

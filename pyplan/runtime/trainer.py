@@ -109,7 +109,7 @@ class PipelineTrainer:
         kwargs: dict[str, Any] = {}
         if self.has_last:
             kwargs = {"target": target.to(self.device) if target is not None else None, "losses": losses}
-        args = tuple(t.to(self.device) for t in inputs) if self.has_first else ()
+        args = tuple(t.to(self.device).contiguous() for t in inputs) if self.has_first else ()
         # return_outputs=False: by default the last stage keeps every micro-batch's output and concatenates them
         # (2·m outputs alive at the end of the step, the logits of a language model); only the losses are needed.
         self.schedule.step(*args, return_outputs=False, **kwargs)
@@ -231,8 +231,8 @@ def build_trainer(
                 s,
                 layout.num_stages,
                 device,
-                input_args=tuple(t.to(device) for t in inputs),
-                output_args=tuple(t.to(device) for t in outputs),
+                input_args=tuple(_dense(t, device) for t in inputs),
+                output_args=tuple(_dense(t, device) for t in outputs),
                 group=mesh["pp"].get_group(),
             )
         )
@@ -256,6 +256,14 @@ def build_trainer(
     return PipelineTrainer(
         layout, mesh, mine, modules, optimizer, schedule, device, tied_groups, manual_grads, bucket_views
     )
+
+
+def _dense(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` with the strides of a new contiguous tensor, as the micro-batches that step() splits off a
+    contiguous batch have: is_contiguous ignores the stride of a size-1 dimension (a (1, T) row cut from a (1, T + 1)
+    draw keeps stride T + 1), and PipelineStage compares strides exactly on torch 2.11 (seen on an H200: gpt2-small
+    at micro-batch 1, "stride mismatch: expected (1025, 1) actual (1024, 1)")."""
+    return t.to(device).clone(memory_format=torch.contiguous_format)
 
 
 def _unique_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:

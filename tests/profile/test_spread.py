@@ -68,3 +68,21 @@ def test_blocks_are_brought_down_to_the_whole_model_when_timed_alone(
     times = measure.block_times(chain, lambda b: (torch.randn(b, 16),), [2, 4], options=options)
     assert len(times) == len(chain)
     assert calls == ([len(chain)] * 2 if spread else [])
+
+
+def test_the_gpu_timing_runs_passes_and_brings_the_blocks_down_to_the_whole_model() -> None:
+    """The GPU's timing (events between the blocks of a pass, then the whole model) is device-agnostic code: run
+    here on the CPU, where its clock is the wall clock, it times every size and every block, forward and backward."""
+    import torch
+
+    from pyplan import linearize, load_model, trace
+    from pyplan.profile.measure import TimingOptions, _cuda_times
+
+    spec = load_model("zoo:mlp-tiny")
+    torch.manual_seed(0)
+    chain = linearize(trace(spec.build(), spec.example_inputs))
+    sizes = (2, 8)
+    with torch.enable_grad():
+        per_size = _cuda_times(chain, spec.example_inputs, sizes, torch.device("cpu"), TimingOptions(repeats=3))
+    assert len(per_size) == len(sizes) and all(len(t) == len(chain) for t in per_size)
+    assert all(f > 0 and b > 0 for times in per_size for f, b in times)

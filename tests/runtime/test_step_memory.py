@@ -148,3 +148,23 @@ def test_gpipe_peaks_before_the_gradients_are_made(
     measured = _steady_peak(name, plan)
     over = plan.predicted.peak_memory_bytes - measured
     assert -SLACK <= over <= (SLACK if exact else block_grads), (plan.predicted.peak_memory_bytes, measured)
+
+
+def test_stages_expect_the_strides_of_the_micro_batches_they_get(one_rank: None) -> None:
+    """A language model's example row at micro-batch 1 is cut from a draw of T + 1 tokens and keeps stride T + 1
+    (is_contiguous ignores a size-1 dimension's stride); the micro-batches step() splits off a batch are contiguous.
+    PipelineStage on torch 2.11 compares strides exactly, so the stage must expect the contiguous ones."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.distributed.optim's torch.jit.script
+        from pyplan.runtime.trainer import build_trainer, optimizer_factory
+
+    spec = load_model("zoo:gpt-tiny")
+    row = spec.example_inputs(1)[0]
+    assert row.is_contiguous() and row.stride() != (row.shape[1], 1)  # the case this guards against
+    plan, _ = _plan("gpt-tiny", "1F1B", 1)
+    torch.manual_seed(0)
+    trainer: Any = build_trainer(spec, spec.build(), plan.layout, optimizer_factory("adamw", 1e-3))
+    metas = trainer.schedule._stage._user_meta.inputs  # what the stage validates its inputs against
+    assert [tuple(m.stride) for m in metas] == [(row.shape[1], 1)]
+    losses = trainer.step(spec.example_inputs(GLOBAL_BATCH), spec.target(GLOBAL_BATCH))
+    assert len(losses) == GLOBAL_BATCH and all(torch.isfinite(x) for x in losses)

@@ -1,0 +1,46 @@
+"""benchmarks/gpu_check.py's dry run: every GPU check's code path on the CPU with tiny models, one JSON per check."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+
+
+@pytest.mark.distributed
+def test_every_check_runs_on_the_cpu_and_writes_its_result(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), "--device", "cpu", "--budget-s", "400"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    results = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert set(results) == {"env", "calibrate", "gpu_tests", "profile", "accuracy"}, done.stdout + done.stderr
+    failed = {k: v for k, v in results.items() if v["status"] != "ok"}
+    assert not failed, json.dumps(failed, indent=1)[-4000:]
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert results["env"]["pyplan"] and results["env"]["copy"]["bytes_per_s"] > 0
+    assert results["calibrate"]["calibration"]["gpu"]["peak_flops_per_s"]["fp32"] > 0
+    assert results["gpu_tests"]["counts"]["skipped"] >= 1  # the gpu tests, collected and skipped without a GPU
+    profile = results["profile"]
+    assert [(m["model"], m["dtype"]) for m in profile["models"]] == [
+        ("gpt-tiny", "float32"),
+        ("resnet-tiny", "float32"),
+        ("gpt-tiny", "bfloat16"),
+    ]
+    for model in profile["models"]:
+        assert set(model["compare"]) == {"catalog", "local"}
+        for compare in model["compare"].values():
+            assert compare["whole_step"] > 0 and compare["blocks"]["weighted_median"] > 0
+        assert all(b["measured_fwd_s"] > 0 and b["measured_bwd_s"] > 0 for b in model["blocks"])
+    assert profile["inspect"]["rc"] == 0 and profile["inspect"]["fwd_time_s"] > 0
+    run = results["accuracy"]["runs"]["vgg-tiny"]
+    assert run["report"]["rows"] and run["report"]["summary"]["decisions"]
+    # The table the script prints last names every check.
+    assert all(check in done.stdout for check in results)
