@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
+from pyplan import _core
 from pyplan.errors import PlanError
 from pyplan.profile.memory import OPTIMIZERS, PRECISIONS, ModelState, model_state_bytes
 from pyplan.solve.remat import RematPlan
@@ -213,6 +214,8 @@ class Layout:
                 f"dp, pp, micro_batch_size and num_microbatches must be positive, got {self.dp}, {self.pp}, "
                 f"{self.micro_batch_size}, {self.num_microbatches}"
             )
+        if self.schedule not in _core.SCHEDULES:
+            raise PlanError(f"unknown schedule {self.schedule!r} (known: {', '.join(_core.SCHEDULES)})")
         if self.zero_stage not in (0, 1, 2, 3):
             raise PlanError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.placement not in PLACEMENTS:

@@ -14,6 +14,8 @@ from pyplan.plan import SCHEMA_VERSION, Plan, Workload
 
 __all__ = ["PlanFile", "plan_file_from_json", "read_plan_file", "write_plan_file"]
 
+_FIELDS = {"schema_version", "model", "leaf_modules", "workload", "cluster", "plan"}
+
 
 @dataclass(frozen=True)
 class PlanFile:
@@ -62,15 +64,45 @@ def plan_file_from_json(data: Any, where: str = "plan") -> PlanFile:
     for key in ("model", "workload", "cluster", "plan"):
         if key not in data:
             raise PlanError(f"{path}: missing field '{key}'")
+    unknown = sorted(map(str, set(data) - _FIELDS))
+    if unknown:
+        raise PlanError(f"{path}: unknown field {unknown[0]!r} (known: {', '.join(sorted(_FIELDS))})")
+    model = data["model"]
+    if not isinstance(model, str) or not model or any(not c.isprintable() for c in model):
+        raise PlanError(
+            f"{path}: 'model' must be a model reference (model.py, model.py:function, zoo:NAME), got {model!r}"
+        )
+    leaves = data.get("leaf_modules", [])
+    if not isinstance(leaves, list) or not all(isinstance(x, str) and x.isprintable() for x in leaves):
+        raise PlanError(f"{path}: 'leaf_modules' must be a list of module names, got {leaves!r}")
     try:
-        return PlanFile(
-            model=str(data["model"]),
+        document = PlanFile(
+            model=model,
             workload=Workload.from_json(data["workload"]),
             cluster=Cluster.from_json(data["cluster"]),
             plan=Plan.from_json(data["plan"]),
-            leaf_modules=tuple(data.get("leaf_modules", ())),
+            leaf_modules=tuple(leaves),
         )
     except PlanError as exc:
         raise PlanError(f"{path}: {exc}") from None
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None
+    _check_consistent(document, path)
+    return document
+
+
+def _check_consistent(document: PlanFile, path: str) -> None:
+    """The layout trains the workload's global batch on GPUs the cluster has."""
+    layout, workload = document.plan.layout, document.workload
+    samples = layout.dp * layout.num_microbatches * layout.micro_batch_size
+    if samples != workload.global_batch:
+        raise PlanError(
+            f"{path}: the layout trains dp {layout.dp} x {layout.num_microbatches} micro-batches x "
+            f"{layout.micro_batch_size} = {samples} samples a step, the workload's global batch is "
+            f"{workload.global_batch}; fix one of them or plan again"
+        )
+    if layout.num_gpus > document.cluster.gpus:
+        raise PlanError(
+            f"{path}: the layout needs dp {layout.dp} x pp {layout.pp} = {layout.num_gpus} GPUs, the cluster has "
+            f"{document.cluster.gpus}; plan again for this cluster"
+        )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from pyplan._files import write_atomic
@@ -120,22 +121,35 @@ if __name__ == "__main__":
 '''
 
 
+def _docstring_text(text: str) -> str:
+    """`text` as it may stand inside the script's docstring: quotes, backslashes and control characters escaped
+    as in a JSON string, so that no value of the plan can end the docstring and be run as code."""
+    return json.dumps(text)[1:-1]
+
+
 def render_script(document: PlanFile, name: str = "train.py") -> str:
-    """The text of the training script for `document`."""
+    """The text of the training script for `document`.
+
+    Every value of the plan enters the script as data: strings in the docstring escaped (`_docstring_text`), the
+    plan itself as JSON in a raw string literal, which JSON text cannot end (every quote inside a JSON string is
+    escaped, and JSON has no three quotes in a row), and numbers formatted from ints."""
     layout, cluster = document.plan.layout, document.cluster
-    summary = (
+    summary = _docstring_text(
         f"{document.model}, dp {layout.dp} x pp {layout.pp}, {layout.schedule}, micro-batch "
         f"{layout.micro_batch_size} x {layout.num_microbatches}, ZeRO-{layout.zero_stage}"
     )
     per_node = min(cluster.gpus_per_node, layout.num_gpus)
     nodes = -(-layout.num_gpus // per_node)
+    plan_json = json.dumps(document.to_json(), indent=2, ensure_ascii=True, allow_nan=False)
+    if '"""' in plan_json:  # cannot happen for JSON text; kept as the guard the literal relies on
+        raise ValueError("the plan's JSON holds three quotes in a row")
     return _TEMPLATE.format(
         summary=summary,
-        nodes=nodes,
-        per_node=per_node,
-        name=name,
-        global_batch=document.workload.global_batch,
-        plan_json=json.dumps(document.to_json(), indent=2),
+        nodes=int(nodes),
+        per_node=int(per_node),
+        name=_docstring_text(shlex.quote(name)),
+        global_batch=int(document.workload.global_batch),
+        plan_json=plan_json,
     )
 
 

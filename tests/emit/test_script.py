@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -172,3 +173,104 @@ def test_plan_emit_then_torchrun(tmp_path: Path) -> None:
         assert done.returncode != 0
         errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and message in errors[0], done.stderr[-2000:]
+
+
+# Payloads that would end the docstring, a raw string or a line if pasted into the script unescaped.
+INJECTIONS = (
+    'x.py"""\nopen("INJECTED", "w")\n"""',
+    "x.py'''\nopen('INJECTED', 'w')\n'''",
+    'x\\"""; open("INJECTED", "w"); """',
+    "x.py\\",
+    '"""',
+)
+
+
+def _string_paths(value: object, path: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+    """The path of every string in a JSON document, keys that are strings included (as ('key', name))."""
+    if isinstance(value, str):
+        return [path]
+    if isinstance(value, dict):
+        out = [(*path, ("key", k)) for k in value]
+        for k, v in value.items():
+            out += _string_paths(v, (*path, k))
+        return out
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _string_paths(v, (*path, i))]
+    return []
+
+
+def _replaced(doc: object, path: tuple[object, ...], new: str) -> object:
+    data = json.loads(json.dumps(doc))
+    node = data
+    for step in path[:-1]:
+        node = node[step]  # type: ignore[index]
+    last = path[-1]
+    if isinstance(last, tuple):  # a key
+        node[new] = node.pop(last[1])  # type: ignore[union-attr]
+    else:
+        node[last] = new  # type: ignore[index]
+    return data
+
+
+def _code_shape(text: str) -> str:
+    """The script's syntax tree with every string constant blanked: what it runs, whatever data it carries."""
+    import ast
+
+    tree = ast.parse(text)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            node.value = ""
+    return ast.dump(tree)
+
+
+def test_no_string_of_the_plan_can_inject_code() -> None:
+    """Every string of plan.json (values and keys), set to each payload: the plan is refused with a PlanError, or
+    the script it emits runs exactly the template's code, the payload carried as data only."""
+    from pyplan.errors import PlanError
+
+    base = _document()
+    clean = _code_shape(render_script(base))
+    doc = base.to_json()
+    doc["leaf_modules"] = ["Block"]
+    doc["plan"]["stage_of_node"] = {}
+    paths = _string_paths(doc)
+    assert len(paths) > 20
+    accepted = 0
+    for path in paths:
+        for payload in INJECTIONS:
+            try:
+                document = plan_file_from_json(_replaced(doc, path, payload))
+            except PlanError:
+                continue
+            accepted += 1
+            for name in ("train.py", payload):
+                assert _code_shape(render_script(document, name)) == clean, (path, payload)
+    assert accepted > 0  # some strings are free text (the GPU's description, the sources): still only data
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.update(model=["x.py"]), "'model' must be a model reference"),
+        (lambda d: d.update(model="zoo:gpt-tiny\x1b[2J"), "'model' must be a model reference"),
+        (lambda d: d.update(leaf_modules="Linear"), "'leaf_modules' must be a list of module names"),
+        (lambda d: d["plan"].update(schedule="GPipe; import os"), "unknown schedule"),
+        (lambda d: d["workload"].update(global_batch=B * 2), "samples a step, the workload's global batch is"),
+    ],
+)
+def test_plan_fields_are_checked_before_use(change: Any, message: str) -> None:
+    from pyplan.errors import PlanError
+
+    doc = json.loads(json.dumps(_document().to_json()))
+    change(doc)
+    with pytest.raises(PlanError, match=message):
+        plan_file_from_json(doc)
+
+
+def test_a_layout_needing_more_gpus_than_the_cluster_has_is_refused() -> None:
+    from pyplan.errors import PlanError
+
+    doc = json.loads(json.dumps(_document().to_json()))
+    doc["cluster"] = Cluster.from_catalog("t4", 1).to_json()
+    with pytest.raises(PlanError, match="= 2 GPUs, the cluster has 1"):
+        plan_file_from_json(doc)
