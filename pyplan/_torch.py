@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.flop_counter import conv_flop_count, flop_registry, shape_wrapper
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "run_without_compute",
     "storage_key",
     "tensor_leaves",
+    "tree_flatten",
+    "tree_map_only",
 ]
 
 T = TypeVar("T")

@@ -20,7 +20,8 @@ Run it with one process per GPU:
 --plan        use another plan file instead of the plan embedded here
 --steps       optimizer steps to run (default 10)
 --data        `file.py:function` returning an iterator of (inputs, target) global batches of {global_batch}
-              samples, inputs a tuple of tensors (default: synthetic batches from the model's example_inputs)
+              samples, inputs as example_inputs returns them: a tuple of tensors, a dict of keyword arguments,
+              or (args, kwargs) (default: synthetic batches from the model's example_inputs)
 --lr          learning rate (default 1e-3)
 --save-params write this rank's parameters after training to FILE.rank<R>.pt (for checking against one process)
 """
@@ -36,6 +37,7 @@ import torch.distributed as dist
 
 from pyplan.emit.planfile import plan_file_from_json, read_plan_file
 from pyplan.errors import PlanError
+from pyplan.graph.trace import input_tensors
 from pyplan.load import load_model
 from pyplan.runtime.trainer import build_trainer, optimizer_factory, replica_slice
 
@@ -90,7 +92,9 @@ def train():
     mine = replica_slice(layout, trainer.dp_rank)
     for step in range(args.steps):
         inputs, target = next(batches)
-        losses = trainer.step(tuple(t[mine] for t in inputs), target[mine] if target is not None else None)
+        losses = trainer.step(
+            tuple(t[mine] for t in input_tensors(inputs)), target[mine] if target is not None else None
+        )
         if losses:
             loss = torch.stack(losses).mean().item()
             print(f"step {{step}} replica {{trainer.dp_rank}} loss {{loss:.6f}}", flush=True)

@@ -10,6 +10,7 @@ import torch
 from torch import fx
 
 from pyplan.graph.chain import Chain
+from pyplan.graph.trace import is_batch_size
 
 __all__ = ["piece", "pieces", "run_pieces"]
 
@@ -41,10 +42,22 @@ def piece(chain: Chain, start: int, stop: int) -> fx.GraphModule:
         if n not in env:
             if not chain.graph.node(n.name).static:
                 raise RuntimeError(f"node '{n.name}' is neither live at cut {start} nor inside the piece")
+            if is_batch_size(n) and n.args[0] not in env:
+                env[n] = graph.call_function(torch.ops.aten.sym_size.int, (env[batched_input()], 0))
+                return env[n]
             for a in n.all_input_nodes:
                 copy(a)
             env[n] = graph.node_copy(n, lambda a: env[a])
         return env[n]
+
+    def batched_input() -> fx.Node:
+        """A value live at cut `start` whose dim 0 is the batch, to read the batch size off."""
+        b = chain.graph.batch_size
+        for name in chain.cuts[start].live:
+            out = chain.graph.node(name).outputs
+            if len(out) == 1 and out[0].shape[:1] == (b,) and out[0].bytes.per_sample > 0:
+                return by_name[name]
+        raise RuntimeError(f"no value live at cut {start} carries the batch, which the piece needs")
 
     lo, hi = chain.cuts[start].position, chain.cuts[stop].position
     for name in chain.order[lo:hi]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import linecache
 import os
 import traceback
@@ -11,33 +12,83 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from pyplan._torch import run_without_compute
+from pyplan._torch import is_meta_module, run_without_compute, tree_flatten, tree_map_only
 from pyplan.errors import TraceError
 from pyplan.graph.layergraph import Affine, GraphNode, LayerGraph, TensorInfo
 
-__all__ = ["ExampleInputs", "LeafSpec", "inputs_at", "trace"]
+__all__ = [
+    "Call",
+    "ExampleInputs",
+    "LeafSpec",
+    "call_at",
+    "input_tensors",
+    "inputs_at",
+    "is_batch_size",
+    "output_tensors",
+    "trace",
+]
 
 # How a caller names leaf modules (kept whole, never traced into): a class, a class name, or a qualified name.
 LeafSpec = type | str
-# Example inputs: a builder `batch_size -> inputs`, or the inputs of one batch (then other sizes are sliced).
+# Example inputs: a builder `batch_size -> inputs`, or the inputs of one batch (then other sizes are sliced). The
+# inputs of a batch are a tensor, a tuple of tensors (positional), a dict (keyword arguments) or a pair
+# (args tuple, kwargs dict).
 ExampleInputs = Callable[[int], Any] | torch.Tensor | Sequence[torch.Tensor]
+Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_SHAPE = (
+    "return a tuple of tensors, a dict of keyword arguments, or (args, kwargs) from example_inputs(batch_size)"
+)
 
 
-def _as_tuple(inputs: Any) -> tuple[torch.Tensor, ...]:
+def _as_call(inputs: Any) -> Call:
+    """The (args, kwargs) of a model call from what example_inputs returned."""
     if isinstance(inputs, torch.Tensor):
-        return (inputs,)
-    if isinstance(inputs, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in inputs):
-        return tuple(inputs)
-    raise TraceError(
-        f"example inputs must be a tensor or a tuple of tensors, got {type(inputs).__name__}; "
-        "return a tuple of tensors from example_inputs(batch_size)"
-    )
+        return (inputs,), {}
+    if isinstance(inputs, dict) and all(isinstance(k, str) for k in inputs):
+        return (), dict(inputs)
+    if (
+        isinstance(inputs, tuple)
+        and len(inputs) == 2
+        and isinstance(inputs[0], (tuple, list))
+        and isinstance(inputs[1], dict)
+    ):
+        return tuple(inputs[0]), dict(inputs[1])
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    raise TraceError(f"example inputs must be tensors, got {type(inputs).__name__}; {_SHAPE}")
 
 
-def inputs_at(example: ExampleInputs, batch_size: int) -> tuple[torch.Tensor, ...]:
-    """The example inputs for `batch_size` samples (dim 0 of every tensor is the batch)."""
+def _flat_tensors(call: Call) -> tuple[torch.Tensor, ...]:
+    """The tensors of a call, in the order torch.export numbers its inputs (pytree order of (args, kwargs))."""
+    leaves, _ = tree_flatten(call)
+    tensors = tuple(t for t in leaves if isinstance(t, torch.Tensor))
+    if not tensors:
+        raise TraceError(f"example inputs hold no tensor; {_SHAPE}")
+    return tensors
+
+
+def input_tensors(inputs: Any) -> tuple[torch.Tensor, ...]:
+    """What example_inputs returned (a tensor, a tuple, a dict, or (args, kwargs)) as the tensors the captured
+    module takes, in its order: the form the runtime and profiling pass batches in."""
+    return _flat_tensors(_as_call(inputs))
+
+
+def output_tensors(output: Any) -> Any:
+    """A model's output as its captured module returns it: the tensors of the output (a dataclass such as
+    transformers' ModelOutput, a dict, nested tuples) in order, one tensor as itself, several as a tuple."""
+    leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+    return leaves[0] if len(leaves) == 1 else tuple(leaves)
+
+
+def _is_positional(call: Call) -> bool:
+    """A call of tensors passed positionally, the form torch.fx's symbolic trace takes."""
+    return not call[1] and all(isinstance(t, torch.Tensor) for t in call[0])
+
+
+def call_at(example: ExampleInputs, batch_size: int) -> Call:
+    """The (args, kwargs) of a model call on `batch_size` samples."""
     if callable(example):
         try:
             built = example(batch_size)
@@ -46,8 +97,17 @@ def inputs_at(example: ExampleInputs, batch_size: int) -> tuple[torch.Tensor, ..
                 f"example_inputs({batch_size}) raised {type(exc).__name__}: {exc}; "
                 "fix example_inputs so it returns the inputs of a batch of that size"
             ) from exc
-        return _as_tuple(built)
-    given = _as_tuple(example)
+        return _as_call(built)
+    return (inputs_at(example, batch_size), {})
+
+
+def inputs_at(example: ExampleInputs, batch_size: int) -> tuple[torch.Tensor, ...]:
+    """The example inputs for `batch_size` samples (dim 0 of every tensor is the batch), as the tensors the
+    captured module takes positionally: keyword arguments follow the positional ones, in the order of the model's
+    call (torch.export's)."""
+    if callable(example):
+        return _flat_tensors(call_at(example, batch_size))
+    given = _flat_tensors(_as_call(example))
     have = given[0].shape[0] if given[0].dim() else 0
     if have == 0:
         raise TraceError("example inputs have no batch dimension; give tensors batched along dim 0")
@@ -95,26 +155,154 @@ def _user_frame(exc: BaseException) -> str:
     return f"{os.path.basename(f.filename)}:{f.lineno}: `{code}`"
 
 
+class _FxFailure(Exception):
+    """Where torch.fx's symbolic trace stopped: the module it was in and the error."""
+
+    def __init__(self, path: str, cls: str, error: BaseException) -> None:
+        super().__init__(path, cls)
+        self.path, self.cls, self.error = path, cls, error
+
+
 def _symbolic_trace(model: nn.Module, leaves: Iterable[LeafSpec]) -> fx.GraphModule:
     tracer = _Tracer(leaves)
     try:
         graph = tracer.trace(model)
     except Exception as exc:
-        where = tracer.path_stack[-1] if tracer.path_stack else ("", type(model).__name__)
-        path, cls = where
-        module = f"module '{path}' ({cls})" if path else f"the top-level module ({cls})"
-        frame = _user_frame(exc)
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        leaf = cls if path else None
-        hint = (
-            f"mark it as a leaf: trace(..., leaf_modules=['{leaf}']) or --leaf {leaf}"
-            if leaf
-            else "make the top-level forward traceable (no Python control flow on tensor values)"
-        )
-        raise TraceError(
-            f"torch.fx cannot trace {module}" + (f" at {frame}" if frame else "") + f": {first_line}; {hint}"
-        ) from exc
+        path, cls = tracer.path_stack[-1] if tracer.path_stack else ("", type(model).__name__)
+        raise _FxFailure(path, cls, exc) from exc
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _module_at(model: nn.Module, exc: BaseException) -> tuple[str, str]:
+    """The module whose forward holds the innermost frame of `exc` that lies in one: (path, class name); the
+    first such module in `named_modules` order when several share the class (a repeated layer)."""
+    spans: dict[type, tuple[str, int, int, str]] = {}
+    for path, m in model.named_modules():
+        if type(m) in spans:
+            continue
+        try:
+            lines, start = inspect.getsourcelines(type(m).forward)
+            file = inspect.getsourcefile(type(m).forward)
+        except (OSError, TypeError):
+            continue
+        if file is not None:
+            spans[type(m)] = (os.path.abspath(file), start, start + len(lines), path)
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        for cls, (file, first, stop, path) in spans.items():
+            if os.path.abspath(frame.filename) == file and first <= (frame.lineno or 0) < stop:
+                return path, cls.__name__
+    return "", type(model).__name__
+
+
+def _param_share(model: nn.Module, path: str) -> float:
+    """The fraction of the model's parameters inside submodule `path`."""
+    total = sum(p.numel() for p in model.parameters())
+    inside = sum(p.numel() for p in model.get_submodule(path).parameters())
+    return inside / total if total else 0.0
+
+
+def _capture_error(model: nn.Module, exc: BaseException, fx_failure: _FxFailure | None) -> TraceError:
+    """One line for a model no capture takes: the module, the user's line, and what to do about it."""
+    path, cls = _module_at(model, exc)
+    module = f"module '{path}' ({cls})" if path else f"the top-level module ({cls})"
+    frame = _user_frame(exc)
+    where = f" at {frame}" if frame else ""
+    if "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__:
+        what = "its forward branches on a tensor's values, which no graph capture can follow"
+        small = path and fx_failure is not None and fx_failure.path == path and _param_share(model, path) < 0.5
+        hint = (
+            # torch.fx keeps a leaf whole and calls it as a module: the rest of the model still splits into blocks.
+            f"mark it as a leaf: trace(..., leaf_modules=['{cls}']) or --leaf {cls}"
+            if small
+            else "compute the condition from shapes or Python values, or write the branch with torch.where or "
+            "torch.cond"
+        )
+    else:
+        what = _first_line(exc)
+        hint = "check that example_inputs(batch_size) is what the model's forward takes"
+    return TraceError(f"cannot capture {module}{where}: {what}; {hint}")
+
+
+# Where a node of an exported graph was made outside every module: torch.export's placeholder for an empty stack.
+_NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"
+
+
+def _export(model: nn.Module, call: Call) -> fx.GraphModule:
+    """Capture `model` with torch.export (non-strict: the model's Python runs as written, on fake tensors, so
+    control flow on shapes, dtypes and None is taken at capture), dim 0 of every input a symbolic batch size.
+
+    The result follows the conventions of a symbolic trace: parameters and buffers as get_attr nodes of the
+    model's own tensors (shared, ties kept), one placeholder per input tensor in `inputs_at` order, and the
+    output's tensors flattened (one tensor returned as itself, several as a tuple). The batch size is read off an
+    input (`aten.sym_size.int(input, 0)`), which `trace` marks static so that each piece reads it off its own."""
+    from torch.export import Dim, export  # the capture of models torch.fx cannot trace
+
+    args, kwargs = call
+    batch = Dim("batch", min=1)
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    except TypeError as exc:
+        raise TraceError(f"{type(model).__name__}.forward does not take the example inputs: {exc}; {_SHAPE}") from None
+    # dynamic_shapes mirrors the forward's parameters: dim 0 of every tensor is the batch.
+    spec = {k: tree_map_only(torch.Tensor, lambda t: {0: batch} if t.dim() else None, v) for k, v in bound.items()}
+    if is_meta_module(model):
+        args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    program = export(model, args, kwargs, dynamic_shapes=spec, strict=False)
+    gm = program.module()
+    graph = gm.graph
+    graph._codegen = fx.graph.CodeGen()  # plain positional inputs and outputs, no pytree (un)flattening
+    for n in list(graph.nodes):
+        if n.op == "call_module" and not n.users:  # torch.export's input guards: the inputs are ours
+            graph.erase_node(n)
+    for n in [n for n in graph.nodes if n.op == "placeholder"]:
+        if not (isinstance(n.meta.get("val"), torch.Tensor) or n.users):
+            graph.erase_node(n)  # a constant input (None, a flag): taken at capture
+        elif not isinstance(n.meta.get("val"), torch.Tensor):
+            raise TraceError(f"the model reads its non-tensor input '{n.name}' as a value; pass tensors only")
+    out = next(n for n in graph.nodes if n.op == "output")
+    flat = [a for a in tree_flatten(out.args[0])[0] if isinstance(a, fx.Node)]
+    out.args = (flat[0] if len(flat) == 1 else tuple(flat),)
+    for n in graph.nodes:
+        stack = n.meta.get("nn_module_stack") or {}
+        if stack and next(reversed(stack.values()))[0] == _NO_MODULE:
+            n.meta["nn_module_stack"] = {}
+    graph.lint()
+    # A module of its own: without the exported module's input checks, sharing its parameters and buffers.
+    return fx.GraphModule(gm, graph, type(model).__name__)
+
+
+def is_batch_size(n: fx.Node) -> bool:
+    """Whether `n` reads the batch size off a model input: `aten.sym_size.int(input, 0)` of an exported graph."""
+    return (
+        n.op == "call_function"
+        and n.target is torch.ops.aten.sym_size.int
+        and n.args[1] == 0
+        and isinstance(n.args[0], fx.Node)
+        and n.args[0].op == "placeholder"
+    )
+
+
+def _capture(model: nn.Module, example: ExampleInputs, leaves: tuple[LeafSpec, ...], batch_size: int) -> fx.GraphModule:
+    """The model's graph: torch.fx's symbolic trace where it works on positional tensor inputs (its graph keeps
+    module calls whole and leaf modules as asked), else torch.export's (`_export`)."""
+    call = call_at(example, max(2, batch_size))  # torch.export takes a batch of 1 for a constant
+    fx_failure = None
+    if _is_positional(call):
+        try:
+            return _symbolic_trace(model, leaves)
+        except _FxFailure as failure:
+            fx_failure = failure
+    try:
+        return _export(model, call)
+    except TraceError:
+        raise
+    except Exception as exc:
+        raise _capture_error(model, exc, fx_failure) from exc
 
 
 def _leaves(value: Any) -> list[Any]:
@@ -170,10 +358,10 @@ def trace(
     tensors (meta for a model built on the meta device), so a model of any size traces without compute.
     """
     leaves = tuple(leaf_modules)
-    gm = _symbolic_trace(model, leaves)
     if batch_size is None:
-        batch_size = 2 if callable(example_inputs) else _as_tuple(example_inputs)[0].shape[0]
+        batch_size = 2 if callable(example_inputs) else _flat_tensors(_as_call(example_inputs))[0].shape[0]
     b1, b2 = batch_size, 2 * batch_size
+    gm = _capture(model, example_inputs, leaves, b1)
     try:
         r1 = _record(gm, inputs_at(example_inputs, b1))
         r2 = _record(gm, inputs_at(example_inputs, b2))
@@ -192,6 +380,8 @@ def trace(
         inputs = tuple(a.name for a in n.all_input_nodes)
         if n.op == "get_attr" or (n.op in ("call_function", "call_method") and all(i in static for i in inputs)):
             static.add(n.name)
+        elif is_batch_size(n):
+            static.add(n.name)  # each piece reads the batch size off a tensor of its own (graph/split.py)
         stack = n.meta.get("nn_module_stack") or {}
         module_path = next(reversed(stack.values()))[0] if stack else ""
         if n.op == "call_module":

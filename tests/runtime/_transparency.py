@@ -23,12 +23,15 @@ import torch
 import torch.distributed as dist
 
 from pyplan import cut_points, load_model, trace
+from pyplan._torch import tree_map_only
 from pyplan.graph.linearize import operations
+from pyplan.graph.trace import Call, call_at, input_tensors, output_tensors
 from pyplan.plan import Layout, StageRemat
 from pyplan.runtime.trainer import OptimizerSpec, build_trainer, replica_slice
 from pyplan.solve.ilp import assign_stages, stage_dag_from_layergraph
 from pyplan.solve.remat import Checkpoint, Keep, Offload, RematPlan, full_remat, no_remat, periodic
 from pyplan.solve.schedules import torch_rejection
+from pyplan.spec import ModelSpec
 
 STEPS = 3
 TOL = 1e-9  # float64: the rounding noise of reordered sums is ~1e-12 here
@@ -40,7 +43,7 @@ OPTIMIZERS = {
 
 
 def even_cuts(spec_name: str, num_stages: int, micro_batch: int) -> tuple[int, ...]:
-    spec = load_model(f"zoo:{spec_name}")
+    spec = _spec(spec_name)
     points = cut_points(trace(spec.build(), spec.example_inputs, batch_size=micro_batch))
     inner = [c.position for c in points.candidates if 0 < c.position < len(points.order)]
     picks = [inner[round(k * len(inner) / num_stages)] for k in range(1, num_stages)]
@@ -49,7 +52,7 @@ def even_cuts(spec_name: str, num_stages: int, micro_batch: int) -> tuple[int, .
 
 def stage_remat(spec_name: str, cuts: tuple[int, ...], micro_batch: int, kinds: list[str]) -> tuple:
     """A remat plan per stage: each stage cut into 4 blocks at valid cuts, planned as `kinds[s]` says."""
-    spec = load_model(f"zoo:{spec_name}")
+    spec = _spec(spec_name)
     points = cut_points(trace(spec.build(), spec.example_inputs, batch_size=micro_batch))
     out = []
     for s, kind in enumerate(kinds):
@@ -71,7 +74,7 @@ def dag_stages(spec_name: str, num_stages: int, m: int, micro_batch: int) -> dic
     computed on rank 0 and broadcast, since CP-SAT may pick another of several optimal assignments elsewhere."""
     box: list[dict[str, int] | None] = [None]
     if dist.get_rank() == 0:
-        spec = load_model(f"zoo:{spec_name}")
+        spec = _spec(spec_name)
         graph = trace(spec.build(), spec.example_inputs, batch_size=micro_batch)
         dag = stage_dag_from_layergraph(graph, batch_size=micro_batch, time_s={n: 1.0 for n in operations(graph)})
         got = assign_stages(dag, num_stages=num_stages, num_microbatches=m, mem_limit_bytes=[math.inf] * num_stages)
@@ -176,12 +179,22 @@ def configs(world: int) -> list[dict]:
     return out
 
 
-def _double(ts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    return tuple(t.double() if t.is_floating_point() else t for t in ts)
+def _double(call: Call) -> Call:
+    return tree_map_only(torch.Tensor, lambda t: t.double() if t.is_floating_point() else t, call)
+
+
+def _spec(name: str) -> ModelSpec:
+    """A zoo model by name, or any model reference (hf:..., model.py)."""
+    return load_model(name if ":" in name or name.endswith(".py") else f"zoo:{name}")
+
+
+def _sliced(call: Call, sl: slice) -> Call:
+    """The call's tensors sliced along the batch (dim 0)."""
+    return tree_map_only(torch.Tensor, lambda t: t[sl], call)
 
 
 def run(cfg: dict) -> dict:
-    spec = load_model(f"zoo:{cfg['model']}")
+    spec = _spec(cfg["model"])
     stage_of_node = dag_stages(cfg["model"], cfg["pp"], cfg["m"], cfg["b"]) if cfg.get("dag") else {}
     if stage_of_node:
         counts = [list(stage_of_node.values()).count(s) for s in range(cfg["pp"])]
@@ -210,19 +223,21 @@ def run(cfg: dict) -> dict:
     model = spec.build() if mixed else spec.build().double()
     cast = (lambda ts: ts) if mixed else _double
     reference = copy.deepcopy(model)
-    initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+    initial = {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
     make = OPTIMIZERS[cfg["optimizer"]]
     trainer = build_trainer(
         spec,
         model,
         layout,
         make,
-        example_inputs=lambda n: cast(spec.example_inputs(n)),
+        example_inputs=lambda n: cast(call_at(spec.example_inputs, n)),
         precision=cfg.get("precision", "fp32"),
     )
 
     B, b = layout.global_batch, layout.micro_batch_size
-    inputs, target = cast(spec.example_inputs(B)), spec.target(B)
+    call, target = call_at(spec.example_inputs, B), spec.target(B)
+    call = cast(call)
+    inputs = input_tensors(call)
     tol = TOL_MIXED if mixed else TOL
     loss_fn = spec.loss
     ref_opt = make(reference.parameters())
@@ -233,8 +248,9 @@ def run(cfg: dict) -> dict:
         step_losses = []
         for k in range(B // b):
             sl = slice(k * b, (k + 1) * b)
+            args, kwargs = _sliced(call, sl)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
-                out = reference(*(t[sl] for t in inputs))
+                out = output_tensors(reference(*args, **kwargs))
             loss = loss_fn(out, target[sl])
             (loss / (B // b)).backward()
             step_losses.append(loss.detach())
