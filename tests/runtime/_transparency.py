@@ -34,6 +34,7 @@ from pyplan.solve.schedules import torch_rejection
 from pyplan.spec import ModelSpec
 
 STEPS = 3
+BRANCHY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "branchy.py")
 TOL = 1e-9  # float64: the rounding noise of reordered sums is ~1e-12 here
 TOL_MIXED = 1e-5  # bf16 autocast: the same ops in the same order, fp32 gradients summed in another order
 OPTIMIZERS = {
@@ -145,6 +146,10 @@ def configs(world: int) -> list[dict]:
                 dict(model=model, dp=dp, pp=pp, schedule=schedule, v=1, m=4, b=2, optimizer="adamw", zero=0,
                      remat=kinds)
             )
+        # A model captured with torch.export (keyword inputs, branches on shapes, dtypes and None, a dict output):
+        # each stage reads the batch size off its own input.
+        for schedule, opt in (("1F1B", "adamw"), ("GPipe", "sgd")):
+            out.append(dict(model=BRANCHY, dp=1, pp=2, schedule=schedule, v=1, m=4, b=2, optimizer=opt, zero=0))
         # Stages assigned operation by operation (Layout.stage_of_node), not contiguous in the traced order: the
         # branches of grouped-mlp-tiny share one block of the chain and are split between the stages.
         out.append(dict(model="grouped-mlp-tiny", dp=1, pp=2, schedule="1F1B", v=1, m=4, b=2, optimizer="sgd", zero=0,
