@@ -148,7 +148,9 @@ def chain_for(
             blocks = [replace(b, fwd_time_s=f, bwd_time_s=g) for b, (f, g) in zip(profiled.blocks, times)]
             profiled, how = replace(profiled, blocks=blocks), f"analytic roofline of {gpu.name}"
         # The blocks' working memory, for the exact replay of every plan's stages (search); cached with the rest.
-        low = min(sizes)
+        # At 2 samples or more: at 1 a transpose can be a contiguous view, and a block that keeps a copy of its
+        # input at 2 keeps the input itself at 1 (nn.TransformerEncoder), which no line through both describes.
+        low = max(2, min(sizes))
         return replace(profiled, memory=remat_bytes(profiled, example_inputs, (low, 2 * low))), how
 
     try:
@@ -450,7 +452,7 @@ def search(
     # so the searches return more candidates than asked. The replay also finds the parameter gradients not yet
     # made at a GPipe stage's peak (`unmade_grad_bytes`), which the search counts in the state: a plan that fits
     # only by them is not found (conservative).
-    profile_ = chain.memory if chain.memory is not None else remat_bytes(chain, example_inputs, (1, 2))
+    profile_ = chain.memory if chain.memory is not None else remat_bytes(chain, example_inputs, (2, 4))
     if chain.loss is not None:
         profile_ = remat_with_loss(profile_, chain.loss)
     # A checkpoint call's own cost, measured where the blocks were (on a GPU the host overhead runs ahead of

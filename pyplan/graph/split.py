@@ -35,8 +35,14 @@ def piece(chain: Chain, start: int, stop: int) -> fx.GraphModule:
             if n.op == "placeholder":
                 env[n] = graph.node_copy(n)
     else:
+        lo, hi = chain.cuts[start].position, chain.cuts[stop].position
+        mutated = {a for name in chain.order[lo:hi] for a in _mutated(by_name[name], gm)}
         for name in chain.cuts[start].live:
             env[by_name[name]] = graph.placeholder(name)
+            if by_name[name] in mutated:
+                # A stage's input is a leaf that needs grad: an in-place op on it (nn.ReLU(inplace=True) right
+                # after the cut) must work on a copy, as it does on the previous stage's value in the whole model.
+                env[by_name[name]] = graph.call_method("clone", (env[by_name[name]],))
 
     def copy(n: fx.Node) -> fx.Node:
         if n not in env:
@@ -75,6 +81,25 @@ def piece(chain: Chain, start: int, stop: int) -> fx.GraphModule:
         graph.output(tuple(copy(by_name[name]) for name in chain.cuts[stop].live))
     graph.lint()
     return fx.GraphModule(gm, graph, f"{type(gm).__name__}_{start}_{stop}")
+
+
+def _mutated(n: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
+    """The inputs node `n` modifies in place: the first argument of an in-place op (a name ending in `_`, an
+    `inplace=True` argument or module attribute)."""
+    if not n.args or not isinstance(n.args[0], fx.Node):
+        return []
+    if n.op == "call_module":
+        inplace = bool(getattr(gm.get_submodule(str(n.target)), "inplace", False))
+    elif n.op == "call_method":
+        inplace = str(n.target).endswith("_") and not str(n.target).endswith("__")
+    elif n.op == "call_function":
+        name = getattr(n.target, "__name__", str(n.target))
+        overload = getattr(n.target, "_schema", None)
+        base = overload.name.split("::")[-1] if overload is not None else name
+        inplace = (base.endswith("_") and not base.endswith("__")) or n.kwargs.get("inplace") is True
+    else:
+        return []
+    return [n.args[0]] if inplace else []
 
 
 def pieces(chain: Chain, bounds: Sequence[int] | None = None) -> list[fx.GraphModule]:

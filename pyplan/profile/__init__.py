@@ -80,7 +80,10 @@ def profile(
         raise PlanError(f"profiling needs two or more distinct micro-batch sizes, got {list(sizes)}")
     ends = (min(sizes), max(sizes))
     flops = block_flops(chain, example_inputs, ends)
-    saved, inputs_saved = saved_bytes(chain, example_inputs, ends)
+    # Saved bytes at 2 samples or more: at 1 a transpose can be a contiguous view, and a block that saves a copy
+    # of its input at 2 saves the input itself at 1 (nn.TransformerEncoder), which no line through both describes.
+    low = max(2, ends[0])
+    saved, inputs_saved = saved_bytes(chain, example_inputs, (low, max(ends[1], 2 * low)))
     times: list[tuple[object, object]] = [(None, None)] * len(chain)
     if measure:
         if is_meta_module(chain.graph.module):
