@@ -191,7 +191,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_INSPECT_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", help="model.py, model.py:function, or zoo:NAME")
+    p.add_argument("model", help="model.py, model.py:function, zoo:NAME, hf:MODEL_TYPE[:key=value,...] or timm:NAME")
     p.add_argument("--batch-size", type=int, default=8, help="batch the figures are given at (default 8)")
     p.add_argument("--json", action="store_true", help="print JSON (keys in the README) instead of a table")
     p.add_argument("--analytic", action="store_true", help="build on the meta device: FLOPs and bytes, no timing")
@@ -242,7 +242,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_PLAN_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("model", help="model.py, model.py:function, or zoo:NAME")
+    p.add_argument("model", help="model.py, model.py:function, zoo:NAME, hf:MODEL_TYPE[:key=value,...] or timm:NAME")
     p.add_argument("--gpus", type=int, help="GPUs offered (plans may use fewer unless --all-gpus)")
     p.add_argument("--gpu", help="catalog GPU name (pyplan hardware list), or 'local' for processes on this machine")
     p.add_argument("--instance", help="catalog cloud instance: sets the GPU, GPUs per node and the price")
@@ -313,7 +313,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    err = Console(stderr=True, highlight=False)
+    err = Console(stderr=True, highlight=False, emoji=False)
     try:
         return int(args.func(args))
     except PlanError as exc:

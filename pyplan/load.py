@@ -1,4 +1,4 @@
-"""Load a model reference: `model.py`, `model.py:function` or `zoo:NAME`, into a ModelSpec."""
+"""Load a model reference: `model.py`, `model.py:function`, `zoo:NAME`, `hf:MODEL_TYPE[:k=v,...]` or `timm:NAME`."""
 
 from __future__ import annotations
 
@@ -71,11 +71,16 @@ def _checked_builder(fn: Callable[[], Any], where: str) -> Callable[[], nn.Modul
 
 
 def load_model(ref: str) -> ModelSpec:
-    """The ModelSpec named by `ref`: `path/to/model.py`, `path/to/model.py:builder`, or `zoo:NAME`."""
+    """The ModelSpec named by `ref`: `path/to/model.py`, `path/to/model.py:builder`, `zoo:NAME`,
+    `hf:MODEL_TYPE[:key=value,...]` (a transformers config, see pyplan.hub.hf_model) or `timm:NAME`."""
     if ref.startswith("zoo:"):
         from pyplan import zoo
 
         return zoo.get(ref.removeprefix("zoo:"))
+    if ref.startswith(("hf:", "timm:")):
+        from pyplan import hub
+
+        return hub.hf_model(ref) if ref.startswith("hf:") else hub.timm_model(ref)
     path, _, func = ref.partition(":") if ref.count(":") == 1 and not os.path.exists(ref) else (ref, "", "")
     module = _import_file(path)
     builder_name = func or "model"

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["Inputs", "ModelSpec", "default_loss", "default_target"]
+__all__ = ["ExampleBatch", "Inputs", "ModelSpec", "default_loss", "default_target"]
 
 Inputs = tuple[torch.Tensor, ...]
+# What example_inputs(b) may return: a tensor, a tuple of tensors (positional), a dict (keyword arguments), or
+# (args, kwargs); pyplan.graph.trace.input_tensors flattens it.
+ExampleBatch = torch.Tensor | tuple[Any, ...] | dict[str, Any]
 
 
 def default_target(output: torch.Tensor) -> torch.Tensor:
@@ -28,14 +32,15 @@ class ModelSpec:
     """Everything pyplan needs to know about one model.
 
     `build()` returns a fresh module (call it under `torch.device("meta")` to build without weights);
-    `example_inputs(b)` the inputs of one batch of b samples, batch along dim 0 of every tensor;
+    `example_inputs(b)` the inputs of one batch of b samples, batch along dim 0 of every tensor (a tuple passed
+    positionally, a dict of keyword arguments, or (args, kwargs));
     `target(b)` the target of that batch (None: use `default_target` of the output);
     `loss(output, target)` a scalar loss, mean-reduced over the batch (None: `default_loss`).
     """
 
     name: str
     build: Callable[[], nn.Module]
-    example_inputs: Callable[[int], Inputs]
+    example_inputs: Callable[[int], ExampleBatch]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     target: Callable[[int], torch.Tensor] | None = None
     published_params: int | None = None

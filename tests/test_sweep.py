@@ -103,6 +103,22 @@ def test_resume_of_a_finished_sweep_plans_nothing(
     assert out.read_text() == reference
 
 
+def test_an_existing_out_is_never_replaced_without_resume(
+    tmp_path: Path, reference: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rerun to a finished sweep's file without --resume is refused before anything is planned or written."""
+    out = tmp_path / "results.csv"
+    out.write_text(reference)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("planned before refusing")
+
+    monkeypatch.setattr("pyplan.sweep.chain_for", refuse)
+    assert main(["zoo", *SWEEP, "--out", str(out), "--no-cache"]) == 2
+    assert "holds the results of an earlier sweep: --resume continues it" in capsys.readouterr().err
+    assert out.read_text() == reference
+
+
 def test_json_records_and_the_summary(
     tmp_path: Path, reference: str, cache_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -12,7 +12,8 @@ _PIPED_WIDTH = 160
 
 
 def make_console(*, stderr: bool = False) -> Console:
+    # No emoji codes: a model reference such as hf:llama:... would print as a llama.
     stream = sys.stderr if stderr else sys.stdout
     if stream.isatty():
-        return Console(stderr=stderr)
-    return Console(stderr=stderr, width=_PIPED_WIDTH)
+        return Console(stderr=stderr, emoji=False)
+    return Console(stderr=stderr, width=_PIPED_WIDTH, emoji=False)

@@ -284,6 +284,13 @@ def zoo_sweep(args: argparse.Namespace) -> int:
         raise PlanError(f"--jobs must be at least 1, got {jobs}")
     if args.resume and not args.out:
         raise PlanError("--resume needs --out FILE: the results of the sweep to finish")
+    if args.out and not args.resume and os.path.isfile(args.out) and os.path.getsize(args.out) > 0:
+        # Starting afresh would replace the file with a header before planning anything: refused, so a finished
+        # sweep's records are never lost to a rerun that is then killed.
+        raise PlanError(
+            f"'{args.out}' holds the results of an earlier sweep: --resume continues it; remove it or choose "
+            "another --out to start afresh"
+        )
     cache = _cache(args)
     results = ResultsFile(args.out) if args.out else None
     kept = [r for r in results.read() if is_finished(r)] if results and args.resume else []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -35,9 +36,12 @@ def test_pipelines_train_like_one_process(world: int, tmp_path: Path) -> None:
     schedules = {r["schedule"] for r in results}
     assert {"GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"} <= schedules
     dag_models = {"grouped-mlp-tiny"} if world == 2 else set()
-    # A model captured with torch.export (tests/models/branchy.py), pipelined under GPipe and 1F1B.
-    exported = {"branchy.py"} if world == 2 else set()
-    assert {os.path.basename(r["model"]) for r in results} == {"resnet-tiny", "gpt-tiny", *dag_models, *exported}
+    # Models captured with torch.export: tests/models/branchy.py, pipelined under GPipe and 1F1B, and the Hugging
+    # Face families (where transformers is installed).
+    hf = {"gpt2", "bert", "llama", "mixtral", "t5", "vit"} if importlib.util.find_spec("transformers") else set()
+    exported = {"branchy.py", *hf} if world == 2 else set()
+    names = {r["model"].split(":")[1] if ":" in r["model"] else os.path.basename(r["model"]) for r in results}
+    assert names == {"resnet-tiny", "gpt-tiny", *dag_models, *exported}
     assert {r["optimizer"] for r in results} == {"sgd", "adamw"}
     assert {r["zero"] for r in results} == ({0} if world == 2 else {0, 1, 3})
     assert {r.get("placement", "pp-inner") for r in results} == (

@@ -1,0 +1,470 @@
+"""Models named on a model hub: `hf:MODEL_TYPE[:key=value,...]` (Hugging Face transformers) and `timm:NAME`.
+
+Both build from a configuration with random weights: nothing is downloaded, so a 70B configuration builds on the
+meta device in a fraction of a second. transformers and timm are optional heavy packages, imported only when a
+reference names them (`pip install 'pyplan[hf]'`, `pip install 'pyplan[timm]'`).
+
+An `hf:` reference picks the model's head from transformers' own MODEL_FOR_*_MAPPING_NAMES tables (see `_HEADS`):
+an encoder-decoder gets its sequence-to-sequence LM head, an encoder its masked-LM head, a decoder its causal-LM
+head, a vision model its image-classification head. Each head's output, with no labels passed, is its logits alone
+(use_cache=False and output_router_logits=False make sure of it), so the loss is a cross-entropy over the logits.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import inspect
+import os
+import traceback
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pyplan.errors import ModelLoadError
+from pyplan.spec import ModelSpec
+
+__all__ = ["DEFAULT_IMAGE_SIZE", "DEFAULT_SEQ_LEN", "Seq2SeqLogits", "hf_model", "parse_options", "timm_model"]
+
+# Inputs and targets come from fixed seeds (the caller seeds everything else); targets from a seed of their own.
+_INPUT_SEED = 0
+_TARGET_SEED = 1
+
+# The example sequence length when a reference sets no seq_len: the config's max_position_embeddings if smaller.
+DEFAULT_SEQ_LEN = 128
+# The example image size when a vision config names none (the ImageNet size most of them default to).
+DEFAULT_IMAGE_SIZE = 224
+
+# Config values pyplan plans with: no key/value cache (training; torch.export cannot return a DynamicCache) and the
+# logits as the only output (a Mixture-of-Experts head would add its router logits and auxiliary loss). A reference
+# that sets one otherwise is refused. `_PASSED` go to every config that has them (transformers drops a use_cache
+# given to a config without the field, a vision model's), the others are transformers' defaults.
+_FIXED: dict[str, bool] = {
+    "use_cache": False,
+    "output_router_logits": False,
+    "output_hidden_states": False,
+    "output_attentions": False,
+    "return_dict": True,
+}
+_PASSED = ("use_cache", "output_router_logits")
+# Keys that transformers' PretrainedConfig takes as keyword arguments without a field of that name.
+_CONFIG_KWARGS = ("attn_implementation", "experts_implementation")
+
+Value = int | float | bool | str
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _token_stream(b: int, *, vocab: int, seq_len: int) -> torch.Tensor:
+    """seq_len + 1 tokens per sample, so inputs and next-token targets come from one draw."""
+    return torch.randint(vocab, (b, seq_len + 1), generator=_generator(_INPUT_SEED))
+
+
+def _causal_inputs(b: int, *, vocab: int, seq_len: int) -> dict[str, torch.Tensor]:
+    return {"input_ids": _token_stream(b, vocab=vocab, seq_len=seq_len)[:, :-1].contiguous()}
+
+
+def _next_tokens(b: int, *, vocab: int, seq_len: int) -> torch.Tensor:
+    return _token_stream(b, vocab=vocab, seq_len=seq_len)[:, 1:].contiguous()
+
+
+def _masked_inputs(b: int, *, vocab: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """Token ids and an int64 attention mask that pads each sample after a random length in [T/2, T]."""
+    g = _generator(_INPUT_SEED)
+    ids = torch.randint(vocab, (b, seq_len), generator=g)
+    lengths = torch.randint(seq_len // 2, seq_len + 1, (b,), generator=g)
+    return {"input_ids": ids, "attention_mask": (torch.arange(seq_len)[None, :] < lengths[:, None]).long()}
+
+
+def _seq2seq_inputs(b: int, *, vocab: int, seq_len: int) -> dict[str, torch.Tensor]:
+    """Encoder and decoder token ids, seq_len of each."""
+    g = _generator(_INPUT_SEED)
+    ids = torch.randint(vocab, (b, seq_len), generator=g)
+    return {"input_ids": ids, "decoder_input_ids": torch.randint(vocab, (b, seq_len), generator=g)}
+
+
+def _random_tokens(b: int, *, vocab: int, seq_len: int) -> torch.Tensor:
+    return torch.randint(vocab, (b, seq_len), generator=_generator(_TARGET_SEED))
+
+
+def _pixels(b: int, *, channels: int, height: int, width: int) -> dict[str, torch.Tensor]:
+    return {"pixel_values": torch.randn(b, channels, height, width, generator=_generator(_INPUT_SEED))}
+
+
+def _images(b: int, *, channels: int, height: int, width: int) -> tuple[torch.Tensor, ...]:
+    return (torch.randn(b, channels, height, width, generator=_generator(_INPUT_SEED)),)
+
+
+def _labels(b: int, *, classes: int) -> torch.Tensor:
+    return torch.randint(classes, (b,), generator=_generator(_TARGET_SEED))
+
+
+def _cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the logits over every position (B*T for token logits, B for class logits). `output`
+    is the logits, as pyplan's captured graph returns them, or the ModelOutput of a direct call to the model."""
+    logits = output if isinstance(output, torch.Tensor) else output.logits
+    return F.cross_entropy(logits.flatten(0, -2), target.flatten())
+
+
+class Seq2SeqLogits(nn.Module):
+    """An encoder-decoder LM that returns its logits alone.
+
+    transformers' Seq2SeqLMOutput always carries the encoder's last hidden state beside the logits, whatever the
+    config says, and pyplan's loss takes one tensor; the wrapped model's names gain the prefix `model.`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, decoder_input_ids=decoder_input_ids).logits
+
+
+@dataclass(frozen=True)
+class _Head:
+    """A kind of model head an `hf:` reference builds: the transformers table that lists the model types that have
+    it, the Auto class that builds it, and its batch."""
+
+    task: str
+    table: str
+    auto_class: str
+
+
+# In this order: an encoder-decoder (bart) is listed as a causal and a masked LM too, and an encoder (bert) as a
+# causal LM (its decoder variant), so the first table that lists a model type names its head.
+_HEADS = (
+    _Head("sequence-to-sequence LM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM"),
+    _Head("masked LM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "AutoModelForMaskedLM"),
+    _Head("causal LM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM"),
+    _Head("image classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "AutoModelForImageClassification"),
+)
+
+
+def _parse_value(text: str) -> Value:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_options(ref: str, options: str) -> dict[str, tuple[str, Value]]:
+    """The `key=value,...` of a reference: each key's text and its value parsed as int, float, bool (true/false)
+    or str, in that order of preference."""
+    parsed: dict[str, tuple[str, Value]] = {}
+    for item in filter(None, (s.strip() for s in options.split(","))):
+        key, eq, text = (s.strip() for s in item.partition("="))
+        if not eq or not key or not text:
+            raise ModelLoadError(f"'{item}' in '{ref}' is not key=value; write hf:MODEL_TYPE:key=value,key=value")
+        if key in parsed:
+            raise ModelLoadError(f"'{ref}' sets {key} twice; give each key once")
+        parsed[key] = text, _parse_value(text)
+    return parsed
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _import_transformers(ref: str) -> types.ModuleType:
+    try:
+        import transformers  # optional heavy package: imported only for an hf: reference
+    except ImportError as exc:
+        if exc.name == "transformers":
+            raise ModelLoadError(f"{ref} needs transformers: pip install 'pyplan[hf]'") from None
+        raise ModelLoadError(f"importing transformers for {ref} failed with {type(exc).__name__}: {exc}") from exc
+    return transformers
+
+
+def _head_of(ref: str, model_type: str, transformers: types.ModuleType) -> tuple[_Head, str]:
+    """The head an `hf:` reference builds for `model_type`, and the name of its transformers class."""
+    from transformers.models.auto import configuration_auto, modeling_auto  # optional heavy package (as above)
+
+    known = configuration_auto.CONFIG_MAPPING_NAMES
+    if model_type not in known:
+        close = difflib.get_close_matches(model_type, list(known), n=5)
+        hint = f"close matches: {', '.join(close)}" if close else "see transformers' CONFIG_MAPPING_NAMES"
+        raise ModelLoadError(
+            f"unknown model type '{model_type}' in '{ref}' (transformers {transformers.__version__}); {hint}"
+        )
+    for head in _HEADS:
+        table = getattr(modeling_auto, head.table)
+        if model_type in table:
+            return head, table[model_type]
+    tasks = ", ".join(h.task for h in _HEADS)
+    raise ModelLoadError(
+        f"model type '{model_type}' in '{ref}' has none of the heads pyplan builds ({tasks}) in transformers "
+        f"{transformers.__version__}; pick a model type that has one"
+    )
+
+
+def _scalar_types(annotation: Any) -> set[type] | None:
+    """The scalar types a config field's annotation admits (empty: none, as for a dict field); None when the
+    annotation is not a resolved type (then transformers' own validation decides)."""
+    if annotation in (int, float, bool, str, type(None)):
+        return {annotation}
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return {type(a) for a in typing.get_args(annotation)}
+    if origin in (typing.Union, types.UnionType):
+        parts = [_scalar_types(a) for a in typing.get_args(annotation)]
+        return None if any(p is None for p in parts) else set().union(*parts)
+    if origin is not None or isinstance(annotation, type):
+        return set()
+    return None
+
+
+def _config_keys(config_class: type) -> dict[str, Any]:
+    """Every key a config class takes, with its field's annotation (None for a property or an alias's target
+    without one)."""
+    if dataclasses.is_dataclass(config_class):
+        fields = {f.name: f.type for f in dataclasses.fields(config_class)}
+    else:
+        fields = {name: p.annotation for name, p in inspect.signature(config_class.__init__).parameters.items()}
+    keys: dict[str, Any] = {k: v for k, v in fields.items() if not k.startswith("_")}
+    for alias, target in getattr(config_class, "attribute_map", {}).items():
+        keys.setdefault(alias, fields.get(target))
+    for klass in config_class.__mro__:
+        for name, attr in vars(klass).items():
+            if isinstance(attr, property) and attr.fset is not None and not name.startswith("_"):
+                keys.setdefault(name, None)
+    keys.update(dict.fromkeys(_CONFIG_KWARGS))
+    return keys
+
+
+def _kind(value: Value) -> str:
+    return {bool: "a bool", int: "an int", float: "a float", str: "a string"}[type(value)]
+
+
+def _config_overrides(ref: str, config_class: type, options: dict[str, tuple[str, Value]]) -> dict[str, Value]:
+    """The overrides as keyword arguments of the config class: each key checked against the class, an alias
+    (gpt2's hidden_size) renamed to its field (n_embd) so the defaults derived from it follow (t5's decoder depth
+    from num_layers), each value checked against the field's type."""
+    keys = _config_keys(config_class)
+    aliases: dict[str, str] = getattr(config_class, "attribute_map", {})
+    overrides: dict[str, Value] = {}
+    for key, (text, value) in options.items():
+        if key not in keys:
+            close = difflib.get_close_matches(key, list(keys), n=5, cutoff=0.5)
+            hint = f"close keys: {', '.join(close)}" if close else f"see {config_class.__name__}'s fields"
+            raise ModelLoadError(f"{config_class.__name__} has no key '{key}' (in '{ref}'); {hint}")
+        allowed = _scalar_types(keys[key])
+        if allowed is not None and type(value) not in allowed:
+            if type(value) is int and float in allowed:
+                value = float(value)
+            elif str in allowed:
+                value = text
+            else:
+                names = " or ".join(sorted(t.__name__ for t in allowed if t is not type(None))) or "no scalar"
+                raise ModelLoadError(
+                    f"{key}={text} in '{ref}' is {_kind(value)}, but {config_class.__name__}.{key} takes {names}"
+                )
+        if key in _FIXED and value != _FIXED[key]:
+            raise ModelLoadError(
+                f"'{ref}' sets {key}={text}; pyplan plans training on the logits alone with {key}={_FIXED[key]}: "
+                f"leave {key} out"
+            )
+        field = aliases.get(key, key)
+        if field in overrides:
+            raise ModelLoadError(f"'{ref}' sets {field} twice (as {key} and as {field}); give it once")
+        overrides[field] = value
+    return overrides
+
+
+def _max_positions(config: Any) -> int | None:
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+
+
+def _seq_len(ref: str, config: Any, given: tuple[str, Value] | None) -> int:
+    """seq_len= if given (at most the config's max_position_embeddings), else min(max_position_embeddings, 128),
+    or 128 for a config with no such limit (t5's relative positions)."""
+    limit = _max_positions(config)
+    if given is None:
+        return min(limit, DEFAULT_SEQ_LEN) if limit else DEFAULT_SEQ_LEN
+    text, value = given
+    if type(value) is not int or value < 1:
+        raise ModelLoadError(f"seq_len={text} in '{ref}' is not a positive int; write e.g. seq_len=512")
+    if limit is not None and value > limit:
+        raise ModelLoadError(
+            f"seq_len={value} in '{ref}' exceeds the config's max_position_embeddings={limit}; "
+            f"set max_position_embeddings={value} too, or a shorter seq_len"
+        )
+    return value
+
+
+def _image_shape(config: Any) -> tuple[int, int, int]:
+    """(channels, height, width) of the config's images (a composite config's vision_config)."""
+    vision = getattr(config, "vision_config", None) or config
+    size = getattr(vision, "image_size", None) or DEFAULT_IMAGE_SIZE
+    height, width = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+    return getattr(vision, "num_channels", 3), height, width
+
+
+def _call_repr(model_type: str, kwargs: dict[str, Value]) -> str:
+    return ", ".join([repr(model_type), *(f"{k}={v!r}" for k, v in kwargs.items())])
+
+
+def _model_class(ref: str, transformers: types.ModuleType, name: str) -> type:
+    """transformers' class `name`, imported now so that a failure shows at load (transformers imports its models
+    lazily, and imports torchvision with them wherever torchvision is installed, even a build that cannot load)."""
+    try:
+        return getattr(transformers, name)
+    except Exception as exc:
+        failure = _torchvision_failure(exc)
+        if failure is not None:
+            raise ModelLoadError(
+                f"transformers cannot import {name} for '{ref}': it imports torchvision, which {failure}; uninstall "
+                "torchvision (transformers builds models without it) or install the build that matches torch"
+            ) from exc
+        root = _causes(exc)[-1]
+        raise ModelLoadError(
+            f"transformers cannot import {name} for '{ref}': {type(root).__name__}: {_first_line(root)}"
+        ) from exc
+
+
+def hf_model(ref: str) -> ModelSpec:
+    """The ModelSpec of `hf:MODEL_TYPE[:key=value,...]`: `transformers.AutoConfig.for_model(MODEL_TYPE, **overrides)`
+    with use_cache=False, its head built by the Auto class `_HEADS` names, random weights.
+
+    `seq_len=N` (not a config key) sets the example sequence length; the default is
+    min(the config's max_position_embeddings, 128), or 128 for a config without one. A causal LM takes
+    `{"input_ids"}` and next tokens as its target; a masked LM `{"input_ids", "attention_mask"}` (int64) and random
+    tokens; a sequence-to-sequence LM `{"input_ids", "decoder_input_ids"}` (seq_len each) and random tokens at the
+    decoder's positions; an image classifier `{"pixel_values"}` at the config's image size and channels and random
+    class labels. The loss is the mean cross-entropy of the logits."""
+    model_type, _, text = ref.removeprefix("hf:").partition(":")
+    if not model_type:
+        raise ModelLoadError(f"'{ref}' names no model type; write hf:MODEL_TYPE[:key=value,...], e.g. hf:llama")
+    options = parse_options(ref, text)
+    seq_len_option = options.pop("seq_len", None)
+    transformers = _import_transformers(ref)
+    head, class_name = _head_of(ref, model_type, transformers)
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    kwargs = _config_overrides(ref, config_class, options)
+    keys = _config_keys(config_class)
+    kwargs.update({k: _FIXED[k] for k in _PASSED if k in keys})
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    except Exception as exc:
+        # transformers' strict dataclasses: "Validation error for field 'x':\n    TypeError: ..."
+        reason = str(exc).strip().splitlines()[-1].strip() if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"transformers rejects the config of '{ref}': {reason}") from exc
+    auto_class = getattr(transformers, head.auto_class)
+    model_class = _model_class(ref, transformers, class_name)
+    wrap = head.auto_class == "AutoModelForSeq2SeqLM"
+
+    def build() -> nn.Module:
+        # A copy: the config is shared by every build, and a model may set attributes on its own.
+        model = auto_class.from_config(copy.deepcopy(config))
+        return Seq2SeqLogits(model) if wrap else model
+
+    example_inputs: Callable[[int], Any]
+    if head.auto_class == "AutoModelForImageClassification":
+        if seq_len_option is not None:
+            raise ModelLoadError(f"seq_len applies to text models, not to '{ref}'; set image_size= instead")
+        channels, height, width = _image_shape(config)
+        example_inputs = partial(_pixels, channels=channels, height=height, width=width)
+        target: Callable[[int], torch.Tensor] = partial(_labels, classes=config.num_labels)
+    else:
+        tokens = {"vocab": config.get_text_config().vocab_size, "seq_len": _seq_len(ref, config, seq_len_option)}
+        inputs_of = {"AutoModelForSeq2SeqLM": _seq2seq_inputs, "AutoModelForMaskedLM": _masked_inputs}
+        example_inputs = partial(inputs_of.get(head.auto_class, _causal_inputs), **tokens)
+        target = partial(_next_tokens if head.auto_class == "AutoModelForCausalLM" else _random_tokens, **tokens)
+    return ModelSpec(
+        name=ref,
+        build=build,
+        example_inputs=example_inputs,
+        loss=_cross_entropy,
+        target=target,
+        source=(
+            f"Hugging Face transformers {transformers.__version__} {type(config).__name__} from "
+            f"AutoConfig.for_model({_call_repr(model_type, kwargs)}); {model_class.__name__} from "
+            f"{head.auto_class}.from_config, random weights"
+        ),
+    )
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from or during, outermost first."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def _torchvision_failure(exc: BaseException) -> str | None:
+    """How torchvision failed, when `exc` (an import of timm or of a transformers model) failed because of it."""
+    for cause in _causes(exc):
+        if isinstance(cause, ModuleNotFoundError) and cause.name == "torchvision":
+            return "is not installed"
+        if any(f"{os.sep}torchvision{os.sep}" in f.filename for f in traceback.extract_tb(cause.__traceback__)):
+            return f"does not import beside torch {torch.__version__} ({type(cause).__name__}: {_first_line(cause)})"
+    return None
+
+
+def _import_timm(ref: str) -> types.ModuleType:
+    try:
+        import timm  # optional heavy package: imported only for a timm: reference
+    except Exception as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "timm":
+            raise ModelLoadError(f"{ref} needs timm: pip install 'pyplan[timm]'") from None
+        failure = _torchvision_failure(exc)
+        if failure is None:
+            raise ModelLoadError(f"importing timm for {ref} failed with {type(exc).__name__}: {exc}") from exc
+        raise ModelLoadError(_needs_torchvision(ref, failure)) from exc
+    return timm
+
+
+def _needs_torchvision(ref: str, failure: str) -> str:
+    # timm/layers/create_norm.py and norm_act.py import torchvision.ops.misc.FrozenBatchNorm2d at module level, and
+    # `import timm` imports timm.layers: no part of timm imports without torchvision.
+    return (
+        f"{ref} needs timm, and timm imports torchvision, which {failure}; on a machine whose torchvision build "
+        "matches its torch, pip install 'pyplan[timm]'"
+    )
+
+
+def timm_model(ref: str) -> ModelSpec:
+    """The ModelSpec of `timm:NAME`: `timm.create_model(NAME, pretrained=False)` (random weights), its input
+    the size of the model's pretrained_cfg (3x224x224 for most), random class labels as its target, and the mean
+    cross-entropy of the logits as its loss."""
+    name = ref.removeprefix("timm:")
+    if not name or ":" in name:
+        raise ModelLoadError(f"'{ref}' is not timm:NAME; write a timm model name, e.g. timm:resnet50")
+    timm = _import_timm(ref)
+    if not timm.is_model(name):
+        close = difflib.get_close_matches(name, timm.list_models(), n=5)
+        hint = f"close matches: {', '.join(close)}" if close else "see timm.list_models()"
+        raise ModelLoadError(f"unknown timm model '{name}' (timm {timm.__version__}); {hint}")
+
+    def build() -> nn.Module:
+        return timm.create_model(name, pretrained=False)
+
+    with torch.device("meta"):
+        probe = build()
+    channels, height, width = probe.pretrained_cfg["input_size"]
+    return ModelSpec(
+        name=ref,
+        build=build,
+        example_inputs=partial(_images, channels=channels, height=height, width=width),
+        loss=_cross_entropy,
+        target=partial(_labels, classes=probe.num_classes),
+        source=f"timm {timm.__version__} create_model({name!r}, pretrained=False), random weights",
+    )
