@@ -114,3 +114,19 @@ def test_a_branch_on_values_names_the_module_and_line_and_no_leaf_for_keyword_in
     msg = str(info.value)
     assert "\n" not in msg and "module 'gate' (_Gate)" in msg and "if x.sum() > 0" in msg
     assert "torch.where or torch.cond" in msg and "leaf" not in msg
+
+
+class _GateWhere(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x.sum() > 0, x, -x)  # the workaround the error names
+
+
+def test_the_named_workaround_captures_the_same_function() -> None:
+    gated = _Gated()
+    gated.gate = _GateWhere()
+    inputs = {"x": torch.randn(8, 64), "mask": torch.ones(8, 64)}
+    chain = linearize(trace(gated, lambda b: {k: v[:b] for k, v in inputs.items()}))
+    got = run_pieces(pieces(chain), *inputs.values())
+    reference = _Gated()
+    reference.load_state_dict(gated.state_dict())
+    assert torch.equal(got, reference(**inputs))
