@@ -31,6 +31,7 @@ class Case:
     published_params: int
     source: str
     global_batch: int
+    gpus: tuple[int, ...] = (8, 64)  # the clusters of A100s planned for
 
 
 CASES = (
@@ -45,7 +46,7 @@ CASES = (
     Case(
         "llama-3-8b",
         "hf:llama:hidden_size=4096,intermediate_size=14336,num_hidden_layers=32,num_attention_heads=32,"
-        "num_key_value_heads=8,vocab_size=128256,max_position_embeddings=8192,rope_theta=500000,seq_len=8192",
+        "num_key_value_heads=8,vocab_size=128256,max_position_embeddings=8192,seq_len=8192",
         8_030_261_248,
         "meta-llama/Meta-Llama-3-8B, LlamaForCausalLM",
         256,
@@ -86,9 +87,10 @@ CASES = (
         68_976_648_192,
         "meta-llama/Llama-2-70b-hf, LlamaForCausalLM",
         1024,
+        (64,),  # 8 A100s hold 640 GB, the model state alone 1.1 TB (16 bytes a parameter)
     ),
 )
-GPUS = (8, 64)
+GPUS = (8, 64)  # the table's columns
 TARGET_PLAN_S, TARGET_CAPTURE_S, TARGET_RSS_BYTES = 60.0, 20.0, 2e9
 
 
@@ -111,7 +113,7 @@ def measure(case: Case) -> dict[str, Any]:
     chain = linearize(graph)
     capture_s = time.perf_counter() - t0
     plans = {}
-    for gpus in GPUS:
+    for gpus in case.gpus:
         t0 = time.perf_counter()
         found = search(
             model,
@@ -167,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             met = False
             continue
         same = r["params"] == case["published_params"]
-        times = [r["plans"][str(g)]["s"] for g in GPUS]
-        met = met and same and all(t <= TARGET_PLAN_S for t in times)
+        times = [r["plans"][str(g)]["s"] if str(g) in r["plans"] else None for g in GPUS]
+        met = met and same and all(t is None or t <= TARGET_PLAN_S for t in times)
         if case["name"] == "llama-2-7b":
             met = met and r["capture_s"] <= TARGET_CAPTURE_S
         if case["name"] == "llama-2-70b":
@@ -179,11 +181,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['params']:,} ({'=' if same else '!= ' + format(case['published_params'], ',')})",
             str(r["blocks"]),
             f"{r['capture_s']:.1f}",
-            *(f"{t:.1f}" for t in times),
+            *("-" if t is None else f"{t:.1f}" for t in times),
             f"{r['peak_rss_bytes'] / 1e9:.2f}",
             f"{plan64['plan']}, {plan64['iteration_s'] * 1e3:.0f} ms",
         )
-    Console(width=180).print(table)
+    Console(width=180, emoji=False).print(table)
     print(f"targets: plans <= {TARGET_PLAN_S:.0f} s, Llama-2-7B capture <= {TARGET_CAPTURE_S:.0f} s, 70B RSS <= "
           f"{TARGET_RSS_BYTES / 1e9:.0f} GB, parameter counts as published: {'met' if met else 'MISSED'}")  # fmt: skip
     if args.json:
