@@ -1,12 +1,15 @@
-// Bindings of remat.h: the chain as arrays and its output values, the plan as a list of (token, block) pairs.
+// Bindings of remat.h: the chain as arrays and its output values, the plan as a list of (token, block) pairs; ints
+// narrowed by convert.h.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdint>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "convert.h"
 #include "pyplan/remat.h"
 
 namespace py = pybind11;
@@ -14,7 +17,7 @@ namespace py = pybind11;
 namespace {
 
 // An output value as Python gives it: (block, bytes, last cut, savers).
-using Value = std::tuple<int, double, int, std::vector<int>>;
+using Value = std::tuple<std::int64_t, double, std::int64_t, std::vector<std::int64_t>>;
 
 // The plan as [("keep", i), ("offload", i), ("begin", -1), ("end", -1), ...].
 std::vector<std::pair<std::string, int>> steps_of(const std::vector<pyplan::RematStep>& plan) {
@@ -32,7 +35,10 @@ pyplan::RematChain chain_of(std::vector<double> fwd_s, std::vector<double> bwd_s
                             std::vector<bool> saves, std::vector<double> checkpoint_block_s) {
     std::vector<pyplan::RematValue> vs;
     vs.reserve(values.size());
-    for (const auto& [block, bytes, last, savers] : values) vs.push_back({block, bytes, last, savers});
+    for (const auto& [block, bytes, last, savers] : values) {
+        vs.push_back({to_int(block, "a value's block", 0, kIntMax), bytes,
+                      to_int(last, "a value's last cut", 1, kIntMax), to_ints(savers, "a value's savers", 0, kIntMax)});
+    }
     return {std::move(fwd_s),          std::move(bwd_s),
             std::move(kept_bytes),     std::move(out_bytes),
             std::move(fwd_peak_bytes), std::move(fwd_nosave_peak_bytes),
@@ -59,15 +65,19 @@ void bind_remat(py::module_& m) {
         [](std::vector<double> fwd_s, std::vector<double> bwd_s, std::vector<double> kept_bytes,
            std::vector<double> out_bytes, std::vector<double> fwd_peak_bytes, std::vector<double> fwd_nosave_peak_bytes,
            std::vector<double> bwd_peak_bytes, std::vector<double> grad_bytes, std::vector<Value> values,
-           std::vector<bool> saves, double budget_bytes, int slots, double offload_bw_bytes_per_s, int max_depth,
-           int in_flight, double checkpoint_s, std::vector<double> checkpoint_block_s) {
+           std::vector<bool> saves, double budget_bytes, std::int64_t slots, double offload_bw_bytes_per_s,
+           std::int64_t max_depth, std::int64_t in_flight, double checkpoint_s,
+           std::vector<double> checkpoint_block_s) {
             const pyplan::RematChain chain =
                 chain_of(std::move(fwd_s), std::move(bwd_s), std::move(kept_bytes), std::move(out_bytes),
                          std::move(fwd_peak_bytes), std::move(fwd_nosave_peak_bytes), std::move(bwd_peak_bytes),
                          std::move(grad_bytes), values, std::move(saves), std::move(checkpoint_block_s));
-            const pyplan::RematOptions options{budget_bytes, slots, offload_bw_bytes_per_s, max_depth, checkpoint_s};
+            const pyplan::RematOptions options{budget_bytes, to_int(slots, "slots", 1, pyplan::kMaxRematSlots),
+                                               offload_bw_bytes_per_s, to_int(max_depth, "max_depth", -1, kIntMax),
+                                               checkpoint_s};
+            const int copies = to_int(in_flight, "in_flight", 1, kIntMax);
             py::gil_scoped_release release;
-            return pyplan::solve_remat(chain, options, in_flight);
+            return pyplan::solve_remat(chain, options, copies);
         },
         py::arg("fwd_s"), py::arg("bwd_s"), py::arg("kept_bytes"), py::arg("out_bytes"), py::arg("fwd_peak_bytes"),
         py::arg("fwd_nosave_peak_bytes"), py::arg("bwd_peak_bytes"), py::arg("grad_bytes"), py::arg("values"),
@@ -80,19 +90,22 @@ void bind_remat(py::module_& m) {
         "(block, bytes, last cut, savers); saves: per block, whether it saves anything (see pyplan/solve/remat.py).\n"
         "offload_bw_bytes_per_s 0 disables offloading; max_depth limits checkpoint nesting (-1: none).\n"
         "in_flight > 1 also requires peak + (in_flight-1)*after_forward <= budget; checkpoint_s is the cost of\n"
-        "one checkpoint call, checkpoint_block_s (per block, or empty) what each block adds to a checkpoint.");
+        "one checkpoint call, checkpoint_block_s (per block, or empty) what each block adds to a checkpoint.\n"
+        "Times in [0, 1e9] s, sizes in [0, 1e18], budget_bytes in (0, 1e18], slots in [1, MAX_REMAT_SLOTS]; a\n"
+        "budget below remat_min_peak is answered at once (feasible=False). Raises ValueError on invalid input.");
 
     m.def(
         "remat_min_peak",
         [](std::vector<double> fwd_s, std::vector<double> bwd_s, std::vector<double> kept_bytes,
            std::vector<double> out_bytes, std::vector<double> fwd_peak_bytes, std::vector<double> fwd_nosave_peak_bytes,
            std::vector<double> bwd_peak_bytes, std::vector<double> grad_bytes, std::vector<Value> values,
-           std::vector<bool> saves, bool offload, int max_depth) {
+           std::vector<bool> saves, bool offload, std::int64_t max_depth) {
             const pyplan::RematChain chain =
                 chain_of(std::move(fwd_s), std::move(bwd_s), std::move(kept_bytes), std::move(out_bytes),
                          std::move(fwd_peak_bytes), std::move(fwd_nosave_peak_bytes), std::move(bwd_peak_bytes),
                          std::move(grad_bytes), values, std::move(saves), {});
-            const pyplan::RematOptions options{1.0, 1, offload ? 1.0 : 0.0, max_depth};
+            const int depth = to_int(max_depth, "max_depth", -1, kIntMax);
+            const pyplan::RematOptions options{1.0, 1, offload ? 1.0 : 0.0, depth};
             py::gil_scoped_release release;
             return pyplan::min_peak_bytes(chain, options);
         },

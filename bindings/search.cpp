@@ -1,13 +1,16 @@
 // Bindings of search.h: the chain as nine arrays, the hardware and space as keyword arguments, schedules,
-// placements and the objective by name, the result as read-only classes.
+// placements and the objective by name, the result as read-only classes; ints narrowed by convert.h.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "convert.h"
+#include "pyplan/limits.h"
 #include "pyplan/search.h"
 
 namespace py = pybind11;
@@ -93,13 +96,14 @@ void bind_search(py::module_& m) {
         [](std::vector<double> fwd_alpha_s, std::vector<double> fwd_beta_s, std::vector<double> bwd_alpha_s,
            std::vector<double> bwd_beta_s, std::vector<double> act_per_sample_bytes,
            std::vector<double> act_fixed_bytes, std::vector<double> params, std::vector<double> cut_per_sample_bytes,
-           std::vector<double> cut_fixed_bytes, int num_gpus, int gpus_per_node, double gpu_mem_bytes,
+           std::vector<double> cut_fixed_bytes, std::int64_t num_gpus, std::int64_t gpus_per_node,
+           double gpu_mem_bytes,
            double mem_bw_bytes_per_s, double intra_latency_s, double intra_bw_bytes_per_s, double inter_latency_s,
-           double inter_bw_bytes_per_s, double price_per_gpu_s, int global_batch, double param_bytes,
-           double grad_bytes, double optim_bytes, std::vector<int> micro_batch_sizes,
-           const std::vector<std::string>& schedules, std::vector<int> zero_stages,
+           double inter_bw_bytes_per_s, double price_per_gpu_s, std::int64_t global_batch, double param_bytes,
+           double grad_bytes, double optim_bytes, const std::vector<std::int64_t>& micro_batch_sizes,
+           const std::vector<std::string>& schedules, const std::vector<std::int64_t>& zero_stages,
            const std::vector<std::string>& placements, bool allow_fewer_gpus, const std::string& objective,
-           double weight, int top_k, std::vector<double> param_tensors, std::vector<double> cut_tensors,
+           double weight, std::int64_t top_k, std::vector<double> param_tensors, std::vector<double> cut_tensors,
            std::pair<double, double> intra_collective, std::pair<double, double> inter_collective,
            const py::dict& host, std::vector<double> time_sizes, std::vector<double> fwd_points_s,
            std::vector<double> bwd_points_s) {
@@ -111,8 +115,8 @@ void bind_search(py::module_& m) {
                                               std::move(cut_tensors),     std::move(time_sizes),
                                               std::move(fwd_points_s),    std::move(bwd_points_s)};
             pyplan::Hardware hardware;
-            hardware.num_gpus = num_gpus;
-            hardware.gpus_per_node = gpus_per_node;
+            hardware.num_gpus = to_int(num_gpus, "num_gpus", 1, pyplan::kMaxGpus);
+            hardware.gpus_per_node = to_int(gpus_per_node, "gpus_per_node", 1, kIntMax);
             hardware.gpu_mem_bytes = gpu_mem_bytes;
             hardware.mem_bw_bytes_per_s = mem_bw_bytes_per_s;
             hardware.intra = {intra_latency_s, intra_bw_bytes_per_s};
@@ -137,18 +141,18 @@ void bind_search(py::module_& m) {
                 else throw std::invalid_argument("unknown host cost '" + key + "'");
             }
             pyplan::SearchSpace space;
-            space.global_batch = global_batch;
+            space.global_batch = to_int(global_batch, "global_batch", 1, kIntMax);
             space.bytes_per_param = {param_bytes, grad_bytes, optim_bytes};
-            space.micro_batch_sizes = std::move(micro_batch_sizes);
+            space.micro_batch_sizes = to_ints(micro_batch_sizes, "micro_batch_sizes", 1, kIntMax);
             space.schedules.clear();
             for (const auto& name : schedules) space.schedules.push_back(to_schedule(name));
-            space.zero_stages = std::move(zero_stages);
+            space.zero_stages = to_ints(zero_stages, "zero_stages", 0, 3);
             space.placements.clear();
             for (const auto& name : placements) space.placements.push_back(pyplan::placement_from_name(name));
             space.allow_fewer_gpus = allow_fewer_gpus;
             space.objective = pyplan::objective_from_name(objective);
             space.weight = weight;
-            space.top_k = top_k;
+            space.top_k = to_int(top_k, "top_k", 1, kIntMax);
             py::gil_scoped_release release;
             return pyplan::search(chain, hardware, space);
         },
@@ -159,9 +163,9 @@ void bind_search(py::module_& m) {
         py::arg("intra_latency_s"), py::arg("intra_bw_bytes_per_s"), py::arg("inter_latency_s"),
         py::arg("inter_bw_bytes_per_s"), py::arg("price_per_gpu_s") = 0.0, py::arg("global_batch"),
         py::arg("param_bytes"), py::arg("grad_bytes"), py::arg("optim_bytes"),
-        py::arg("micro_batch_sizes") = std::vector<int>{},
+        py::arg("micro_batch_sizes") = std::vector<std::int64_t>{},
         py::arg("schedules") = std::vector<std::string>{"GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"},
-        py::arg("zero_stages") = std::vector<int>{0, 1, 2, 3},
+        py::arg("zero_stages") = std::vector<std::int64_t>{0, 1, 2, 3},
         py::arg("placements") = std::vector<std::string>{"pp-inner", "dp-inner"},
         py::arg("allow_fewer_gpus") = false, py::arg("objective") = "time", py::arg("weight") = 0.0,
         py::arg("top_k") = 5, py::arg("param_tensors") = std::vector<double>{},
@@ -176,6 +180,7 @@ void bind_search(py::module_& m) {
         "micro-batch, parameter elements; per cut (L+1): live bytes per sample and per micro-batch.\n"
         "Optional: param_tensors (L) and cut_tensors (L+1) counts, intra/inter_collective (latency_s, bw) links\n"
         "for collectives, host: HostCosts fields by name (search.h).\n"
-        "objective: 'time', 'cost' or 'weighted' (cost + weight * time). Raises ValueError on invalid input;\n"
-        "returns feasible=False with a reason when no plan fits in memory.");
+        "objective: 'time', 'cost' or 'weighted' (cost + weight * time). Times in [0, 1e9] s, sizes and counts\n"
+        "in [0, 1e18], bandwidths >= 1e-3 or inf, num_gpus <= 2^20 (cpp/include/pyplan/limits.h). Raises\n"
+        "ValueError on invalid input; returns feasible=False with a reason when no plan fits in memory.");
 }

@@ -1,14 +1,17 @@
-// Bindings of simulate.h: schedules by torch's names, actions as (stage, "F"|"B"|"I"|"W", micro-batch).
+// Bindings of simulate.h: schedules by torch's names, actions as (stage, "F"|"B"|"I"|"W", micro-batch); ints
+// narrowed by convert.h.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <array>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "convert.h"
 #include "pyplan/simulate.h"
 
 namespace py = pybind11;
@@ -56,6 +59,7 @@ Op to_op(const std::string& name) {
 }
 
 using PyAction = std::tuple<int, std::string, int>;
+using PyActionIn = std::tuple<std::int64_t, std::string, std::int64_t>;
 
 std::vector<std::vector<PyAction>> to_py(const pyplan::RankOrder& order) {
     std::vector<std::vector<PyAction>> out(order.size());
@@ -64,10 +68,12 @@ std::vector<std::vector<PyAction>> to_py(const pyplan::RankOrder& order) {
     return out;
 }
 
-pyplan::RankOrder from_py(const std::vector<std::vector<PyAction>>& order) {
+pyplan::RankOrder from_py(const std::vector<std::vector<PyActionIn>>& order) {
     pyplan::RankOrder out(order.size());
     for (size_t r = 0; r < order.size(); ++r)
-        for (const auto& [stage, op, microbatch] : order[r]) out[r].push_back({stage, to_op(op), microbatch});
+        for (const auto& [stage, op, microbatch] : order[r])
+            out[r].push_back({to_int(stage, "an action's stage", 0, kIntMax), to_op(op),
+                              to_int(microbatch, "an action's micro-batch", 0, kIntMax)});
     return out;
 }
 
@@ -80,36 +86,46 @@ void bind_simulate(py::module_& m) {
 
     m.def(
         "stage_placement",
-        [](const std::string& schedule, int num_ranks, int stages_per_rank) {
-            return pyplan::stage_placement(to_schedule(schedule), num_ranks, stages_per_rank);
+        [](const std::string& schedule, std::int64_t num_ranks, std::int64_t stages_per_rank) {
+            return pyplan::stage_placement(to_schedule(schedule), to_int(num_ranks, "num_ranks", 1, kIntMax),
+                                           to_int(stages_per_rank, "stages_per_rank", 1, kIntMax));
         },
         py::arg("schedule"), py::arg("num_ranks"), py::arg("stages_per_rank"),
         "[stage] -> rank: loop placement, or V placement for ZBVZeroBubble and DualPipeV.");
 
     m.def(
         "warmup_send_held",
-        [](const std::string& schedule, int num_microbatches, int num_stages, int stage) {
-            return pyplan::warmup_send_held(to_schedule(schedule), num_microbatches, num_stages, stage);
+        [](const std::string& schedule, std::int64_t num_microbatches, std::int64_t num_stages, std::int64_t stage) {
+            return pyplan::warmup_send_held(
+                to_schedule(schedule), to_int(num_microbatches, "num_microbatches", 1, kIntMax),
+                to_int(num_stages, "num_stages", 1, kIntMax), to_int(stage, "stage", 0, kIntMax));
         },
         py::arg("schedule"), py::arg("num_microbatches"), py::arg("num_stages"), py::arg("stage"),
         "Whether the stage keeps the output of its last warm-up send past that micro-batch's backward (1F1B).");
 
     m.def(
         "torch_rejection",
-        [](const std::string& schedule, int num_ranks, int num_microbatches, int stages_per_rank) {
-            return pyplan::torch_rejection(to_schedule(schedule), num_ranks, num_microbatches, stages_per_rank);
+        [](const std::string& schedule, std::int64_t num_ranks, std::int64_t num_microbatches,
+           std::int64_t stages_per_rank) {
+            return pyplan::torch_rejection(to_schedule(schedule), to_int(num_ranks, "num_ranks", 1, kIntMax),
+                                           to_int(num_microbatches, "num_microbatches", 1, kIntMax),
+                                           to_int(stages_per_rank, "stages_per_rank", 1, kIntMax));
         },
         py::arg("schedule"), py::arg("num_ranks"), py::arg("num_microbatches"), py::arg("stages_per_rank"),
         "Why torch 2.13 refuses this schedule shape; '' when it accepts it.");
 
     m.def(
         "schedule_order",
-        [](const std::string& schedule, int num_ranks, int num_microbatches, int stages_per_rank) {
+        [](const std::string& schedule, std::int64_t num_ranks, std::int64_t num_microbatches,
+           std::int64_t stages_per_rank) {
             const Schedule s = to_schedule(schedule);
+            const int p = to_int(num_ranks, "num_ranks", 1, kIntMax);
+            const int m = to_int(num_microbatches, "num_microbatches", 1, kIntMax);
+            const int v = to_int(stages_per_rank, "stages_per_rank", 1, kIntMax);
             pyplan::RankOrder order;
             {
                 py::gil_scoped_release release;
-                order = pyplan::schedule_order(s, num_ranks, num_microbatches, stages_per_rank);
+                order = pyplan::schedule_order(s, p, m, v);
             }
             return to_py(order);
         },
@@ -118,18 +134,20 @@ void bind_simulate(py::module_& m) {
 
     m.def(
         "simulate",
-        [](const std::vector<std::vector<PyAction>>& order, const std::vector<int>& stage_rank,
+        [](const std::vector<std::vector<PyActionIn>>& order, const std::vector<std::int64_t>& stage_rank,
            std::vector<double> forward_s, std::vector<double> backward_s,
            std::vector<double> backward_weight_s, std::vector<double> send_forward_s,
-           std::vector<double> send_backward_s, int num_microbatches) {
+           std::vector<double> send_backward_s, std::int64_t num_microbatches) {
             const pyplan::RankOrder actions = from_py(order);
+            const std::vector<int> ranks = to_ints(stage_rank, "stage_rank", 0, kIntMax);
+            const int m = to_int(num_microbatches, "num_microbatches", 1, kIntMax);
             const pyplan::StageTimes times{std::move(forward_s), std::move(backward_s),
                                            std::move(backward_weight_s), std::move(send_forward_s),
                                            std::move(send_backward_s)};
             pyplan::Simulation sim;
             {
                 py::gil_scoped_release release;
-                sim = pyplan::simulate(actions, stage_rank, times, num_microbatches);
+                sim = pyplan::simulate(actions, ranks, times, m);
             }
             std::vector<std::tuple<int, int, std::string, int, double, double>> events;
             events.reserve(sim.events.size());

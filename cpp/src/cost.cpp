@@ -1,6 +1,9 @@
 // The closed-form cost model; see cost.h for the formulas and their sources.
 #include "pyplan/cost.h"
 
+#include "pyplan/check.h"
+#include "pyplan/limits.h"
+
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -8,21 +11,17 @@
 namespace pyplan {
 namespace {
 
-// Callers test first and build the message only on failure: solvers validate in their hot paths.
 [[noreturn]] void fail(const std::string& message) {
     throw std::invalid_argument(message);
 }
 
+// The ranges of limits.h: these formulas also take what search() derives (kMaxValue).
 void check_link(const Link& link) {
-    if (!(link.latency_s >= 0.0)) fail("link latency_s must be >= 0, got " + std::to_string(link.latency_s));
-    if (!(link.bw_bytes_per_s > 0.0)) {
-        fail("link bw_bytes_per_s must be > 0, got " + std::to_string(link.bw_bytes_per_s));
-    }
+    require_in(link.latency_s, 0.0, kMaxValue, "link latency_s");
+    require_bandwidth(link.bw_bytes_per_s, "link bw_bytes_per_s");
 }
 
-void check_bytes(double bytes) {
-    if (!(bytes >= 0.0)) fail("bytes must be >= 0, got " + std::to_string(bytes));
-}
+void check_bytes(double bytes) { require_in(bytes, 0.0, kMaxValue, "bytes"); }
 
 void check_ranks(int num_ranks) {
     if (num_ranks < 1) fail("the number of ranks must be >= 1, got " + std::to_string(num_ranks));
@@ -58,6 +57,10 @@ double all_gather_time_s(const Link& link, double bytes, int num_ranks) {
 
 double hierarchical_allreduce_time_s(const Link& intra, const Link& inter, double bytes, int gpus_per_node,
                                      int num_nodes) {
+    require_in(intra.latency_s, 0.0, kMaxValue, "intra_latency_s");
+    require_bandwidth(intra.bw_bytes_per_s, "intra_bw_bytes_per_s");
+    require_in(inter.latency_s, 0.0, kMaxValue, "inter_latency_s");
+    require_bandwidth(inter.bw_bytes_per_s, "inter_bw_bytes_per_s");
     check_ranks(gpus_per_node);
     check_ranks(num_nodes);
     const double inside = reduce_scatter_time_s(intra, bytes, gpus_per_node) +
@@ -68,15 +71,14 @@ double hierarchical_allreduce_time_s(const Link& intra, const Link& inter, doubl
 
 ModelStateBytes zero_model_state_bytes(double num_params, int num_replicas, int zero_stage,
                                        const BytesPerParam& bytes_per_param) {
-    if (!(num_params >= 0.0)) fail("num_params must be >= 0, got " + std::to_string(num_params));
+    require_in(num_params, 0.0, kMaxValue, "num_params");
     check_ranks(num_replicas);
     if (zero_stage < 0 || zero_stage > 3) {
         fail("zero_stage must be 0, 1, 2 or 3, got " + std::to_string(zero_stage));
     }
-    if (!(bytes_per_param.param_bytes >= 0.0 && bytes_per_param.grad_bytes >= 0.0 &&
-          bytes_per_param.optim_bytes >= 0.0)) {
-        fail("bytes per parameter must be >= 0");
-    }
+    require_in(bytes_per_param.param_bytes, 0.0, kMaxValue, "param_bytes");
+    require_in(bytes_per_param.grad_bytes, 0.0, kMaxValue, "grad_bytes");
+    require_in(bytes_per_param.optim_bytes, 0.0, kMaxValue, "optim_bytes");
     // Stage k shards the first k of (optimizer state, gradients, weights) over the d replicas.
     const double full = num_params;
     const double shard = num_params / num_replicas;
@@ -90,6 +92,7 @@ ModelStateBytes zero_model_state_bytes(double num_params, int num_replicas, int 
 double pipeline_time_s(const std::vector<double>& stage_time_s, int num_microbatches) {
     if (stage_time_s.empty()) fail("a pipeline needs at least one stage");
     if (num_microbatches < 1) fail("num_microbatches must be >= 1, got " + std::to_string(num_microbatches));
+    require_each_in(stage_time_s, 0.0, kMaxValue, "stage_time_s");
     double sum_s = 0.0;
     for (double t : stage_time_s) sum_s += t;
     const double max_s = *std::max_element(stage_time_s.begin(), stage_time_s.end());
@@ -105,11 +108,9 @@ double bubble_fraction(int num_stages, int num_microbatches, int num_chunks) {
 }
 
 double optimizer_step_time_s(double bytes_read, double bytes_written, double mem_bw_bytes_per_s) {
-    check_bytes(bytes_read);
-    check_bytes(bytes_written);
-    if (!(mem_bw_bytes_per_s > 0.0)) {
-        fail("mem_bw_bytes_per_s must be > 0, got " + std::to_string(mem_bw_bytes_per_s));
-    }
+    require_in(bytes_read, 0.0, kMaxValue, "bytes_read");
+    require_in(bytes_written, 0.0, kMaxValue, "bytes_written");
+    require_bandwidth(mem_bw_bytes_per_s, "mem_bw_bytes_per_s");
     return (bytes_read + bytes_written) / mem_bw_bytes_per_s;
 }
 

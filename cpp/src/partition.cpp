@@ -1,7 +1,9 @@
 // Exact pipeline stage partitioning; the problem, tables and recurrences are stated in partition.h.
 #include "pyplan/partition.h"
 
+#include "pyplan/check.h"
 #include "pyplan/format.h"
+#include "pyplan/limits.h"
 
 #include <algorithm>
 #include <cmath>
@@ -26,9 +28,10 @@ constexpr double kTie = 1e-12;
 struct StageLimit {
     int in_flight = 0;
     // Receive buffers (PartitionOptions::receive_buffers): inputs beyond the n in flight and output gradients,
-    // in cuts: mem adds extra_inputs·cut[i] + output_buffers·cut[j].
-    int extra_inputs = 0;
-    int output_buffers = 0;
+    // in cuts: mem adds extra_inputs·cut[i] + output_buffers·cut[j]. 64-bit: m + extra_output_cuts[s] may
+    // exceed int.
+    long long extra_inputs = 0;
+    long long output_buffers = 0;
     double limit_bytes = 0.0;
     // Prefix-sum estimates of mem_s within `slack` of the limit are summed block by block; below
     // limit − slack a range surely fits, above limit + slack it surely does not (partition.h's ε).
@@ -152,12 +155,12 @@ struct Problem {
     throw std::invalid_argument(message);
 }
 
-void require_values(const std::vector<double>& values, const char* name, bool finite) {
-    for (std::size_t i = 0; i < values.size(); ++i) {
-        const double v = values[i];
-        if (!(v >= 0.0 && (!finite || std::isfinite(v)))) {
-            fail(std::string(name) + "[" + std::to_string(i) + "] must be a " + (finite ? "finite " : "") +
-                 "number >= 0, got " + std::to_string(v));
+// A memory limit: in [0, kMaxValue], or +∞ (no limit).
+void require_limits(const std::vector<double>& limits) {
+    for (std::size_t i = 0; i < limits.size(); ++i) {
+        if (!(limits[i] >= 0.0 && (limits[i] <= kMaxValue || limits[i] == kInf))) {
+            fail_range("mem_limit_bytes[" + std::to_string(i) + "]", "[0, " + format_number(kMaxValue) + "] or inf",
+                       format_number(limits[i]));
         }
     }
 }
@@ -175,11 +178,11 @@ void validate(const Chain& chain, const PartitionOptions& options) {
         fail("cut_bytes must have one entry per cut, L+1 = " + std::to_string(num_blocks + 1) + ", got " +
              std::to_string(chain.cut_bytes.size()));
     }
-    require_values(chain.fwd_time_s, "fwd_time_s", true);
-    require_values(chain.bwd_time_s, "bwd_time_s", true);
-    require_values(chain.act_bytes, "act_bytes", true);
-    require_values(chain.state_bytes, "state_bytes", true);
-    require_values(chain.cut_bytes, "cut_bytes", true);
+    require_each_in(chain.fwd_time_s, 0.0, kMaxValue, "fwd_time_s");
+    require_each_in(chain.bwd_time_s, 0.0, kMaxValue, "bwd_time_s");
+    require_each_in(chain.act_bytes, 0.0, kMaxValue, "act_bytes");
+    require_each_in(chain.state_bytes, 0.0, kMaxValue, "state_bytes");
+    require_each_in(chain.cut_bytes, 0.0, kMaxValue, "cut_bytes");
     const int p = options.num_stages;
     if (p < 1 || p > chain.num_blocks()) {
         fail("num_stages must be in [1, " + blocks + "] for a chain of " + blocks + " blocks, got " +
@@ -192,13 +195,9 @@ void validate(const Chain& chain, const PartitionOptions& options) {
         fail("mem_limit_bytes must have one entry per stage (" + std::to_string(p) + "), got " +
              std::to_string(options.mem_limit_bytes.size()));
     }
-    require_values(options.mem_limit_bytes, "mem_limit_bytes", false);
-    if (!(std::isfinite(options.link.latency_s) && options.link.latency_s >= 0.0)) {
-        fail("link latency_s must be a finite number >= 0, got " + std::to_string(options.link.latency_s));
-    }
-    if (!(options.link.bw_bytes_per_s > 0.0)) {
-        fail("link bw_bytes_per_s must be > 0, got " + std::to_string(options.link.bw_bytes_per_s));
-    }
+    require_limits(options.mem_limit_bytes);
+    require_in(options.link.latency_s, 0.0, kMaxValue, "link latency_s");
+    require_bandwidth(options.link.bw_bytes_per_s, "link bw_bytes_per_s");
     const std::vector<int>& in_flight = options.in_flight_per_stage;
     if (!in_flight.empty() && in_flight.size() != static_cast<std::size_t>(p)) {
         fail("in_flight_per_stage must be empty or have one entry per stage (" + std::to_string(p) + "), got " +
@@ -257,7 +256,7 @@ Problem build_problem(const Chain& chain, const PartitionOptions& options) {
             const int m = options.num_microbatches;
             stage.extra_inputs = held_input_cuts(m, stage.in_flight, s);
             const int kept = options.extra_output_cuts.empty() ? 0 : options.extra_output_cuts[s];
-            stage.output_buffers = s + 1 < p ? m + kept : 0;
+            stage.output_buffers = s + 1 < p ? static_cast<long long>(m) + kept : 0;
         }
         stage.limit_bytes = options.mem_limit_bytes[s];
         // Each of S, A and the block-by-block sums is off by at most (L+1)·ε/2 of its total; the slack
@@ -401,8 +400,12 @@ PartitionResult describe(const Problem& problem, const std::vector<int>& cuts) {
         result.stage_act_bytes.push_back(in_flight * problem.act_bytes(cuts[s], cuts[s + 1]));
         result.stage_in_flight.push_back(in_flight);
     }
-    result.pipeline_time_s = pipeline_time_s(result.stage_time_s, problem.num_microbatches);
+    // cost.h's pipeline_time_s, Σ t_s + (m−1)·max t_s, whose argument check (each t_s ≤ kMaxValue) a stage of
+    // many blocks may exceed: below kMaxValue·L + sends, the sum stays finite (limits.h).
     result.bottleneck_s = *std::max_element(result.stage_time_s.begin(), result.stage_time_s.end());
+    double sum_s = 0.0;
+    for (double t : result.stage_time_s) sum_s += t;
+    result.pipeline_time_s = sum_s + (problem.num_microbatches - 1.0) * result.bottleneck_s;
     return result;
 }
 
@@ -487,10 +490,17 @@ int in_flight_microbatches(InFlight rule, int stage, int num_stages, int num_mic
 }
 
 int extra_input_cuts(int num_microbatches, int in_flight) {
+    if (num_microbatches < 1) fail("num_microbatches must be >= 1, got " + std::to_string(num_microbatches));
+    require_int_in(in_flight, 1, num_microbatches, "in_flight");
     return num_microbatches - in_flight + (in_flight < num_microbatches ? 1 : 0);
 }
 
 int held_input_cuts(int num_microbatches, int in_flight, int stage) {
+    if (stage < 0) fail("stage must be >= 0, got " + std::to_string(stage));
+    if (stage == 0) {  // checked here too: extra_input_cuts is not called for the first stage
+        if (num_microbatches < 1) fail("num_microbatches must be >= 1, got " + std::to_string(num_microbatches));
+        require_int_in(in_flight, 1, num_microbatches, "in_flight");
+    }
     return stage > 0 ? extra_input_cuts(num_microbatches, in_flight) : num_microbatches - in_flight;
 }
 

@@ -6,8 +6,11 @@
 #include <limits>
 #include <map>
 #include <stdexcept>
+#include <string>
 
+#include "pyplan/check.h"
 #include "pyplan/format.h"
+#include "pyplan/limits.h"
 
 namespace pyplan {
 namespace {
@@ -23,8 +26,7 @@ bool saved_by(const RematValue& v, int block) {
 
 void check_chain(const RematChain& c) {
     const std::size_t n = c.fwd_s.size();
-    if (n == 0) throw std::invalid_argument("remat: the chain has no blocks");
-    if (n > 65535) throw std::invalid_argument("remat: at most 65535 blocks");
+    require_int_in(static_cast<long long>(n), 1, kMaxRematBlocks, "the number of blocks (fwd_s)");
     for (const auto* v : {&c.bwd_s, &c.kept_bytes, &c.out_bytes, &c.fwd_peak_bytes, &c.fwd_nosave_peak_bytes,
                           &c.bwd_peak_bytes}) {
         if (v->size() != n) throw std::invalid_argument("remat: every per-block vector needs one entry per block");
@@ -36,8 +38,23 @@ void check_chain(const RematChain& c) {
     if (!c.checkpoint_block_s.empty() && c.checkpoint_block_s.size() != n) {
         throw std::invalid_argument("remat: checkpoint_block_s needs one entry per block (or none)");
     }
+    require_each_in(c.fwd_s, 0.0, kMaxSeconds, "fwd_s");
+    require_each_in(c.bwd_s, 0.0, kMaxSeconds, "bwd_s");
+    require_each_in(c.kept_bytes, 0.0, kMaxBytes, "kept_bytes");
+    require_each_in(c.out_bytes, 0.0, kMaxBytes, "out_bytes");
+    require_each_in(c.fwd_peak_bytes, 0.0, kMaxBytes, "fwd_peak_bytes");
+    require_each_in(c.fwd_nosave_peak_bytes, 0.0, kMaxBytes, "fwd_nosave_peak_bytes");
+    require_each_in(c.bwd_peak_bytes, 0.0, kMaxBytes, "bwd_peak_bytes");
+    require_each_in(c.grad_bytes, 0.0, kMaxBytes, "grad_bytes");
+    require_each_in(c.checkpoint_block_s, 0.0, kMaxSeconds, "checkpoint_block_s");
     const int L = static_cast<int>(n);
     std::vector<double> total(n, 0.0);
+    for (std::size_t q = 0; q < c.values.size(); ++q) {
+        if (!(c.values[q].bytes >= 0.0 && c.values[q].bytes <= kMaxBytes)) {
+            fail_range("values[" + std::to_string(q) + "] bytes", "[0, " + format_number(kMaxBytes) + "]",
+                       format_number(c.values[q].bytes));
+        }
+    }
     for (const RematValue& v : c.values) {
         if (v.block < 0 || v.block >= L || v.last <= v.block || v.last > L) {
             throw std::invalid_argument("remat: a value must be live from its block's output cut to at most cut L");
@@ -57,6 +74,39 @@ void check_chain(const RematChain& c) {
                 throw std::invalid_argument("remat: a block's values do not add up to its out_bytes");
             }
         }
+    }
+}
+
+// What min_peak_bytes reads of the options.
+void check_depth_and_offload(const RematOptions& o) {
+    if (o.max_depth < -1) {
+        throw std::invalid_argument("max_depth must be -1 (unbounded) or >= 0, got " + std::to_string(o.max_depth));
+    }
+    const double bw = o.offload_bw_bytes_per_s;
+    if (!(bw == 0.0 || (bw >= kMinBwBytesPerS && bw <= kMaxValue))) {
+        fail_range("offload_bw_bytes_per_s",
+                   "0 (no offloading) or [" + format_number(kMinBwBytesPerS) + ", " + format_number(kMaxValue) + "]",
+                   format_number(bw));
+    }
+}
+
+void check_options(const RematOptions& o) {
+    if (!(o.budget_bytes > 0.0 && o.budget_bytes <= kMaxBytes)) {
+        fail_range("budget_bytes", "(0, " + format_number(kMaxBytes) + "]", format_number(o.budget_bytes));
+    }
+    require_int_in(o.slots, 1, kMaxRematSlots, "slots");
+    require_in(o.checkpoint_s, 0.0, kMaxSeconds, "checkpoint_s");
+    check_depth_and_offload(o);
+}
+
+// Checkpoint nesting layers tabled: any depth ≥ L − 1 allows every plan (each level nests a shorter segment).
+int layers_of(const RematOptions& o, int n) { return o.max_depth < 0 ? 1 : std::min(o.max_depth, n - 1) + 1; }
+
+void check_entries(std::size_t entries, const char* what) {
+    if (entries > kMaxRematTableEntries) {
+        throw std::invalid_argument(std::string("remat: ") + what + " needs " + std::to_string(entries) +
+                                    " entries, more than kMaxRematTableEntries (" +
+                                    std::to_string(kMaxRematTableEntries) + "): use fewer slots, blocks or max_depth");
     }
 }
 
@@ -90,21 +140,29 @@ Counted counted_of(const RematChain& c) {
     return r;
 }
 
-// Bytes to slots, rounded up (sizes and needs) so that slot feasibility implies byte feasibility.
+// Slot counts saturate here: far above any width (kMaxRematSlots), and a sum of a few stays far below 2^63.
+constexpr long long kSaturated = 1LL << 40;
+
+// Bytes to slots, rounded up (sizes and needs) so that slot feasibility implies byte feasibility; 64-bit and
+// saturating at kSaturated (such a need never fits).
 struct Slots {
     double slot_bytes;
-    int operator()(double bytes) const {
+    long long operator()(double bytes) const {
         if (!(bytes > 0)) return 0;
         const double v = std::ceil(bytes / slot_bytes);
-        return v > 1e9 ? 1000000000 : static_cast<int>(v);
+        return v >= static_cast<double>(kSaturated) ? kSaturated : static_cast<long long>(v);
     }
-    // Rounded down: for bytes that are given back.
-    int down(double bytes) const {
+    // Rounded down: for bytes that are given back (saturating under-counts them: safe).
+    long long down(double bytes) const {
         if (!(bytes > 0)) return 0;
         const double v = std::floor(bytes / slot_bytes);
-        return v > 1e9 ? 1000000000 : static_cast<int>(v);
+        return v >= static_cast<double>(kSaturated) ? kSaturated : static_cast<long long>(v);
     }
 };
+
+// What an item leaves held: `held` slots rounded up less `freed` rounded down. A saturated `held` is not a
+// size any more: the item is never taken, whatever it frees.
+long long held_less_freed(long long held, long long freed) { return held >= kSaturated ? kSaturated : held - freed; }
 
 double exposed_transfer(const RematChain& c, int s, double bw) {
     const double tau = (c.kept_bytes[s] - c.out_bytes[s]) / bw;
@@ -142,9 +200,14 @@ RematStates remat_states(const RematChain& c) {
     // The relevant sets reached at each cut, numbered in order of discovery (∅ first).
     std::vector<std::vector<std::vector<int>>> sets(n);
     std::vector<std::map<std::vector<int>, int>> numbers(n);
+    std::size_t members = 0;  // of every set numbered so far: the states' memory
     auto number = [&](int s, std::vector<int> set) {
         const auto [it, fresh] = numbers[s].emplace(set, static_cast<int>(sets[s].size()));
-        if (fresh) sets[s].push_back(std::move(set));
+        if (fresh) {
+            members += set.size() + 1;
+            check_entries(members, "the states (sets of owned values)");
+            sets[s].push_back(std::move(set));
+        }
         return it->second;
     };
     st.next.assign(n, {});
@@ -235,7 +298,8 @@ struct Recurrence {
     double bw;
     double checkpoint_s;
     int n;
-    std::vector<int> kept;
+    int W;  // the table's width
+    std::vector<long long> kept;
     std::vector<double> fwd_prefix;
     std::vector<double> extra_prefix;  // Σ checkpoint_block_s
     std::vector<double> bwd_prefix;
@@ -244,7 +308,7 @@ struct Recurrence {
     Recurrence(const RematChain& chain, const RematStates& states, const RematTable& table, const RematOptions& o)
         : c(chain), st(states), tab(table), slots{table.slot_bytes}, unbounded(o.max_depth < 0),
           offload(o.offload_bw_bytes_per_s > 0), bw(o.offload_bw_bytes_per_s), checkpoint_s(o.checkpoint_s),
-          n(chain.num_blocks()), ct(counted_of(chain)) {
+          n(chain.num_blocks()), W(table.width), ct(counted_of(chain)) {
         fwd_prefix.assign(n + 1, 0.0);
         extra_prefix.assign(n + 1, 0.0);
         bwd_prefix.assign(n + 1, 0.0);
@@ -259,34 +323,38 @@ struct Recurrence {
 
     const float* row(int v, int d, int s, int t) const { return &tab.time[tab.index(v, d, s, t, 0)]; }
 
+    // A slot count as an option holds it, clamped to [−(W+1), W+1]: that changes no option (a budget above W is
+    // read at W, a need above W never fits) and keeps the options' sums in int.
+    int in_table(long long count) const { return static_cast<int>(std::clamp<long long>(count, -(W + 1), W + 1)); }
+
     // D(O, s) for a subproblem ending at t: in a recomputation when t < L−1.
     double dead(int v, int s, int t) const { return t + 1 < n ? st.dead_rec[s][v] : st.dead_top[s][v]; }
 
-    // The least budget (slots) from which keeping every block of s..t fits, at variant v.
+    // The least budget (slots) from which keeping every block of s..t fits, at variant v (kSaturated: above any
+    // width; an over-estimate only widens the checkpoint options' range).
     long long all_keep(int v, int s, int t) const { return tab.all_keep[tab.row(v, 0, s, t)]; }
 
     // Keep and Offload of block s at variant v; its saving forward frees φ slots (rounded down).
     void first_block(int v, int d, int s, int t, std::vector<Option>& out) const {
         const double g = ct.grad_after[t];
         const double fb = c.fwd_s[s] + c.bwd_s[s];
-        const int fwd_need = slots(g + c.fwd_peak_bytes[s]);
-        const int W = tab.width;
+        const long long fwd_need = slots(g + c.fwd_peak_bytes[s]);
         if (s == t) {
             out.push_back({RematToken::kKeep, 0, static_cast<float>(fb),
-                           std::max({fwd_need, slots(ct.bwd_peak[s] - dead(v, s, t)), 0}), W, 0});
+                           in_table(std::max({fwd_need, slots(ct.bwd_peak[s] - dead(v, s, t)), 0LL})), W, 0});
             return;
         }
-        const int fr = slots.down(st.phi[s][v]);
-        const int keep_need = std::max(fwd_need, slots(c.bwd_peak_bytes[s] - dead(v, s, t)));
-        const int shift = kept[s] - fr;
-        out.push_back({RematToken::kKeep, 0, static_cast<float>(fb), std::max({keep_need, shift, 0}), W, shift,
-                       row(st.next[s][v], d, s + 1, t)});
+        const long long fr = slots.down(st.phi[s][v]);
+        const long long keep_need = std::max(fwd_need, slots(c.bwd_peak_bytes[s] - dead(v, s, t)));
+        const long long shift = held_less_freed(kept[s], fr);
+        out.push_back({RematToken::kKeep, 0, static_cast<float>(fb), in_table(std::max({keep_need, shift, 0LL})), W,
+                       in_table(shift), row(st.next[s][v], d, s + 1, t)});
         if (offload) {
             const double next_peak = ct.bwd_peak[s + 1] - dead(0, s + 1, t);
-            const int need = std::max(keep_need, slots(c.kept_bytes[s] - st.phi[s][v] + next_peak));
-            const int o_shift = slots(c.out_bytes[s]) - fr;
+            const long long need = std::max(keep_need, slots(c.kept_bytes[s] - st.phi[s][v] + next_peak));
+            const long long o_shift = held_less_freed(slots(c.out_bytes[s]), fr);
             out.push_back({RematToken::kOffload, 0, static_cast<float>(fb + exposed_transfer(c, s, bw)),
-                           std::max({need, o_shift, 0}), W, o_shift, row(0, d, s + 1, t)});
+                           in_table(std::max({need, o_shift, 0LL})), W, in_table(o_shift), row(0, d, s + 1, t)});
         }
     }
 
@@ -296,7 +364,7 @@ struct Recurrence {
         if (s == t || (!unbounded && d == 0)) return;
         const int inner = unbounded ? 0 : d - 1;
         const double g = ct.grad_after[t];
-        const int hi = static_cast<int>(std::min<long long>(tab.width, all_keep(0, s, t) - 1));
+        const int hi = static_cast<int>(std::min<long long>(W, all_keep(0, s, t) - 1));
         double nosave = c.fwd_nosave_peak_bytes[s];
         double tail = 0;  // the trailing blocks' backward, before the recomputation: bwd_peak − out
         for (int k = s + 1; k <= t; ++k) {
@@ -304,21 +372,21 @@ struct Recurrence {
             const int last = st.last_saving[k - 1];
             if (last < s) continue;
             tail = last == k - 1 ? 0.0 : std::max(tail, c.bwd_peak_bytes[k - 1] - c.out_bytes[k - 1]);
-            const int a = slots(st.live_from[cut_index(n, s, k)]);
+            const long long a = slots(st.live_from[cut_index(n, s, k)]);
             const double base = checkpoint_s + (fwd_prefix[k] - fwd_prefix[s]) + (extra_prefix[k] - extra_prefix[s]) +
                                 (bwd_prefix[k] - bwd_prefix[last + 1]);
             out.push_back({RematToken::kBegin, k, static_cast<float>(base),
-                           std::max({slots(g + nosave), a, slots(tail)}), hi, a,
+                           in_table(std::max({slots(g + nosave), a, slots(tail)})), hi, in_table(a),
                            row(st.checkpoint[cut_index(n, s, k)], d, k, t), row(0, inner, s, last)});
         }
     }
 };
 
-// row[m] = min(row[m], f + after[m − shift] + recompute[m]) for m in [lo, hi]: branch-free over non-aliasing rows
-// so that the compiler vectorizes it (this loop is the O(L³·S) part).
+// row[m] = min(row[m], f + after[m − shift] + recompute[m]) for m in [lo, hi] (lo ≥ shift ≥ 0): branch-free over
+// non-aliasing rows so that the compiler vectorizes it (this loop is the O(L³·S) part).
 void relax_checkpoint(float* __restrict row, const float* __restrict after, const float* __restrict recompute,
-                      float f, int lo, int hi) {
-    for (int m = lo; m <= hi; ++m) row[m] = std::min(row[m], f + after[m] + recompute[m]);
+                      float f, int shift, int lo, int hi) {
+    for (int m = lo; m <= hi; ++m) row[m] = std::min(row[m], f + after[m - shift] + recompute[m]);
 }
 
 // Emit the plan of table entry (v, d, s, t, m) as flat steps: at each entry the first option (Keep, Offload,
@@ -392,21 +460,21 @@ double after_forward(const RematChain& c, const RematStates& st, const std::vect
 }  // namespace
 
 RematTable remat_table(const RematChain& c, const RematStates& st, const RematOptions& o) {
-    if (o.slots < 1) throw std::invalid_argument("remat: slots must be at least 1");
-    if (!(o.budget_bytes > 0)) throw std::invalid_argument("remat: the budget must be positive");
+    check_options(o);
     const int n = c.num_blocks();
     RematTable tab;
     tab.num_blocks = n;
     tab.slots = o.slots;
-    tab.layers = o.max_depth < 0 ? 1 : o.max_depth + 1;
+    tab.layers = layers_of(o, n);
     tab.slot_bytes = o.budget_bytes / o.slots;
     const Slots slots{tab.slot_bytes};
-    // What a saving forward frees is rounded down; the rows reach past the budget by the most any frees.
-    int most_freed = 0;
+    // What a saving forward frees is rounded down; the rows reach past the budget by the most any frees, up to
+    // kMaxRematSlots (remat.h: a budget beyond W is read at W).
+    long long most_freed = 0;
     for (int s = 0; s < n; ++s) {
         for (double phi : st.phi[s]) most_freed = std::max(most_freed, slots.down(phi));
     }
-    tab.width = o.slots + most_freed;
+    tab.width = static_cast<int>(std::min<long long>(o.slots + most_freed, kMaxRematSlots));
     const int W = tab.width;
     tab.variants = st.count;
     std::size_t rows = 0;
@@ -414,6 +482,7 @@ RematTable remat_table(const RematChain& c, const RematStates& st, const RematOp
         tab.base.push_back(rows);
         rows += static_cast<std::size_t>(st.count[s]) * tab.layers * (n - s);
     }
+    check_entries(rows > kMaxRematTableEntries ? rows : rows * (W + 1), "the table");
     tab.time.assign(rows * (W + 1), kInfTime);
     tab.all_keep.assign(rows, 0);
     const Recurrence rec(c, st, tab, o);
@@ -430,11 +499,19 @@ RematTable remat_table(const RematChain& c, const RematStates& st, const RematOp
             for (int v = 0; v < st.count[s]; ++v) {
                 const long long fwd_need = slots(ct.grad_after[t] + c.fwd_peak_bytes[s]);
                 const double dead = rec.dead(v, s, t);
+                if (s == t) {
+                    tab.all_keep[tab.row(v, 0, s, t)] = std::max(fwd_need, slots(ct.bwd_peak[s] - dead));
+                    continue;
+                }
+                // Saturating (a saturated term stays saturated, an over-estimate): each term is at most
+                // kSaturated, so the sum stays far inside 64 bits.
+                const long long rest = rec.all_keep(st.next[s][v], s + 1, t);
+                const long long keep_rest =
+                    rest >= kSaturated ? kSaturated
+                                       : std::min(kSaturated,
+                                                  held_less_freed(rec.kept[s], slots.down(st.phi[s][v])) + rest);
                 tab.all_keep[tab.row(v, 0, s, t)] =
-                    s == t ? std::max<long long>(fwd_need, slots(ct.bwd_peak[s] - dead))
-                           : std::max({fwd_need, static_cast<long long>(slots(c.bwd_peak_bytes[s] - dead)),
-                                       rec.kept[s] - slots.down(st.phi[s][v]) +
-                                           rec.all_keep(st.next[s][v], s + 1, t)});
+                    std::max({fwd_need, slots(c.bwd_peak_bytes[s] - dead), keep_rest});
             }
             for (int d = 0; d < tab.layers; ++d) {
                 // Checkpoints first: the same for every variant (a checkpoint holds its input whole).
@@ -447,7 +524,7 @@ RematTable remat_table(const RematChain& c, const RematStates& st, const RematOp
                     const int v_rest = st.checkpoint[cut_index(n, s, k)];
                     const int lo = std::max({opt.lo, opt.shift + first_finite[tab.row(v_rest, d, k, t)],
                                              first_finite[tab.row(0, inner, s, st.last_saving[k - 1])]});
-                    relax_checkpoint(shared.data(), opt.first - opt.shift, opt.second, opt.base, lo, opt.hi);
+                    relax_checkpoint(shared.data(), opt.first, opt.second, opt.base, opt.shift, lo, opt.hi);
                 }
                 for (int v = 0; v < st.count[s]; ++v) {
                     float* r = &tab.time[tab.index(v, d, s, t, 0)];
@@ -467,10 +544,13 @@ RematTable remat_table(const RematChain& c, const RematStates& st, const RematOp
     return tab;
 }
 
-RematSolution remat_at(const RematChain& c, const RematStates& st, const RematOptions& o, const RematTable& tab,
-                       int slot) {
+namespace {
+
+// remat_at with the least peak known.
+RematSolution solution_at(const RematChain& c, const RematStates& st, const RematOptions& o, const RematTable& tab,
+                          int slot, double least_bytes) {
     RematSolution r;
-    r.min_budget_bytes = min_peak_bytes(c, o);
+    r.min_budget_bytes = least_bytes;
     const int n = c.num_blocks();
     const int top = tab.layers - 1;
     slot = std::clamp(slot, 0, tab.slots);
@@ -488,11 +568,30 @@ RematSolution remat_at(const RematChain& c, const RematStates& st, const RematOp
     return r;
 }
 
+double least_peak_bytes(const RematChain& c, const RematStates& st, const RematOptions& o);
+
+}  // namespace
+
+RematSolution remat_at(const RematChain& c, const RematStates& st, const RematOptions& o, const RematTable& tab,
+                       int slot) {
+    return solution_at(c, st, o, tab, slot, least_peak_bytes(c, st, o));
+}
+
 RematSolution solve_remat(const RematChain& c, const RematOptions& o, int in_flight) {
-    if (in_flight < 1) throw std::invalid_argument("remat: in_flight must be at least 1");
+    if (in_flight < 1) throw std::invalid_argument("in_flight must be >= 1, got " + std::to_string(in_flight));
+    check_options(o);
     const RematStates st = remat_states(c);
+    // Below the least peak nothing fits: answered before any table is built (its width grows as 1/budget).
+    const double least = least_peak_bytes(c, st, o);
+    if (o.budget_bytes < least) {
+        RematSolution none;
+        none.min_budget_bytes = least;
+        none.reason = "no plan fits in " + format_bytes(o.budget_bytes) + "; the least any plan needs is " +
+                      format_bytes(least);
+        return none;
+    }
     const RematTable tab = remat_table(c, st, o);
-    RematSolution best = remat_at(c, st, o, tab, tab.slots);
+    RematSolution best = solution_at(c, st, o, tab, tab.slots, least);
     if (!best.feasible || in_flight == 1) return best;
     // Each smaller budget's optimum, while it stays feasible; keep the fastest whose copies fit.
     RematSolution fit;
@@ -505,8 +604,8 @@ RematSolution solve_remat(const RematChain& c, const RematOptions& o, int in_fli
         if (fit.feasible && t >= fit.time_s) continue;
         if (t == last_time) continue;  // the same optimum as at slot + 1 (ties keep the larger budget's plan)
         last_time = t;
-        RematSolution cand = remat_at(c, st, o, tab, slot);
-        if (cand.peak_bound_bytes + (in_flight - 1) * cand.after_forward_bytes <= o.budget_bytes) {
+        RematSolution cand = solution_at(c, st, o, tab, slot, least);
+        if (cand.peak_bound_bytes + (in_flight - 1.0) * cand.after_forward_bytes <= o.budget_bytes) {
             fit = std::move(cand);
         }
     }
@@ -519,11 +618,17 @@ RematSolution solve_remat(const RematChain& c, const RematOptions& o, int in_fli
 }
 
 double min_peak_bytes(const RematChain& c, const RematOptions& o) {
-    const RematStates st = remat_states(c);
+    check_depth_and_offload(o);
+    return least_peak_bytes(c, remat_states(c), o);
+}
+
+namespace {
+
+double least_peak_bytes(const RematChain& c, const RematStates& st, const RematOptions& o) {
     const int n = c.num_blocks();
     const bool unbounded = o.max_depth < 0;
     const bool offload = o.offload_bw_bytes_per_s > 0;
-    const int layers = unbounded ? 1 : o.max_depth + 1;
+    const int layers = layers_of(o, n);
     const Counted ct = counted_of(c);
     // P[v][d][s][t]: least peak of a plan for s..t with d nesting levels left, at variant v of cut s.
     std::vector<std::size_t> base;
@@ -532,6 +637,7 @@ double min_peak_bytes(const RematChain& c, const RematOptions& o) {
         base.push_back(rows);
         rows += static_cast<std::size_t>(st.count[s]) * layers * (n - s);
     }
+    check_entries(rows, "the least-peak table");
     std::vector<double> P(rows, kInf);
     auto at = [&](int v, int d, int s, int t) -> double& {
         return P[base[s] + static_cast<std::size_t>(v * layers + d) * (n - s) + static_cast<std::size_t>(t - s)];
@@ -581,5 +687,7 @@ double min_peak_bytes(const RematChain& c, const RematOptions& o) {
     }
     return at(0, layers - 1, 0, n - 1);
 }
+
+}  // namespace
 
 }  // namespace pyplan

@@ -1,7 +1,9 @@
 // The plan search; the enumeration, the model of a candidate and the pruning are stated in search.h.
 #include "pyplan/search.h"
 
+#include "pyplan/check.h"
 #include "pyplan/format.h"
+#include "pyplan/limits.h"
 
 #include <algorithm>
 #include <cmath>
@@ -40,73 +42,74 @@ int stages_per_rank_of(Schedule schedule) {
 
 // ---- validation ----------------------------------------------------------------------------------
 
-void require_array(const std::vector<double>& values, std::size_t size, const char* name) {
-    if (values.size() != size) {
-        fail(std::string(name) + " has " + std::to_string(values.size()) + " entries, expected " +
-             std::to_string(size));
-    }
-    for (std::size_t i = 0; i < size; ++i) {
-        if (!(values[i] >= 0.0 && std::isfinite(values[i]))) {
-            fail(std::string(name) + "[" + std::to_string(i) + "] must be a finite number >= 0, got " +
-                 std::to_string(values[i]));
-        }
-    }
+// `values` has `size` entries, each in [0, hi] (limits.h).
+void require_array(const std::vector<double>& values, std::size_t size, const char* name, double hi,
+                   const char* per) {
+    require_size(values.size(), size, name, per);
+    require_each_in(values, 0.0, hi, name);
 }
 
-void require_link(const Link& link, const char* name) {
-    if (!(link.latency_s >= 0.0 && std::isfinite(link.latency_s) && link.bw_bytes_per_s > 0.0)) {
-        fail(std::string(name) + " link needs latency_s >= 0 and bw_bytes_per_s > 0, got " +
-             std::to_string(link.latency_s) + " and " + std::to_string(link.bw_bytes_per_s));
-    }
+void require_link(const Link& link, const char* latency_name, const char* bw_name) {
+    require_in(link.latency_s, 0.0, kMaxSeconds, latency_name);
+    require_bandwidth(link.bw_bytes_per_s, bw_name);
 }
 
+// Every input within limits.h's ranges for measured values: what the search derives from them (a time at
+// b ≤ 2^31 samples, ZeRO-3's collectives, sums over blocks and micro-batches) then stays finite, and within
+// what partition() and simulate() accept (kMaxValue).
 void validate(const ProfiledChain& c, const Hardware& hw, const SearchSpace& space) {
     const std::size_t L = c.fwd_alpha_s.size();
     if (L == 0) fail("the chain has no blocks");
-    require_array(c.fwd_alpha_s, L, "fwd_alpha_s");
-    require_array(c.fwd_beta_s, L, "fwd_beta_s");
-    require_array(c.bwd_alpha_s, L, "bwd_alpha_s");
-    require_array(c.bwd_beta_s, L, "bwd_beta_s");
-    require_array(c.act_per_sample_bytes, L, "act_per_sample_bytes");
-    require_array(c.act_fixed_bytes, L, "act_fixed_bytes");
-    require_array(c.params, L, "params");
-    require_array(c.cut_per_sample_bytes, L + 1, "cut_per_sample_bytes");
-    require_array(c.cut_fixed_bytes, L + 1, "cut_fixed_bytes");
-    if (!c.param_tensors.empty()) require_array(c.param_tensors, L, "param_tensors");
-    if (!c.cut_tensors.empty()) require_array(c.cut_tensors, L + 1, "cut_tensors");
+    require_array(c.fwd_alpha_s, L, "fwd_alpha_s", kMaxSeconds, "one per block");
+    require_array(c.fwd_beta_s, L, "fwd_beta_s", kMaxSeconds, "one per block");
+    require_array(c.bwd_alpha_s, L, "bwd_alpha_s", kMaxSeconds, "one per block");
+    require_array(c.bwd_beta_s, L, "bwd_beta_s", kMaxSeconds, "one per block");
+    require_array(c.act_per_sample_bytes, L, "act_per_sample_bytes", kMaxBytes, "one per block");
+    require_array(c.act_fixed_bytes, L, "act_fixed_bytes", kMaxBytes, "one per block");
+    require_array(c.params, L, "params", kMaxBytes, "one per block");
+    require_array(c.cut_per_sample_bytes, L + 1, "cut_per_sample_bytes", kMaxBytes, "one per cut");
+    require_array(c.cut_fixed_bytes, L + 1, "cut_fixed_bytes", kMaxBytes, "one per cut");
+    if (!c.param_tensors.empty()) require_array(c.param_tensors, L, "param_tensors", kMaxBytes, "one per block");
+    if (!c.cut_tensors.empty()) require_array(c.cut_tensors, L + 1, "cut_tensors", kMaxBytes, "one per cut");
     if (!c.time_sizes.empty() || !c.fwd_points_s.empty() || !c.bwd_points_s.empty()) {
         const std::size_t K = c.time_sizes.size();
         if (K < 2) fail("time_sizes needs two or more sizes, got " + std::to_string(K));
-        require_array(c.time_sizes, K, "time_sizes");
-        for (std::size_t k = 0; k < K; ++k) {
-            if (!(c.time_sizes[k] > 0.0) || (k > 0 && !(c.time_sizes[k] > c.time_sizes[k - 1]))) {
-                fail("time_sizes must be positive and strictly ascending");
-            }
+        // Sizes of at least one sample keep the slopes between them finite (distinct doubles ≥ 1 differ by
+        // at least 2^−52).
+        require_each_in(c.time_sizes, 1.0, kMaxBytes, "time_sizes");
+        for (std::size_t k = 1; k < K; ++k) {
+            if (!(c.time_sizes[k] > c.time_sizes[k - 1])) fail("time_sizes must be strictly ascending");
         }
-        require_array(c.fwd_points_s, L * K, "fwd_points_s");
-        require_array(c.bwd_points_s, L * K, "bwd_points_s");
+        require_array(c.fwd_points_s, L * K, "fwd_points_s", kMaxSeconds, "one per block and size");
+        require_array(c.bwd_points_s, L * K, "bwd_points_s", kMaxSeconds, "one per block and size");
     }
-    if (hw.num_gpus <= 0) fail("the number of GPUs must be >= 1, got " + std::to_string(hw.num_gpus));
+    require_int_in(hw.num_gpus, 1, kMaxGpus, "the number of GPUs");
     if (hw.gpus_per_node <= 0) fail("gpus_per_node must be >= 1, got " + std::to_string(hw.gpus_per_node));
-    if (!(hw.gpu_mem_bytes >= 0.0)) fail("gpu_mem_bytes must be >= 0, got " + std::to_string(hw.gpu_mem_bytes));
-    if (!(hw.mem_bw_bytes_per_s > 0.0)) {
-        fail("mem_bw_bytes_per_s must be > 0, got " + std::to_string(hw.mem_bw_bytes_per_s));
+    if (!(hw.gpu_mem_bytes >= 0.0 && (hw.gpu_mem_bytes <= kMaxBytes || hw.gpu_mem_bytes == kInf))) {
+        fail_range("gpu_mem_bytes", "[0, " + format_number(kMaxBytes) + "] or inf", format_number(hw.gpu_mem_bytes));
     }
-    require_link(hw.intra, "intra");
-    require_link(hw.inter, "inter");
-    if (hw.intra_collective.bw_bytes_per_s != 0.0) require_link(hw.intra_collective, "intra collective");
-    if (hw.inter_collective.bw_bytes_per_s != 0.0) require_link(hw.inter_collective, "inter collective");
+    require_bandwidth(hw.mem_bw_bytes_per_s, "mem_bw_bytes_per_s");
+    require_link(hw.intra, "intra_latency_s", "intra_bw_bytes_per_s");
+    require_link(hw.inter, "inter_latency_s", "inter_bw_bytes_per_s");
+    if (hw.intra_collective.bw_bytes_per_s != 0.0) {
+        require_link(hw.intra_collective, "intra_collective latency_s", "intra_collective bw_bytes_per_s");
+    }
+    if (hw.inter_collective.bw_bytes_per_s != 0.0) {
+        require_link(hw.inter_collective, "inter_collective latency_s", "inter_collective bw_bytes_per_s");
+    }
     const HostCosts& h = hw.host;
-    for (double x : {h.stage_forward_s, h.stage_backward_s, h.message_s, h.step_s, h.optimizer_tensor_s,
-                     h.optimizer_element_s}) {
-        if (!(x >= 0.0 && std::isfinite(x))) fail("host costs must be finite and >= 0, got " + std::to_string(x));
-    }
-    if (!(hw.price_per_gpu_s >= 0.0)) fail("price_per_gpu_s must be >= 0, got " + std::to_string(hw.price_per_gpu_s));
+    require_in(h.stage_forward_s, 0.0, kMaxSeconds, "host cost stage_forward_s");
+    require_in(h.stage_backward_s, 0.0, kMaxSeconds, "host cost stage_backward_s");
+    require_in(h.message_s, 0.0, kMaxSeconds, "host cost message_s");
+    require_in(h.step_s, 0.0, kMaxSeconds, "host cost step_s");
+    require_in(h.optimizer_tensor_s, 0.0, kMaxSeconds, "host cost optimizer_tensor_s");
+    require_in(h.optimizer_element_s, 0.0, kMaxSeconds, "host cost optimizer_element_s");
+    require_in(hw.price_per_gpu_s, 0.0, kMaxPricePerS, "price_per_gpu_s");
     if (space.global_batch <= 0) fail("the global batch must be >= 1, got " + std::to_string(space.global_batch));
     const BytesPerParam& bpp = space.bytes_per_param;
-    if (!(bpp.param_bytes >= 0.0 && bpp.grad_bytes >= 0.0 && bpp.optim_bytes >= 0.0)) {
-        fail("bytes per parameter must be >= 0");
-    }
+    require_in(bpp.param_bytes, 0.0, kMaxBytes, "param_bytes");
+    require_in(bpp.grad_bytes, 0.0, kMaxBytes, "grad_bytes");
+    require_in(bpp.optim_bytes, 0.0, kMaxBytes, "optim_bytes");
     for (int b : space.micro_batch_sizes) {
         if (b < 1) fail("micro-batch sizes must be >= 1, got " + std::to_string(b));
     }
@@ -124,9 +127,7 @@ void validate(const ProfiledChain& c, const Hardware& hw, const SearchSpace& spa
         if (z < 0 || z > 3) fail("ZeRO stages are 0, 1, 2 or 3, got " + std::to_string(z));
     }
     if (space.placements.empty()) fail("no placement to search");
-    if (!(space.weight >= 0.0 && std::isfinite(space.weight))) {
-        fail("the weight must be a finite number >= 0, got " + std::to_string(space.weight));
-    }
+    require_in(space.weight, 0.0, kMaxPricePerS, "the weight");
     if (space.top_k < 1) fail("top_k must be >= 1, got " + std::to_string(space.top_k));
 }
 
@@ -275,6 +276,7 @@ private:
     std::string least_need_text_;
     double least_bound_bytes_ = kInf;  // lower bounds on needs (two stages per rank), used when no need is exact
     std::string least_bound_text_;
+    long long too_long_ = 0;  // candidates left out: more than kMaxStageMicrobatches stages × micro-batches
 };
 
 const Layout& Searcher::layout(int d, int p, int v, Placement placement) {
@@ -284,12 +286,19 @@ const Layout& Searcher::layout(int d, int p, int v, Placement placement) {
     return it->second;
 }
 
-// The allowed micro-batch sizes that divide a replica's share of the batch, increasing.
+// The allowed micro-batch sizes that divide a replica's share n of the batch, increasing. Divisors come in
+// pairs (b, n/b) with b ≤ √n: O(√n) steps, b·b in 64 bits, for any n up to 2^31 − 1.
 std::vector<int> micro_batch_sizes(const std::vector<int>& allowed, int per_replica) {
+    std::vector<int> small, large;
+    for (long long b = 1; b * b <= per_replica; ++b) {
+        if (per_replica % b != 0) continue;
+        small.push_back(static_cast<int>(b));
+        if (b * b != per_replica) large.push_back(static_cast<int>(per_replica / b));
+    }
+    small.insert(small.end(), large.rbegin(), large.rend());
     std::vector<int> sizes;
-    for (int b = 1; b <= per_replica; ++b) {
-        const bool listed = allowed.empty() || std::find(allowed.begin(), allowed.end(), b) != allowed.end();
-        if (per_replica % b == 0 && listed) sizes.push_back(b);
+    for (int b : small) {
+        if (allowed.empty() || std::find(allowed.begin(), allowed.end(), b) != allowed.end()) sizes.push_back(b);
     }
     return sizes;
 }
@@ -305,6 +314,10 @@ std::vector<Config> Searcher::enumerate() {
         for (Schedule schedule : space_.schedules) {
             const int v = stages_per_rank_of(schedule);
             if (p * v > L_ || (v > 1 && p < 2) || !torch_rejection(schedule, p, m, v).empty()) continue;
+            if (static_cast<long long>(p) * v > kMaxStageMicrobatches / m) {  // S·m > the cap, without the product
+                ++too_long_;
+                continue;
+            }
             const std::size_t zeros = d == 1 ? 1 : space_.zero_stages.size();
             const std::size_t placements = d == 1 || p == 1 ? 1 : space_.placements.size();
             for (std::size_t z = 0; z < zeros; ++z) {
@@ -855,7 +868,7 @@ void Searcher::evaluate(const Config& c) {
     cand.bubble_fraction = sim.makespan_s > 0 ? idle_s / (c.p * sim.makespan_s) : 0.0;
     cand.iteration_s = cand.makespan_s + rest_s;
     cand.cost_per_iteration = c.d * c.p * hw_.price_per_gpu_s * cand.iteration_s;
-    cand.samples_per_s = cand.iteration_s > 0 ? space_.global_batch / cand.iteration_s : kInf;
+    cand.samples_per_s = cand.iteration_s > 0 ? space_.global_batch / cand.iteration_s : 0.0;
     cand.objective = objective_of(space_, hw_, c.d * c.p, cand.iteration_s);
     ++result_.num_feasible;
     offer(std::move(cand), c.index);
@@ -979,6 +992,11 @@ SearchResult Searcher::run() {
                              ? "no plan fits: " + least_need_text_
                              : "no plan: torch builds none of the allowed schedules for any d, p, b, m, or the "
                                "chain has fewer blocks than the stages";
+        if (too_long_ > 0) {
+            result_.reason += " (" + std::to_string(too_long_) + " candidates with more than " +
+                              std::to_string(kMaxStageMicrobatches) +
+                              " stages x micro-batches left out: allow larger micro-batches)";
+        }
         return result_;
     }
     result_.feasible = true;

@@ -1,9 +1,13 @@
 // Per-rank orders of torch's pipeline schedules and their event simulation; see simulate.h for the model.
 #include "pyplan/simulate.h"
 
+#include "pyplan/check.h"
+#include "pyplan/limits.h"
+
 #include <algorithm>
 #include <cmath>
 #include <deque>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -243,6 +247,8 @@ std::vector<int> stage_placement(Schedule schedule, int num_ranks, int stages_pe
         throw std::invalid_argument("need at least one rank and one stage per rank (got " +
                                     std::to_string(num_ranks) + " ranks, " +
                                     std::to_string(stages_per_rank) + " stages per rank)");
+    require_int_in(static_cast<long long>(num_ranks) * stages_per_rank, 1, kMaxStageMicrobatches,
+                   "num_ranks x stages_per_rank");
     const int p = num_ranks;
     std::vector<int> rank(static_cast<size_t>(p * stages_per_rank));
     for (int s = 0; s < p * stages_per_rank; ++s) {
@@ -266,9 +272,9 @@ std::string torch_rejection(Schedule schedule, int num_ranks, int num_microbatch
     if (schedule == Schedule::OneFOneB && m < p)
         return "1F1B needs at least as many micro-batches as stages (" + std::to_string(m) + " < " +
                std::to_string(p) + ")";
-    if (schedule == Schedule::DualPipeV && m < 2 * p)
+    if (schedule == Schedule::DualPipeV && m < 2LL * p)
         return "DualPipeV needs at least as many micro-batches as stages (" + std::to_string(m) + " < " +
-               std::to_string(2 * p) + ")";
+               std::to_string(2LL * p) + ")";
     if (schedule == Schedule::Interleaved1F1B || schedule == Schedule::InterleavedZeroBubble) {
         const int rounds = std::max(1, m / p);
         if (m % rounds != 0)
@@ -279,13 +285,22 @@ std::string torch_rejection(Schedule schedule, int num_ranks, int num_microbatch
 }
 
 bool warmup_send_held(Schedule schedule, int num_microbatches, int num_stages, int stage) {
+    require_int_in(num_microbatches, 1, std::numeric_limits<int>::max(), "num_microbatches");
+    require_int_in(num_stages, 1, std::numeric_limits<int>::max(), "num_stages");
+    require_int_in(stage, 0, num_stages - 1, "stage");
     const int w = std::min(num_microbatches, num_stages - stage);
-    return schedule == Schedule::OneFOneB && stage < num_stages - 1 && w >= 2 && num_microbatches >= 2 * w - 1;
+    return schedule == Schedule::OneFOneB && stage < num_stages - 1 && w >= 2 && num_microbatches >= 2LL * w - 1;
 }
 
 RankOrder schedule_order(Schedule schedule, int num_ranks, int num_microbatches, int stages_per_rank) {
     const std::string reason = torch_rejection(schedule, num_ranks, num_microbatches, stages_per_rank);
     if (!reason.empty()) throw std::invalid_argument(reason);
+    // p·v·m > K exactly when p·v > ⌊K/m⌋ (all ≥ 1 here): no product of the three, which may exceed 64 bits.
+    if (static_cast<long long>(num_ranks) * stages_per_rank > kMaxStageMicrobatches / num_microbatches)
+        throw std::invalid_argument("num_ranks x stages_per_rank x num_microbatches must be in [1, " +
+                                    std::to_string(kMaxStageMicrobatches) + "], got " + std::to_string(num_ranks) +
+                                    " x " + std::to_string(stages_per_rank) + " x " +
+                                    std::to_string(num_microbatches));
     const int p = num_ranks, m = num_microbatches, v = stages_per_rank;
     RankOrder order(static_cast<size_t>(p));
     for (int r = 0; r < p; ++r) {
@@ -309,9 +324,10 @@ void check_times(const std::vector<double>& t, size_t size, const char* name) {
         throw std::invalid_argument(std::string(name) + " has " + std::to_string(t.size()) +
                                     " entries, expected " + std::to_string(size));
     for (size_t i = 0; i < t.size(); ++i)
-        if (!std::isfinite(t[i]) || t[i] < 0.0)
+        if (!(t[i] >= 0.0 && t[i] <= kMaxValue))
             throw std::invalid_argument(std::string(name) + "[" + std::to_string(i) + "] = " +
-                                        std::to_string(t[i]) + " is not a finite time >= 0");
+                                        std::to_string(t[i]) + " is not a finite time in [0, " +
+                                        format_number(kMaxValue) + "]");
 }
 
 // Dependencies are the ends of two kinds of action per (stage, micro-batch): its F, and its B or I
@@ -348,6 +364,17 @@ Simulation simulate(const RankOrder& order, const std::vector<int>& stage_rank, 
             throw std::invalid_argument("stage " + std::to_string(s) + " is placed on rank " +
                                         std::to_string(stage_rank[s]) + ", but there are " +
                                         std::to_string(num_ranks) + " ranks");
+
+    // Each (stage, micro-batch) has two or three actions. The tables below have S·m entries: allocated only
+    // when the order has at least as many actions (else some pair surely lacks its F), memory stays in
+    // proportion to the input.
+    std::size_t actions = 0;
+    for (const std::vector<Action>& rank : order) actions += rank.size();
+    const unsigned long long cells = static_cast<unsigned long long>(S) * static_cast<unsigned long long>(m);
+    if (actions < cells)
+        throw std::invalid_argument("the order has " + std::to_string(actions) + " actions; " +
+                                    std::to_string(num_stages) + " stages x " + std::to_string(m) +
+                                    " micro-batches need at least " + std::to_string(2 * cells));
 
     // count[(stage, microbatch) * 4 + op]: how often each action occurs; each F once, and B once or I
     // and W once each.

@@ -817,8 +817,9 @@ def solve(
 ) -> RematResult:
     """The least-time plan whose peak stays within `budget_bytes` (the C++ DP of pyplan/remat.h).
 
-    Memory is discretized into `slots` (sizes rounded up, the budget down), so the plan always fits in bytes; it
-    is optimal up to that rounding, exactly optimal when every size is a multiple of budget/slots. `offload_bw`
+    Memory is discretized into `slots` (1 to `_core.MAX_REMAT_SLOTS`; sizes rounded up, the budget down), so the
+    plan always fits in bytes; it is optimal up to that rounding, exactly optimal when every size is a multiple of
+    budget/slots. `offload_bw`
     enables offloading over a link of that bandwidth; `max_depth` limits checkpoint nesting (1: checkpoint sets,
     as checkpoint_sequential; None: unbounded, Rotor); `in_flight` micro-batches held at once must fit as
     peak + (in_flight − 1)·after_forward. Block indices of the plan start at `first_block`. With `baselines`,
@@ -827,19 +828,23 @@ def solve(
     Raises InfeasibleError naming the least budget when nothing fits.
     """
     from pyplan import _core
-    from pyplan.errors import InfeasibleError
+    from pyplan.errors import InfeasibleError, PlanError
 
     bw = offload_bw_bytes_per_s or 0.0
-    r = _core.remat(
-        *_arrays(chain),
-        budget_bytes=budget_bytes,
-        slots=slots,
-        offload_bw_bytes_per_s=bw,
-        max_depth=-1 if max_depth is None else max_depth,
-        in_flight=in_flight,
-        checkpoint_s=chain.checkpoint_s,
-        checkpoint_block_s=list(chain.checkpoint_block_s),
-    )
+    try:
+        r = _core.remat(
+            *_arrays(chain),
+            # An unlimited budget is the most memory any input may name (the core's bound, far past any device).
+            budget_bytes=min(budget_bytes, _core.MAX_BYTES),
+            slots=slots,
+            offload_bw_bytes_per_s=bw,
+            max_depth=-1 if max_depth is None else max_depth,
+            in_flight=in_flight,
+            checkpoint_s=chain.checkpoint_s,
+            checkpoint_block_s=list(chain.checkpoint_block_s),
+        )
+    except ValueError as exc:
+        raise PlanError(f"rematerialization: {exc}") from None
     if not r.feasible:
         raise InfeasibleError(f"rematerialization: {r.reason}")
     plan = _plan_of_steps(r.plan, 0)

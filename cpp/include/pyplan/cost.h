@@ -2,8 +2,9 @@
 //
 // Every function is a formula of DESIGN.md "Cost model"; the units are in the names (seconds, bytes,
 // bytes per second). Collectives follow the α-β model: a message of n bytes over a link costs
-// latency_s + n / bw_bytes_per_s. Invalid arguments (d < 1, negative bytes, ...) throw
-// std::invalid_argument with the values.
+// latency_s + n / bw_bytes_per_s. Invalid arguments (d < 1, bytes or times outside [0, kMaxValue], a
+// bandwidth below kMinBwBytesPerS, NaN, ...; limits.h) throw std::invalid_argument naming the argument, its
+// value and the range. A bandwidth of +∞ is a free transfer (only the latency is paid).
 #pragma once
 
 #include <vector>

@@ -149,16 +149,20 @@ int in_flight_microbatches(InFlight rule, int stage, int num_stages, int num_mic
 // input gradient the PipelineStage keeps from its last backward (grads_input) until its next. Measured on the zoo's
 // 1x2 1F1B pipelines: the last stage's peak held one such tensor more than the plan (vgg-tiny b=16: 525 KB against
 // 524 KB cuts; gpt-tiny and resnet-tiny alike); GPipe's peak (all m in flight, before any backward) does not.
+// Throws std::invalid_argument unless m ≥ 1 and 1 ≤ in_flight ≤ m.
 int extra_input_cuts(int num_microbatches, int in_flight);
 
 // Input-cut-sized tensors stage `stage` holds beyond its n in-flight inputs: extra_input_cuts for a later stage;
 // the first stage the rest of the replica's batch, m − n micro-batches (the schedule splits the batch into views,
 // and the whole batch lives through the step; measured as the input tensor the benchmark's first-stage rank holds).
+// Throws std::invalid_argument unless m ≥ 1, 1 ≤ in_flight ≤ m and stage ≥ 0.
 int held_input_cuts(int num_microbatches, int in_flight, int stage);
 
 // The exact optimum. Throws std::invalid_argument on malformed input (array lengths, p outside [1, L],
-// m < 1, negative or NaN values, in_flight_per_stage of the wrong length or outside [1, m]); an input
-// that fits no partition returns feasible = false and a reason.
+// m < 1, times and bytes outside [0, kMaxValue] or NaN, memory limits outside [0, kMaxValue] and not +∞, a link
+// latency outside [0, kMaxValue] or bandwidth below kMinBwBytesPerS (+∞: sends cost only the latency; limits.h),
+// in_flight_per_stage of the wrong length or outside [1, m], negative extra_output_cuts); an input that fits
+// no partition returns feasible = false and a reason. Within those ranges every result is finite.
 PartitionResult partition(const Chain& chain, const PartitionOptions& options);
 
 }  // namespace pyplan

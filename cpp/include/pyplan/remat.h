@@ -66,14 +66,39 @@
 // C is non-increasing in m (every condition is "something ≤ m"), so one table answers every budget up to S.
 //
 // The smallest budget any plan fits (exact, in bytes, no slots): P[v][s][t] = least peak of a plan for s..t,
-// the same recurrence with max for + and peaks for times (min_peak_bytes).
+// the same recurrence with max for + and peaks for times (min_peak_bytes). solve_remat computes it first and
+// answers a budget below it at once (infeasible, naming it), before any table is built.
+//
+// Sizes. The table's width W is min(S + the most slots any saving forward frees, kMaxRematSlots): a budget
+// that would grow past W (a value freed larger than what is left) is read at W, which C being non-increasing
+// in m makes safe (the plan fits; at worst it is not the optimum). In a consistent chain what is freed was held
+// within the budget, so W ≤ 2S and the cap binds only for S > kMaxRematSlots/2. Sizes are rounded to slots
+// in 64 bits and saturate far above W: a size of more slots than that never fits (a Keep whose kept bytes
+// saturate is never taken, whatever it frees). Arguments outside their ranges (below, and limits.h: times in
+// [0, kMaxSeconds], sizes in [0, kMaxBytes]) and tables beyond kMaxRematTableEntries throw
+// std::invalid_argument with one line naming the argument, its value and the range.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 namespace pyplan {
+
+// Blocks of a remat chain: the states take O(L²) memory and min_peak_bytes O(L³) time (1024: 8 MB, ~1 s);
+// pyplan solves one pipeline stage's blocks at a time, a few hundred at most.
+inline constexpr int kMaxRematBlocks = 1024;
+
+// Memory slots: the most RematOptions::slots and the table's width W. The DP takes O(L³·W) time and its table
+// V·L(L+1)/2·(W+1) floats (V variants per cut, one to three in the zoo): 8192 slots are 330 MB for 100 blocks
+// with V = 2. More buys nothing: rounding costs at most one slot per rounded size, 1/S of the budget (0.2 %
+// at the default 500, 0.01 % at 8192), below the spread of measured sizes.
+inline constexpr int kMaxRematSlots = 8192;
+
+// Entries of the table (floats, and of min_peak_bytes' doubles and the states' sets): 2^28 is 1 GiB of
+// floats, the most this machine's 24 GB (shared with the rest of a search) should give one solve.
+inline constexpr std::size_t kMaxRematTableEntries = std::size_t{1} << 28;
 
 // One output value (a storage) of a block: its bytes, the last cut it is live at (block+1..L), and the blocks
 // whose saving forward saves it (ascending, each in block..min(last, L−1)).
@@ -103,10 +128,11 @@ struct RematChain {
 };
 
 struct RematOptions {
-    double budget_bytes = 0;
-    int slots = 500;
-    double offload_bw_bytes_per_s = 0;  // 0: no offloading
-    int max_depth = -1;                 // checkpoint nesting allowed; −1: unbounded (Rotor), 1: checkpoint sets
+    double budget_bytes = 0;            // in (0, kMaxBytes]
+    int slots = 500;                    // S, in [1, kMaxRematSlots]
+    double offload_bw_bytes_per_s = 0;  // 0: no offloading; else finite, ≥ kMinBwBytesPerS
+    int max_depth = -1;                 // checkpoint nesting allowed; −1: unbounded (Rotor), 1: checkpoint sets;
+                                        // any depth ≥ L − 1 is unbounded in effect (tabled as L − 1)
     double checkpoint_s = 0;            // the cost of one checkpoint call, added to each Checkpoint option
 };
 
@@ -135,7 +161,8 @@ RematStates remat_states(const RematChain& chain);
 struct RematTable {
     int num_blocks = 0;
     int slots = 0;   // S: the budget
-    int width = 0;   // W ≥ S: budgets are tabled up to W (a subproblem's budget grows by what is freed)
+    int width = 0;   // W in [S, kMaxRematSlots]: budgets are tabled up to W (a subproblem's budget grows by what
+                     // is freed; beyond W it is read at W)
     int layers = 1;
     double slot_bytes = 0;
     std::vector<std::size_t> base;     // [L] the first row of cut s
@@ -168,9 +195,11 @@ RematSolution remat_at(const RematChain& chain, const RematStates& states, const
 // The best plan within the budget. With in_flight > 1 micro-batches held at once (a pipeline stage), the plan
 // must also satisfy peak + (in_flight − 1)·after_forward ≤ budget: the best plan of each smaller budget
 // is tried (exact for one micro-batch; for more, the best among the one-micro-batch optima that fit).
+// A budget below min_peak_bytes is answered without a table: infeasible, naming the least budget.
 RematSolution solve_remat(const RematChain& chain, const RematOptions& options, int in_flight = 1);
 
-// The least peak (bytes) of any plan allowed by the options, ignoring the budget and slots.
+// The least peak (bytes) of any plan allowed by the options (offloading, max_depth), ignoring the budget and
+// slots.
 double min_peak_bytes(const RematChain& chain, const RematOptions& options);
 
 }  // namespace pyplan

@@ -11,8 +11,10 @@
 //
 // Enumeration. Every d, p with d·p = N (or d·p ≤ N with allow_fewer_gpus) and S = p·v ≤ L stages (v = 2
 // only with p ≥ 2: two stages on one rank and no pipeline gain nothing); every allowed b
-// (by default every b dividing B/d) with m = B/(d·b); every allowed schedule that torch 2.13 builds for
-// (p, m, v) (torch_rejection); every allowed ZeRO stage and placement. The zero-bubble schedules are not
+// (by default every b dividing B/d, found in O(√(B/d))) with m = B/(d·b); every allowed schedule that torch
+// 2.13 builds for (p, m, v) (torch_rejection) with S·m ≤ kMaxStageMicrobatches (limits.h: the size of its
+// order and simulation; the reason names the candidates left out when nothing is found); every allowed
+// ZeRO stage and placement. The zero-bubble schedules are not
 // searched yet: they need split I/W times, and they give wrong gradients under DDP/FSDP2 on torch 2.13.
 //
 // Model of one candidate (units in names; citations in cost.h and partition.h):
@@ -83,9 +85,12 @@
 //    link. For ZeRO 0-2 (same times, less state the higher the stage) the partition of the loosest allowed
 //    stage is reused when its stages fit under the tighter one: it is then optimal there too (among
 //    partitions tied in the closed form, it may be another than a fresh partition would pick).
-// Errors: invalid input (N ≤ 0, B ≤ 0, no d·b·m = B, unknown objective, malformed chain) throws
-// std::invalid_argument with a one-line message. A search where nothing fits returns feasible = false and
-// a reason naming the candidate that needs the least memory.
+// Errors: invalid input (N outside [1, kMaxGpus], B ≤ 0, no d·b·m = B, unknown objective, malformed chain,
+// a time, size, count, price or bandwidth outside its range in limits.h — times in [0, kMaxSeconds], sizes and
+// counts in [0, kMaxBytes] (gpu_mem_bytes also +∞), bandwidths ≥ kMinBwBytesPerS or +∞, time_sizes ≥ 1,
+// price and weight in [0, kMaxPricePerS]) throws std::invalid_argument with a one-line message naming the
+// argument, its value and the range. Within those ranges every number of a result is finite. A search where
+// nothing fits returns feasible = false and a reason naming the candidate that needs the least memory.
 #pragma once
 
 #include <string>
@@ -195,7 +200,7 @@ struct Candidate {
     double host_step_s = 0.0;              // the per-step host cost (HostCosts::step_s)
     double iteration_s = 0.0;
     double cost_per_iteration = 0.0;
-    double samples_per_s = 0.0;
+    double samples_per_s = 0.0;            // B / T; 0 when T = 0 (a chain whose every time is 0)
     double bubble_fraction = 0.0;
     double peak_memory_bytes = 0.0;
     double objective = 0.0;

@@ -62,7 +62,7 @@ const char* schedule_name(Schedule schedule);
 
 // The rank that holds each stage: [stage] -> rank, for num_ranks * stages_per_rank stages.
 // Loop placement puts stage s on rank s mod p; V placement (ZBVZeroBubble, DualPipeV) puts
-// stages {r, 2p-1-r} on rank r.
+// stages {r, 2p-1-r} on rank r. Throws std::invalid_argument unless p, v ≥ 1 and p·v ≤ kMaxStageMicrobatches.
 std::vector<int> stage_placement(Schedule schedule, int num_ranks, int stages_per_rank);
 
 // Why torch 2.13 refuses to build `schedule` for this shape, in its terms; empty when it accepts it.
@@ -73,11 +73,11 @@ std::string torch_rejection(Schedule schedule, int num_ranks, int num_microbatch
 // until the steady phase ends. That outlives the micro-batch's backward when the stage sends (not the last)
 // after w = min(m, stages − stage) ≥ 2 warm-ups and the steady phase reaches backward w − 1 (m ≥ 2w − 1).
 // Measured on the zoo's 1x2 1F1B first stages: micro-batch 0's output live beside the in-flight ones during
-// backward 1.
+// backward 1. Throws std::invalid_argument unless m ≥ 1, stages ≥ 1 and 0 ≤ stage < stages.
 bool warmup_send_held(Schedule schedule, int num_microbatches, int num_stages, int stage);
 
 // The per-rank compute order of `schedule`; throws std::invalid_argument with torch_rejection's reason
-// for a shape torch does not accept.
+// for a shape torch does not accept, and for p·v·m > kMaxStageMicrobatches (limits.h: the order's size).
 RankOrder schedule_order(Schedule schedule, int num_ranks, int num_microbatches, int stages_per_rank);
 
 // Times of one micro-batch, in seconds. Stage vectors have one entry per stage; boundary vectors one per
@@ -107,7 +107,8 @@ struct Simulation {
 
 // Simulates `order` with stages placed on ranks by `stage_rank` ([stage] -> rank). The number of stages
 // is the length of times.forward_s. Throws std::invalid_argument for inconsistent input (an action on
-// the wrong rank, a missing or repeated action, negative times) and for a deadlocked order.
+// the wrong rank, a missing or repeated action, fewer actions than stages × micro-batches, times outside
+// [0, kMaxValue] or NaN) and for a deadlocked order. Memory is in proportion to the order's length.
 Simulation simulate(const RankOrder& order, const std::vector<int>& stage_rank, const StageTimes& times,
                     int num_microbatches);
 
