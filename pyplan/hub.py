@@ -105,6 +105,14 @@ def _images(b: int, *, channels: int, height: int, width: int) -> tuple[torch.Te
     return (torch.randn(b, channels, height, width, generator=_generator(_INPUT_SEED)),)
 
 
+def _with_labels(
+    inputs: Callable[[int], dict[str, torch.Tensor]], target: Callable[[int], torch.Tensor], causal: bool, b: int
+) -> dict[str, torch.Tensor]:
+    """`inputs(b)` with `labels`: the target, or for a causal LM (which shifts them itself) the input ids."""
+    batch = inputs(b)
+    return {**batch, "labels": batch["input_ids"].clone() if causal else target(b)}
+
+
 def _labels(b: int, *, classes: int) -> torch.Tensor:
     return torch.randint(classes, (b,), generator=_generator(_TARGET_SEED))
 
@@ -126,8 +134,11 @@ class Seq2SeqLogits(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, decoder_input_ids=decoder_input_ids).logits
+    def forward(
+        self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        out = self.model(input_ids=input_ids, decoder_input_ids=decoder_input_ids, labels=labels)
+        return out.logits if labels is None else (out.loss, out.logits)
 
 
 @dataclass(frozen=True)
@@ -341,7 +352,9 @@ def hf_model(ref: str) -> ModelSpec:
     """The ModelSpec of `hf:MODEL_TYPE[:key=value,...]`: `transformers.AutoConfig.for_model(MODEL_TYPE, **overrides)`
     with use_cache=False, its head built by the Auto class `_HEADS` names, random weights.
 
-    `seq_len=N` (not a config key) sets the example sequence length; the default is
+    `labels=true` (not a config key) passes labels among the inputs, so that the model computes its own loss (its
+    first output; the spec then has no loss or target of its own). `seq_len=N` (not a config key) sets the example
+    sequence length; the default is
     min(the config's max_position_embeddings, 128), or 128 for a config without one. A causal LM takes
     `{"input_ids"}` and next tokens as its target; a masked LM `{"input_ids", "attention_mask"}` (int64) and random
     tokens; a sequence-to-sequence LM `{"input_ids", "decoder_input_ids"}` (seq_len each) and random tokens at the
@@ -352,6 +365,10 @@ def hf_model(ref: str) -> ModelSpec:
         raise ModelLoadError(f"'{ref}' names no model type; write hf:MODEL_TYPE[:key=value,...], e.g. hf:llama")
     options = parse_options(ref, text)
     seq_len_option = options.pop("seq_len", None)
+    labels_option = options.pop("labels", None)
+    if labels_option is not None and type(labels_option[1]) is not bool:
+        raise ModelLoadError(f"labels={labels_option[0]} in '{ref}' is not true or false")
+    with_labels = labels_option is not None and labels_option[1] is True
     transformers = _import_transformers(ref)
     head, class_name = _head_of(ref, model_type, transformers)
     config_class = transformers.CONFIG_MAPPING[model_type]
@@ -385,12 +402,16 @@ def hf_model(ref: str) -> ModelSpec:
         inputs_of = {"AutoModelForSeq2SeqLM": _seq2seq_inputs, "AutoModelForMaskedLM": _masked_inputs}
         example_inputs = partial(inputs_of.get(head.auto_class, _causal_inputs), **tokens)
         target = partial(_next_tokens if head.auto_class == "AutoModelForCausalLM" else _random_tokens, **tokens)
+    if with_labels:
+        # The model computes its own loss from labels among its inputs (its first output); pyplan.spec.default_loss
+        # takes it. A causal LM shifts its labels itself: they are its input ids.
+        example_inputs = partial(_with_labels, example_inputs, target, head.auto_class == "AutoModelForCausalLM")
     return ModelSpec(
         name=ref,
         build=build,
         example_inputs=example_inputs,
-        loss=_cross_entropy,
-        target=target,
+        loss=None if with_labels else _cross_entropy,
+        target=None if with_labels else target,
         source=(
             f"Hugging Face transformers {transformers.__version__} {type(config).__name__} from "
             f"AutoConfig.for_model({_call_repr(model_type, kwargs)}); {model_class.__name__} from "

@@ -22,8 +22,15 @@ def default_target(output: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(output)
 
 
-def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error, used when a model defines no loss."""
+def default_loss(output: Any, target: torch.Tensor | None) -> torch.Tensor:
+    """The loss of a model that defines none: its own when it computes one (its first output a scalar: labels among
+    its inputs, as a transformers model returns `loss` first), else the mean squared error against `target` (zeros
+    when there is none, or an empty placeholder)."""
+    first = output[0] if isinstance(output, (tuple, list)) else output
+    if isinstance(first, torch.Tensor) and first.dim() == 0:
+        return first
+    if target is None or target.numel() == 0:
+        target = default_target(output)
     return torch.nn.functional.mse_loss(output, target)
 
 

@@ -168,3 +168,23 @@ def test_timm_model() -> None:
     assert spec.loss is not None and spec.target is not None
     loss = spec.loss(spec.build()(x), spec.target(2))
     assert loss.dim() == 0 and torch.isfinite(loss)
+
+
+def test_labels_make_the_model_compute_its_own_loss(transformers: ModuleType) -> None:
+    from pyplan import linearize, trace
+    from pyplan.graph.trace import call_at, output_tensors
+    from pyplan.spec import default_loss
+
+    spec = load_model(REFS["gpt2"] + ",labels=true")
+    assert spec.loss is None and spec.target is None
+    inputs = spec.example_inputs(2)
+    assert torch.equal(inputs["labels"], inputs["input_ids"])  # a causal LM shifts its labels itself
+    model = spec.build()
+    assert trace(model, spec.example_inputs, batch_size=2).returns_loss
+    plain = load_model(REFS["gpt2"])
+    assert not linearize(trace(plain.build(), plain.example_inputs)).graph.returns_loss
+    args, kwargs = call_at(spec.example_inputs, 2)
+    out = model(*args, **kwargs)
+    assert torch.equal(default_loss(output_tensors(out), None), out.loss)
+    with pytest.raises(ModelLoadError, match=r"^labels=maybe in .* is not true or false$"):
+        load_model(REFS["gpt2"] + ",labels=maybe")

@@ -78,10 +78,6 @@ def train():
         torch.cuda.set_device(device)
 
     spec = load_model(document.model)
-    if spec.loss is None or (spec.target is None and not args.data):
-        raise PlanError(
-            f"{{document.model}} defines no loss(output, target) or target(batch_size); add them to train it"
-        )
     torch.manual_seed(0)  # every rank builds the same initial model
     model = spec.build()
     trainer = build_trainer(

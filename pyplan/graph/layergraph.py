@@ -189,6 +189,16 @@ class LayerGraph:
     def placeholders(self) -> list[GraphNode]:
         return [n for n in self.nodes if n.op == "placeholder"]
 
+    @property
+    def returns_loss(self) -> bool:
+        """Whether the model computes its own loss: its first output is a floating-point scalar (labels among its
+        inputs, as transformers' models return `loss` first when given `labels`)."""
+        out = next((n for n in self.nodes if n.op == "output"), None)
+        if out is None or not out.outputs:
+            return False
+        first = out.outputs[0]
+        return first.shape == () and first.dtype.startswith(("float", "bfloat"))
+
     def edges(self) -> list[tuple[str, str, Affine]]:
         """Every (producer, consumer, bytes) edge; bytes are the producer's output bytes."""
         return [(i, n.name, self._by_name[i].bytes) for n in self.nodes for i in n.inputs]

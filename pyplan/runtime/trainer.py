@@ -108,7 +108,12 @@ class PipelineTrainer:
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {}
         if self.has_last:
-            kwargs = {"target": target.to(self.device) if target is not None else None, "losses": losses}
+            if target is None:
+                # torch splits a target into micro-batches: an empty one per sample, which a model's own loss and
+                # default_loss (zeros) ignore.
+                samples = self.layout.micro_batch_size * self.layout.num_microbatches
+                target = torch.empty(samples, 0)
+            kwargs = {"target": target.to(self.device), "losses": losses}
         args = tuple(t.to(self.device).contiguous() for t in inputs) if self.has_first else ()
         # return_outputs=False: by default the last stage keeps every micro-batch's output and concatenates them
         # (2·m outputs alive at the end of the step, the logits of a language model); only the losses are needed.

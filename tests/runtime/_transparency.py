@@ -32,7 +32,7 @@ from pyplan.runtime.trainer import OptimizerSpec, build_trainer, replica_slice
 from pyplan.solve.ilp import assign_stages, stage_dag_from_layergraph
 from pyplan.solve.remat import Checkpoint, Keep, Offload, RematPlan, full_remat, no_remat, periodic
 from pyplan.solve.schedules import torch_rejection
-from pyplan.spec import ModelSpec
+from pyplan.spec import ModelSpec, default_loss
 
 STEPS = 3
 _TINY = "num_hidden_layers=2,hidden_size=64,num_attention_heads=4"
@@ -46,6 +46,9 @@ HF_MODELS = (
         f"hf:t5:{_TINY},d_ff=128,{_TOKENS},dropout_rate=0",
         f"hf:vit:{_TINY},intermediate_size=128,image_size=32,patch_size=8,num_labels=10,hidden_dropout_prob=0,"
         "attention_probs_dropout_prob=0",
+        # The model's own loss: labels among the inputs ride through the pipeline to the last stage.
+        f"hf:gpt2:{_TINY},{_TOKENS},resid_pdrop=0,embd_pdrop=0,attn_pdrop=0,labels=true",
+        f"hf:t5:{_TINY},d_ff=128,{_TOKENS},dropout_rate=0,labels=true",
     )
     if importlib.util.find_spec("transformers") is not None
     else ()
@@ -269,11 +272,11 @@ def run(cfg: dict) -> dict:
     )
 
     B, b = layout.global_batch, layout.micro_batch_size
-    call, target = call_at(spec.example_inputs, B), spec.target(B)
+    call, target = call_at(spec.example_inputs, B), spec.target(B) if spec.target is not None else None
     call = cast(call)
     inputs = input_tensors(call)
     tol = TOL_MIXED if mixed else (TOL_FLOAT32 if single else TOL)
-    loss_fn = spec.loss
+    loss_fn = spec.loss or default_loss  # the model's own loss where it returns one
     ref_opt = make(reference.parameters())
     ref_losses = []
     loss_error = ""
@@ -286,12 +289,12 @@ def run(cfg: dict) -> dict:
             args, kwargs = _sliced(call, sl)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
                 out = output_tensors(reference(*args, **kwargs))
-            loss = loss_fn(out, target[sl])
+            loss = loss_fn(out, target[sl] if target is not None else None)
             (loss / (B // b)).backward()
             step_losses.append(loss.detach())
         ref_opt.step()
         ref_losses.append(step_losses)
-        got = trainer.step(tuple(t[mine] for t in inputs), target[mine])
+        got = trainer.step(tuple(t[mine] for t in inputs), target[mine] if target is not None else None)
         if trainer.has_last and not loss_error:
             first = mine.start // b
             want = torch.stack(step_losses[first : first + layout.num_microbatches])
