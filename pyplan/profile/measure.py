@@ -368,6 +368,9 @@ def _cpu_times(
 # Seconds of warm-up passes on a GPU before any is timed: its clocks ramp up from idle (an H200 read 345 MHz idle and
 # 1980 MHz after a few matrix products).
 CUDA_WARM_S = 0.5
+# The least a block is charged on a GPU when brought down to the whole model (`_spread`): one kernel launch (the
+# H200's calibration measured 10.5 µs; the fastest GPUs launch in about 5).
+CUDA_LAUNCH_S = 5e-6
 
 
 def _cuda_times(
@@ -405,7 +408,7 @@ def _cuda_times(
         _spread(
             [(statistics.median(f), statistics.median(b)) for f, b in zip(fwd[k], bwd[k])],
             (statistics.median(whole[k][0]), statistics.median(whole[k][1])),
-            _Overhead(),
+            _Overhead(op_forward_s=CUDA_LAUNCH_S, op_backward_s=CUDA_LAUNCH_S),
         )
         for k in range(len(sizes))
     ]
