@@ -3,7 +3,8 @@
 A sweep plans models x clusters. The work is split into tasks of one model on one GPU type, so a model is
 traced and profiled once per GPU type (or read from a `ProfileCache`) and then searched for each cluster of
 that type; tasks run in worker processes (`jobs`), started with forkserver (spawn where there is none), not
-fork, so they inherit none of the parent's torch threads or state. Each pair gives one flat record (`COLUMNS`):
+fork, so they inherit none of the parent's torch threads or state; they leave Ctrl-C to the process that started
+them and end when it ends, however it ends (`_watch`). Each pair gives one flat record (`COLUMNS`):
 the best plan's layout and predictions, or why there is none. `ResultsFile` writes records as they arrive, so
 an interrupted sweep keeps what it finished and a resumed one skips it.
 """
@@ -14,6 +15,10 @@ import csv
 import io
 import json
 import multiprocessing
+import os
+import select
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -304,6 +309,34 @@ def _run_task(task: _Task) -> _TaskResult:
     return _TaskResult(records, stats, time.perf_counter() - start, time.process_time() - cpu_start)
 
 
+def _watch(parent: int) -> None:
+    """Initializer of a sweep's worker processes. Ctrl-C reaches every process of the terminal's foreground group:
+    the workers ignore it, and the process that started the sweep stops them (`_stop`). Each worker also ends as
+    soon as that process ends, however it ends: killed (SIGKILL, SIGTERM), it cannot stop them, and a worker left
+    running would keep its own memory, the forkserver and the resource tracker alive, and the caller's pipes
+    open. The forkserver, not that process, is a worker's parent, so PR_SET_PDEATHSIG cannot watch it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with, args=(parent,), name="pyplan-watch-parent", daemon=True).start()
+
+
+def _exit_with(pid: int) -> None:
+    """End this process when process `pid` has ended: at once through a pidfd (Linux 5.3+); elsewhere by asking
+    every half second, which does not see a parent that has ended but not yet been reaped."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):
+        while True:
+            try:
+                os.kill(pid, 0)
+            except OSError:  # gone, or its number now another user's process
+                os._exit(1)
+            time.sleep(0.5)
+    select.select([fd], [], [])  # readable once the process has exited
+    os._exit(1)
+
+
 def _context() -> multiprocessing.context.BaseContext:
     methods = multiprocessing.get_all_start_methods()
     return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
@@ -321,7 +354,9 @@ def _run_tasks(tasks: Sequence[_Task], jobs: int, on_result: Callable[[_Task, _T
         for task in here:
             on_result(task, _run_task(task))
         return
-    pool = ProcessPoolExecutor(max_workers=min(jobs, len(away)), mp_context=_context())
+    pool = ProcessPoolExecutor(
+        max_workers=min(jobs, len(away)), mp_context=_context(), initializer=_watch, initargs=(os.getpid(),)
+    )
     try:
         futures = {pool.submit(_run_task, task): task for task in away}
         for task in here:

@@ -24,6 +24,8 @@ Run it with one process per GPU:
               or (args, kwargs) (default: synthetic batches from the model's example_inputs)
 --lr          learning rate (default 1e-3)
 --save-params write this rank's parameters after training to FILE.rank<R>.pt (for checking against one process)
+--timeout     seconds after which a rank that stopped answering (stopped, killed, exited) ends the run, rank 0
+              saying which; also init_process_group's timeout (default 600)
 """
 
 import argparse
@@ -31,6 +33,7 @@ import importlib.util
 import json
 import os
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -39,6 +42,7 @@ from pyplan.emit.planfile import plan_file_from_json, read_plan_file
 from pyplan.errors import PlanError
 from pyplan.graph.trace import input_tensors
 from pyplan.load import load_model
+from pyplan.runtime.heartbeat import Heartbeat
 from pyplan.runtime.trainer import build_trainer, optimizer_factory, replica_slice
 
 PLAN = json.loads(r"""
@@ -60,19 +64,31 @@ def user_batches(ref):
     return iter(getattr(module, func)())
 
 
-def train():
+def stopped_answering(ranks, silent_s):
+    which = f"rank {{ranks[0]}}" if len(ranks) == 1 else f"ranks {{', '.join(map(str, ranks))}}"
+    print(
+        f"error: {{which}} stopped answering (no heartbeat for {{silent_s:g}} s: stopped, killed or exited early); "
+        "ending the run",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plan")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--data")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--save-params")
-    args = parser.parse_args()
+    parser.add_argument("--timeout", type=float, default=600.0)
+    return parser.parse_args()
 
+
+def train(args):
     document = read_plan_file(args.plan) if args.plan else plan_file_from_json(PLAN, "embedded plan")
     layout, workload = document.plan.layout, document.workload
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -100,9 +116,23 @@ def train():
 
 
 def main():
+    args = parse_args()
     code = 0
+    heartbeat = None
     try:
-        train()
+        if not 0 < args.timeout <= 1e9:
+            raise PlanError(f"--timeout takes seconds in (0, 1e9], got {{args.timeout}}")
+        cuda = torch.cuda.is_available()
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout))
+        heartbeat = Heartbeat(args.timeout, stopped_answering) if dist.get_world_size() > 1 else None
+        train(args)
+    except RuntimeError:
+        # A collective failed (torch's distributed errors are RuntimeErrors): if a rank stopped answering, say which
+        # instead of a traceback from every rank; any other error goes on as it is.
+        stopped = heartbeat.stopped() if heartbeat is not None else []
+        if not stopped:
+            raise
+        heartbeat.end(stopped, 4 * heartbeat.interval)
     except PlanError as exc:
         # Every rank meets the same bad input (plan, model, world size), so none waits for another. Rank 0 says
         # it and fails the launch; the others leave quietly, since torchrun stops every rank at the first failure

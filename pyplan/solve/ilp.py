@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import signal
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +71,49 @@ def _solver(time_limit_s: float, num_workers: int) -> cp_model.CpSolver:
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = num_workers
+    # CP-SAT's own Ctrl-C handler would end the search as if its time had run out (the caller then goes on with
+    # the plan found so far) and leave SIGINT at its default action afterwards; _solve handles Ctrl-C instead.
+    solver.parameters.catch_sigint_signal = False
     return solver
+
+
+def _solve(solver: cp_model.CpSolver, model: cp_model.CpModel) -> Any:
+    """`solver.solve(model)`, stopped by Ctrl-C like any Python code: KeyboardInterrupt.
+
+    The search runs in a thread (CP-SAT releases the GIL) while this one waits, so the interpreter's SIGINT
+    handler runs at once; on KeyboardInterrupt, or any exception raised while waiting, the search is stopped and
+    waited for before the exception goes on (a search left running aborts the interpreter at exit), however many
+    times Ctrl-C is pressed meanwhile. SIGINT's handler is put back as it was before the solve."""
+    outcome: list[Any] = []
+    # Set when the search has returned. Thread.join cannot tell: on Python 3.11 a join interrupted by Ctrl-C marks
+    # the thread stopped while it still runs (the bpo-45274 fix).
+    finished = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome.append(solver.solve(model))
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            finished.set()
+
+    previous = signal.getsignal(signal.SIGINT)
+    threading.Thread(target=run, name="cp-sat", daemon=True).start()
+    try:
+        finished.wait()
+    except BaseException:
+        # stop_search does nothing until the search has begun: ask until it ends, through further Ctrl-Cs.
+        while not finished.is_set():
+            solver.stop_search()
+            with contextlib.suppress(KeyboardInterrupt):
+                finished.wait(0.05)
+        raise
+    finally:
+        if previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, previous)
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -552,7 +597,7 @@ def assign_stages(
 
     # Solve.
     solver = _solver(time_limit_s, num_workers)
-    status = solver.solve(model)
+    status = _solve(solver, model)
 
     # Read the result: the solver's assignment, or the DP's where it is at least as good in floating point (the two
     # can differ only by the rounding of seconds to time units).
@@ -590,7 +635,7 @@ def _least_overflow(dag: StageDag, pipe: _Pipeline, time_limit_s: float, num_wor
     sm.model.minimize(overflow)
     # Solve.
     solver = _solver(time_limit_s, num_workers)
-    status = solver.solve(sm.model)
+    status = _solve(solver, sm.model)
     # Read.
     if status not in _STATUS:
         return (
@@ -1195,7 +1240,7 @@ def remat_schedule(
 
     # Solve.
     solver = _solver(time_limit_s, num_workers)
-    status = solver.solve(model)
+    status = _solve(solver, model)
 
     # Read the result into operations, with the ILP's own time and peak (or the warm start's, replayed, when the
     # time ran out before the solver reported a solution).
