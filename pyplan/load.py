@@ -36,6 +36,12 @@ def _import_file(path: str) -> ModuleType:
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:
+        # A model file that exits when imported (a script's `sys.exit()` at module level) would end pyplan silently.
+        raise ModelLoadError(
+            f"importing '{path}' called sys.exit({exc.code!r}); put the file's script part under "
+            "`if __name__ == \"__main__\":`"
+        ) from None
     except Exception as exc:
         raise ModelLoadError(f"importing '{path}' failed with {type(exc).__name__}: {exc}") from exc
     finally:

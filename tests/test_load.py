@@ -87,3 +87,10 @@ def test_untraceable_model_file(tmp_path: Path) -> None:
     graph = trace(spec.build(), spec.example_inputs, leaf_modules=["Gate"])
     assert any(n.target == "1" for n in graph.nodes)
     assert isinstance(graph.module(torch.randn(1, 2)), torch.Tensor)
+
+
+def test_a_model_file_that_exits_at_import_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "script.py"
+    path.write_text("import sys\nsys.exit(0)\n")
+    with pytest.raises(ModelLoadError, match=r"called sys.exit\(0\); put the file's script part under"):
+        load_model(str(path))

@@ -39,7 +39,12 @@ class PlanFile:
 
 
 def write_plan_file(path: str | Path, document: PlanFile) -> None:
-    write_atomic(path, json.dumps(document.to_json(), indent=2) + "\n")
+    """Write plan.json atomically; a value that is not finite is refused (JSON has no Infinity or NaN)."""
+    try:
+        text = json.dumps(document.to_json(), indent=2, allow_nan=False)
+    except ValueError as exc:
+        raise PlanError(f"the plan holds a value that is not finite ({exc}); it cannot be written as JSON") from None
+    write_atomic(path, text + "\n")
 
 
 def read_plan_file(path: str | Path) -> PlanFile:

@@ -66,8 +66,8 @@ def _positive_int(value: Any, key: str, what: str) -> int | None:
 def _price(value: Any, key: str, what: str) -> float | None:
     if value is None:
         return None
-    if not isinstance(value, int | float) or isinstance(value, bool) or value < 0 or math.isnan(value):
-        raise PlanError(f"{what}: '{key}' must be a non-negative number, got {value!r}")
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < math.inf:
+        raise PlanError(f"{what}: '{key}' must be a finite non-negative number, got {value!r}")
     return float(value)
 
 

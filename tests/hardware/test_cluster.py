@@ -107,7 +107,7 @@ def test_fractional_gpu_instance_gives_one_slice_per_node() -> None:
         ({"gpu": "t4", "price_per_gpu_hour": 1.0}, "cluster: 'currency' is required with a price"),
         ({"gpu": "t4", "currency": "USD"}, "cluster: 'currency' 'USD' is given without a price"),
         ({"gpu": "t4", "price_per_gpu_hour": 1.0, "currency": "RMB"}, "RMB is 'CNY'"),
-        ({"gpu": "t4", "price_per_gpu_hour": -1.0, "currency": "USD"}, "'price_per_gpu_hour' must be a non-negative"),
+        ({"gpu": "t4", "price_per_gpu_hour": -1.0, "currency": "USD"}, "'price_per_gpu_hour' must be a finite"),
         (
             {"gpu": "t4", "price_per_gpu_hour": 1.0, "price_per_node_hour": 8.0, "currency": "USD"},
             "give 'price_per_gpu_hour' or 'price_per_node_hour', not both",
@@ -264,7 +264,7 @@ def test_file_with_inline_gpu_instance_and_groups(tmp_path: Path) -> None:
         ({"currency": None}, "'currency' is required with a price"),
         ({"currency": 840}, "'currency' must be a string, got 840"),
         ({"price_per_gpu_hour": 4.0}, "give 'price_per_gpu_hour' or 'price_per_node_hour', not both"),
-        ({"price_per_node_hour": "32"}, "'price_per_node_hour' must be a non-negative number, got '32'"),
+        ({"price_per_node_hour": "32"}, "'price_per_node_hour' must be a finite non-negative number, got '32'"),
         ({"gpu": "a100-80"}, "unknown GPU 'a100-80'; closest: a100-80g-sxm"),
         ({"gpu": 80}, "'gpu' must be a catalog name or a table of GPU fields, got 80"),
         ({"gpu": {"name": "g", "memory_bytes": GIB}}, "'gpu': GPU 'g' lacks 'hbm_bw_bytes_per_s', 'peak_flops_per_s'"),
@@ -319,3 +319,8 @@ def test_yaml_needs_pyyaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 def test_yaml_when_pyyaml_is_installed(tmp_path: Path) -> None:
     pytest.importorskip("yaml")
     assert Cluster.from_file(_write(tmp_path, "c.yml", "gpu: t4\ngpus: 2\n")).gpus == 2
+
+
+def test_an_infinite_price_is_refused() -> None:
+    with pytest.raises(PlanError, match="'price_per_gpu_hour' must be a finite non-negative number, got inf"):
+        Cluster.from_catalog("a100-80g", 2, price_per_gpu_hour=float("inf"), currency="USD")
