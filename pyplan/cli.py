@@ -37,6 +37,15 @@ def _inspect(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1:
         raise PlanError(f"--batch-size must be at least 1, got {args.batch_size}")
+    for flag, value, least in (
+        ("--threads", args.threads, 1),
+        ("--repeats", args.repeats, 1),
+        ("--warmup", args.warmup, 0),
+        ("--min-blocks", args.min_blocks, 1),
+        ("--max-blocks", args.max_blocks, args.min_blocks),
+    ):
+        if value < least:
+            raise PlanError(f"{flag} must be at least {least}, got {value}")
     spec = load_model(args.model)
     if args.analytic:
         with torch.device("meta"):
@@ -98,6 +107,10 @@ def _plan(args: argparse.Namespace) -> int:
     from pyplan.report.plans import render_plans
     from pyplan.spec import default_loss
 
+    if args.top < 1:
+        raise PlanError(f"--top must be at least 1, got {args.top}")
+    if args.offload != "none" and args.remat != "auto":
+        raise PlanError("--offload plans offloading within --remat auto's plans: add --remat auto")
     cluster = _cluster(args)
     workload = Workload(
         global_batch=args.global_batch,

@@ -77,6 +77,24 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureF
     assert all(p["micro_batch_size"] >= 2 for p in [found["plan"], *found["alternatives"]])
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["inspect", "zoo:mlp-tiny", "--threads", "0"], "--threads must be at least 1, got 0"),
+        (["inspect", "zoo:mlp-tiny", "--repeats", "0"], "--repeats must be at least 1, got 0"),
+        (["inspect", "zoo:mlp-tiny", "--warmup", "-1"], "--warmup must be at least 0, got -1"),
+        (["inspect", "zoo:mlp-tiny", "--min-blocks", "0"], "--min-blocks must be at least 1, got 0"),
+        (["inspect", "zoo:mlp-tiny", "--min-blocks", "8", "--max-blocks", "4"], "--max-blocks must be at least 8"),
+        (["plan", "zoo:mlp-tiny", "--gpus", "2", "--gpu", "a100-80g", "--top", "0"], "--top must be at least 1"),
+        (["plan", "zoo:mlp-tiny", "--gpus", "2", "--gpu", "a100-80g", "--offload", "auto"], "add --remat auto"),
+    ],
+)
+def test_options_out_of_range_are_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and message in err and "\n" not in err
+
+
 def test_console_script_help() -> None:
     done = subprocess.run([sys.executable, "-m", "pyplan.cli", "inspect", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "examples:" in done.stdout
