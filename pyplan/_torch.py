@@ -23,6 +23,7 @@ __all__ = [
     "TorchDispatchMode",
     "is_meta_module",
     "is_view",
+    "plain_codegen",
     "run_without_compute",
     "storage_key",
     "tensor_leaves",
@@ -149,3 +150,9 @@ class OpRecorder(TorchDispatchMode):
         dtype = str(floats[0].dtype).removeprefix("torch.") if floats else ""
         self.ops.append((packet.__name__, flops, float(moved), dtype, bool(func.is_view)))
         return out
+
+
+def plain_codegen(graph: torch.fx.Graph) -> None:
+    """Make `graph` take its placeholders positionally and return its output as is: an exported graph's code
+    flattens and unflattens the model's own argument and output structure (pytree), which pyplan's pieces do not use."""
+    graph._codegen = torch.fx.graph.CodeGen()

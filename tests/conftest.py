@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,3 +24,21 @@ def _seed() -> None:
 def example(name: str) -> ModelSpec:
     """The ModelSpec of examples/<name>.py."""
     return load_model(os.path.join(EXAMPLES, f"{name}.py"))
+
+
+def write_local_calibration(directory: Path) -> Path:
+    """A calibration file of this machine with made-up figures (tests check mechanics, not speeds) in `directory`,
+    for plans on the `local` GPU with PYPLAN_CACHE_DIR set to it."""
+    from pyplan.hardware.catalog import local_gpu
+
+    path = directory / "local.json"
+    path.write_text(
+        json.dumps(
+            {
+                "device": local_gpu().description,
+                "gpu": {"peak_flops_per_s": {"fp32": 1e11}, "hbm_bw_bytes_per_s": 2e10, "source": "test"},
+                "link": {"latency_s": 1e-4, "bw_bytes_per_s": 2e9, "source": "test"},
+            }
+        )
+    )
+    return path

@@ -3,7 +3,6 @@ a catalog GPU. (Their training under torchrun is in tests/runtime/_transparency.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -12,8 +11,8 @@ import torch
 
 from pyplan import linearize, load_model, search, trace
 from pyplan.hardware import Cluster
-from pyplan.hardware.catalog import local_gpu
 from pyplan.plan import Workload
+from tests.conftest import write_local_calibration
 from tests.test_hub import REFS
 
 pytest.importorskip("transformers")
@@ -32,15 +31,7 @@ LAYERS = {
 @pytest.fixture(scope="module")
 def local_calibration(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cache = tmp_path_factory.mktemp("cache")
-    (cache / "local.json").write_text(
-        json.dumps(
-            {
-                "device": local_gpu().description,
-                "gpu": {"peak_flops_per_s": {"fp32": 1e11}, "hbm_bw_bytes_per_s": 2e10, "source": "test"},
-                "link": {"latency_s": 1e-4, "bw_bytes_per_s": 2e9, "source": "test"},
-            }
-        )
-    )
+    write_local_calibration(cache)
     return cache
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from pyplan._torch import is_meta_module, run_without_compute, tree_flatten, tree_map_only
+from pyplan._torch import is_meta_module, plain_codegen, run_without_compute, tree_flatten, tree_map_only
 from pyplan.errors import TraceError
 from pyplan.graph.layergraph import Affine, GraphNode, LayerGraph, TensorInfo
 
@@ -255,7 +255,7 @@ def _export(model: nn.Module, call: Call) -> fx.GraphModule:
     program = export(model, args, kwargs, dynamic_shapes=spec, strict=False)
     gm = program.module()
     graph = gm.graph
-    graph._codegen = fx.graph.CodeGen()  # plain positional inputs and outputs, no pytree (un)flattening
+    plain_codegen(graph)
     for n in list(graph.nodes):
         if n.op == "call_module" and not n.users:  # torch.export's input guards: the inputs are ours
             graph.erase_node(n)

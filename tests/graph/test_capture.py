@@ -3,7 +3,6 @@ and dataclass outputs; blocks per layer, pieces at any batch size, plans for the
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +16,8 @@ from pyplan.errors import TraceError
 from pyplan.graph.split import pieces, run_pieces
 from pyplan.graph.trace import call_at, input_tensors, inputs_at, output_tensors
 from pyplan.hardware import Cluster
-from pyplan.hardware.catalog import local_gpu
 from pyplan.plan import Workload
-from tests.conftest import ROOT
+from tests.conftest import ROOT, write_local_calibration
 
 BRANCHY = os.path.join(ROOT, "tests", "models", "branchy.py")
 
@@ -66,15 +64,7 @@ def test_input_and_output_forms() -> None:
 
 
 def test_plans_for_this_machine_and_for_a_catalog_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "local.json").write_text(
-        json.dumps(
-            {
-                "device": local_gpu().description,
-                "gpu": {"peak_flops_per_s": {"fp32": 1e11}, "hbm_bw_bytes_per_s": 2e10, "source": "test"},
-                "link": {"latency_s": 1e-4, "bw_bytes_per_s": 2e9, "source": "test"},
-            }
-        )
-    )
+    write_local_calibration(tmp_path)
     monkeypatch.setenv("PYPLAN_CACHE_DIR", str(tmp_path))
     spec = load_model(BRANCHY)
     options = dict(loss=spec.loss, target=spec.target, stage_dag=False)
