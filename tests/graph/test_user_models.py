@@ -3,46 +3,25 @@ recurrent layers, torch's own transformer encoder."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from torch import nn
 
-from pyplan import linearize, search, trace
+from pyplan import linearize, load_model, search, trace
 from pyplan.graph.split import piece
 from pyplan.hardware import Cluster
 from pyplan.plan import Workload
 from pyplan.profile import profile
 
-
-class _LastStep(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lstm = nn.LSTM(8, 16, batch_first=True)
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, _ = self.lstm(x)
-        return self.head(out[:, -1])
+PLAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "plain.py")
+MODELS = ("relu_inplace", "lstm", "transformer_encoder")
 
 
-MODELS = {
-    "relu-inplace": (
-        lambda: nn.Sequential(
-            nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 4)
-        ),
-        lambda b: (torch.randn(b, 8),),
-    ),
-    "lstm": (_LastStep, lambda b: (torch.randn(b, 5, 8),)),
-    "transformer-encoder": (
-        lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2),
-        lambda b: (torch.randn(b, 5, 16),),
-    ),
-}
-
-
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", MODELS)
 def test_plans_for_a_catalog_gpu_and_profiles_on_this_machine(name: str) -> None:
-    build, inputs = MODELS[name]
+    spec = load_model(f"{PLAIN}:{name}")
+    build, inputs = spec.build, spec.example_inputs
     found = search(build(), inputs, Cluster.from_catalog("a100-80g", 2), Workload(global_batch=16), stage_dag=False)
     assert found.best.predicted.iteration_s > 0
     chain = profile(linearize(trace(build(), inputs, batch_size=2)), inputs, batch_sizes=(2, 4))
@@ -52,8 +31,8 @@ def test_plans_for_a_catalog_gpu_and_profiles_on_this_machine(name: str) -> None
 
 def test_an_in_place_op_right_after_a_cut_works_on_a_copy_of_the_stage_input() -> None:
     """A stage's input is a leaf that needs grad; nn.ReLU(inplace=True) on it would raise in the forward."""
-    build, inputs = MODELS["relu-inplace"]
-    model = build()
+    spec = load_model(f"{PLAIN}:relu_inplace")
+    model, inputs = spec.build(), spec.example_inputs
     chain = linearize(trace(model, inputs, batch_size=2), min_blocks=5)
     relu = next(k for k, b in enumerate(chain.blocks) if b.name == "1")  # the first ReLU is a block of its own
     stage = piece(chain, relu, len(chain))

@@ -53,7 +53,12 @@ HF_MODELS = (
     if importlib.util.find_spec("transformers") is not None
     else ()
 )
-BRANCHY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "branchy.py")
+MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
+BRANCHY = os.path.join(MODELS_DIR, "branchy.py")
+# Plain-torch layers users write: an in-place ReLU right after a cut, an LSTM's tuple output, nn.TransformerEncoder.
+PLAIN = tuple(
+    f"{os.path.join(MODELS_DIR, 'plain.py')}:{name}" for name in ("relu_inplace", "lstm", "transformer_encoder")
+)
 TOL = 1e-9  # float64: the rounding noise of reordered sums is ~1e-12 here
 TOL_MIXED = 1e-5  # bf16 autocast: the same ops in the same order, fp32 gradients summed in another order
 TOL_FLOAT32 = 1e-5  # float32 throughout: rounding of reordered sums, SGD
@@ -163,13 +168,16 @@ def configs(world: int) -> list[dict]:
             ("resnet-tiny", 2, 1, "GPipe", ["full"]),
         ):
             out.append(
-                dict(model=model, dp=dp, pp=pp, schedule=schedule, v=1, m=4, b=2, optimizer="adamw", zero=0,
-                     remat=kinds)
+                dict(
+                    model=model, dp=dp, pp=pp, schedule=schedule, v=1, m=4, b=2, optimizer="adamw", zero=0, remat=kinds
+                )
             )
         # A model captured with torch.export (keyword inputs, branches on shapes, dtypes and None, a dict output):
         # each stage reads the batch size off its own input.
         for schedule, opt in (("1F1B", "adamw"), ("GPipe", "sgd")):
             out.append(dict(model=BRANCHY, dp=1, pp=2, schedule=schedule, v=1, m=4, b=2, optimizer=opt, zero=0))
+        for model in PLAIN:
+            out.append(dict(model=model, dp=1, pp=2, schedule="1F1B", v=1, m=4, b=2, optimizer="adamw", zero=0))
         # Hugging Face transformers models built from tiny configs, without dropout (its random masks differ between
         # a pipeline and one process): tied embeddings (gpt2), a mask input (bert), an encoder-decoder of two inputs
         # (t5), a mixture of experts (mixtral) and a vision transformer (vit). SGD where a parameter's gradient is

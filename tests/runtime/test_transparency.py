@@ -39,7 +39,8 @@ def test_pipelines_train_like_one_process(world: int, tmp_path: Path) -> None:
     # Models captured with torch.export: tests/models/branchy.py, pipelined under GPipe and 1F1B, and the Hugging
     # Face families (where transformers is installed).
     hf = {"gpt2", "bert", "llama", "mixtral", "t5", "vit"} if importlib.util.find_spec("transformers") else set()
-    exported = {"branchy.py", *hf} if world == 2 else set()
+    plain = {"relu_inplace", "lstm", "transformer_encoder"}
+    exported = {"branchy.py", *plain, *hf} if world == 2 else set()
     names = {r["model"].split(":")[1] if ":" in r["model"] else os.path.basename(r["model"]) for r in results}
     assert names == {"resnet-tiny", "gpt-tiny", *dag_models, *exported}
     assert {r["optimizer"] for r in results} == {"sgd", "adamw"}
