@@ -127,9 +127,12 @@ class OpRecorder(TorchDispatchMode):
     view ops move nothing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, flop_scale: Callable[[Any, tuple, dict], float] | None = None) -> None:
         super().__init__()
         self.ops: list[tuple[str, float, float, str, bool]] = []
+        # The share of its formula's FLOPs an op really computes (a causal fused attention skips the tiles above
+        # the diagonal, which torch's formula counts).
+        self.flop_scale = flop_scale
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -139,6 +142,8 @@ class OpRecorder(TorchDispatchMode):
         packet = func.overloadpacket
         formula = _REGISTRY.get(_FLOP_ALIASES.get(packet.__name__, packet))
         flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+        if flops and self.flop_scale is not None:
+            flops *= self.flop_scale(func, args, kwargs)
         inputs = tensor_leaves((args, kwargs))
         outputs = tensor_leaves(out)
         in_keys = {storage_key(t): t for t in inputs}

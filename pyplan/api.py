@@ -20,9 +20,20 @@ from pyplan.graph.linearize import linearize
 from pyplan.graph.trace import ExampleInputs, LeafSpec, trace
 from pyplan.hardware.catalog import GPU, LOCAL, Link, local_host_costs
 from pyplan.hardware.cluster import Cluster
-from pyplan.plan import OBJECTIVES, PLACEMENTS, Layout, Plan, Prediction, StagePlan, Workload
+from pyplan.plan import (
+    OBJECTIVES,
+    PLACEMENTS,
+    ZERO_REFUSED,
+    ZERO_STAGES,
+    Layout,
+    Plan,
+    Prediction,
+    StagePlan,
+    Workload,
+)
 from pyplan.profile import TimingOptions, default_batch_sizes, local_device, measured_batch_sizes, profile
 from pyplan.profile.analytic import Roofline, block_times_analytic
+from pyplan.profile.attention import AttentionTarget, TargetKernels
 from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, measured_target
 from pyplan.profile.loss import LossCost, LossFn, TargetFn, loss_cost, remat_with_loss, with_loss
 from pyplan.profile.measure import CheckpointCosts, checkpoint_call_s, checkpoint_costs
@@ -138,7 +149,22 @@ def chain_for(
     graph = trace(model, example_inputs, leaf_modules=leaf_modules, batch_size=trace_batch)
     chain = linearize(graph, min_blocks=min_blocks, max_blocks=max_blocks)
 
+    # A catalog GPU runs fused attention where torch would select it there (pyplan/profile/attention.py).
+    attention = (
+        TargetKernels(AttentionTarget(gpu.arch, compute_dtype))
+        if roofline is not None and gpu.arch is not None and gpu.device_type == "cuda"
+        else None
+    )
+
     def profiled_at(sizes: tuple[int, ...]) -> tuple[Chain, str]:
+        with attention if attention is not None else contextlib.nullcontext():
+            profiled, how = _profiled_at(sizes)
+        if attention is not None and attention.chosen:
+            kernels = ", ".join(f"{kind}" for kind in sorted(attention.chosen))
+            how = f"{how}, attention {kernels}"
+        return profiled, how
+
+    def _profiled_at(sizes: tuple[int, ...]) -> tuple[Chain, str]:
         if roofline is None:
             profiled = profile(chain, example_inputs, batch_sizes=sizes, options=timing)
             how = "measured on this machine"
@@ -306,7 +332,7 @@ def search(
     weight: float = 0.0,
     top_k: int = 5,
     schedules: Sequence[str] = SEARCHED_SCHEDULES,
-    zero_stages: Sequence[int] = (0, 1, 2, 3),
+    zero_stages: Sequence[int] = ZERO_STAGES,
     placements: Sequence[str] = PLACEMENTS,
     micro_batch_sizes: Sequence[int] = (),
     allow_fewer_gpus: bool = True,
@@ -341,6 +367,11 @@ def search(
         raise PlanError(f"unknown objective '{objective}'; choose one of {', '.join(OBJECTIVES)}")
     if not 0 < memory_fraction <= 1:
         raise PlanError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    for stage in zero_stages:
+        if stage in ZERO_REFUSED:
+            raise PlanError(ZERO_REFUSED[stage])
+        if stage not in ZERO_STAGES:
+            raise PlanError(f"unknown ZeRO stage {stage}; choose from {', '.join(map(str, ZERO_STAGES))}")
     unknown = [s for s in schedules if s not in SEARCHED_SCHEDULES]
     if unknown:
         raise PlanError(f"schedule '{unknown[0]}' is not searched; choose from {', '.join(SEARCHED_SCHEDULES)}")

@@ -26,6 +26,23 @@ __all__ = [
 SCHEMA_VERSION = 1
 OBJECTIVES = ("time", "cost", "weighted")
 PLACEMENTS = ("pp-inner", "dp-inner")
+# The ZeRO stages plans use (Rajbhandari et al. 2020) and why the others are not: what the runtime would run is
+# not what their memory model promises.
+# - 0 replicates the model state (DDP); 1 shards the optimizer state (ZeroRedundancyOptimizer beside DDP).
+# - 2 would run as 1: ZeroRedundancyOptimizer beside DDP keeps every gradient.
+# - 3 (FSDP2 over each stage) shards nothing at its peak: torch.distributed.pipelining defers FSDP2's
+#   reduce-scatter and reshard to the step's end (PipelineStage.backward_maybe_with_nosync sets
+#   set_requires_gradient_sync(False) and set_reshard_after_backward(False) for every micro-batch), so from the first
+#   backward on, the stage's unsharded parameters and its unsharded gradients are all held, as under ZeRO-1, plus the
+#   shards. The runtime still runs a plan.json of ZeRO-3 (and trains the same weights); the search does not offer it.
+ZERO_STAGES = (0, 1)
+ZERO_REFUSED = {
+    2: "ZeRO-2 is not offered: pyplan's runtime would keep every gradient (DDP beside ZeroRedundancyOptimizer, "
+    "which is ZeRO-1); plan ZeRO-1",
+    3: "ZeRO-3 is not offered: under torch.distributed.pipelining a stage's FSDP2 reduce-scatter and reshard wait "
+    "for the step's end, so its unsharded parameters and gradients are all held as under ZeRO-1; plan ZeRO-1 and "
+    "pipeline stages",
+}
 
 
 @dataclass(frozen=True)
@@ -216,8 +233,10 @@ class Layout:
             )
         if self.schedule not in _core.SCHEDULES:
             raise PlanError(f"unknown schedule {self.schedule!r} (known: {', '.join(_core.SCHEDULES)})")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise PlanError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.zero_stage == 2:
+            raise PlanError(ZERO_REFUSED[2])
+        if self.zero_stage not in (0, 1, 3):
+            raise PlanError(f"zero_stage must be 0, 1 or 3, got {self.zero_stage}")
         if self.placement not in PLACEMENTS:
             raise PlanError(f"placement must be one of {', '.join(PLACEMENTS)}, got '{self.placement}'")
         stages = self.pp * self.stages_per_rank

@@ -13,7 +13,7 @@ from pyplan.api import chain_for, search
 from pyplan.cli import main
 from pyplan.emit.planfile import PlanFile, read_plan_file, write_plan_file
 from pyplan.hardware import Cluster
-from pyplan.plan import Plan, Workload
+from pyplan.plan import Layout, Plan, Workload
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +164,17 @@ def test_predictions_within_a_tenth_of_a_percent_rank_by_memory() -> None:
     # Equal memory: the faster first.
     same = [("x", 1.0004, 5), ("y", 1.0, 5)]
     assert [it[0] for it in rank_ties(same, lambda it: it[1], lambda it: (it[2],))] == ["y", "x"]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_stages_the_runtime_cannot_deliver_are_not_offered(stage: int) -> None:
+    """ZeRO-2 would run as ZeRO-1, ZeRO-3 holds ZeRO-1's peak under torch's pipelining: one line each, and a
+    plan.json of ZeRO-2 is refused too."""
+    spec = load_model("zoo:mlp-tiny")
+    cluster, workload = Cluster.from_catalog("a100-80g", 4), Workload(global_batch=8)
+    with pytest.raises(PlanError, match=f"ZeRO-{stage} is not offered"):
+        search(spec.build(), spec.example_inputs, cluster, workload, zero_stages=(0, stage))
+    found = search(spec.build(), spec.example_inputs, cluster, workload)
+    assert {p.layout.zero_stage for p in (found.best, *found.alternatives, *found.pareto)} <= {0, 1}
+    with pytest.raises(PlanError, match="ZeRO-2 is not offered"):
+        Layout(dp=2, pp=1, micro_batch_size=1, num_microbatches=4, schedule="GPipe", cut_positions=(0, 3), zero_stage=2)

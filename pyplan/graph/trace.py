@@ -362,6 +362,9 @@ def trace(
         batch_size = 2 if callable(example_inputs) else _flat_tensors(_as_call(example_inputs))[0].shape[0]
     b1, b2 = batch_size, 2 * batch_size
     gm = _capture(model, example_inputs, leaves, b1)
+    from pyplan.graph.masks import simplify_attention_masks  # (it reads is_batch_size from here)
+
+    simplify_attention_masks(gm)
     try:
         r1 = _record(gm, inputs_at(example_inputs, b1))
         r2 = _record(gm, inputs_at(example_inputs, b2))

@@ -56,6 +56,7 @@ __all__ = [
 DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "int8")
 GIB = 2**30
 LOCAL = "local"
+_ARCH = re.compile(r"sm\d{2,3}|gfx[0-9a-f]{3,4}")
 _DEVICE_TYPES = ("cuda", "cpu")
 
 
@@ -111,9 +112,13 @@ class GPU:
     default_intra_link: str | None = None
     default_inter_link: str | None = None
     source: str = ""
+    # "smXY" (NVIDIA compute capability X.Y) or "gfxNNN" (AMD); None where unknown (a CPU, an uncalibrated local).
+    arch: str | None = None
 
     def __post_init__(self) -> None:
         what = f"GPU '{self.name}'"
+        if self.arch is not None and not (isinstance(self.arch, str) and _ARCH.fullmatch(self.arch)):
+            raise PlanError(f"{what}: 'arch' must read like 'sm80' or 'gfx942', got {self.arch!r}")
         if not isinstance(self.name, str) or not self.name:
             raise PlanError(f"GPU: 'name' must be a non-empty string, got {self.name!r}")
         if self.memory_bytes is not None and not (isinstance(self.memory_bytes, int) and _positive(self.memory_bytes)):

@@ -23,6 +23,7 @@ from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import Affine
 from pyplan.graph.trace import ExampleInputs, inputs_at
 from pyplan.hardware.catalog import GPU, LOCAL, local_efficiency
+from pyplan.profile.attention import fused_work
 from pyplan.profile.pieces import RepeatedBlocks, backward, block_inputs, block_modules, forward, leaf_inputs
 
 __all__ = [
@@ -217,11 +218,11 @@ def block_op_costs(
             if key is not None and key in done:
                 result.append(done[key])
                 continue
-            with OpRecorder() as fwd:
+            with OpRecorder(fused_work) as fwd:
                 _, roots = forward(mod, leaves)
             # The incoming gradient is made outside, as measure.py times it: in a pipeline it comes from the next stage.
             grads = [torch.ones_like(t) for t in roots]
-            with OpRecorder() as bwd:
+            with OpRecorder(fused_work) as bwd:
                 backward(roots, grads)
             result.append((_costs(fwd, compute_dtype), _costs(bwd, compute_dtype)))
             if key is not None:

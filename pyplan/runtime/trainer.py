@@ -208,7 +208,7 @@ def build_trainer(
     stage_params = {s: dict(stages[s].piece.named_parameters()) for s in mine}
     tied_groups = _tied_groups(layout, mesh, stage_params, tied)
     if tied and layout.zero_stage == 3:
-        raise PlanError("tied parameters across pipeline stages are not supported with ZeRO-3 yet; use ZeRO 0-2")
+        raise PlanError("tied parameters across pipeline stages are not supported with ZeRO-3 yet; use ZeRO 0-1")
 
     # Gradients are averaged by hand, not by DDP and torch's per-stage scaling, when the split-backward schedules
     # bypass DDP's hooks, or when two stages on this rank share a parameter (each stage would scale it, and each
@@ -216,7 +216,7 @@ def build_trainer(
     shared = len(_unique_parameters(stages[s] for s in mine)) < sum(len(list(stages[s].parameters())) for s in mine)
     manual_grads = split_backward or shared
     if manual_grads and layout.zero_stage == 3 and layout.dp > 1:
-        raise PlanError("stages sharing parameters on one rank are not supported with ZeRO-3 yet; use ZeRO 0-2")
+        raise PlanError("stages sharing parameters on one rank are not supported with ZeRO-3 yet; use ZeRO 0-1")
     modules: list[nn.Module] = []
     pipeline_stages = []
     dp_group = mesh["dp"].get_group()
@@ -242,9 +242,9 @@ def build_trainer(
             )
         )
     params = _unique_parameters(modules)
-    if layout.dp > 1 and layout.zero_stage in (1, 2):
+    if layout.dp > 1 and layout.zero_stage == 1:
         if not isinstance(make_optimizer, OptimizerSpec):
-            raise PlanError("ZeRO-1/2 shards the optimizer: give it as an OptimizerSpec(class, kwargs)")
+            raise PlanError("ZeRO-1 shards the optimizer: give it as an OptimizerSpec(class, kwargs)")
         optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
             params, optimizer_class=make_optimizer.cls, process_group=dp_group, **make_optimizer.kwargs
         )
