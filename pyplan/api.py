@@ -124,6 +124,17 @@ def chain_for(
     if not measured and (not gpu.peak_flops_per_s or not gpu.hbm_bw_bytes_per_s):
         raise PlanError(f"GPU '{gpu.name}' has no peak FLOP/s or memory bandwidth; run `pyplan calibrate` first")
     compute_dtype = _COMPUTE_DTYPE[workload.precision]
+    peak = {"bfloat16": "bf16", "float16": "fp16", None: "fp32"}[compute_dtype]
+    if not measured and peak not in gpu.peak_flops_per_s:
+        others = [
+            p
+            for p, d in (("bf16-mixed", "bf16"), ("fp16-mixed", "fp16"), ("fp32", "fp32"))
+            if d in gpu.peak_flops_per_s
+        ]
+        raise PlanError(
+            f"GPU '{gpu.name}' has no {peak} peak in the catalog (it runs no {workload.precision} kernels); "
+            f"plan it with --precision {' or '.join(others) or 'another GPU'}"
+        )
     roofline = None if measured else Roofline.from_gpu(gpu)
     timing = timing_options(cluster)
     key = None

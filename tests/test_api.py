@@ -178,3 +178,10 @@ def test_zero_stages_the_runtime_cannot_deliver_are_not_offered(stage: int) -> N
     assert {p.layout.zero_stage for p in (found.best, *found.alternatives, *found.pareto)} <= {0, 1}
     with pytest.raises(PlanError, match="ZeRO-2 is not offered"):
         Layout(dp=2, pp=1, micro_batch_size=1, num_microbatches=4, schedule="GPipe", cut_positions=(0, 3), zero_stage=2)
+
+
+def test_a_precision_the_gpu_has_no_kernels_for_is_one_line() -> None:
+    spec = load_model("zoo:mlp-tiny")
+    with pytest.raises(PlanError, match=r"GPU 'v100-16g' has no bf16 peak.*--precision fp16-mixed or fp32"):
+        search(spec.build(), spec.example_inputs, Cluster.from_catalog("v100-16g", 2),
+               Workload(global_batch=8, precision="bf16-mixed"))  # fmt: skip
