@@ -55,6 +55,8 @@ __all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "add_loss", "chain_for", "memory_
 # The schedules the search evaluates; the zero-bubble ones need split input/weight-gradient times first.
 SEARCHED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
 _COMPUTE_DTYPE = {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}
+# The catalog peak each precision computes at.
+_PEAK_OF = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp32": "fp32"}
 
 
 @dataclass(frozen=True)
@@ -124,16 +126,11 @@ def chain_for(
     if not measured and (not gpu.peak_flops_per_s or not gpu.hbm_bw_bytes_per_s):
         raise PlanError(f"GPU '{gpu.name}' has no peak FLOP/s or memory bandwidth; run `pyplan calibrate` first")
     compute_dtype = _COMPUTE_DTYPE[workload.precision]
-    peak = {"bfloat16": "bf16", "float16": "fp16", None: "fp32"}[compute_dtype]
-    if not measured and peak not in gpu.peak_flops_per_s:
-        others = [
-            p
-            for p, d in (("bf16-mixed", "bf16"), ("fp16-mixed", "fp16"), ("fp32", "fp32"))
-            if d in gpu.peak_flops_per_s
-        ]
+    if not measured and _PEAK_OF[workload.precision] not in gpu.peak_flops_per_s:
+        others = [p for p, key in _PEAK_OF.items() if key in gpu.peak_flops_per_s]
         raise PlanError(
-            f"GPU '{gpu.name}' has no {peak} peak in the catalog (it runs no {workload.precision} kernels); "
-            f"plan it with --precision {' or '.join(others) or 'another GPU'}"
+            f"GPU '{gpu.name}' has no {_PEAK_OF[workload.precision]} peak in the catalog (it runs no "
+            f"{workload.precision} kernels); plan it with --precision {' or '.join(others) or 'another GPU'}"
         )
     roofline = None if measured else Roofline.from_gpu(gpu)
     timing = timing_options(cluster)
@@ -171,8 +168,7 @@ def chain_for(
         with attention if attention is not None else contextlib.nullcontext():
             profiled, how = _profiled_at(sizes)
         if attention is not None and attention.chosen:
-            kernels = ", ".join(f"{kind}" for kind in sorted(attention.chosen))
-            how = f"{how}, attention {kernels}"
+            how = f"{how}, attention {', '.join(sorted(attention.chosen))}"
         return profiled, how
 
     def _profiled_at(sizes: tuple[int, ...]) -> tuple[Chain, str]:
