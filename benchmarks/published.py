@@ -1,0 +1,642 @@
+"""pyplan's predictions next to published, measured training runs and DeepSpeed's model-state estimator; two tables.
+
+Run: `python benchmarks/published.py [--cases NAME ...] [--json PATH]` (needs transformers; about 8 minutes on
+2 cores). Sources, conversions and a recorded run: benchmarks/PUBLISHED.md.
+
+Table 1, throughput. Each published run (tokens/s per GPU measured on A100s and H100s with FSDP FULL_SHARD, i.e.
+ZeRO-3, and no tensor parallelism) is planned as it ran, in a process of its own: its model built from a Hugging
+Face config on the meta device (MPT as the GPT-2 config with the same tensors), `pyplan.search` on the catalog GPU
+restricted to the run's ZeRO stage and micro-batch size, with `remat="full"` where the run checkpointed every
+layer (`"none"` otherwise, selective checkpointing included), at the published global batch; of every plan found,
+the one with the published layout (dp, pp, micro-batch, gradient-accumulation steps, ZeRO stage) is read.
+pyplan's tokens/s per GPU = global batch x sequence length / predicted iteration time / GPUs. Where that layout is
+not among the plans the row says so. Rows that rely on what pyplan does not model (FP8, tensor parallelism, a GPU
+outside the catalog) stay in the table with the reason, and out of the statistics.
+Targets: median |predicted/published - 1| <= 15 %, worst <= 35 %, every published configuration feasible.
+
+Table 2, model-state bytes per GPU for 1.5B, 6.7B and 7.5B parameters on 8 and 64 GPUs under ZeRO 1-3: pyplan's
+convention (`Workload.state_bytes_per_gpu`) next to DeepSpeed's `estimate_zero2_model_states_mem_needs` and
+`estimate_zero3_model_states_mem_needs`, and pyplan's sharding function fed DeepSpeed's bytes per parameter, which
+must agree within 1 % but for ZeRO-3's largest-layer term (pyplan's state has none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The full-size Hugging Face configurations of benchmarks/real_models.py, reused where a run's model matches.
+from real_models import CASES
+
+GiB = 2**30
+TARGET_MEDIAN, TARGET_WORST = 0.15, 0.35
+TOP_K = 10_000  # every plan the search finds, so the published layout is among them when it fits
+SLOW_SEARCH_S = 120.0
+MEMORY_FRACTION = 0.9  # of each GPU's memory planned for (pyplan.search's default)
+ROOMY = 8.0  # memory scale of the GPU that reads what an unplannable layout needs
+
+SOURCES: dict[str, str] = {
+    "LF": "MosaicML llm-foundry, scripts/train/benchmarking/README.md (mosaicml/llm-foundry at 061f2c7c), tables "
+    "'H100 80GB BF16', 'H100 80GB FP8', 'A100 80GB with 1600 Gbps node-node interconnect (RoCE)', "
+    "'A100 40GB with 1600 Gbps node-node interconnect (RoCE)'; model shapes from "
+    "scripts/train/yamls/pretrain/mpt-*.yaml",
+    "TT-A100": "torchtitan, docs/performance.md (pytorch/torchtitan at 04133643), 'Llama 3 performance numbers' and "
+    "'Llama 2 performance numbers', FSDP2 on 64 A100 80GB; configs train_configs/llama3_8b.toml, llama2_13b.toml "
+    "(seq_len, compile = false)",
+    "TT-H100": "torchtitan, docs/performance.md (pytorch/torchtitan at eaea6f6a), Tables 1, 3 and 4 (Llama 3.1 on "
+    "H100 96GB HBM2e at 500 W, torch 1963fc8 of 2024-12-23)",
+}
+
+# The MPT benchmark configurations are GPT-2's tensors exactly (learned positions up to the sequence length, biases,
+# LayerNorm, 4x GELU MLP, tied embeddings, vocabulary 50368; no dropout in MPTConfig's defaults): the published
+# NumParams equal the GPT-2 config's count. MPT's exact-erf GELU is GPT-2's "gelu", not its default tanh "gelu_new".
+MPT = "hf:gpt2:n_embd={d},n_layer={n},n_head={h},vocab_size=50368,n_positions=2048,activation_function=gelu,"
+MPT += "resid_pdrop=0.0,embd_pdrop=0.0,attn_pdrop=0.0,seq_len=2048"
+MPT_NOTE = "MPT as hf:gpt2 with its tensors, exact GELU, no dropout; flash attention as pyplan prices SDPA"
+LLAMA2_13B = (
+    "hf:llama:hidden_size=5120,intermediate_size=13824,num_hidden_layers=40,num_attention_heads=40,"
+    "num_key_value_heads=40,vocab_size=32000,max_position_embeddings=4096,seq_len=4096"
+)
+LLAMA3_70B = (
+    "hf:llama:hidden_size=8192,intermediate_size=28672,num_hidden_layers=80,num_attention_heads=64,"
+    "num_key_value_heads=8,vocab_size=128256,max_position_embeddings=8192,seq_len=8192"
+)
+CASE = {c.name: c for c in CASES}
+A100_BF16, H100_BF16, H100_FP8 = 312e12, 989.5e12, 1979e12  # the peaks the sources' MFU divides by
+# torchtitan's H100s: 96 GB of HBM2e at 2.4 TB/s (docs/performance.md); peak FLOP/s "between SXM and NVL", unknown.
+H100_96G = "h100-96g-hbm2e-500w"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One published training run and the pyplan configuration that plans it.
+
+    `tokens_per_s_per_gpu`, `mfu` and `memory_gib` are the source's figures; `peak_flops` is the peak its MFU divides
+    by, so that `mfu_from_throughput` (the source's formula, 6N + 12·layers·hidden·seq FLOPs per token) checks the
+    transcription. `excluded` says why a row stays out of the statistics; `plannable` False: pyplan has no such
+    layout (tensor parallelism) and the row is not planned.
+    """
+
+    name: str
+    source: str
+    table: str
+    model: str
+    ref: str
+    published_params: int
+    layers: int
+    hidden: int
+    gpu: str
+    gpus: int
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    seq_len: int
+    checkpointing: str  # as published: "none", "full", "selective op", "selective layer", "selective"
+    tokens_per_s_per_gpu: float
+    mfu: float | None = None
+    peak_flops: float | None = None
+    memory_gib: float | None = None
+    zero_stage: int = 3
+    dp: int | None = None  # None: every GPU is a data-parallel rank
+    note: str = ""
+    excluded: str = ""
+    plannable: bool = True
+
+    def __post_init__(self) -> None:
+        if self.replicas * self.micro_batch * self.grad_accum != self.global_batch:
+            raise ValueError(
+                f"{self.name}: dp {self.replicas} x micro-batch {self.micro_batch} x GA {self.grad_accum} != "
+                f"global batch {self.global_batch}"
+            )
+
+    @property
+    def replicas(self) -> int:
+        return self.gpus if self.dp is None else self.dp
+
+    @property
+    def remat(self) -> str:
+        return "full" if self.checkpointing == "full" else "none"
+
+    def mfu_from_throughput(self) -> float | None:
+        if self.peak_flops is None:
+            return None
+        flops_per_token = 6 * self.published_params + 12 * self.layers * self.hidden * self.seq_len
+        return self.tokens_per_s_per_gpu * flops_per_token / self.peak_flops
+
+
+def _mpt(name: str, size: str, d: int, n: int, h: int, params: int, gpu: str, table: str, **kw: Any) -> Run:
+    return Run(name, "LF", table, f"MPT-{size}", MPT.format(d=d, n=n, h=h), params, n, d, gpu, note=MPT_NOTE, **kw)
+
+
+LF_H100, LF_A100_80, LF_A100_40 = "H100 80GB BF16", "A100 80GB", "A100 40GB"
+RUNS: tuple[Run, ...] = (
+    # llm-foundry, A100 80GB (amp_bf16, FSDP mixed precision DEFAULT, except 70b: bf16 PURE); seq 2048.
+    _mpt("mpt-1b-a100-80", "1b", 2048, 24, 16, 1_315_950_592, "a100-80g", LF_A100_80, gpus=8, micro_batch=14,
+         grad_accum=4, global_batch=448, seq_len=2048, checkpointing="none", tokens_per_s_per_gpu=20513, mfu=0.5986,
+         peak_flops=A100_BF16),
+    _mpt("mpt-3b-a100-80", "3b", 2560, 32, 20, 2_651_837_440, "a100-80g", LF_A100_80, gpus=8, micro_batch=10,
+         grad_accum=2, global_batch=160, seq_len=2048, checkpointing="none", tokens_per_s_per_gpu=10811, mfu=0.6211,
+         peak_flops=A100_BF16),
+    _mpt("mpt-7b-a100-80", "7b", 4096, 32, 32, 6_658_859_008, "a100-80g", LF_A100_80, gpus=8, micro_batch=6,
+         grad_accum=2, global_batch=96, seq_len=2048, checkpointing="none", tokens_per_s_per_gpu=4641, mfu=0.6423,
+         peak_flops=A100_BF16),
+    _mpt("mpt-13b-a100-80", "13b", 5120, 40, 40, 12_853_954_560, "a100-80g", LF_A100_80, gpus=8, micro_batch=2,
+         grad_accum=3, global_batch=48, seq_len=2048, checkpointing="none", tokens_per_s_per_gpu=2262, mfu=0.5957,
+         peak_flops=A100_BF16),
+    _mpt("mpt-30b-a100-80", "30b", 7168, 48, 56, 29_975_214_080, "a100-80g", LF_A100_80, gpus=8, micro_batch=3,
+         grad_accum=21, global_batch=504, seq_len=2048, checkpointing="full", tokens_per_s_per_gpu=916, mfu=0.553,
+         peak_flops=A100_BF16),
+    _mpt("mpt-70b-a100-80", "70b", 8192, 80, 64, 64_862_437_376, "a100-80g", LF_A100_80, gpus=64, micro_batch=8,
+         grad_accum=4, global_batch=2048, seq_len=2048, checkpointing="full", tokens_per_s_per_gpu=410,
+         mfu=0.5333, peak_flops=A100_BF16),
+    # llm-foundry, H100 80GB (amp_bf16, DEFAULT); seq 2048.
+    _mpt("mpt-1b-h100", "1b", 2048, 24, 16, 1_315_950_592, "h100-sxm", LF_H100, gpus=8, micro_batch=14,
+         grad_accum=1, global_batch=112, seq_len=2048, checkpointing="none", tokens_per_s_per_gpu=45455,
+         mfu=0.4182, peak_flops=H100_BF16),
+    _mpt("mpt-3b-h100", "3b", 2560, 32, 20, 2_651_837_440, "h100-sxm", LF_H100, gpus=16, micro_batch=10,
+         grad_accum=3, global_batch=480, seq_len=2048, checkpointing="none", tokens_per_s_per_gpu=24142,
+         mfu=0.4373, peak_flops=H100_BF16),
+    _mpt("mpt-7b-h100", "7b", 4096, 32, 32, 6_658_859_008, "h100-sxm", LF_H100, gpus=8, micro_batch=6,
+         grad_accum=1, global_batch=48, seq_len=2048, checkpointing="none", tokens_per_s_per_gpu=10643,
+         mfu=0.4644, peak_flops=H100_BF16),
+    _mpt("mpt-13b-h100", "13b", 5120, 40, 40, 12_853_954_560, "h100-sxm", LF_H100, gpus=8, micro_batch=2,
+         grad_accum=1, global_batch=16, seq_len=2048, checkpointing="none", tokens_per_s_per_gpu=4792,
+         mfu=0.3979, peak_flops=H100_BF16),
+    _mpt("mpt-30b-h100", "30b", 7168, 48, 56, 29_975_214_080, "h100-sxm", LF_H100, gpus=8, micro_batch=3,
+         grad_accum=21, global_batch=504, seq_len=2048, checkpointing="full", tokens_per_s_per_gpu=2002,
+         mfu=0.3811, peak_flops=H100_BF16),
+    _mpt("mpt-70b-h100", "70b", 8192, 80, 64, 64_862_437_376, "h100-sxm", LF_H100, gpus=64, micro_batch=8,
+         grad_accum=4, global_batch=2048, seq_len=2048, checkpointing="full", tokens_per_s_per_gpu=1039,
+         mfu=0.4257, peak_flops=H100_BF16),
+    # llm-foundry, A100 40GB (bf16, FSDP mixed precision PURE); seq 2048.
+    _mpt("mpt-1b-a100-40", "1b", 2048, 24, 16, 1_315_950_592, "a100-40g", LF_A100_40, gpus=8, micro_batch=8,
+         grad_accum=8, global_batch=512, seq_len=2048, checkpointing="none", tokens_per_s_per_gpu=19271,
+         mfu=0.5623, peak_flops=A100_BF16),
+    _mpt("mpt-7b-a100-40", "7b", 4096, 32, 32, 6_658_859_008, "a100-40g", LF_A100_40, gpus=8, micro_batch=12,
+         grad_accum=4, global_batch=384, seq_len=2048, checkpointing="full", tokens_per_s_per_gpu=3679,
+         mfu=0.5092, peak_flops=A100_BF16),
+    _mpt("mpt-13b-a100-40", "13b", 5120, 40, 40, 12_853_954_560, "a100-40g", LF_A100_40, gpus=64, micro_batch=16,
+         grad_accum=1, global_batch=1024, seq_len=2048, checkpointing="full", tokens_per_s_per_gpu=1976,
+         mfu=0.5204, peak_flops=A100_BF16),
+    # llm-foundry, H100 80GB FP8 (amp_fp8, Transformer Engine): planned in bf16 for comparison only.
+    _mpt("mpt-3b-h100-fp8", "3b", 2560, 32, 20, 2_651_837_440, "h100-sxm", "H100 80GB FP8", gpus=8, micro_batch=10,
+         grad_accum=6, global_batch=480, seq_len=2048, checkpointing="none", tokens_per_s_per_gpu=30586,
+         mfu=0.277, peak_flops=H100_FP8, excluded="FP8 (amp_fp8); pyplan plans bf16"),
+    # torchtitan, FSDP2 (ZeRO-3) on 64 A100 80GB, compile = false; Llama 3 at seq 8192, Llama 2 at 4096.
+    Run("llama3-8b-a100", "TT-A100", "Llama 3 table", "Llama 3 8B", CASE["llama-3-8b"].ref,
+        CASE["llama-3-8b"].published_params, 32, 4096, "a100-80g", 64, 1, 1, 64, 8192, "selective op", 2973,
+        mfu=0.582, peak_flops=A100_BF16, note="selective op AC planned as none"),
+    Run("llama3-70b-a100", "TT-A100", "Llama 3 table", "Llama 3 70B", LLAMA3_70B, 70_553_706_496, 80, 8192,
+        "a100-80g", 64, 1, 1, 64, 8192, "full", 331, mfu=0.517, peak_flops=A100_BF16),
+    Run("llama2-13b-a100", "TT-A100", "Llama 2 table", "Llama 2 13B", LLAMA2_13B, 13_015_864_320, 40, 5120,
+        "a100-80g", 64, 2, 1, 128, 4096, "none", 2162, mfu=0.611, peak_flops=A100_BF16),
+    Run("llama2-70b-a100", "TT-A100", "Llama 2 table", "Llama 2 70B", CASE["llama-2-70b"].ref,
+        CASE["llama-2-70b"].published_params, 80, 8192, "a100-80g", 64, 2, 1, 128, 4096, "full", 353, mfu=0.505,
+        peak_flops=A100_BF16),
+    # torchtitan on H100 96GB HBM2e at 500 W (not in the catalog): the FSDP rows without torch.compile or Float8.
+    Run("llama31-8b-h100x8", "TT-H100", "Table 1, FSDP", "Llama 3.1 8B", CASE["llama-3-8b"].ref,
+        CASE["llama-3-8b"].published_params, 32, 4096, H100_96G, 8, 2, 1, 16, 8192, "selective", 5762,
+        memory_gib=82.4, note="selective AC planned as none; seq 8192 from the config of the time",
+        excluded="H100 96GB HBM2e at 500 W: not in the catalog, peak FLOP/s unknown (planned with h100-sxm's)"),
+    Run("llama31-8b-h100x128", "TT-H100", "Table 3, FSDP", "Llama 3.1 8B", CASE["llama-3-8b"].ref,
+        CASE["llama-3-8b"].published_params, 32, 4096, H100_96G, 128, 2, 1, 256, 8192, "selective", 5605,
+        memory_gib=67.0, note="selective AC planned as none; seq 8192 from the config of the time",
+        excluded="H100 96GB HBM2e at 500 W: not in the catalog, peak FLOP/s unknown (planned with h100-sxm's)"),
+    Run("llama31-70b-h100-tp", "TT-H100", "Table 4, 2D", "Llama 3.1 70B", LLAMA3_70B, 70_553_706_496, 80, 8192,
+        H100_96G, 256, 16, 1, 512, 8192, "full", 829, memory_gib=71.9, dp=32,
+        excluded="tensor parallelism (FSDP 32 x TP 8), torch.compile and Float8", plannable=False),
+)  # fmt: skip
+BY_NAME = {r.name: r for r in RUNS}
+
+
+def _gpu(name: str) -> Any:
+    """The catalog GPU called `name`, or the record of one the catalog lacks."""
+    from pyplan.hardware.catalog import get_gpu
+
+    if name != H100_96G:
+        return get_gpu(name)
+    return replace(
+        get_gpu("h100-sxm"),
+        name=H100_96G,
+        aliases=(),
+        memory_bytes=96 * GiB,
+        hbm_bw_bytes_per_s=2.4e12,
+        tdp_w=500,
+        description="NVIDIA H100 96GB HBM2e at 500 W (Grand Teton), peak FLOP/s of the SXM part",
+        source="torchtitan docs/performance.md: 96GB HBM2e, 2.4 TB/s, 500 W; peak FLOP/s unknown, h100-sxm's kept",
+    )
+
+
+def plan_run(run: Run, zero_stage: int, *, memory_scale: float = 1.0) -> dict[str, Any]:
+    """pyplan's prediction for `run`'s layout under `zero_stage`, in this process; `memory_scale` enlarges the GPU's
+    memory (and nothing else) to read what the layout would need where pyplan finds that it does not fit."""
+    import torch
+
+    from pyplan import load_model, search
+    from pyplan.errors import InfeasibleError, PlanError
+    from pyplan.hardware import Cluster
+    from pyplan.plan import Workload
+
+    spec = load_model(run.ref)
+    with torch.device("meta"):
+        model = spec.build()
+    gpu = _gpu(run.gpu)
+    gpu = replace(gpu, memory_bytes=int(gpu.memory_bytes * memory_scale))
+    out: dict[str, Any] = {
+        "params": sum(p.numel() for p in model.parameters()),  # tied weights once
+        "budget_bytes": gpu.memory_bytes * MEMORY_FRACTION,
+    }
+    t0 = time.perf_counter()
+    try:
+        found = search(
+            model,
+            spec.example_inputs,
+            Cluster.from_catalog(gpu, run.gpus),
+            Workload(global_batch=run.global_batch, precision="bf16-mixed"),
+            zero_stages=(zero_stage,),
+            micro_batch_sizes=(run.micro_batch,),
+            remat=run.remat,
+            top_k=TOP_K,
+            allow_fewer_gpus=False,
+            memory_fraction=MEMORY_FRACTION,
+            loss=spec.loss,
+            target=spec.target,
+        )
+    except InfeasibleError as exc:
+        return {**out, "status": "infeasible", "reason": str(exc), "search_s": time.perf_counter() - t0}
+    except PlanError as exc:
+        return {**out, "status": "refused", "reason": str(exc), "search_s": time.perf_counter() - t0}
+    out["search_s"] = time.perf_counter() - t0
+    plans = [found.best, *found.alternatives]
+    wanted = (run.replicas, run.gpus // run.replicas, run.micro_batch, run.grad_accum, zero_stage)
+    same = [
+        p
+        for p in plans
+        if (p.layout.dp, p.layout.pp, p.layout.micro_batch_size, p.layout.num_microbatches, p.layout.zero_stage)
+        == wanted
+    ]
+    if not same:
+        lay = found.best.layout
+        return {
+            **out,
+            "status": "infeasible",
+            "reason": f"the published layout is not among the {len(plans)} plans that fit; the best is dp{lay.dp} "
+            f"pp{lay.pp} b{lay.micro_batch_size}x{lay.num_microbatches} {lay.schedule} ZeRO-{lay.zero_stage}",
+        }
+    best = min(same, key=lambda p: p.predicted.iteration_s)
+    pred = best.predicted
+    return {
+        **out,
+        "status": "ok",
+        "schedule": best.layout.schedule,
+        "iteration_s": pred.iteration_s,
+        "peak_memory_bytes": pred.peak_memory_bytes,
+        "exposed_comm_s": pred.exposed_comm_s,
+        "recompute_s": pred.recompute_s,
+        "tokens_per_s_per_gpu": run.global_batch * run.seq_len / pred.iteration_s / run.gpus,
+    }
+
+
+def measure(run: Run) -> dict[str, Any]:
+    """The run planned as published. Where pyplan refuses its ZeRO stage, also ZeRO-1 at the same layout as a
+    stand-in; where the layout does not fit, also on a GPU with ROOMY times the memory, to read what pyplan says it
+    needs. Both go to the note, never to the statistics."""
+    got = plan_run(run, run.zero_stage)
+    if got["status"] == "refused" and run.zero_stage != 1:
+        got["stand_in"] = plan_run(run, 1)
+    if got["status"] == "infeasible":
+        got["roomy"] = plan_run(run, run.zero_stage, memory_scale=ROOMY)
+    return got
+
+
+class Footnotes:
+    """Long texts printed once under a table, referred to by number in its cells."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def mark(self, text: str) -> str:
+        if text not in self.texts:
+            self.texts.append(text)
+        return f"({self.texts.index(text) + 1})"
+
+    def print(self, console: Console) -> None:
+        for k, text in enumerate(self.texts, 1):
+            console.print(f"({k}) {text}", markup=False)
+
+
+def _published_cell(run: Run) -> str:
+    cell = f"{run.tokens_per_s_per_gpu:,.0f}"
+    ours = run.mfu_from_throughput()
+    if run.mfu is not None and ours is not None:
+        cell += f"\nMFU {run.mfu:.1%} ({ours:.1%})"
+    return cell
+
+
+def _config(run: Run) -> str:
+    fsdp = "FSDP FULL_SHARD" if run.zero_stage == 3 else f"ZeRO-{run.zero_stage}"
+    tp = f" tp{run.gpus // run.replicas}" if not run.plannable else ""
+    return (
+        f"dp{run.replicas}{tp} pp1 b{run.micro_batch} GA{run.grad_accum}\n{fsdp}, AC {run.checkpointing}\n"
+        f"seq {run.seq_len}, GB {run.global_batch}"
+    )
+
+
+def _figure(run: Run, got: dict[str, Any]) -> str:
+    ratio = got["tokens_per_s_per_gpu"] / run.tokens_per_s_per_gpu
+    return f"{got['tokens_per_s_per_gpu']:,.0f} tok/s/GPU (ratio {ratio:.2f}), {got['peak_memory_bytes'] / GiB:.1f} GiB"
+
+
+def _note(run: Run, got: dict[str, Any] | None, notes: Footnotes) -> str:
+    parts = [f"[{run.source}] {run.table}"]
+    if run.note:
+        parts.append(notes.mark(run.note) if run.note == MPT_NOTE else run.note)
+    ours, theirs = run.mfu_from_throughput(), run.mfu
+    if ours is not None and theirs is not None and abs(ours / theirs - 1) > 0.01:
+        parts.append(f"MFU from tok/s {ours:.1%} != published {theirs:.1%}: check the transcription")
+    if run.excluded:
+        parts.append(f"not in statistics: {run.excluded}")
+    if got is None:
+        return "; ".join(parts)
+    if "error" in got:
+        parts.append(f"error: {got['error']}")
+    elif got["status"] != "ok":
+        parts.append(f"{got['status']} {notes.mark(got['reason'])}")
+        stand = got.get("stand_in")
+        if stand is not None:
+            shown = (
+                _figure(run, stand) if stand["status"] == "ok" else f"{stand['status']} {notes.mark(stand['reason'])}"
+            )
+            parts.append(f"ZeRO-1 stand-in, same layout: {shown}")
+        roomy = got.get("roomy")
+        if roomy is not None and roomy["status"] == "ok":
+            parts.append(
+                f"pyplan says it needs {roomy['peak_memory_bytes'] / GiB:.1f} GiB, plans with "
+                f"{got['budget_bytes'] / GiB:.1f}; with the memory it would give {_figure(run, roomy)}"
+            )
+        elif roomy is not None:
+            parts.append(f"with {ROOMY:g}x the memory: {roomy['status']} {notes.mark(roomy['reason'])}")
+    if got.get("search_s", 0.0) > SLOW_SEARCH_S:
+        parts.append(f"search took {got['search_s']:.0f} s (over {SLOW_SEARCH_S:.0f} s)")
+    return "; ".join(parts)
+
+
+def throughput_table(rows: list[tuple[Run, dict[str, Any] | None]]) -> tuple[Table, Footnotes, list[float], bool]:
+    """Table 1, its footnotes, the ratios of the rows in the statistics, and whether each of those rows is feasible
+    in pyplan."""
+    table = Table(
+        title="pyplan vs published training throughput (bf16 mixed, AdamW; analytic profile on the meta device)",
+        show_lines=True,
+    )
+    for col in ("model", "params pyplan\n(published)", "GPUs", "parallel config",
+                "published tok/s/GPU\nMFU (from tok/s)", "published\nmemory", "pyplan\ntok/s/GPU", "pyplan\nmemory",
+                "ratio", "note"):  # fmt: skip
+        table.add_column(col, overflow="fold")
+    notes = Footnotes()
+    ratios: list[float] = []
+    feasible = True
+    for run, got in rows:
+        counted = not run.excluded and run.plannable
+        pred = mem = ratio = "-"
+        params = f"- ({run.published_params / 1e9:.3f}B)"
+        if got is not None and "params" in got:
+            same = "=" if got["params"] == run.published_params else f"{got['params'] / run.published_params - 1:+.2%}"
+            params = f"{got['params'] / 1e9:.3f}B\n({same})"
+        if got is not None and got.get("status") == "ok":
+            r = got["tokens_per_s_per_gpu"] / run.tokens_per_s_per_gpu
+            pred = f"{got['tokens_per_s_per_gpu']:,.0f}"
+            mem, ratio = f"{got['peak_memory_bytes'] / GiB:.1f} GiB", f"{r:.2f}"
+            if counted:
+                ratios.append(r)
+        elif got is not None:
+            pred = "error" if "error" in got else f"{got['status']} in pyplan"
+            feasible = feasible and not counted
+        table.add_row(
+            run.model,
+            params,
+            f"{run.gpus} x {run.gpu}",
+            _config(run),
+            _published_cell(run),
+            "-" if run.memory_gib is None else f"{run.memory_gib} GiB",
+            pred,
+            mem,
+            ratio if counted or ratio == "-" else f"({ratio})",
+            _note(run, got, notes),
+        )
+    return table, notes, ratios, feasible
+
+
+@dataclass(frozen=True)
+class StateCase:
+    """A model for the model-state table: its parameter count and largest layer as DeepSpeed counts them."""
+
+    name: str
+    params: int
+    largest_layer: int | None  # None: the source gives no architecture
+    source: str
+
+
+def state_case(name: str, label: str) -> StateCase:
+    """A configuration of benchmarks/real_models.py built on the meta device, counted as DeepSpeed's model_to_params
+    counts: shared parameters once, the largest layer the most parameters one module holds itself."""
+    import torch
+
+    from pyplan import load_model
+
+    with torch.device("meta"):
+        model = load_model(CASE[name].ref).build()
+    params = sum({id(p): p.numel() for p in model.parameters()}.values())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return StateCase(label, params, largest, CASE[name].source)
+
+
+def deepspeed_bytes(params: int, largest: int | None, gpus: int, stage: int) -> float | None:
+    """DeepSpeed's estimate without offload (estimate_zero2_model_states_mem_needs: 2Ψ + 18Ψ/N;
+    estimate_zero3_model_states_mem_needs: 4·largest layer + 18Ψ/N); DeepSpeed has none for ZeRO-1."""
+    if stage == 2:
+        return 2 * params + int(18 * params / gpus)
+    if stage == 3:
+        return 4 * (largest or 0) + int(18 * params / gpus)
+    return None
+
+
+# DeepSpeed's bytes per parameter as (weights, gradients, optimizer) passed through pyplan's sharding function.
+# ZeRO-2 (stage_1_and_2.py's comment): 2 fp16 weights unsharded; 18 = 2 fp16 + 4 fp32 gradients + 4 fp32 weights
+# + 8 Adam moments, sharded. ZeRO-3 (stage3.py): 18 per parameter, all sharded, with no split given: the split below
+# is ours and does not matter, every term being divided by N.
+DS_BYTES = {2: (2.0, 6.0, 12.0), 3: (2.0, 4.0, 12.0)}
+ZERO_PAPER_FIG1 = {1: 31.4e9, 2: 16.6e9, 3: 1.9e9}  # Ψ = 7.5e9, N = 64, GB (Rajbhandari et al. 2020, Figure 1)
+
+
+def state_table() -> tuple[Table, Footnotes, list[dict[str, Any]], bool]:
+    """Table 2, its footnotes, its rows, and whether pyplan fed DeepSpeed's bytes per parameter agrees with
+    DeepSpeed within 1 % (the largest-layer term aside)."""
+    from pyplan import _core
+    from pyplan.errors import PlanError
+    from pyplan.plan import Workload
+    from pyplan.profile.memory import model_state_bytes
+
+    workload = Workload(global_batch=1, precision="bf16-mixed")
+    per = model_state_bytes(1, 0, optimizer=workload.optimizer, precision=workload.precision)
+    p, g, k = per.param_bytes, per.grad_bytes, per.optimizer_bytes
+    ours = {1: f"{p + g} + {k}/N", 2: f"{p} + {g + k}/N", 3: f"{p + g + k}/N"}
+    theirs = {1: "-", 2: "2 + 18/N", 3: "18/N + 4·L/Ψ"}
+    cases = (
+        state_case("gpt2-xl", "GPT-2 XL 1.5B"),
+        state_case("llama-2-7b", "Llama 2 7B (6.7B)"),
+        StateCase("ZeRO Fig. 1 7.5B", 7_500_000_000, None, "Rajbhandari et al. 2020, Figure 1 (no architecture)"),
+    )
+    table = Table(
+        title=f"Model-state bytes per GPU, GB = 1e9 B (pyplan: bf16 mixed AdamW, {p}+{g}+{k} B/param; DeepSpeed's "
+        "estimators without offload; Ψ parameters, N GPUs, L the largest layer's parameters)"
+    )
+    for col in ("model Ψ (L)", "N", "ZeRO", "pyplan\nB/param", "pyplan\nGB", "DeepSpeed\nB/param",
+                "DeepSpeed\nGB", "pyplan\n/ DS", "pyplan fed\nDS B/param GB", "same conv.\nratio",
+                "DS largest-\nlayer GB", "check w/o the\nterm (1 %)", "note"):  # fmt: skip
+        table.add_column(col, overflow="fold")
+    notes = Footnotes()
+    rows: list[dict[str, Any]] = []
+    ok = True
+    for case in cases:
+        for gpus in (8, 64):
+            for stage in (1, 2, 3):
+                note = []
+                try:
+                    mine: float | None = workload.state_bytes_per_gpu(case.params, gpus, stage)
+                except PlanError as exc:
+                    mine = None
+                    note.append(f"pyplan refuses {notes.mark(str(exc))}")
+                ds = deepspeed_bytes(case.params, case.largest_layer, gpus, stage)
+                term = 4.0 * (case.largest_layer or 0) if stage == 3 else 0.0
+                on_ds = None
+                check = "-"
+                if stage in DS_BYTES:
+                    bp, bg, bo = DS_BYTES[stage]
+                    on_ds = _core.zero_model_state_bytes(
+                        case.params, gpus, stage, param_bytes=bp, grad_bytes=bg, optim_bytes=bo
+                    ).total_bytes
+                if ds is not None and on_ds is not None:
+                    good = abs(on_ds / (ds - term) - 1) <= 0.01
+                    ok = ok and good
+                    check = f"{on_ds / (ds - term):.4f} {'ok' if good else 'FAIL'}"
+                note.append(
+                    notes.mark(
+                        {
+                            1: "DeepSpeed ships no ZeRO-1 estimator (stage_1_and_2.py has estimate_zero2_* only).",
+                            2: "DeepSpeed counts fp32 gradients beside the 16-bit ones: 2 B unsharded + 18 B sharded "
+                            "(2 fp16 grads + 4 fp32 grads + 4 fp32 weights + 8 Adam moments) = 20 B, pyplan 16 B.",
+                            3: "DeepSpeed: 18 B/param sharded (the total only, no split given) + 4 B per parameter "
+                            "of the largest layer; pyplan's model state has no largest-layer term "
+                            "(Workload.state_bytes_per_gpu; nor does the search's stage memory, cpp/src/search.cpp).",
+                        }[stage]
+                    )
+                )
+                if stage == 3 and case.largest_layer is None:
+                    note.append("no L: the source gives no architecture")
+                if case.largest_layer is None and gpus == 64:
+                    note.append(f"ZeRO paper {ZERO_PAPER_FIG1[stage] / 1e9:.1f} GB")
+                rows.append({"model": case.name, "params": case.params, "largest_layer": case.largest_layer,
+                             "gpus": gpus, "zero_stage": stage, "pyplan_bytes": mine, "deepspeed_bytes": ds,
+                             "pyplan_on_deepspeed_bytes": on_ds, "largest_layer_term_bytes": term})  # fmt: skip
+                largest = "-" if case.largest_layer is None else f"{case.largest_layer / 1e6:.1f}M"
+                table.add_row(
+                    f"{case.name}: {case.params / 1e9:.3f}B, L {largest}",
+                    str(gpus),
+                    str(stage),
+                    ours[stage],
+                    "-" if mine is None else f"{mine / 1e9:.2f}",
+                    theirs[stage],
+                    "-" if ds is None else f"{ds / 1e9:.2f}",
+                    "-" if ds is None or mine is None else f"{mine / ds:.3f}",
+                    "-" if on_ds is None else f"{on_ds / 1e9:.2f}",
+                    "-" if on_ds is None or ds is None else f"{on_ds / ds:.3f}",
+                    f"{term / 1e9:.2f}" if stage == 3 else "-",
+                    check,
+                    "; ".join(note),
+                )
+    return table, notes, rows, ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", choices=list(BY_NAME), metavar="NAME",
+                        help=f"runs to plan (default: all): {', '.join(BY_NAME)}")  # fmt: skip
+    parser.add_argument("--json", metavar="PATH", help="also write every row here")
+    parser.add_argument("--one", choices=list(BY_NAME), help=argparse.SUPPRESS)  # one run, in this process
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(measure(BY_NAME[args.one])))
+        return 0
+    t_start = time.perf_counter()
+    rows: list[tuple[Run, dict[str, Any] | None]] = []
+    for run in RUNS:
+        if args.cases and run.name not in args.cases:
+            continue
+        if not run.plannable:
+            rows.append((run, None))
+            continue
+        t0 = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--one", run.name], capture_output=True, text=True, timeout=1800
+        )
+        if done.returncode != 0:
+            got = {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+        else:
+            got = json.loads(done.stdout.strip().splitlines()[-1])
+        got["wall_s"] = time.perf_counter() - t0
+        rows.append((run, got))
+        print(f"{run.name}: {got.get('status', 'error')} in {got['wall_s']:.0f} s", file=sys.stderr)
+    console = Console(width=200, emoji=False)
+    table, notes, ratios, feasible = throughput_table(rows)
+    console.print(table)
+    notes.print(console)
+    for key, text in SOURCES.items():
+        if any(run.source == key for run, _ in rows):
+            console.print(f"[{key}] {text}", markup=False)
+    errors = [abs(r - 1) for r in ratios]
+    median = statistics.median(errors) if errors else None
+    worst = max(errors) if errors else None
+    print(f"statistics over {len(errors)} rows (excluded rows and rows pyplan could not plan are left out):")
+    for what, value, target in (("median", median, TARGET_MEDIAN), ("worst", worst, TARGET_WORST)):
+        shown = "n/a" if value is None else f"{value:.1%}"
+        met = value is not None and value <= target
+        print(f"  {what} |predicted/published - 1| = {shown} (target <= {target:.0%}): {'met' if met else 'MISSED'}")
+    print(f"  every published configuration feasible in pyplan: {'met' if feasible else 'MISSED'}")
+    state, state_notes, state_rows, state_ok = state_table()
+    console.print(state)
+    state_notes.print(console)
+    print(
+        "sources: deepspeedai/DeepSpeed deepspeed/runtime/zero/stage_1_and_2.py (at 7dee2e06) "
+        "estimate_zero2_model_states_mem_needs, deepspeed/runtime/zero/stage3.py (at 007cca6a) "
+        "estimate_zero3_model_states_mem_needs; Rajbhandari et al. 2020, ZeRO, Figure 1"
+    )
+    print(f"pyplan on DeepSpeed's bytes per parameter within 1 % (largest-layer term aside): "
+          f"{'met' if state_ok else 'MISSED'}")  # fmt: skip
+    print(f"run time {time.perf_counter() - t_start:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "throughput": [{"run": asdict(run), "pyplan": got} for run, got in rows],
+                    "statistics": {"median": median, "worst": worst, "feasible": feasible, "rows": len(errors)},
+                    "model_state": state_rows,
+                },
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
