@@ -27,7 +27,9 @@ from pyplan.plan import Layout
 from pyplan.runtime.affinity import pin_rank
 from pyplan.runtime.heap import keep_freed_memory
 from pyplan.runtime.optim import OptimizerFactory, OptimizerSpec, optimizer_factory
+from pyplan.runtime.sharded import ShardedTrainer, build_sharded_trainer
 from pyplan.runtime.stages import cut_model, local_stages, stage_io, tied_parameters
+from pyplan.solve.remat import Keep
 from pyplan.spec import ModelSpec, default_loss
 
 __all__ = [
@@ -175,7 +177,7 @@ def build_trainer(
     leaf_modules: Iterable[LeafSpec] = (),
     example_inputs: ExampleInputs | None = None,
     precision: str = "fp32",
-) -> PipelineTrainer:
+) -> PipelineTrainer | ShardedTrainer:
     """This rank's stages of `model` cut by `layout`, wrapped for data parallelism, with the planned schedule.
 
     Call on every rank after `dist.init_process_group`, with the same model (same seed) everywhere.
@@ -192,6 +194,21 @@ def build_trainer(
     split_backward = layout.schedule in _SPLIT_BACKWARD
     if precision not in _AUTOCAST:
         raise PlanError(f"unknown precision '{precision}'; choose one of {', '.join(_AUTOCAST)}")
+    if layout.zero_stage == 3 and layout.num_stages == 1 and layout.dp > 1:
+        # ZeRO-3 as FSDP runs it, on the model's own modules (pyplan/runtime/sharded.py).
+        if any(r is not None and any(not isinstance(it, Keep) for it in r.plan.items) for r in layout.remat):
+            raise PlanError(
+                "ZeRO-3 without pipeline stages trains the model's own modules, which a block's rematerialization "
+                "plan cannot reach; plan it without remat, or with pipeline stages and ZeRO-1"
+            )
+        mesh = build_mesh(layout, device.type)
+        trainer = build_sharded_trainer(
+            model, layout, mesh, make_optimizer, examples, device, spec.loss or default_loss, _AUTOCAST[precision]
+        )
+        if device.type == "cpu":
+            keep_freed_memory()
+            pin_rank()
+        return trainer
     _, stages = cut_model(
         model,
         examples,

@@ -189,6 +189,12 @@ def configs(world: int) -> list[dict]:
             opt = "sgd" if kind in ("bert", "mixtral") else "adamw"
             out.append(dict(model=model, dp=1, pp=2, schedule="1F1B", v=1, m=4, b=2, optimizer=opt, zero=0,
                             float32=kind == "mixtral"))  # fmt: skip
+        # ZeRO-3 without pipeline stages: the model's own modules sharded unit by unit over 2 replicas, gradients
+        # reduce-scattered every micro-batch (pyplan/runtime/sharded.py): tied embeddings (gpt-tiny), batch norm
+        # (resnet-tiny), keyword inputs and a dict output (branchy), a transformers model.
+        llama = [(m, "adamw") for m in HF_MODELS if m.startswith("hf:llama")]
+        for model, opt in [("gpt-tiny", "adamw"), ("resnet-tiny", "sgd"), (BRANCHY, "adamw"), *llama]:
+            out.append(dict(model=model, dp=2, pp=1, schedule="GPipe", v=1, m=4, b=2, optimizer=opt, zero=3))
         # Stages assigned operation by operation (Layout.stage_of_node), not contiguous in the traced order: the
         # branches of grouped-mlp-tiny share one block of the chain and are split between the stages.
         out.append(dict(model="grouped-mlp-tiny", dp=1, pp=2, schedule="1F1B", v=1, m=4, b=2, optimizer="sgd", zero=0,

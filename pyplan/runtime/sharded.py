@@ -1,0 +1,116 @@
+"""ZeRO-3 without pipeline stages, as FSDP runs it: the model's own modules, sharded unit by unit.
+
+A plan of one pipeline stage and ZeRO-3 trains the model itself, not a captured piece of it: FSDP2 gathers a
+unit's parameters in that unit's forward hooks, and a captured graph reads its parameters without calling the modules
+that own them. Each layer of the model's layer stacks (a child of an `nn.ModuleList` or `nn.Sequential` that owns
+parameters) is a unit, the rest of the model one more at the root (torchtitan shards its Llama this way).
+
+Every micro-batch's backward reduce-scatters each unit's gradients into the shards as the unit finishes (FSDP2's
+default, the ZeRO paper's stage 3): no unsharded gradient outlives its unit's backward, and no unit's parameters
+stay gathered once it is done. `torch.distributed.pipelining` does the opposite (it defers both to the step's end,
+holding every unsharded gradient and parameter), which is why pipelines of several stages do not plan ZeRO-3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from pyplan.graph.trace import Call, ExampleInputs, call_at, output_tensors
+from pyplan.plan import Layout
+from pyplan.runtime.optim import OptimizerFactory
+
+__all__ = ["ShardedTrainer", "shard_units"]
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards as units of their own, deepest first: the children of every `nn.ModuleList` and
+    `nn.Sequential` that own parameters. The root, sharded last, holds the rest."""
+    units = [
+        child
+        for parent in model.modules()
+        if isinstance(parent, (nn.ModuleList, nn.Sequential))
+        for child in parent.children()
+        if any(True for _ in child.parameters())
+    ]
+    depth = {id(m): name.count(".") for name, m in model.named_modules()}
+    return sorted(units, key=lambda m: -depth[id(m)])
+
+
+@dataclass
+class ShardedTrainer:
+    """One replica of a plan with one pipeline stage and ZeRO-3: the same interface as `PipelineTrainer`."""
+
+    layout: Layout
+    mesh: DeviceMesh
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    template: Call  # the structure of one micro-batch's call, its tensors in `input_tensors` order
+    loss_fn: Any
+    autocast_dtype: torch.dtype | None = None
+
+    stage_indices = (0,)
+    has_first = True
+    has_last = True
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [self.model]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The parameters by their names in the original model, as full tensors."""
+        return {name: p.full_tensor().detach() for name, p in self.model.named_parameters()}
+
+    def _call(self, tensors: tuple[torch.Tensor, ...]) -> Call:
+        leaves, spec = tree_flatten(self.template)
+        given = iter(tensors)
+        return tree_unflatten([next(given) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+    def step(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None) -> list[torch.Tensor]:
+        """One optimizer step on this replica's samples (gradient accumulation over the plan's micro-batches, the
+        loss of each divided by their count, as the pipeline schedules scale it); returns each micro-batch's loss."""
+        self.optimizer.zero_grad(set_to_none=True)
+        m, b = self.layout.num_microbatches, self.layout.micro_batch_size
+        losses: list[torch.Tensor] = []
+        for k in range(m):
+            part = slice(k * b, (k + 1) * b)
+            args, kwargs = self._call(tuple(t[part].to(self.device) for t in inputs))
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
+                out = output_tensors(self.model(*args, **kwargs))
+            loss = self.loss_fn(out, target[part].to(self.device) if target is not None else None)
+            (loss / m).backward()
+            losses.append(loss.detach())
+        self.optimizer.step()
+        return losses
+
+
+def build_sharded_trainer(
+    model: nn.Module,
+    layout: Layout,
+    mesh: DeviceMesh,
+    make_optimizer: OptimizerFactory,
+    examples: ExampleInputs,
+    device: torch.device,
+    loss_fn: Any,
+    autocast_dtype: torch.dtype | None,
+) -> ShardedTrainer:
+    """`model` sharded over the mesh's dp axis unit by unit (`shard_units`, then the root), with its optimizer over
+    the shards."""
+    model = model.to(device)
+    for unit in shard_units(model):
+        fully_shard(unit, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    optimizer = make_optimizer(list(model.parameters()))
+    template = call_at(examples, layout.micro_batch_size)
+    return ShardedTrainer(layout, mesh, model, optimizer, device, template, loss_fn, autocast_dtype)
