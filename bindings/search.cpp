@@ -106,7 +106,7 @@ void bind_search(py::module_& m) {
            double weight, std::int64_t top_k, std::vector<double> param_tensors, std::vector<double> cut_tensors,
            std::pair<double, double> intra_collective, std::pair<double, double> inter_collective,
            const py::dict& host, std::vector<double> time_sizes, std::vector<double> fwd_points_s,
-           std::vector<double> bwd_points_s) {
+           std::vector<double> bwd_points_s, bool zero3_single_stage) {
             pyplan::ProfiledChain chain{std::move(fwd_alpha_s),     std::move(fwd_beta_s),
                                               std::move(bwd_alpha_s),     std::move(bwd_beta_s),
                                               std::move(act_per_sample_bytes), std::move(act_fixed_bytes),
@@ -150,6 +150,7 @@ void bind_search(py::module_& m) {
             space.placements.clear();
             for (const auto& name : placements) space.placements.push_back(pyplan::placement_from_name(name));
             space.allow_fewer_gpus = allow_fewer_gpus;
+            space.zero3_single_stage = zero3_single_stage;
             space.objective = pyplan::objective_from_name(objective);
             space.weight = weight;
             space.top_k = to_int(top_k, "top_k", 1, kIntMax);
@@ -172,7 +173,7 @@ void bind_search(py::module_& m) {
         py::arg("cut_tensors") = std::vector<double>{}, py::arg("intra_collective") = std::make_pair(0.0, 0.0),
         py::arg("inter_collective") = std::make_pair(0.0, 0.0), py::arg("host") = py::dict(),
         py::arg("time_sizes") = std::vector<double>{}, py::arg("fwd_points_s") = std::vector<double>{},
-        py::arg("bwd_points_s") = std::vector<double>{},
+        py::arg("bwd_points_s") = std::vector<double>{}, py::arg("zero3_single_stage") = false,
         "Searches data parallelism x pipeline stages x micro-batch size x schedule x ZeRO stage x placement\n"
         "for a chain profiled as t(b) = alpha*b + beta per block, or, with time_sizes (K ascending sizes), as\n"
         "the line between the neighbouring points fwd/bwd_points_s[i*K + k] (see cpp/include/pyplan/search.h for the\n"

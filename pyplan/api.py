@@ -39,6 +39,7 @@ from pyplan.profile.loss import LossCost, LossFn, TargetFn, loss_cost, remat_wit
 from pyplan.profile.measure import CheckpointCosts, checkpoint_call_s, checkpoint_costs
 from pyplan.profile.memory import optimizer_step_bytes
 from pyplan.profile.remat import remat_bytes
+from pyplan.runtime.sharded import gathered_bytes, remat_kind
 from pyplan.solve.dag_search import dag_plans
 from pyplan.solve.remat_search import (
     OFFLOAD_MODES,
@@ -480,6 +481,7 @@ def search(
                 intra_collective=group.intra_link.collective,
                 inter_collective=group.inter_link.collective,
                 host=host_costs,
+                zero3_single_stage=True,  # see pyplan/plan.py ZERO_STAGES
                 **(recomputing_tables if recompute else time_tables),
             )
         except ValueError as exc:
@@ -573,6 +575,23 @@ def search(
         lay = p.layout
         return with_tied_state(p, chain, tied, lambda n: workload.state_bytes_per_gpu(n, lay.dp, lay.zero_stage))
 
+    # ZeRO-3 (one stage, the model's own modules under FSDP2): the units it holds gathered beside the shards.
+    gathered = gathered_bytes(model, float(per_param.param_bytes), float(per_param.grad_bytes))
+
+    def sharded(p: Plan | None) -> Plan | None:
+        """A ZeRO-3 plan as the runtime can run it (no recomputation, or every layer's: it trains the model's own
+        modules), with its gathered units, if it still fits; any other plan as it is."""
+        if p is None or p.layout.zero_stage != 3:
+            return p
+        if remat_kind(p.layout) == "other":
+            return None
+        stages_ = tuple(replace(st, state_bytes=st.state_bytes + gathered, memory_bytes=st.memory_bytes + gathered)
+                        for st in p.stages)  # fmt: skip
+        peak = p.predicted.peak_memory_bytes + gathered
+        if peak > gpu_mem:
+            return None
+        return replace(p, stages=stages_, predicted=replace(p.predicted, peak_memory_bytes=peak))
+
     def refined(results: Iterable[Any], mode: str) -> list[Plan]:
         seen: set[tuple[Any, ...]] = set()
         out: list[Plan] = []
@@ -582,7 +601,7 @@ def search(
             if key in seen:
                 continue
             seen.add(key)
-            got = refine(c, start, mode)
+            got = sharded(refine(c, start, mode))
             if got is not None:
                 out.append(tied_sync(got))
         return out

@@ -26,22 +26,15 @@ __all__ = [
 SCHEMA_VERSION = 1
 OBJECTIVES = ("time", "cost", "weighted")
 PLACEMENTS = ("pp-inner", "dp-inner")
-# The ZeRO stages plans use (Rajbhandari et al. 2020) and why the others are not: what the runtime would run is
-# not what their memory model promises.
-# - 0 replicates the model state (DDP); 1 shards the optimizer state (ZeroRedundancyOptimizer beside DDP).
-# - 2 would run as 1: ZeroRedundancyOptimizer beside DDP keeps every gradient.
-# - 3 (FSDP2 over each stage) shards nothing at its peak: torch.distributed.pipelining defers FSDP2's
-#   reduce-scatter and reshard to the step's end (PipelineStage.backward_maybe_with_nosync sets
-#   set_requires_gradient_sync(False) and set_reshard_after_backward(False) for every micro-batch), so from the first
-#   backward on, the stage's unsharded parameters and its unsharded gradients are all held, as under ZeRO-1, plus the
-#   shards. The runtime still runs a plan.json of ZeRO-3 (and trains the same weights); the search does not offer it.
-ZERO_STAGES = (0, 1)
+# The ZeRO stages plans use (Rajbhandari et al. 2020): 0 replicates the model state (DDP); 1 shards the optimizer
+# state (ZeroRedundancyOptimizer beside DDP); 3 shards parameters, gradients and optimizer state, and only in plans of
+# one pipeline stage, where the runtime trains the model's own modules under FSDP2 (pyplan/runtime/sharded.py).
+# Over several stages torch.distributed.pipelining defers FSDP2's reduce-scatter and reshard to the step's end
+# (PipelineStage.backward_maybe_with_nosync), holding every unsharded gradient and parameter: not ZeRO-3's memory.
+ZERO_STAGES = (0, 1, 3)
 ZERO_REFUSED = {
     2: "ZeRO-2 is not offered: pyplan's runtime would keep every gradient (DDP beside ZeroRedundancyOptimizer, "
-    "which is ZeRO-1); plan ZeRO-1",
-    3: "ZeRO-3 is not offered: under torch.distributed.pipelining a stage's FSDP2 reduce-scatter and reshard wait "
-    "for the step's end, so its unsharded parameters and gradients are all held as under ZeRO-1; plan ZeRO-1 and "
-    "pipeline stages",
+    "which is ZeRO-1); plan ZeRO-1, or ZeRO-3 without pipeline stages",
 }
 
 

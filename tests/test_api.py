@@ -14,6 +14,7 @@ from pyplan.cli import main
 from pyplan.emit.planfile import PlanFile, read_plan_file, write_plan_file
 from pyplan.hardware import Cluster
 from pyplan.plan import Layout, Plan, Workload
+from pyplan.runtime.sharded import gathered_bytes, remat_kind
 
 
 @pytest.fixture(scope="module")
@@ -166,16 +167,24 @@ def test_predictions_within_a_tenth_of_a_percent_rank_by_memory() -> None:
     assert [it[0] for it in rank_ties(same, lambda it: it[1], lambda it: (it[2],))] == ["y", "x"]
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_stages_the_runtime_cannot_deliver_are_not_offered(stage: int) -> None:
-    """ZeRO-2 would run as ZeRO-1, ZeRO-3 holds ZeRO-1's peak under torch's pipelining: one line each, and a
-    plan.json of ZeRO-2 is refused too."""
-    spec = load_model("zoo:mlp-tiny")
+def test_zero2_is_not_offered_and_zero3_only_without_pipeline_stages() -> None:
+    """ZeRO-2 would run as ZeRO-1: one line. ZeRO-3 plans have one stage and no block rematerialization (the runtime
+    shards the model's own modules), and hold their gathered units beside the shards."""
+    spec = load_model("zoo:gpt-tiny")
     cluster, workload = Cluster.from_catalog("a100-80g", 4), Workload(global_batch=8)
-    with pytest.raises(PlanError, match=f"ZeRO-{stage} is not offered"):
-        search(spec.build(), spec.example_inputs, cluster, workload, zero_stages=(0, stage))
-    found = search(spec.build(), spec.example_inputs, cluster, workload)
-    assert {p.layout.zero_stage for p in (found.best, *found.alternatives, *found.pareto)} <= {0, 1}
+    with pytest.raises(PlanError, match="ZeRO-2 is not offered"):
+        search(spec.build(), spec.example_inputs, cluster, workload, zero_stages=(0, 2))
+    found = search(spec.build(), spec.example_inputs, cluster, workload, zero_stages=(3,), top_k=50, remat="auto")
+    plans = (found.best, *found.alternatives, *found.pareto)
+    sharded = [p for p in plans if p.layout.zero_stage == 3]
+    assert sharded and all(p.layout.num_stages == 1 and p.layout.dp > 1 for p in sharded)
+    assert all(remat_kind(p.layout) != "other" for p in sharded)
+    model = spec.build()
+    units = gathered_bytes(model, 4.0, 4.0)
+    assert units > 0
+    state = Workload(global_batch=8).state_bytes_per_gpu(sum(p.numel() for p in model.parameters()), 4, 3)
+    four = [p for p in sharded if p.layout.dp == 4]
+    assert four and all(p.stages[0].state_bytes == pytest.approx(state + units, rel=1e-6) for p in four)
     with pytest.raises(PlanError, match="ZeRO-2 is not offered"):
         Layout(dp=2, pp=1, micro_batch_size=1, num_microbatches=4, schedule="GPipe", cut_positions=(0, 3), zero_stage=2)
 

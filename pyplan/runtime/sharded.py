@@ -13,6 +13,7 @@ holding every unsharded gradient and parameter), which is why pipelines of sever
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,12 +22,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint
 
 from pyplan.graph.trace import Call, ExampleInputs, call_at, output_tensors
 from pyplan.plan import Layout
 from pyplan.runtime.optim import OptimizerFactory
+from pyplan.solve.remat import Keep, full_remat
 
-__all__ = ["ShardedTrainer", "shard_units"]
+__all__ = ["ShardedTrainer", "build_sharded_trainer", "gathered_bytes", "remat_kind", "shard_units"]
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
@@ -41,6 +44,41 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     ]
     depth = {id(m): name.count(".") for name, m in model.named_modules()}
     return sorted(units, key=lambda m: -depth[id(m)])
+
+
+def remat_kind(layout: Layout) -> str:
+    """ "none" (every block keeps its activations), "full" (every block checkpointed but the last, `full_remat`:
+    the runtime checkpoints each unit, as torchtitan's full activation checkpointing does) or "other"."""
+    plans = [r.plan for r in layout.remat if r is not None]
+    if all(isinstance(it, Keep) for plan in plans for it in plan.items):
+        return "none"
+    if all(plan == full_remat(plan.first, plan.last + 1) for plan in plans):
+        return "full"
+    return "other"
+
+
+def _checkpointed(unit: nn.Module) -> None:
+    """Run `unit`'s forward under non-reentrant checkpointing: it keeps its inputs and recomputes the rest in its
+    backward, inside FSDP2's hooks (which gather the unit's parameters again for the backward)."""
+    forward = unit.forward
+    unit.forward = functools.partial(checkpoint, forward, use_reentrant=False)  # type: ignore[method-assign]
+
+
+def gathered_bytes(model: nn.Module, param_bytes: float, grad_bytes: float) -> float:
+    """Bytes FSDP2 holds unsharded beside the shards at a step's peak, at `param_bytes` and `grad_bytes` an element.
+
+    The root unit stays gathered from its forward to the end of its backward (FSDP2 does not reshard the root after
+    forward: torch/distributed/fsdp/_fully_shard/_fsdp_state.py, `_lazy_init`), with its gradient before the last
+    reduce-scatter; a layer unit is gathered in its forward and again in its backward beside the next one, which is
+    prefetched, and its unsharded gradient lives until its reduce-scatter: (P + G)·root + (2·P + G)·largest unit."""
+    claimed: set[int] = set()
+    largest = 0
+    for unit in shard_units(model):
+        own = [p for p in unit.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in own)
+        largest = max(largest, sum(p.numel() for p in own))
+    root = sum(p.numel() for p in model.parameters() if id(p) not in claimed)
+    return (param_bytes + grad_bytes) * root + (2 * param_bytes + grad_bytes) * largest
 
 
 @dataclass
@@ -105,10 +143,13 @@ def build_sharded_trainer(
     loss_fn: Any,
     autocast_dtype: torch.dtype | None,
 ) -> ShardedTrainer:
-    """`model` sharded over the mesh's dp axis unit by unit (`shard_units`, then the root), with its optimizer over
-    the shards."""
+    """`model` sharded over the mesh's dp axis unit by unit (`shard_units`, then the root), each unit checkpointed
+    where the plan recomputes every block, with its optimizer over the shards."""
     model = model.to(device)
+    full = remat_kind(layout) == "full"
     for unit in shard_units(model):
+        if full:
+            _checkpointed(unit)
         fully_shard(unit, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     optimizer = make_optimizer(list(model.parameters()))

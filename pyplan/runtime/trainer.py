@@ -27,9 +27,8 @@ from pyplan.plan import Layout
 from pyplan.runtime.affinity import pin_rank
 from pyplan.runtime.heap import keep_freed_memory
 from pyplan.runtime.optim import OptimizerFactory, OptimizerSpec, optimizer_factory
-from pyplan.runtime.sharded import ShardedTrainer, build_sharded_trainer
+from pyplan.runtime.sharded import ShardedTrainer, build_sharded_trainer, remat_kind
 from pyplan.runtime.stages import cut_model, local_stages, stage_io, tied_parameters
-from pyplan.solve.remat import Keep
 from pyplan.spec import ModelSpec, default_loss
 
 __all__ = [
@@ -196,10 +195,10 @@ def build_trainer(
         raise PlanError(f"unknown precision '{precision}'; choose one of {', '.join(_AUTOCAST)}")
     if layout.zero_stage == 3 and layout.num_stages == 1 and layout.dp > 1:
         # ZeRO-3 as FSDP runs it, on the model's own modules (pyplan/runtime/sharded.py).
-        if any(r is not None and any(not isinstance(it, Keep) for it in r.plan.items) for r in layout.remat):
+        if remat_kind(layout) == "other":
             raise PlanError(
-                "ZeRO-3 without pipeline stages trains the model's own modules, which a block's rematerialization "
-                "plan cannot reach; plan it without remat, or with pipeline stages and ZeRO-1"
+                "ZeRO-3 without pipeline stages trains the model's own modules: it checkpoints every layer or none, "
+                "not a block's rematerialization plan; plan it with remat none or full, or ZeRO-1"
             )
         mesh = build_mesh(layout, device.type)
         trainer = build_sharded_trainer(

@@ -132,6 +132,7 @@ def _instance(seed: int) -> tuple[ProfiledChain, Hardware, Space]:
         allow_fewer_gpus=rng.random() < 0.5,
         objective=rng.choice(("time", "cost", "weighted")),
         weight=rng.choice((0.0, 2.0**-4, 1.0)),
+        zero3_single_stage=rng.random() < 0.5,
     )
     return chain, hw, space
 
