@@ -39,7 +39,7 @@ from pyplan.profile.loss import LossCost, LossFn, TargetFn, loss_cost, remat_wit
 from pyplan.profile.measure import CheckpointCosts, checkpoint_call_s, checkpoint_costs
 from pyplan.profile.memory import optimizer_step_bytes
 from pyplan.profile.remat import remat_bytes
-from pyplan.runtime.sharded import gathered_bytes, remat_kind
+from pyplan.runtime.sharded import gathered_bytes, remat_kind, unit_segments
 from pyplan.solve.dag_search import dag_plans
 from pyplan.solve.remat_search import (
     OFFLOAD_MODES,
@@ -529,6 +529,7 @@ def search(
             checkpoint_forward_share=costs.forward_share,
             params=stage_params,
             tied_copy_numel=[sum(float(t.numel) for t in ts) for ts in tied_copies(start.layout, chain, tied)],
+            segments=units,
         )
 
     # Parameters on stages of different ranks (tied embeddings) are all-reduced after the pipeline drains.
@@ -575,11 +576,13 @@ def search(
         lay = p.layout
         return with_tied_state(p, chain, tied, lambda n: workload.state_bytes_per_gpu(n, lay.dp, lay.zero_stage))
 
-    # ZeRO-3 (one stage, the model's own modules under FSDP2): the units it holds gathered beside the shards.
+    # ZeRO-3 (one stage, the model's own modules under FSDP2): the units it holds gathered beside the shards, and
+    # the blocks each unit spans, which it recomputes when it recomputes at all (it checkpoints whole units).
     gathered = gathered_bytes(model, float(per_param.param_bytes), float(per_param.grad_bytes))
+    units = unit_segments(model, [b.name for b in blocks])
 
     def sharded(p: Plan | None) -> Plan | None:
-        """A ZeRO-3 plan as the runtime can run it (no recomputation, or every layer's: it trains the model's own
+        """A ZeRO-3 plan as the runtime can run it (no recomputation, or every unit's: it trains the model's own
         modules), with its gathered units, if it still fits; any other plan as it is."""
         if p is None or p.layout.zero_stage != 3:
             return p
@@ -601,7 +604,7 @@ def search(
             if key in seen:
                 continue
             seen.add(key)
-            got = sharded(refine(c, start, mode))
+            got = sharded(refine(c, start, "segments" if c.zero_stage == 3 and mode != "none" else mode))
             if got is not None:
                 out.append(tied_sync(got))
         return out

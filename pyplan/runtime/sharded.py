@@ -14,6 +14,7 @@ holding every unsharded gradient and parameter), which is why pipelines of sever
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +28,9 @@ from torch.utils.checkpoint import checkpoint
 from pyplan.graph.trace import Call, ExampleInputs, call_at, output_tensors
 from pyplan.plan import Layout
 from pyplan.runtime.optim import OptimizerFactory
-from pyplan.solve.remat import Keep, full_remat
+from pyplan.solve.remat import Checkpoint, Keep
 
-__all__ = ["ShardedTrainer", "build_sharded_trainer", "gathered_bytes", "remat_kind", "shard_units"]
+__all__ = ["ShardedTrainer", "build_sharded_trainer", "gathered_bytes", "remat_kind", "shard_units", "unit_segments"]
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
@@ -47,14 +48,44 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 
 
 def remat_kind(layout: Layout) -> str:
-    """ "none" (every block keeps its activations), "full" (every block checkpointed but the last, `full_remat`:
-    the runtime checkpoints each unit, as torchtitan's full activation checkpointing does) or "other"."""
-    plans = [r.plan for r in layout.remat if r is not None]
-    if all(isinstance(it, Keep) for plan in plans for it in plan.items):
+    """ "none" (every block keeps its activations), "units" (some blocks checkpointed in one level, as checkpointing
+    whole units makes them: the runtime then checkpoints every unit) or "other" (nested checkpoints, offloading)."""
+    items = [it for r in layout.remat if r is not None for it in r.plan.items]
+    if all(isinstance(it, Keep) for it in items):
         return "none"
-    if all(plan == full_remat(plan.first, plan.last + 1) for plan in plans):
-        return "full"
-    return "other"
+    one_level = all(
+        isinstance(it, Keep) or (isinstance(it, Checkpoint) and all(isinstance(x, Keep) for x in it.inner.items))
+        for it in items
+    )
+    return "units" if one_level else "other"
+
+
+def _outermost(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The units of `shard_units` inside no other unit, with their names: the ones the runtime checkpoints."""
+    names = {id(m): name for name, m in model.named_modules()}
+    units = [(names[id(u)], u) for u in shard_units(model)]
+    paths = [p for p, _ in units]
+    return [(p, u) for p, u in units if not any(p.startswith(q + ".") for q in paths if q != p)]
+
+
+def unit_segments(model: nn.Module, block_names: Sequence[str]) -> list[tuple[int, int]]:
+    """The blocks each outermost unit spans, as [start, stop) runs of consecutive blocks (blocks are named by the
+    module they come from): what checkpointing those units recomputes."""
+    paths = [p for p, _ in _outermost(model)]
+
+    def unit_of(block: str) -> str | None:
+        return next((p for p in paths if block == p or block.startswith(p + ".")), None)
+
+    owners = [unit_of(name) for name in block_names]
+    runs: list[tuple[int, int]] = []
+    for i, owner in enumerate(owners):
+        if owner is None:
+            continue
+        if runs and owners[runs[-1][0]] == owner and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def _checkpointed(unit: nn.Module) -> None:
@@ -143,13 +174,13 @@ def build_sharded_trainer(
     loss_fn: Any,
     autocast_dtype: torch.dtype | None,
 ) -> ShardedTrainer:
-    """`model` sharded over the mesh's dp axis unit by unit (`shard_units`, then the root), each unit checkpointed
-    where the plan recomputes every block, with its optimizer over the shards."""
+    """`model` sharded over the mesh's dp axis unit by unit (`shard_units`, then the root), the outermost units
+    checkpointed where the plan recomputes (`unit_segments`), with its optimizer over the shards."""
     model = model.to(device)
-    full = remat_kind(layout) == "full"
-    for unit in shard_units(model):
-        if full:
+    if remat_kind(layout) == "units":
+        for _, unit in _outermost(model):
             _checkpointed(unit)
+    for unit in shard_units(model):
         fully_shard(unit, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     optimizer = make_optimizer(list(model.parameters()))

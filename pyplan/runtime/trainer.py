@@ -197,8 +197,8 @@ def build_trainer(
         # ZeRO-3 as FSDP runs it, on the model's own modules (pyplan/runtime/sharded.py).
         if remat_kind(layout) == "other":
             raise PlanError(
-                "ZeRO-3 without pipeline stages trains the model's own modules: it checkpoints every layer or none, "
-                "not a block's rematerialization plan; plan it with remat none or full, or ZeRO-1"
+                "ZeRO-3 without pipeline stages trains the model's own modules: it checkpoints every unit or none, "
+                "not nested checkpoints or offloading; plan it with pyplan, or with ZeRO-1"
             )
         mesh = build_mesh(layout, device.type)
         trainer = build_sharded_trainer(

@@ -24,7 +24,9 @@ from pyplan.plan import Plan, StagePlan, StageRemat
 from pyplan.profile.remat import BlockMemory, RematProfile
 from pyplan.solve.remat import (
     Checkpoint,
+    Keep,
     RematChain,
+    RematItem,
     RematPlan,
     Replay,
     checkpoint_cost_s,
@@ -45,6 +47,7 @@ __all__ = [
     "StageParams",
     "refine_plan",
     "relaxed_chain",
+    "segmented",
     "stage_outputs",
     "stage_remat",
     "unmade_grad_bytes",
@@ -125,6 +128,19 @@ def unmade_grad_bytes(rep: Replay, in_flight: int, grads_bytes: float) -> float:
     return max(0.0, counted - max(first, second, grads_bytes))
 
 
+def segmented(n: int, segments: Sequence[tuple[int, int]]) -> RematPlan:
+    """Blocks [0, n) with each of `segments` (disjoint [start, stop) ranges, in order) checkpointed whole, every other
+    block kept: what checkpointing whole modules does (the module keeps its input and runs again in its backward)."""
+    items: list[RematItem] = []
+    k = 0
+    for start, stop in segments:
+        items.extend(Keep(i) for i in range(k, start))
+        items.append(Checkpoint(no_remat(start, stop)))
+        k = stop
+    items.extend(Keep(i) for i in range(k, n))
+    return RematPlan(tuple(items))
+
+
 def stage_remat(
     chain: RematChain,
     budget_bytes: float,
@@ -134,12 +150,14 @@ def stage_remat(
     offload_bw_bytes_per_s: float | None,
     slots: int = 200,
     fresh_grad_bytes: Sequence[float] = (),
+    segments: Sequence[tuple[int, int]] = (),
 ) -> StageChoice | None:
     """The plan of `mode` for one stage's blocks (numbered from 0) within `budget_bytes` (activations only), or
     None. `fresh_grad_bytes` (per block; empty: none): the stage's parameter gradients, where zero_grad frees them
     every step and every micro-batch's forward runs before the stage's first backward (`unmade_grad_bytes`); what
     is not yet made at the peak is left out of the need. ("auto" chooses its plan within the budget without
-    that allowance, then counts it.)"""
+    that allowance, then counts it.) Mode "segments" checkpoints each of `segments` ([start, stop) blocks) whole and
+    keeps the other blocks: the plan of a runtime that checkpoints modules (`segmented`)."""
     n = len(chain)
     bw = offload_bw_bytes_per_s or math.inf
 
@@ -162,6 +180,8 @@ def stage_remat(
         return fits(no_remat(0, n))
     if mode == "full":
         return fits(full_remat(0, n))
+    if mode == "segments":
+        return fits(segmented(n, segments))
     if mode == "periodic":
         options = [r for k in range(1, n + 1) if (r := fits(periodic(0, n, k))) is not None]
         return min(options, key=lambda r: r.time_s, default=None)
@@ -253,6 +273,7 @@ def refine_plan(
     checkpoint_forward_share: float = 0.0,
     params: StageParams | None = None,
     tied_copy_numel: Sequence[float] = (),
+    segments: Sequence[tuple[int, int]] = (),
 ) -> Plan | None:
     """`plan` (from the search on the relaxed chain) with each stage's remat plan, times and memory; None
     when some stage fits no plan of `mode`. `fwd_s(b)`/`bwd_s(b)` give the blocks' seconds at micro-batch b,
@@ -332,6 +353,7 @@ def refine_plan(
             mode=mode,
             offload_bw_bytes_per_s=offload_bw_bytes_per_s,
             fresh_grad_bytes=_stage_grads(params, lo, hi) if params is not None and fresh else (),
+            segments=[(max(a, lo) - lo, min(z, hi) - lo) for a, z in segments if a < hi and z > lo],
         )
         if got is None:
             return None

@@ -1,0 +1,65 @@
+"""ZeRO-3 without pipeline stages: the units FSDP2 shards, what it holds gathered, what checkpointing them recomputes,
+and the plans the search makes of it (the training itself: tests/runtime/_transparency.py)."""
+
+from __future__ import annotations
+
+from pyplan import linearize, load_model, search, trace
+from pyplan.hardware import Cluster
+from pyplan.plan import Workload
+from pyplan.runtime.sharded import gathered_bytes, remat_kind, shard_units, unit_segments
+from pyplan.solve.remat import Checkpoint, Keep, full_remat, no_remat
+from pyplan.solve.remat_search import segmented
+
+
+def test_the_units_are_the_layers_and_the_root_holds_the_rest() -> None:
+    model = load_model("zoo:gpt-tiny").build()
+    layers = list(model.transformer.h)
+    assert shard_units(model) == layers
+    root = sum(p.numel() for p in model.parameters()) - sum(p.numel() for m in layers for p in m.parameters())
+    layer = max(sum(p.numel() for p in m.parameters()) for m in layers)
+    # The root (embeddings, tied head, final norm) gathered with its gradients; a layer and the next with its own.
+    assert gathered_bytes(model, 2.0, 2.0) == (2 + 2) * root + (2 * 2 + 2) * layer
+
+
+def test_checkpointing_units_recomputes_the_blocks_each_layer_spans() -> None:
+    spec = load_model("zoo:gpt-tiny")
+    model = spec.build()
+    names = [b.name for b in linearize(trace(model, spec.example_inputs, batch_size=2)).blocks]
+    runs = unit_segments(model, names)
+    assert [names[a:z] for a, z in runs] == [
+        [n for n in names if n.startswith(f"transformer.h.{k}")] for k in range(len(model.transformer.h))
+    ]
+    plan = segmented(len(names), runs)
+    assert [type(it) for it in plan.items] == [Keep] * runs[0][0] + [Checkpoint] * len(runs) + [Keep] * (
+        len(names) - runs[-1][1]
+    )
+    assert all(it.inner == no_remat(a, z) for it, (a, z) in zip(plan.items[runs[0][0] :], runs))
+
+
+def test_a_zero3_plan_recomputes_whole_units_or_nothing() -> None:
+    spec = load_model("zoo:gpt-tiny")
+    found = search(spec.build(), spec.example_inputs, Cluster.from_catalog("a100-80g", 4), Workload(global_batch=8),
+                   zero_stages=(3,), remat="full", top_k=20)  # fmt: skip
+    sharded = [p for p in (found.best, *found.alternatives) if p.layout.zero_stage == 3]
+    assert sharded
+    for p in sharded:
+        assert remat_kind(p.layout) == "units"
+        (stage,) = p.layout.remat
+        assert [it for it in stage.plan.items if isinstance(it, Checkpoint)]
+        assert all(
+            all(isinstance(x, Keep) for x in it.inner.items) for it in stage.plan.items if isinstance(it, Checkpoint)
+        )
+
+
+def test_remat_kinds() -> None:
+    from pyplan.plan import Layout, StageRemat
+
+    def layout(plan) -> Layout:
+        return Layout(dp=2, pp=1, micro_batch_size=1, num_microbatches=1, schedule="GPipe", cut_positions=(0, 4),
+                      zero_stage=3, remat=(StageRemat((0, 1, 2, 3, 4), plan),))  # fmt: skip
+
+    assert remat_kind(layout(no_remat(0, 4))) == "none"
+    assert remat_kind(layout(full_remat(0, 4))) == "units"
+    nested = segmented(4, [(0, 4)])
+    nested = type(nested)((Checkpoint(segmented(4, [(1, 3)])),))
+    assert remat_kind(layout(nested)) == "other"
