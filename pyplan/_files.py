@@ -6,6 +6,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from pyplan.errors import PlanError
+
 __all__ = ["write_atomic"]
 
 
@@ -15,15 +17,27 @@ def write_atomic(path: str | Path, data: str | bytes, *, make_parents: bool = Fa
     `make_parents` creates the directory first."""
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
-    if make_parents:
-        directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        if make_parents:
+            directory.mkdir(parents=True, exist_ok=True)
+        if path.is_dir():
+            raise IsADirectoryError(21, "it is a directory")
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        raise PlanError(f"cannot write '{path}': {_reason(exc)}; give a file path in a writable directory") from None
     try:
         with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise PlanError(f"cannot write '{path}': {_reason(exc)}") from None
         raise
+
+
+def _reason(exc: OSError) -> str:
+    """What the OS said, in words: "No such file or directory", "Permission denied", "No space left on device"."""
+    return (exc.strerror or str(exc)).lower() if exc.errno != 21 else "it is a directory"

@@ -588,9 +588,19 @@ def search(
             return p
         if remat_kind(p.layout) == "other":
             return None
-        stages_ = tuple(replace(st, state_bytes=st.state_bytes + gathered, memory_bytes=st.memory_bytes + gathered)
-                        for st in p.stages)  # fmt: skip
-        peak = p.predicted.peak_memory_bytes + gathered
+        # Gathered while the micro-batches run, resharded before the optimizer step: the pipeline's moment grows.
+        stages_ = tuple(
+            replace(
+                st,
+                activation_bytes=st.activation_bytes + gathered,
+                memory_bytes=max(
+                    st.memory_bytes,
+                    st.state_bytes + st.activation_bytes + gathered + st.buffer_bytes - st.unmade_grad_bytes,
+                ),
+            )
+            for st in p.stages
+        )
+        peak = max(st.memory_bytes for st in stages_)
         if peak > gpu_mem:
             return None
         return replace(p, stages=stages_, predicted=replace(p.predicted, peak_memory_bytes=peak))

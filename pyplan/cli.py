@@ -12,6 +12,7 @@ import torch
 from rich.console import Console
 from rich.text import Text
 
+from pyplan import _core
 from pyplan.errors import PlanError
 from pyplan.hardware.cluster import Cluster
 from pyplan.profile.memory import OPTIMIZERS, PRECISIONS
@@ -87,8 +88,8 @@ def _cluster(args: argparse.Namespace) -> Cluster:
         if args.gpu or args.instance or args.gpus_per_node:
             raise PlanError("--cluster describes the whole cluster; drop --gpu, --instance and --gpus-per-node")
         return Cluster.from_file(args.cluster)
-    if args.gpus is None or args.gpus < 1:
-        raise PlanError(f"--gpus must be a positive number of GPUs, got {args.gpus}")
+    if args.gpus is None or not 1 <= args.gpus <= _core.MAX_GPUS:
+        raise PlanError(f"--gpus must be a number of GPUs from 1 to {_core.MAX_GPUS:,}, got {args.gpus}")
     return Cluster.from_catalog(
         gpu=args.gpu if args.gpu or args.instance else "local",
         gpus=args.gpus,

@@ -625,7 +625,7 @@ class ResultsFile:
         if self.format == ".json":
             try:
                 data = json.loads(self.path.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
                 raise PlanError(f"{what} cannot be read ({exc}); delete it or write to another file") from None
         else:
             import pyarrow.parquet as pq

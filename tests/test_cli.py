@@ -100,3 +100,26 @@ def test_console_script_help() -> None:
     assert done.returncode == 0 and "examples:" in done.stdout
     done = subprocess.run([sys.executable, "-m", "pyplan.cli", "nonsense"], capture_output=True, text=True)
     assert done.returncode == 2
+
+
+def test_unwritable_outputs_unreadable_plans_and_misspelt_leaves_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plan = ["plan", "zoo:mlp-tiny", "--gpus", "2", "--gpu", "a100-80g", "--global-batch", "8"]
+    not_utf8, deep = tmp_path / "latin1.json", tmp_path / "deep.json"
+    not_utf8.write_bytes(b'\xff\xfe{"model": 1}')
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    for argv, message in [
+        ([*plan, "--out", str(tmp_path / "missing" / "plan.json")], "no such file or directory"),
+        ([*plan, "--out", str(tmp_path)], "it is a directory"),
+        (["show", str(not_utf8)], "is not UTF-8 text"),
+        (["show", str(deep)], "nests its JSON too deeply"),
+        (
+            [*plan, "--leaf", "Linaer"],
+            "leaf module 'Linaer' names no module of the model (by class or by path); close: Linear",
+        ),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error:") and message in err and "\n" not in err, err
+    assert not any(tmp_path.glob(".*.tmp"))

@@ -321,7 +321,10 @@ std::vector<Config> Searcher::enumerate() {
             const std::size_t zeros = d == 1 ? 1 : space_.zero_stages.size();
             const std::size_t placements = d == 1 || p == 1 ? 1 : space_.placements.size();
             for (std::size_t z = 0; z < zeros; ++z) {
-                if (d > 1 && space_.zero_stages[z] == 3 && space_.zero3_single_stage && p * v > 1) continue;
+                if (d > 1 && space_.zero_stages[z] == 3 && space_.zero3_single_stage &&
+                    (p * v > 1 || schedule != Schedule::OneFOneB)) {
+                    continue;
+                }
                 for (std::size_t k = 0; k < placements; ++k) {
                     Config c;
                     c.d = d;

@@ -55,6 +55,12 @@ def read_plan_file(path: str | Path) -> PlanFile:
         raise PlanError(f"plan file '{path}' does not exist") from None
     except json.JSONDecodeError as exc:
         raise PlanError(f"plan file '{path}' is not JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise PlanError(f"plan file '{path}' is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise PlanError(f"plan file '{path}' nests its JSON too deeply to be a plan") from None
+    except OSError as exc:
+        raise PlanError(f"plan file '{path}' cannot be read: {exc.strerror or exc}") from None
     return plan_file_from_json(data, f"plan file '{path}'")
 
 

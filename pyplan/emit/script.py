@@ -122,6 +122,12 @@ def main():
     try:
         if not 0 < args.timeout <= 1e9:
             raise PlanError(f"--timeout takes seconds in (0, 1e9], got {{args.timeout}}")
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            world = PLAN["plan"]["dp"] * PLAN["plan"]["pp"]
+            raise PlanError(
+                f"run this script under torchrun, one process per GPU of the plan: "
+                f"torchrun --nproc-per-node {{world}} {{sys.argv[0]}}"
+            )
         cuda = torch.cuda.is_available()
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout))
         heartbeat = Heartbeat(args.timeout, stopped_answering) if dist.get_world_size() > 1 else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import linecache
 import os
@@ -276,6 +277,21 @@ def _export(model: nn.Module, call: Call) -> fx.GraphModule:
     return fx.GraphModule(gm, graph, type(model).__name__)
 
 
+def _check_leaves(model: nn.Module, leaves: tuple[LeafSpec, ...]) -> None:
+    """Every leaf given by name names a module of `model`, by class or by path: a misspelt leaf would be ignored."""
+    names = {type(m).__name__ for m in model.modules()} | {name for name, _ in model.named_modules() if name}
+    for leaf in leaves:
+        if isinstance(leaf, str) and leaf not in names:
+            close = difflib.get_close_matches(leaf, sorted(names), n=3)
+            hint = f"; close: {', '.join(close)}" if close else f"; its module classes: {_classes(model)}"
+            raise TraceError(f"leaf module '{leaf}' names no module of the model (by class or by path){hint}")
+
+
+def _classes(model: nn.Module) -> str:
+    classes = sorted({type(m).__name__ for m in model.modules()})
+    return ", ".join(classes[:8]) + (", ..." if len(classes) > 8 else "")
+
+
 def is_batch_size(n: fx.Node) -> bool:
     """Whether `n` reads the batch size off a model input: `aten.sym_size.int(input, 0)` of an exported graph."""
     return (
@@ -358,6 +374,7 @@ def trace(
     tensors (meta for a model built on the meta device), so a model of any size traces without compute.
     """
     leaves = tuple(leaf_modules)
+    _check_leaves(model, leaves)
     if batch_size is None:
         batch_size = 2 if callable(example_inputs) else _flat_tensors(_as_call(example_inputs))[0].shape[0]
     b1, b2 = batch_size, 2 * batch_size

@@ -174,7 +174,7 @@ def _configurations(num_blocks: int, hw: Hardware, space: Space) -> list[_Config
                     if p * v > num_blocks or (v > 1 and p < 2) or reference_rejects(schedule, p, m, v):
                         continue
                     zeros = [0] if d == 1 else space.zero_stages
-                    if space.zero3_single_stage and p * v > 1:
+                    if space.zero3_single_stage and (p * v > 1 or schedule != "1F1B"):
                         zeros = [z for z in zeros if z != 3]
                     placements = space.placements[:1] if d == 1 or p == 1 else space.placements
                     out += [_Config(d, p, v, b, m, schedule, z, pl) for z in zeros for pl in placements]

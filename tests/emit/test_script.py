@@ -265,3 +265,13 @@ def test_a_layout_needing_more_gpus_than_the_cluster_has_is_refused() -> None:
     doc["cluster"] = Cluster.from_catalog("t4", 1).to_json()
     with pytest.raises(PlanError, match="= 2 GPUs, the cluster has 1"):
         plan_file_from_json(doc)
+
+
+def test_a_script_run_without_torchrun_says_how_to_run_it(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    write_script(script, _document())
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("error: run this script under torchrun") and "Traceback" not in done.stderr
+    assert "torchrun --nproc-per-node" in done.stderr

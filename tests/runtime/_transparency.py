@@ -194,9 +194,9 @@ def configs(world: int) -> list[dict]:
         # (resnet-tiny), keyword inputs and a dict output (branchy), a transformers model.
         llama = [(m, "adamw") for m in HF_MODELS if m.startswith("hf:llama")]
         for model, opt in [("gpt-tiny", "adamw"), ("resnet-tiny", "sgd"), (BRANCHY, "adamw"), *llama]:
-            out.append(dict(model=model, dp=2, pp=1, schedule="GPipe", v=1, m=4, b=2, optimizer=opt, zero=3))
+            out.append(dict(model=model, dp=2, pp=1, schedule="1F1B", v=1, m=4, b=2, optimizer=opt, zero=3))
         # ... and every layer checkpointed (a plan that recomputes every block).
-        out.append(dict(model="gpt-tiny", dp=2, pp=1, schedule="GPipe", v=1, m=4, b=2, optimizer="adamw", zero=3,
+        out.append(dict(model="gpt-tiny", dp=2, pp=1, schedule="1F1B", v=1, m=4, b=2, optimizer="adamw", zero=3,
                         remat=["full"]))  # fmt: skip
         # Stages assigned operation by operation (Layout.stage_of_node), not contiguous in the traced order: the
         # branches of grouped-mlp-tiny share one block of the chain and are split between the stages.

@@ -14,8 +14,9 @@
 // (by default every b dividing B/d, found in O(√(B/d))) with m = B/(d·b); every allowed schedule that torch
 // 2.13 builds for (p, m, v) (torch_rejection) with S·m ≤ kMaxStageMicrobatches (limits.h: the size of its
 // order and simulation; the reason names the candidates left out when nothing is found); every allowed
-// ZeRO stage and placement (with zero3_single_stage, ZeRO-3 only where p·v = 1: pyplan's runtime shards a
-// pipeline stage as one FSDP unit whose gradients torch's pipelining reduces once a step). The zero-bubble
+// ZeRO stage and placement (with zero3_single_stage, ZeRO-3 only where p·v = 1, under 1F1B: pyplan's runtime
+// trains one micro-batch after the other there, as 1F1B does with one stage, and over several stages torch's
+// pipelining reduces FSDP2's gradients once a step). The zero-bubble
 // schedules are not
 // searched yet: they need split I/W times, and they give wrong gradients under DDP/FSDP2 on torch 2.13.
 //
@@ -167,7 +168,7 @@ struct SearchSpace {
     std::vector<int> zero_stages = {0, 1, 2, 3};
     std::vector<Placement> placements = {Placement::kPipelineInner, Placement::kDataInner};
     bool allow_fewer_gpus = false;  // d·p < N allowed
-    bool zero3_single_stage = false;  // ZeRO-3 only for one-stage candidates (p·v = 1)
+    bool zero3_single_stage = false;  // ZeRO-3 only for one-stage 1F1B candidates (p·v = 1)
     Objective objective = Objective::kTime;
     double weight = 0.0;  // w of the weighted objective
     int top_k = 5;
