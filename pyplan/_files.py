@@ -30,6 +30,10 @@ def write_atomic(path: str | Path, data: str | bytes, *, make_parents: bool = Fa
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+            # The mode a plain open() gives (mkstemp's is 0600): readable as the user's umask allows.
+            mask = os.umask(0)
+            os.umask(mask)
+            os.fchmod(f.fileno(), 0o666 & ~mask)
         os.replace(tmp, path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)

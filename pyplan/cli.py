@@ -12,7 +12,7 @@ import torch
 from rich.console import Console
 from rich.text import Text
 
-from pyplan import _core
+from pyplan import __version__, _core
 from pyplan.errors import PlanError
 from pyplan.hardware.cluster import Cluster
 from pyplan.profile.memory import OPTIMIZERS, PRECISIONS
@@ -146,12 +146,15 @@ def _plan(args: argparse.Namespace) -> int:
     document = PlanFile(
         model=args.model, workload=workload, cluster=cluster, plan=result.best, leaf_modules=tuple(args.leaf)
     )
+    written: list[str] = []
     if args.out:
         write_plan_file(args.out, document)
+        written.append(args.out)
     if args.emit:
         from pyplan.emit.script import write_script
 
         write_script(args.emit, document)
+        written.append(args.emit)
     if args.pareto or args.report:
         from pyplan.report.pareto import parse_weights
 
@@ -160,10 +163,12 @@ def _plan(args: argparse.Namespace) -> int:
             from pyplan.report.pareto import write_pareto
 
             write_pareto(result, args.pareto, weights=weights)
+            written.append(args.pareto)
         if args.report:
             from pyplan.report.html import write_html_report
 
             write_html_report(document, args.report, search=result, weights=weights)
+            written.append(args.report)
     if args.json:
         data = {"model": args.model, "workload": workload.to_json(), "cluster": cluster.to_json(), **result.to_json()}
         data["alternatives"] = data["alternatives"][: args.top - 1]
@@ -176,8 +181,8 @@ def _plan(args: argparse.Namespace) -> int:
         memory = memory_per_process(cluster) * args.memory_fraction
         shown = [result.best, *result.alternatives][: args.top]
         render_plans(shown, make_console(), title=title, memory_bytes=memory)
-        if args.out:
-            make_console().print(f"plan written to {args.out}")
+    for path in written:  # on stderr beside --json, whose stdout is the JSON alone
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -195,6 +200,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="pyplan", description="Plan distributed PyTorch training: how to split a model over GPUs, with numbers."
     )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.add_argument("--version", action="version", version=f"pyplan {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(

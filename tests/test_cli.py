@@ -123,3 +123,19 @@ def test_unwritable_outputs_unreadable_plans_and_misspelt_leaves_are_one_line(
         err = capsys.readouterr().err.strip()
         assert err.startswith("error:") and message in err and "\n" not in err, err
     assert not any(tmp_path.glob(".*.tmp"))
+
+
+def test_version_and_written_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip().startswith("pyplan ")
+    out = tmp_path / "plan.json"
+    argv = ["plan", "zoo:mlp-tiny", "--gpus", "2", "--gpu", "a100-80g", "--global-batch", "8", "--out", str(out)]
+    assert main(argv) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~mask  # as open() makes it, not mkstemp's 0600
+    assert main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert f"wrote {out}" in captured.err and json.loads(captured.out)
