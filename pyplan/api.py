@@ -49,6 +49,7 @@ from pyplan.solve.remat_search import (
     refine_plan,
     relaxed_chain,
 )
+from pyplan.solve.state import exact_state
 from pyplan.solve.tied import tied_copies, tied_parameters, tied_sync_s, with_tied_state, with_tied_sync
 
 __all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "add_loss", "chain_for", "memory_per_process", "plan", "search"]
@@ -605,6 +606,15 @@ def search(
             return None
         return replace(p, stages=stages_, predicted=replace(p.predicted, peak_memory_bytes=peak))
 
+    def stage_shapes(st: StagePlan) -> list[tuple[int, ...]]:
+        """The shapes of the parameter tensors of a stage's blocks, each tensor once (tied names share one)."""
+        seen: dict[int, tuple[int, ...]] = {}
+        for name in (n for b in blocks[st.first_block : st.last_block + 1] for n in b.param_names):
+            with contextlib.suppress(AttributeError):
+                param = module.get_parameter(name)
+                seen.setdefault(id(param), tuple(param.shape))
+        return list(seen.values())
+
     def refined(results: Iterable[Any], mode: str) -> list[Plan]:
         seen: set[tuple[Any, ...]] = set()
         out: list[Plan] = []
@@ -616,6 +626,8 @@ def search(
             seen.add(key)
             got = sharded(refine(c, start, "segments" if c.zero_stage == 3 and mode != "none" else mode))
             if got is not None:
+                got = exact_state(got, [stage_shapes(st) for st in got.stages], workload)
+            if got is not None and got.predicted.peak_memory_bytes <= gpu_mem:
                 out.append(tied_sync(got))
         return out
 

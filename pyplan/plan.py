@@ -42,7 +42,7 @@ ZERO_REFUSED = {
 class Workload:
     """What is trained: the global batch per optimizer step, the optimizer and the precision.
 
-    `precision` is "fp32" or mixed precision with fp32 master weights ("bf16-mixed", "fp16-mixed");
+    `precision` is "fp32" or autocast mixed precision over fp32 weights ("bf16-mixed", "fp16-mixed");
     the bytes per parameter of weights, gradients and optimizer state follow from both (see `bytes_per_param`).
     `dataset_samples`, when given, turns per-iteration figures into per-epoch ones.
     """

@@ -15,6 +15,7 @@ from pyplan.emit.planfile import PlanFile, read_plan_file, write_plan_file
 from pyplan.hardware import Cluster
 from pyplan.plan import Layout, Plan, Workload
 from pyplan.runtime.sharded import gathered_bytes, remat_kind
+from pyplan.solve.state import stage_state_bytes
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +199,8 @@ def test_zero2_is_not_offered_and_zero3_only_without_pipeline_stages() -> None:
     model = spec.build()
     units = gathered_bytes(model, 4.0, 4.0)
     assert units > 0
-    state = Workload(global_batch=8).state_bytes_per_gpu(sum(p.numel() for p in model.parameters()), 4, 3)
+    # Rows of every tensor on the fullest replica, and Adam's step counters (pyplan/solve/state.py).
+    state = stage_state_bytes([tuple(p.shape) for p in model.parameters()], Workload(global_batch=8), 4, 3)
     four = [p for p in sharded if p.layout.dp == 4]
     assert four and all(p.stages[0].state_bytes == pytest.approx(state, rel=1e-6) for p in four)
     assert all(p.layout.schedule == "1F1B" for p in sharded)  # the runtime runs one micro-batch after the other

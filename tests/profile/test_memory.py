@@ -98,8 +98,9 @@ def test_optimizer_state_bytes_equal_torch(name: str, make: object) -> None:
 
 
 def test_mixed_precision_adam_is_sixteen_bytes_per_parameter() -> None:
-    # ZeRO's convention (Rajbhandari et al. 2020): 2 + 2 + 12 bytes per parameter, plus Adam's step counters.
+    # Autocast's convention (fp32 weights, gradients and Adam state): 4 + 4 + 8 bytes per parameter, the total of
+    # ZeRO's 2 + 2 + 12 (Rajbhandari et al. 2020), plus Adam's step counters.
     s = model_state_bytes(1000, 3, optimizer="adam", precision="bf16-mixed")
-    assert (s.param_bytes, s.grad_bytes, s.optimizer_bytes) == (2000, 2000, 12000 + 12)
+    assert (s.param_bytes, s.grad_bytes, s.optimizer_bytes) == (4000, 4000, 8000 + 12)
     with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
         model_state_bytes(1, 1, optimizer="lion")

@@ -26,6 +26,7 @@ from pyplan.solve.dag_search import (
     too_coarse,
     worth_solving,
 )
+from pyplan.solve.state import stage_state_bytes
 from pyplan.solve.tied import tied_parameters, tied_sync_s
 from pyplan.spec import ModelSpec
 
@@ -118,7 +119,14 @@ def test_evaluate_reproduces_the_search_on_the_chain_partition(name: str) -> Non
     for got, want, copy in zip(stages, plan.stages, tied_copy):
         for field in ("forward_s", "backward_s", "time_s", "buffer_bytes"):
             assert getattr(got, field) == pytest.approx(getattr(want, field), rel=REL), field
-        assert got.state_bytes + copy == pytest.approx(want.state_bytes, rel=REL)
+        # ... and each tensor's Adam step counter, which the bytes per parameter leave out (pyplan/solve/state.py).
+        params = {id(p): p for blk in chain.blocks[want.first_block : want.last_block + 1]
+                  for p in map(chain.graph.module.get_parameter, blk.param_names)}  # fmt: skip
+        counters = stage_state_bytes([tuple(p.shape) for p in params.values()], workload, 1, 0) - (
+            workload.state_bytes_per_gpu(sum(p.numel() for p in params.values()), 1, 0)
+        )
+        assert counters == 4 * len(params)
+        assert got.state_bytes + copy + counters == pytest.approx(want.state_bytes, rel=REL)
         assert (got.first_block, got.last_block, got.in_flight) == (want.first_block, want.last_block, want.in_flight)
         # The search's own activation model (saved bytes and the input cut per micro-batch in flight); the plan
         # it returns has the replayed working memory instead (pyplan/api.py), which DAG stages cannot replay.
