@@ -535,10 +535,12 @@ def state_table() -> tuple[Table, Footnotes, list[dict[str, Any]], bool]:
                         {
                             1: "DeepSpeed ships no ZeRO-1 estimator (stage_1_and_2.py has estimate_zero2_* only).",
                             2: "DeepSpeed counts fp32 gradients beside the 16-bit ones: 2 B unsharded + 18 B sharded "
-                            "(2 fp16 grads + 4 fp32 grads + 4 fp32 weights + 8 Adam moments) = 20 B, pyplan 16 B.",
+                            "(2 fp16 grads + 4 fp32 grads + 4 fp32 weights + 8 Adam moments) = 20 B, pyplan 16 B "
+                            "(autocast: 4 + 4 + 8). pyplan plans no ZeRO-2 (its runtime would run it as ZeRO-1).",
                             3: "DeepSpeed: 18 B/param sharded (the total only, no split given) + 4 B per parameter "
-                            "of the largest layer; pyplan's model state has no largest-layer term "
-                            "(Workload.state_bytes_per_gpu; nor does the search's stage memory, cpp/src/search.cpp).",
+                            "of the largest layer. pyplan's column is the sharded state; its plans add the units "
+                            "FSDP2 holds gathered (pyplan/runtime/sharded.py, gathered_bytes: the root's weights and "
+                            "gradients, the largest layer's weights twice with its gradients).",
                         }[stage]
                     )
                 )
