@@ -30,6 +30,8 @@ import json
 import math
 import os
 import re
+import types
+import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,7 @@ import torch
 from torch import fx, nn
 
 from pyplan._files import write_atomic
+from pyplan.errors import PlanError
 from pyplan.graph.chain import Block, Chain
 from pyplan.graph.layergraph import Affine, GraphNode, LayerGraph, Piecewise, TensorInfo
 from pyplan.graph.linearize import linearize
@@ -280,6 +283,8 @@ def _dataclass(name: Any) -> type:
         raise _Invalid(f"{name!r} does not exist") from None
     if not (isinstance(obj, type) and dataclasses.is_dataclass(obj)):
         raise _Invalid(f"{name!r} is not a dataclass")
+    if not obj.__module__.startswith("pyplan."):  # reached through a name a pyplan module imported (torch's, ...)
+        raise _Invalid(f"{name!r} is not a pyplan dataclass")
     return obj
 
 
@@ -326,6 +331,38 @@ def _changed(fresh: Any, profiled: Any, skip: frozenset[str] = frozenset()) -> d
     }
 
 
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether `value` is of the type `hint` names, as far as a cache entry can hold: classes, unions, the outer
+    type of generics (tuple[...], dict[...]), Any."""
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    cls = origin or hint
+    return not isinstance(cls, type) or isinstance(value, cls)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The field types of a dataclass, each resolved in its module; one that names a type imported only for type
+    checking is Any."""
+    namespace = vars(importlib.import_module(cls.__module__))
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        try:
+            out[f.name] = eval(f.type, namespace) if isinstance(f.type, str) else f.type
+        except NameError:
+            out[f.name] = Any
+    return out
+
+
 def _applied(obj: Any, values: Any, what: str) -> Any:
     if not isinstance(values, dict):
         raise _Invalid(f"{what}: expected an object of fields")
@@ -333,7 +370,12 @@ def _applied(obj: Any, values: Any, what: str) -> Any:
     unknown = sorted(set(values) - names)
     if unknown:
         raise _Invalid(f"{what}: unknown field '{unknown[0]}'")
-    return dataclasses.replace(obj, **{k: _decode(v) for k, v in values.items()})
+    decoded = {k: _decode(v) for k, v in values.items()}
+    hints = _hints(type(obj))
+    for k, v in decoded.items():
+        if not _fits(v, hints.get(k, Any)):
+            raise _Invalid(f"{what}: field '{k}' holds a {type(v).__name__}, not {hints[k]}")
+    return dataclasses.replace(obj, **decoded)
 
 
 def _cut_json(chain: Chain) -> list[list[Any]]:
@@ -504,6 +546,9 @@ class ProfileCache:
             return self._discard(path, f"not valid JSON ({exc})")
         except _Invalid as exc:
             return self._discard(path, str(exc))
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+            # A field of the wrong type that the checksum vouches for: it would fail again on every run.
+            return self._discard(path, f"a field cannot be used ({type(exc).__name__}: {exc})")
         self.stats.hits += 1
         return result
 
@@ -514,7 +559,7 @@ class ProfileCache:
         entry = {"format": FORMAT, "key": key.data, "sha256": _sha256(_canonical(payload)), "payload": payload}
         try:
             write_atomic(self.path(key), json.dumps(entry, sort_keys=True), make_parents=True)
-        except OSError as exc:
+        except (OSError, PlanError) as exc:  # (write_atomic says why in a PlanError)
             self.stats.reasons.append(f"not stored: {exc}")
             return
         self.stats.stored += 1

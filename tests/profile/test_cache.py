@@ -129,6 +129,12 @@ CORRUPTIONS: dict[str, Callable[[dict[str, Any], str], str]] = {
     "not a number": lambda entry, text: _payload_edit(lambda p: p["blocks"][0]["fields"].update(fwd_time_s=["x", 0.0]))(
         entry
     ),
+    "wrong type": lambda entry, text: _payload_edit(lambda p: p["blocks"][1]["fields"].update(saved_bytes="many"))(
+        entry
+    ),
+    "wrong dataclass": lambda entry, text: _payload_edit(
+        lambda p: p["blocks"][1]["fields"].update(saved_bytes={"type": "pyplan.api:nn.Module", "fields": {}})
+    )(entry),
 }
 
 
