@@ -510,11 +510,32 @@ def search(
 
     def refine(c: Any, start: Plan, mode: str) -> Plan | None:
         link = group.inter_link if c.pipeline_inter else group.intra_link
+        # ZeRO-3 gathers each block's weights in its forward and again in its backward, and reduce-scatters its
+        # gradients, per micro-batch, over the replicas (half an all-reduce each; not overlapped: an upper bound),
+        # as the search priced the candidate (cpp/src/search.cpp, block_time_s).
+        gathers, scatters = [0.0] * len(blocks), [0.0] * len(blocks)
+        if c.zero_stage == 3 and c.dp > 1:
+            (a_lat, a_bw), (e_lat, e_bw) = group.intra_link.collective, group.inter_link.collective
+
+            def half_allreduce(nbytes: float) -> float:
+                whole = _core.hierarchical_allreduce_time_s(
+                    nbytes,
+                    c.dp_gpus_per_node,
+                    c.dp_nodes,
+                    intra_latency_s=a_lat,
+                    intra_bw_bytes_per_s=a_bw,
+                    inter_latency_s=e_lat,
+                    inter_bw_bytes_per_s=e_bw,
+                )
+                return whole / 2
+
+            gathers = [half_allreduce(blk.param_numel * per_param.param_bytes) for blk in blocks]
+            scatters = [half_allreduce(blk.param_numel * per_param.grad_bytes) for blk in blocks]
         return refine_plan(
             start,
             profile_,
-            lambda b: [f(b) for f in (blk.fwd_time_s for blk in blocks)],
-            lambda b: [g(b) for g in (blk.bwd_time_s for blk in blocks)],
+            lambda b: [f(b) + gather for f, gather in zip((blk.fwd_time_s for blk in blocks), gathers)],
+            lambda b: [g(b) + x + y for g, x, y in zip((blk.bwd_time_s for blk in blocks), gathers, scatters)],
             scale=scale,
             gpu_mem_bytes=gpu_mem,
             cut_bytes=lambda b: [cut.bytes(b) * scale for cut in chain.cuts],
