@@ -26,7 +26,9 @@ def test_plans_for_a_catalog_gpu_and_profiles_on_this_machine(name: str) -> None
     assert found.best.predicted.iteration_s > 0
     chain = profile(linearize(trace(build(), inputs, batch_size=2)), inputs, batch_sizes=(2, 4))
     assert all(b.saved_bytes is not None and b.saved_bytes.per_sample >= 0 for b in chain.blocks)
-    assert all(b.fwd_time_s is not None and b.fwd_time_s(4) > 0 for b in chain.blocks)
+    # A block of one in-place ReLU can time at 0 once the timer's own cost is taken off: the whole model cannot.
+    assert all(b.fwd_time_s is not None and b.fwd_time_s(4) >= 0 for b in chain.blocks)
+    assert sum(b.fwd_time_s(4) for b in chain.blocks) > 0
 
 
 def test_an_in_place_op_right_after_a_cut_works_on_a_copy_of_the_stage_input() -> None:
