@@ -38,7 +38,9 @@ def test_every_check_runs_on_the_cpu_and_writes_its_result(tmp_path: Path) -> No
         assert set(model["compare"]) == {"catalog", "local"}
         for compare in model["compare"].values():
             assert compare["whole_step"] > 0 and compare["blocks"]["weighted_median"] > 0
-        assert all(b["measured_fwd_s"] > 0 and b["measured_bwd_s"] > 0 for b in model["blocks"])
+        # A cheap block may time at 0 once the timer's cost is taken off (seen on a loaded machine); the model not.
+        assert all(b["measured_fwd_s"] >= 0 and b["measured_bwd_s"] >= 0 for b in model["blocks"])
+        assert sum(b["measured_fwd_s"] + b["measured_bwd_s"] for b in model["blocks"]) > 0
     assert profile["inspect"]["rc"] == 0 and profile["inspect"]["fwd_time_s"] > 0
     run = results["accuracy"]["runs"]["vgg-tiny"]
     assert run["report"]["rows"] and run["report"]["summary"]["decisions"]
