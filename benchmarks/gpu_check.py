@@ -53,6 +53,13 @@ CHECKS = ("env", "calibrate", "gpu_tests", "profile", "accuracy")
 # Each check's own limit, in seconds; the run as a whole stays within --budget-s.
 LIMITS_S = {"env": 60, "calibrate": 100, "gpu_tests": 120, "profile": 150, "accuracy": 250}
 DEFAULT_BUDGET_S = 470.0
+# The models the profile and accuracy checks run (--models); None: all of them.
+ONLY: set[str] | None = None
+
+
+def _chosen(models: Any) -> list[Any]:
+    """The entries of `models` (names, or cases with a `model`) that --models asks for, in order."""
+    return [m for m in models if ONLY is None or getattr(m, "model", m) in ONLY]
 
 
 @dataclass(frozen=True)
@@ -490,7 +497,7 @@ def check_profile(out: Path, device_name: str, deadline: float) -> str:
         res.data["local_error"] = _error(exc)
     res.data.update(catalog_gpu=entry, models=[], errors={})
     failed = False
-    for case in PROFILE_CASES[device_name]:
+    for case in _chosen(PROFILE_CASES[device_name]):
         try:
             res.data["models"].append(profile_case(case, device_name, rooflines))
         except Exception as exc:
@@ -498,7 +505,7 @@ def check_profile(out: Path, device_name: str, deadline: float) -> str:
             failed = True
         res.save()
     # `pyplan inspect` as a user runs it, on the first model.
-    first = PROFILE_CASES[device_name][0]
+    first = (_chosen(PROFILE_CASES[device_name]) or PROFILE_CASES[device_name])[0]
     cmd = [sys.executable, "-m", "pyplan.cli", "inspect", f"zoo:{first.model}", "--json"]
     cmd += ["--batch-size", str(max(first.batch_sizes))]
     done = _run(cmd, deadline - time.time() - 5)
@@ -524,7 +531,8 @@ def check_profile(out: Path, device_name: str, deadline: float) -> str:
 
 def check_accuracy(out: Path, device_name: str, deadline: float) -> str:
     res = Result(out, "accuracy")
-    matrix, models = ACCURACY[device_name]
+    matrix, weights_of = ACCURACY[device_name]
+    models = {m: weights_of[m] for m in _chosen(weights_of)}
     calibration = Path(os.environ["PYPLAN_CACHE_DIR"]) / "local.json"
     res.data.update(matrix=matrix, runs={})
     failed = False
@@ -626,10 +634,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=Path,
         help="a calibration file of this device (or a calibrate check's result), instead of calibrating",
     )
+    parser.add_argument("--models", nargs="+", help="only these models in the profile and accuracy checks")
     parser.add_argument("--check", choices=CHECKS, help=argparse.SUPPRESS)  # one check, in its own process
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    global ONLY
+    ONLY = set(args.models) if args.models else None
     if args.check:
         try:
             status = CHECK_FUNCTIONS[args.check](args.out, args.device, args.deadline)
@@ -660,7 +671,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             deadline = time.time() + min(LIMITS_S[check], left)
             cmd = [sys.executable, __file__, str(args.out), "--device", args.device, "--check", check]
-            cmd += ["--deadline", str(deadline)]
+            cmd += ["--deadline", str(deadline)] + (["--models", *args.models] if args.models else [])
             print(f"[gpu_check] {check}: up to {deadline - time.time():.0f} s", flush=True)
             # The check itself stops its children at the deadline; this margin lets it write what it has.
             done = _run(cmd, deadline - time.time() + 15, env)

@@ -119,6 +119,25 @@ _FLOP_ALIASES = {
 }
 
 
+def _op_flops(formula: Callable[..., Any], name: str, args: tuple, kwargs: dict, out: Any) -> float:
+    """An op's FLOPs by torch's formula. Attention with fewer key/value heads than query heads (grouped-query
+    attention) is counted with the key/value heads repeated, as the kernel computes it: torch before 2.13 has
+    formulas that refuse such shapes."""
+    try:
+        return float(formula(*args, **kwargs, out_val=out))
+    except AssertionError:
+        if "scaled_dot_product" not in name:
+            raise
+        heads = max(t.shape[1] for t in args if isinstance(t, torch.Tensor) and t.dim() == 4)
+
+        def widen(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[1] < heads and heads % t.shape[1] == 0:
+                return t.new_empty((t.shape[0], heads, *t.shape[2:]))
+            return t
+
+        return float(formula(*(widen(a) for a in args), **kwargs, out_val=out))
+
+
 class OpRecorder(TorchDispatchMode):
     """Records every aten op that runs inside it: (op name, FLOPs, bytes read and written, dtype, is a view).
 
@@ -141,7 +160,7 @@ class OpRecorder(TorchDispatchMode):
             return out  # prim::device and the like: metadata queries, no kernel
         packet = func.overloadpacket
         formula = _REGISTRY.get(_FLOP_ALIASES.get(packet.__name__, packet))
-        flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+        flops = _op_flops(formula, packet.__name__, args, kwargs, out) if formula is not None else 0.0
         if flops and self.flop_scale is not None:
             flops *= self.flop_scale(func, args, kwargs)
         inputs = tensor_leaves((args, kwargs))

@@ -125,3 +125,22 @@ def test_the_meta_devices_math_path_is_what_a_cpu_target_keeps() -> None:
         spec.build(), spec.example_inputs, Cluster.from_catalog("local", 1), Workload(global_batch=4)
     )
     assert "attention" not in how
+
+
+def test_grouped_query_flops_repeat_the_key_value_heads() -> None:
+    """Attention with 2 key/value heads for 8 query heads does the work of 8: counted so even by a formula that
+    refuses such shapes, as torch's did before 2.13."""
+    from pyplan._torch import _REGISTRY, _op_flops
+
+    q, kv = torch.empty(2, 8, 16, 4), torch.empty(2, 2, 16, 4)
+    expected = 2 * (2 * 2 * 8 * 16 * 16 * 4)  # two products of (16 x 4) @ (4 x 16) per batch and head
+
+    def strict(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out_val: object = None) -> int:
+        assert key.shape[1] == query.shape[1], "query/key/value shapes are incompatible"
+        return 2 * (2 * query.shape[0] * query.shape[1] * query.shape[2] * key.shape[2] * query.shape[3])
+
+    assert _op_flops(strict, "_scaled_dot_product_flash_attention", (q, kv, kv), {}, None) == expected
+    flash = _REGISTRY[torch.ops.aten._scaled_dot_product_flash_attention]
+    assert _op_flops(flash, "_scaled_dot_product_flash_attention", (q, kv, kv), {}, None) == expected
+    with pytest.raises(AssertionError):
+        _op_flops(strict, "mm", (q, kv, kv), {}, None)
