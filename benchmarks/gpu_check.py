@@ -484,6 +484,55 @@ def profile_case(case: ProfileCase, device_name: str, rooflines: dict[str, Any])
     }
 
 
+def reprice(profile_file: Path, calibration: Path | None) -> list[dict[str, Any]]:
+    """The analytic side of a profile check's result again, with the model as it is now, on this machine: each
+    model's chain traced again, its ops priced for the GPU's catalog entry (and for `calibration`, a calibration
+    file of that GPU or a calibrate check's result), against the block and whole-step times measured then. One row
+    per model and roofline: the whole step's, the forward's and the backward's ratio analytic / measured, the
+    FLOPs-weighted block median, and the whole step's ratio the check recorded. No GPU needed."""
+    import torch
+
+    from pyplan import linearize, load_model, trace
+    from pyplan.hardware import get_gpu
+    from pyplan.profile.analytic import Efficiency, Roofline, block_op_costs
+
+    data = json.loads(profile_file.read_text())
+    rooflines = {"catalog": Roofline.from_gpu(get_gpu(data["catalog_gpu"]))}
+    if calibration is not None:
+        cal = json.loads(calibration.read_text())
+        cal = cal.get("calibration", cal)
+        eff = Efficiency.from_json(cal["efficiency"], str(calibration))
+        rooflines["local"] = Roofline(cal["gpu"]["peak_flops_per_s"], cal["gpu"]["hbm_bw_bytes_per_s"], eff)
+    cases = {(c.model, c.dtype): c for c in (*PROFILE_CASES["cuda"], *PROFILE_CASES["cpu"])}
+    rows = []
+    for m in data["models"]:
+        case = cases[(m["model"], m["dtype"])]
+        spec = load_model(f"zoo:{case.model}")
+        dtype = getattr(torch, case.dtype)
+        inputs = _cast(spec.example_inputs, dtype)
+        chain = linearize(trace(spec.build().to(dtype), inputs, batch_size=min(case.batch_sizes)))
+        if [b.name for b in chain.blocks] != [r["name"] for r in m["blocks"]]:
+            raise RuntimeError(f"{case.label}: the chain's blocks are not those measured; the model has changed")
+        ops = block_op_costs(chain, inputs, m["batch_size"])
+        measured = [r["measured_fwd_s"] + r["measured_bwd_s"] for r in m["blocks"]]
+        flops = [r["flops_fwd"] + r["flops_bwd"] for r in m["blocks"]]
+        for key, roof in rooflines.items():
+            fwd = [sum(roof.op_time_s(op) for op in f) for f, _ in ops]
+            bwd = [sum(roof.op_time_s(op) for op in b) for _, b in ops]
+            rows.append(
+                {
+                    "label": f"{case.label} b={m['batch_size']}",
+                    "roofline": key,
+                    "whole_step": (sum(fwd) + sum(bwd)) / (m["whole_fwd_s"] + m["whole_bwd_s"]),
+                    "fwd": sum(fwd) / m["whole_fwd_s"],
+                    "bwd": sum(bwd) / m["whole_bwd_s"],
+                    "blocks_median": _ratios([f + b for f, b in zip(fwd, bwd)], measured, flops)["weighted_median"],
+                    "recorded": m["compare"].get(key, {}).get("whole_step"),
+                }
+            )
+    return rows
+
+
 def check_profile(out: Path, device_name: str, deadline: float) -> str:
     from pyplan.hardware import get_gpu
     from pyplan.profile.analytic import Roofline
@@ -635,9 +684,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a calibration file of this device (or a calibrate check's result), instead of calibrating",
     )
     parser.add_argument("--models", nargs="+", help="only these models in the profile and accuracy checks")
+    parser.add_argument(
+        "--reprice",
+        type=Path,
+        metavar="PROFILE_JSON",
+        help="price a profile check's result again with the model as it is now (no GPU; `out` is not written)",
+    )
     parser.add_argument("--check", choices=CHECKS, help=argparse.SUPPRESS)  # one check, in its own process
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.reprice is not None:
+        for r in reprice(args.reprice, args.calibration):
+            print(
+                f"{r['label']:30} {r['roofline']:8} whole step {_fmt(r['whole_step'])} (recorded "
+                f"{_fmt(r['recorded'])}), forward {_fmt(r['fwd'])}, backward {_fmt(r['bwd'])}, blocks median "
+                f"{_fmt(r['blocks_median'])}"
+            )
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     global ONLY
     ONLY = set(args.models) if args.models else None

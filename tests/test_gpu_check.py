@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -46,3 +47,16 @@ def test_every_check_runs_on_the_cpu_and_writes_its_result(tmp_path: Path) -> No
     assert run["report"]["rows"] and run["report"]["summary"]["decisions"]
     # The table the script prints last names every check.
     assert all(check in done.stdout for check in results)
+    # Priced again from the stored result (as after a change to the model, with no GPU): the same figures.
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    gpu_check = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = gpu_check  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(gpu_check)
+    finally:
+        del sys.modules["gpu_check"]
+    rows = gpu_check.reprice(tmp_path / "profile.json", tmp_path / "calibrate.json")
+    assert [r["roofline"] for r in rows] == ["catalog", "local"] * 3
+    for r in rows:
+        assert r["whole_step"] == pytest.approx(r["recorded"], rel=1e-9), r
