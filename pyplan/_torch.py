@@ -138,6 +138,34 @@ def _op_flops(formula: Callable[..., Any], name: str, args: tuple, kwargs: dict,
         return float(formula(*(widen(a) for a in args), **kwargs, out_val=out))
 
 
+# Selective activation checkpointing (torchtitan's "op" policy, torchtitan/models/llama3/infra/parallelize.py
+# `_save_list`): a block run under it saves the outputs of its matrix products and fused attention kernels and
+# recomputes every other op in its backward. torchtitan also recomputes every second `mm` to save more memory; this
+# policy saves them all.
+SELECTIVE_SAVE_OPS = tuple(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(torch.ops.aten, name)
+)
+SELECTIVE_SAVE_NAMES = frozenset(op.overloadpacket.__name__ for op in SELECTIVE_SAVE_OPS)
+
+
+def selective_contexts() -> tuple[Any, Any]:
+    """The `context_fn` of `torch.utils.checkpoint.checkpoint` that runs selective checkpointing."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(list(SELECTIVE_SAVE_OPS))
+
+
 class OpRecorder(TorchDispatchMode):
     """Records every aten op that runs inside it: (op name, FLOPs, bytes read and written, dtype, is a view).
 

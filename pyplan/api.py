@@ -39,7 +39,7 @@ from pyplan.profile.loss import LossCost, LossFn, TargetFn, loss_cost, remat_wit
 from pyplan.profile.measure import CheckpointCosts, checkpoint_call_s, checkpoint_costs
 from pyplan.profile.memory import optimizer_step_bytes
 from pyplan.profile.remat import remat_bytes
-from pyplan.runtime.sharded import gathered_bytes, remat_kind, unit_segments
+from pyplan.runtime.sharded import gathered_bytes, remat_kind, unit_segments, zero3_overlap
 from pyplan.solve.dag_search import dag_plans
 from pyplan.solve.remat_search import (
     OFFLOAD_MODES,
@@ -82,6 +82,17 @@ class PlanSearch:
             "evaluated": self.evaluated,
             "profiled_on": self.profiled_on,
         }
+
+
+def _pricing(gpu: GPU, roofline: Roofline | None) -> Roofline | None:
+    """The roofline that prices a block's ops for the share of its forward a selective recomputation takes: the
+    analytic profile's, else the calibrated local device's (None where it is not calibrated: a nominal one)."""
+    if roofline is not None:
+        return roofline
+    try:
+        return Roofline.from_gpu(gpu)
+    except PlanError:
+        return None
 
 
 def _is_local(gpu: GPU) -> bool:
@@ -186,7 +197,8 @@ def chain_for(
         # At 2 samples or more: at 1 a transpose can be a contiguous view, and a block that keeps a copy of its
         # input at 2 keeps the input itself at 1 (nn.TransformerEncoder), which no line through both describes.
         low = max(2, min(sizes))
-        return replace(profiled, memory=remat_bytes(profiled, example_inputs, (low, 2 * low))), how
+        memory = remat_bytes(profiled, example_inputs, (low, 2 * low), roofline=_pricing(gpu, roofline))
+        return replace(profiled, memory=memory), how
 
     try:
         profiled, how = profiled_at(sizes)
@@ -494,7 +506,11 @@ def search(
     # so the searches return more candidates than asked. The replay also finds the parameter gradients not yet
     # made at a GPipe stage's peak (`unmade_grad_bytes`), which the search counts in the state: a plan that fits
     # only by them is not found (conservative).
-    profile_ = chain.memory if chain.memory is not None else remat_bytes(chain, example_inputs, (2, 4))
+    profile_ = (
+        chain.memory
+        if chain.memory is not None
+        else remat_bytes(chain, example_inputs, (2, 4), roofline=_pricing(gpu, None))
+    )
     if chain.loss is not None:
         profile_ = remat_with_loss(profile_, chain.loss)
     # A checkpoint call's own cost, measured where the blocks were (on a GPU the host overhead runs ahead of
@@ -511,9 +527,9 @@ def search(
     def refine(c: Any, start: Plan, mode: str) -> Plan | None:
         link = group.inter_link if c.pipeline_inter else group.intra_link
         # ZeRO-3 gathers each block's weights in its forward and again in its backward, and reduce-scatters its
-        # gradients, per micro-batch, over the replicas (half an all-reduce each; not overlapped: an upper bound),
-        # as the search priced the candidate (cpp/src/search.cpp, block_time_s).
-        gathers, scatters = [0.0] * len(blocks), [0.0] * len(blocks)
+        # gradients, per micro-batch, over the replicas (half an all-reduce each), on streams of their own beside
+        # the compute (`zero3_overlap`).
+        fwd_of, bwd_of = [blk.fwd_time_s for blk in blocks], [blk.bwd_time_s for blk in blocks]
         if c.zero_stage == 3 and c.dp > 1:
             (a_lat, a_bw), (e_lat, e_bw) = group.intra_link.collective, group.inter_link.collective
 
@@ -531,11 +547,25 @@ def search(
 
             gathers = [half_allreduce(blk.param_numel * per_param.param_bytes) for blk in blocks]
             scatters = [half_allreduce(blk.param_numel * per_param.grad_bytes) for blk in blocks]
+
+            def fwd_times(b: int) -> list[float]:
+                return zero3_overlap([f(b) for f in fwd_of], [g(b) for g in bwd_of], gathers, scatters)[0]
+
+            def bwd_times(b: int) -> list[float]:
+                return zero3_overlap([f(b) for f in fwd_of], [g(b) for g in bwd_of], gathers, scatters)[1]
+        else:
+
+            def fwd_times(b: int) -> list[float]:
+                return [f(b) for f in fwd_of]
+
+            def bwd_times(b: int) -> list[float]:
+                return [g(b) for g in bwd_of]
+
         return refine_plan(
             start,
             profile_,
-            lambda b: [f(b) + gather for f, gather in zip((blk.fwd_time_s for blk in blocks), gathers)],
-            lambda b: [g(b) + x + y for g, x, y in zip((blk.bwd_time_s for blk in blocks), gathers, scatters)],
+            fwd_times,
+            bwd_times,
             scale=scale,
             gpu_mem_bytes=gpu_mem,
             cut_bytes=lambda b: [cut.bytes(b) * scale for cut in chain.cuts],

@@ -118,6 +118,10 @@ class LiveMemory(TorchDispatchMode):
             if entry is not None:
                 self._ignored.add(entry[0])
 
+    def holds(self, key: int) -> bool:
+        """Whether the storage of `storage_key` `key`, allocated while the mode was active, is live now."""
+        return key in self._live
+
     def mark(self) -> int:
         """A position in the event log, for `bytes_at` and `peak_bytes_since`."""
         return len(self.events)

@@ -47,12 +47,21 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils.checkpoint import checkpoint
 
-from pyplan._torch import run_without_compute, storage_key, tensor_leaves
+from pyplan._torch import (
+    SELECTIVE_SAVE_NAMES,
+    OpRecorder,
+    run_without_compute,
+    selective_contexts,
+    storage_key,
+    tensor_leaves,
+)
 from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import Affine
 from pyplan.graph.split import pieces
 from pyplan.graph.trace import ExampleInputs, inputs_at
+from pyplan.profile.analytic import OpCost, Roofline, op_class
 from pyplan.profile.live import LiveMemory
 from pyplan.profile.pieces import RepeatedBlocks, block_inputs, leaf_inputs
 from pyplan.solve.remat import RematChain
@@ -72,6 +81,13 @@ class BlockMemory:
     # (bytes, last cut live, the blocks that save it) per new output storage
     out_values: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
     saves: bool = True
+    # Under selective checkpointing (pyplan._torch.SELECTIVE_SAVE_OPS): what the forward leaves, outputs held, and
+    # the share of the forward's time its recomputation takes (the ops it does not save, priced by a roofline).
+    selective_kept_bytes: int = 0
+    selective_share: float = 1.0
+    # Per output value: whether selective checkpointing holds it to the block's backward (its storage is the
+    # output of an op it saves, as a projection's output that is the block's output).
+    selective_holds: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,6 +104,9 @@ class RematBytes:
     # The last block with the loss folded in (pyplan/profile/loss.py): the peak of the loss's backward, which runs
     # before the block's own; the block's backward peak is the larger of the two at each batch size.
     loss_bwd_peak_bytes: Affine | None = None
+    selective_kept_bytes: Affine | None = None  # None: not measured (a selective block then keeps what it would)
+    selective_share: float = 1.0
+    selective_holds: tuple[bool, ...] = ()
 
     def at(self, batch_size: int) -> BlockMemory:
         def value(a: Affine) -> int:
@@ -97,14 +116,18 @@ class RematBytes:
         bwd_peak = value(self.bwd_peak_bytes)
         if self.loss_bwd_peak_bytes is not None:
             bwd_peak = max(bwd_peak, value(self.loss_bwd_peak_bytes))
+        kept = value(self.kept_bytes)
         return BlockMemory(
-            value(self.kept_bytes),
+            kept,
             sum(b for b, _, _ in values) if values else value(self.out_bytes),
             value(self.fwd_peak_bytes),
             value(self.fwd_nosave_peak_bytes),
             bwd_peak,
             values,
             self.saves,
+            kept if self.selective_kept_bytes is None else value(self.selective_kept_bytes),
+            self.selective_share,
+            self.selective_holds,
         )
 
 
@@ -221,8 +244,28 @@ class _Saves:
     outputs: tuple[bool, ...]
 
 
+# The roofline that prices a block's ops to find the share of its forward a selective recomputation takes, where
+# no device's is given: one of a CPU core (100 GFLOP/s, 10 GB/s).
+NOMINAL_ROOFLINE = Roofline({"fp32": 1e11, "fp64": 1e11, "bf16": 1e11, "fp16": 1e11}, 1e10)
+
+
+def _selective_share(ops: Sequence[tuple[str, float, float, str, bool]], roofline: Roofline) -> float:
+    """The share of a forward's roofline time in the ops selective checkpointing does not save."""
+    times = [
+        (name in SELECTIVE_SAVE_NAMES, roofline.op_time_s(OpCost(name, op_class(name), flops, nbytes, dtype, view)))
+        for name, flops, nbytes, dtype, view in ops
+    ]
+    total = sum(t for _, t in times)
+    return sum(t for saved, t in times if not saved) / total if total > 0 else 0.0
+
+
 def _measure_block(
-    mod: fx.GraphModule, args: Sequence[Any], first: bool, lasts: Iterable[int], incoming: Gradients | None
+    mod: fx.GraphModule,
+    args: Sequence[Any],
+    first: bool,
+    lasts: Iterable[int],
+    incoming: Gradients | None,
+    roofline: Roofline,
 ) -> tuple[BlockMemory, Gradients, _Saves, int]:
     """One block's figures (savers not yet known), how the gradients of its input cut come out of its backward,
     what it saves, and the bytes of its output cut's gradients. `lasts[v]` is the last cut where output v is
@@ -289,7 +332,33 @@ def _measure_block(
     del out
     out_values = tuple((size, last, ()) for size, last in values.values())
     out_bytes = sum(size for size, _, _ in out_values)
-    memory = BlockMemory(kept, out_bytes, fwd_peak, max(nosave_peak, out_bytes), bwd_peak, out_values)
+
+    # Selective checkpointing: what the forward leaves (its outputs and the outputs of the ops it saves; the
+    # checkpoint holds the block's inputs, made before), and which ops its recomputation runs again.
+    leaves = leaf_inputs(args, first=first)
+    before = {storage_key(t) for t in tensor_leaves(list(leaves))}
+    recorder = OpRecorder()
+    with LiveMemory() as mem, recorder:
+        out = checkpoint(mod, *leaves, use_reentrant=False, context_fn=selective_contexts)
+        selective_kept = mem.current_bytes
+        keys = list(dict.fromkeys(k for t in tensor_leaves(out) if (k := storage_key(t)) not in before))
+        graph = [t.grad_fn for t in tensor_leaves(out)]  # the checkpoint lives on with the graph, the outputs not
+        del out
+        holds = tuple(mem.holds(k) for k in keys)
+        del graph
+    if len(holds) != len(out_values):
+        raise RuntimeError(f"selective checkpointing changed the block's outputs ({len(holds)}, not {len(out_values)})")
+    memory = BlockMemory(
+        kept,
+        out_bytes,
+        fwd_peak,
+        max(nosave_peak, out_bytes),
+        bwd_peak,
+        out_values,
+        selective_kept_bytes=selective_kept,
+        selective_share=_selective_share(recorder.ops, roofline),
+        selective_holds=holds,
+    )
     return memory, made, _saved_by(mod, args, first), sum(size for _, size in groups)
 
 
@@ -373,14 +442,21 @@ def _state_kept(module: torch.nn.Module) -> Iterator[None]:
 
 
 def block_memory(
-    chain: Chain, example_inputs: ExampleInputs, batch_size: int, *, fake: bool = True
+    chain: Chain,
+    example_inputs: ExampleInputs,
+    batch_size: int,
+    *,
+    fake: bool = True,
+    roofline: Roofline | None = None,
 ) -> tuple[list[BlockMemory], list[int]]:
     """Every block's bytes at `batch_size`, and the gradient bytes per cut (index 0: the model's inputs, none).
 
     `fake` runs on fake tensors (meta for a model built on the meta device): nothing is computed or allocated;
     otherwise the blocks really run, on the model's own weights (left as they were, gradients and buffers
-    included). Inputs go to the device of the model's parameters.
+    included). Inputs go to the device of the model's parameters. `roofline` prices the ops of each block for
+    the share of its forward a selective recomputation takes (default: `NOMINAL_ROOFLINE`).
     """
+    roof = roofline or NOMINAL_ROOFLINE
     inputs = inputs_at(example_inputs, batch_size)
     gm = chain.graph.module
     device = next((p.device for p in gm.parameters() if not p.is_meta), torch.device("cpu"))
@@ -412,7 +488,7 @@ def block_memory(
                     fig, made[i], saves[i], grads[i + 1] = done[reuse]
                     fig = replace(fig, out_values=tuple((b, last + i, ()) for b, last, _ in fig.out_values))
                 else:
-                    fig, made[i], saves[i], grads[i + 1] = _measure_block(mod, a, i == 0, lasts, incoming)
+                    fig, made[i], saves[i], grads[i + 1] = _measure_block(mod, a, i == 0, lasts, incoming, roof)
                     if reuse is not None:
                         relative = tuple((b, c - i, ()) for b, c, _ in fig.out_values)
                         done[reuse] = (replace(fig, out_values=relative), made[i], saves[i], grads[i + 1])
@@ -431,19 +507,26 @@ def block_memory(
 
 
 def remat_bytes(
-    chain: Chain, example_inputs: ExampleInputs, batch_sizes: tuple[int, int], *, fake: bool = True
+    chain: Chain,
+    example_inputs: ExampleInputs,
+    batch_sizes: tuple[int, int],
+    *,
+    fake: bool = True,
+    roofline: Roofline | None = None,
 ) -> RematProfile:
-    """Every block's bytes as `per_sample·b + fixed`, from two batch sizes (exact: bytes are affine in b)."""
+    """Every block's bytes as `per_sample·b + fixed`, from two batch sizes (exact: bytes are affine in b); the
+    selective recomputation's share of each forward at the larger size, priced by `roofline`."""
     b1, b2 = batch_sizes
     if b1 == b2:
         raise ValueError(f"two distinct batch sizes are needed, got {b1} twice")
-    m1, g1 = block_memory(chain, example_inputs, b1, fake=fake)
-    m2, g2 = block_memory(chain, example_inputs, b2, fake=fake)
+    m1, g1 = block_memory(chain, example_inputs, b1, fake=fake, roofline=roofline)
+    m2, g2 = block_memory(chain, example_inputs, b2, fake=fake, roofline=roofline)
 
     def line(name: str, x: BlockMemory, y: BlockMemory) -> Affine:
         return Affine.from_two(b1, getattr(x, name), b2, getattr(y, name))
 
-    names = [n for n in BlockMemory.__dataclass_fields__ if n not in ("out_values", "saves")]
+    others = ("out_values", "saves", "selective_share", "selective_holds")
+    names = [n for n in BlockMemory.__dataclass_fields__ if n not in others]
 
     def values(x: BlockMemory, y: BlockMemory) -> tuple[tuple[Affine, int, tuple[int, ...]], ...]:
         if [v[1:] for v in x.out_values] != [v[1:] for v in y.out_values] or x.saves != y.saves:
@@ -454,7 +537,13 @@ def remat_bytes(
         )
 
     blocks = tuple(
-        RematBytes(**{n: line(n, x, y) for n in names}, out_values=values(x, y), saves=x.saves)
+        RematBytes(
+            **{n: line(n, x, y) for n in names},
+            out_values=values(x, y),
+            saves=x.saves,
+            selective_share=y.selective_share,
+            selective_holds=y.selective_holds,
+        )
         for x, y in zip(m1, m2)
     )
     return RematProfile(blocks, tuple(Affine.from_two(b1, x, b2, y) for x, y in zip(g1, g2)))
@@ -482,14 +571,23 @@ def _remat_chain(
         out_values=tuple(tuple((float(b), last) for b, last, _ in m.out_values) for m in mems),
         out_savers=tuple(tuple(savers for _, _, savers in m.out_values) for m in mems),
         saves=tuple(m.saves for m in mems),
+        selective_kept_bytes=tuple(float(m.selective_kept_bytes) for m in mems),
+        selective_recompute_s=tuple(m.selective_share * float(t) for m, t in zip(mems, fwd_s)),
+        selective_holds=tuple(m.selective_holds for m in mems),
     )
 
 
 def remat_chain(
-    chain: Chain, example_inputs: ExampleInputs, batch_size: int, *, time_scale: float = 1.0, fake: bool = True
+    chain: Chain,
+    example_inputs: ExampleInputs,
+    batch_size: int,
+    *,
+    time_scale: float = 1.0,
+    fake: bool = True,
+    roofline: Roofline | None = None,
 ) -> RematChain:
     """The RematChain of `chain` at `batch_size`: bytes measured at that size, times from the blocks' fitted
     `fwd_time_s`/`bwd_time_s` (times `time_scale`, e.g. to another device's speed; 0 where never timed)."""
-    mems, grads = block_memory(chain, example_inputs, batch_size, fake=fake)
+    mems, grads = block_memory(chain, example_inputs, batch_size, fake=fake, roofline=roofline)
     fwd, bwd = _times(chain, batch_size, time_scale)
     return _remat_chain(mems, grads, fwd, bwd)

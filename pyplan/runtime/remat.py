@@ -6,6 +6,9 @@ pyplan.graph.split do, and wraps them following the plan's tree:
 
   Keep(i)            block i runs as is;
   Offload(i)         block i runs under `torch.autograd.graph.save_on_cpu`: what it saves waits on the host;
+  Selective(i)       block i runs under `checkpoint(..., use_reentrant=False, context_fn=selective_contexts)`:
+                     the outputs of its matrix products and fused attention are saved, its other ops run again
+                     in its backward (pyplan._torch.SELECTIVE_SAVE_OPS);
   Checkpoint(inner)  `torch.utils.checkpoint.checkpoint(run inner, *values, use_reentrant=False)`: the blocks of
                      `inner` save nothing, and run again following `inner` when backward reaches them.
 
@@ -30,10 +33,11 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
+from pyplan._torch import selective_contexts
 from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
 from pyplan.graph.split import piece
-from pyplan.solve.remat import Checkpoint, Keep, Offload, RematPlan
+from pyplan.solve.remat import Checkpoint, Keep, Offload, RematPlan, Selective
 
 __all__ = ["RematModule", "apply_remat"]
 
@@ -80,9 +84,12 @@ class RematModule(nn.Module):
             out = self._item(item, out if isinstance(out, tuple) else (out,))
         return out
 
-    def _item(self, item: Keep | Offload | Checkpoint, values: tuple[Any, ...]) -> Any:
+    def _item(self, item: Keep | Offload | Selective | Checkpoint, values: tuple[Any, ...]) -> Any:
         if isinstance(item, Keep):
             return self._code[item.block](self, *values)
+        if isinstance(item, Selective):
+            run = functools.partial(self._code[item.block], self)
+            return checkpoint(run, *values, use_reentrant=False, context_fn=selective_contexts)
         if isinstance(item, Offload):
             pin = self.pin_memory
             if pin is None:

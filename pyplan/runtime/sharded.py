@@ -30,7 +30,15 @@ from pyplan.plan import Layout
 from pyplan.runtime.optim import OptimizerFactory
 from pyplan.solve.remat import Checkpoint, Keep
 
-__all__ = ["ShardedTrainer", "build_sharded_trainer", "gathered_bytes", "remat_kind", "shard_units", "unit_segments"]
+__all__ = [
+    "ShardedTrainer",
+    "build_sharded_trainer",
+    "gathered_bytes",
+    "remat_kind",
+    "shard_units",
+    "unit_segments",
+    "zero3_overlap",
+]
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
@@ -110,6 +118,48 @@ def gathered_bytes(model: nn.Module, param_bytes: float, grad_bytes: float) -> f
         largest = max(largest, sum(p.numel() for p in own))
     root = sum(p.numel() for p in model.parameters() if id(p) not in claimed)
     return (param_bytes + grad_bytes) * root + (2 * param_bytes + grad_bytes) * largest
+
+
+def zero3_overlap(
+    fwd_s: Sequence[float], bwd_s: Sequence[float], gather_s: Sequence[float], scatter_s: Sequence[float]
+) -> tuple[list[float], list[float]]:
+    """Each block's share of one micro-batch's forward and backward under ZeRO-3 as FSDP2 runs it: the compute on
+    one stream, the collectives on the link one after another (`gather_s`: a block's all-gather of its weights,
+    `scatter_s`: the reduce-scatter of its gradients), simulated event by event.
+
+    Forward: the first all-gather is waited for; block i+1's is issued when block i starts (FSDP2 prefetches the
+    next unit's all-gather while the current one computes), and a block starts once the one before has finished
+    and its own weights are gathered. Backward, from the last block: its all-gather is waited for; block i−1's is
+    issued when block i starts, block i's reduce-scatter when it ends, and the step waits for the last
+    reduce-scatter. A block's share is the time from the end of the block before to its own end (the last
+    reduce-scatter's wait goes to the first block's backward). With the link always ahead of the compute this is
+    max(fwd_i, gather_{i+1}) (+ gather_0 for the first block) and max(bwd_i, gather_{i−1} + scatter_{i+1}); in
+    total it is never more than the compute and the communication one after the other, nor less than either."""
+    n = len(fwd_s)
+    if not (len(bwd_s) == len(gather_s) == len(scatter_s) == n):
+        raise ValueError("zero3_overlap needs one forward, backward, gather and scatter time per block")
+    fwd: list[float] = []
+    link = gathered = gather_s[0] if n else 0.0
+    end = 0.0
+    for i in range(n):
+        start = max(end, gathered)
+        if i + 1 < n:  # the next block's all-gather, issued now
+            link = gathered = max(link, start) + gather_s[i + 1]
+        fwd.append(start + fwd_s[i] - end)
+        end = start + fwd_s[i]
+    bwd = [0.0] * n
+    link = gathered = gather_s[-1] if n else 0.0
+    end = 0.0
+    for i in range(n - 1, -1, -1):
+        start = max(end, gathered)
+        if i > 0:
+            link = gathered = max(link, start) + gather_s[i - 1]
+        bwd[i] = start + bwd_s[i] - end
+        end = start + bwd_s[i]
+        link = max(link, end) + scatter_s[i]  # this block's reduce-scatter, issued at its end
+    if n:
+        bwd[0] += max(0.0, link - end)
+    return fwd, bwd
 
 
 @dataclass

@@ -103,6 +103,7 @@ __all__ = [
     "RematPlan",
     "RematResult",
     "Replay",
+    "Selective",
     "checkpoint_calls",
     "checkpoint_cost_s",
     "checkpoint_forward_s",
@@ -141,6 +142,12 @@ class RematChain:
     # Of a checkpoint's cost (checkpoint_s and its blocks' checkpoint_block_s), the share paid in its first,
     # non-saving pass; the rest is paid in the backward (`checkpoint_forward_s`).
     checkpoint_forward_share: float = 0.0
+    # [L] or empty (no block can run selectively): what block i's forward leaves under selective checkpointing
+    # (its outputs and the outputs of the ops it saves), and what recomputing its other ops costs in its backward.
+    selective_kept_bytes: tuple[float, ...] = ()
+    selective_recompute_s: tuple[float, ...] = ()
+    # [L], per output value (empty: none): whether selective checkpointing holds it to the block's backward.
+    selective_holds: tuple[tuple[bool, ...], ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.fwd_s)
@@ -164,6 +171,11 @@ class RematChain:
             object.__setattr__(self, "out_savers", tuple((savers[i],) * len(v) for i, v in enumerate(self.out_values)))
         if len(self.out_savers) != n:
             raise ValueError(f"out_savers has {len(self.out_savers)} entries, the chain has {n} blocks")
+        for name in ("selective_kept_bytes", "selective_recompute_s", "selective_holds"):
+            if getattr(self, name) and len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries, the chain has {n} blocks")
+        if any(h and len(h) != len(v) for h, v in zip(self.selective_holds, self.out_values)):
+            raise ValueError("selective_holds needs one entry per output value of each block")
         if not self.saves:
             object.__setattr__(self, "saves", (True,) * n)
         if len(self.saves) != n:
@@ -224,6 +236,47 @@ class RematChain:
             checkpoint_s=self.checkpoint_s,
             checkpoint_block_s=self.checkpoint_block_s[start:stop],
             checkpoint_forward_share=self.checkpoint_forward_share,
+            selective_kept_bytes=self.selective_kept_bytes[start:stop],
+            selective_recompute_s=self.selective_recompute_s[start:stop],
+            selective_holds=self.selective_holds[start:stop],
+        )
+
+    def selective(self, blocks: frozenset[int]) -> RematChain:
+        """The chain with `blocks` run under selective checkpointing, as kept blocks of other figures: each leaves
+        its selective kept bytes, and its backward first recomputes the ops it did not save (one checkpoint call
+        more, `checkpoint_s` and the block's `checkpoint_block_s`, split as a checkpoint's between the passes). Its
+        backward peaks as a kept block's (the recomputation makes again what a saving forward saves), and the
+        checkpoint holds the block's input cut until then: the block is a saver of every value live at its input,
+        and of its output values it holds itself (`selective_holds`).
+        """
+        if not blocks:
+            return self
+        if not self.selective_kept_bytes:
+            raise ValueError("the chain has no figures for selective checkpointing")
+        kept, fwd, bwd, saves = list(self.kept_bytes), list(self.fwd_s), list(self.bwd_s), list(self.saves)
+        savers = [list(map(list, v)) for v in self.out_savers]
+        share = self.checkpoint_forward_share
+        for i in blocks:
+            call = self.checkpoint_s + self.checkpoint_block_s[i]
+            kept[i] = self.selective_kept_bytes[i]
+            fwd[i] += share * call
+            bwd[i] += self.selective_recompute_s[i] + (1 - share) * call
+            saves[i] = True
+            for j in range(i):
+                for x, (_, last) in enumerate(self.out_values[j]):
+                    if last >= i and i not in savers[j][x]:
+                        savers[j][x] = sorted([*savers[j][x], i])
+            held = self.selective_holds[i] if self.selective_holds else ()
+            for x, holds in enumerate(held):
+                if holds and i not in savers[i][x]:
+                    savers[i][x] = sorted([*savers[i][x], i])
+        return replace(
+            self,
+            kept_bytes=tuple(kept),
+            fwd_s=tuple(fwd),
+            bwd_s=tuple(bwd),
+            saves=tuple(saves),
+            out_savers=tuple(tuple(tuple(q) for q in v) for v in savers),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -234,6 +287,9 @@ class RematChain:
         out["checkpoint_s"] = self.checkpoint_s
         out["checkpoint_block_s"] = list(self.checkpoint_block_s)
         out["checkpoint_forward_share"] = self.checkpoint_forward_share
+        out["selective_kept_bytes"] = list(self.selective_kept_bytes)
+        out["selective_recompute_s"] = list(self.selective_recompute_s)
+        out["selective_holds"] = [list(h) for h in self.selective_holds]
         return out
 
     @staticmethod
@@ -245,6 +301,9 @@ class RematChain:
         fields["checkpoint_s"] = float(data.get("checkpoint_s", 0.0))
         fields["checkpoint_block_s"] = tuple(float(v) for v in data.get("checkpoint_block_s", []))
         fields["checkpoint_forward_share"] = float(data.get("checkpoint_forward_share", 0.0))
+        for name in ("selective_kept_bytes", "selective_recompute_s"):
+            fields[name] = tuple(float(v) for v in data.get(name, []))
+        fields["selective_holds"] = tuple(tuple(bool(h) for h in v) for v in data.get("selective_holds", []))
         return RematChain(**fields)
 
 
@@ -276,13 +335,21 @@ class Offload:
 
 
 @dataclass(frozen=True)
+class Selective:
+    """Run block `block` under selective checkpointing: saving the outputs of its matrix products and fused
+    attention, recomputing its other ops in its backward (`RematChain.selective`)."""
+
+    block: int
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     """Run the blocks of `inner` without saving; recompute them in backward following `inner`."""
 
     inner: RematPlan
 
 
-RematItem = Keep | Offload | Checkpoint
+RematItem = Keep | Offload | Selective | Checkpoint
 
 
 @dataclass(frozen=True)
@@ -317,15 +384,13 @@ class RematPlan:
         return RematPlan(tuple(_shift(it, offset) for it in self.items))
 
     def to_json(self) -> list[Any]:
-        """Nested lists: ["keep", i], ["offload", i], ["checkpoint", [...]]."""
+        """Nested lists: ["keep", i], ["offload", i], ["selective", i], ["checkpoint", [...]]."""
         out: list[Any] = []
         for it in self.items:
-            if isinstance(it, Keep):
-                out.append(["keep", it.block])
-            elif isinstance(it, Offload):
-                out.append(["offload", it.block])
-            else:
+            if isinstance(it, Checkpoint):
                 out.append(["checkpoint", it.inner.to_json()])
+            else:
+                out.append([_KINDS[type(it)], it.block])
         return out
 
     @staticmethod
@@ -334,28 +399,41 @@ class RematPlan:
             raise ValueError(f"a remat plan is a non-empty list of items, got {data!r}")
         items: list[RematItem] = []
         for entry in data:
-            if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in ("keep", "offload", "checkpoint")):
-                raise ValueError(f"remat plan item {entry!r} is not [keep|offload|checkpoint, value]")
+            if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in (*_ITEMS, "checkpoint")):
+                raise ValueError(f"remat plan item {entry!r} is not [keep|offload|selective|checkpoint, value]")
             kind, value = entry
             if kind == "checkpoint":
                 items.append(Checkpoint(RematPlan.from_json(value)))
             elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-                items.append(Keep(value) if kind == "keep" else Offload(value))
+                items.append(_ITEMS[kind](value))
             else:
                 raise ValueError(f"remat plan item {entry!r} needs a block index")
         return RematPlan(tuple(items))
 
     def describe(self) -> str:
-        """Compact text: K3 keeps block 3, O3 offloads it, C[...] checkpoints what is inside."""
+        """Compact text: K3 keeps block 3, O3 offloads it, S3 checkpoints it selectively, C[...] checkpoints what
+        is inside."""
         parts = []
         for it in self.items:
-            if isinstance(it, Keep):
-                parts.append(f"K{it.block}")
-            elif isinstance(it, Offload):
-                parts.append(f"O{it.block}")
-            else:
+            if isinstance(it, Checkpoint):
                 parts.append(f"C[{it.inner.describe()}]")
+            else:
+                parts.append(f"{_KINDS[type(it)][0].upper()}{it.block}")
         return " ".join(parts)
+
+    def selective_blocks(self) -> frozenset[int]:
+        """The blocks a `Selective` item runs, at any depth."""
+        out: set[int] = set()
+        for it in self.items:
+            if isinstance(it, Checkpoint):
+                out |= it.inner.selective_blocks()
+            elif isinstance(it, Selective):
+                out.add(it.block)
+        return frozenset(out)
+
+
+_ITEMS: dict[str, type[Keep | Offload | Selective]] = {"keep": Keep, "offload": Offload, "selective": Selective}
+_KINDS = {v: k for k, v in _ITEMS.items()}
 
 
 def _first(it: RematItem) -> int:
@@ -423,7 +501,7 @@ def _packs(plan: RematPlan, saves: Sequence[bool] | None) -> bool:
 
 def _first_pass(plan: RematPlan, ops: list[Op], saves: Sequence[bool] | None) -> None:
     for it in plan.items:
-        if isinstance(it, Keep):
+        if isinstance(it, Keep | Selective):
             ops.append(("F", it.block, "save"))
         elif isinstance(it, Offload):
             ops.append(("F", it.block, "offload"))
@@ -489,6 +567,8 @@ def replay(
     backward on."""
     if plan.first != 0 or plan.last != len(chain) - 1:
         raise ValueError(f"the plan covers blocks {plan.first}..{plan.last}, the chain has {len(chain)}")
+    selective = plan.selective_blocks()
+    chain = chain.selective(selective)
     first: list[Op] = []
     _first_pass(plan, first, chain.saves)
     ops = plan_ops(plan, chain.saves)
@@ -500,11 +580,14 @@ def replay(
         param_grad_bytes=param_grad_bytes,
     )
     extra = checkpoint_cost_s(chain, plan)
-    return replace(rep, time_s=rep.time_s + extra, recompute_s=rep.recompute_s + extra)
+    # A selective block's recomputation is in its backward's time already (`RematChain.selective`).
+    again = sum(chain.selective_recompute_s[i] for i in selective)
+    return replace(rep, time_s=rep.time_s + extra, recompute_s=rep.recompute_s + extra + again)
 
 
 def _time_s(chain: RematChain, plan: RematPlan) -> float:
     """`replay(chain, plan).time_s` without offloading, from the operations alone (no memory replayed)."""
+    chain = chain.selective(plan.selective_blocks())
     ops = plan_ops(plan, chain.saves)
     run = sum(chain.fwd_s[op[1]] if op[0] == "F" else chain.bwd_s[op[1]] for op in ops if op[0] in ("F", "B"))
     return run + checkpoint_cost_s(chain, plan)

@@ -16,7 +16,7 @@ refined.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from pyplan.errors import InfeasibleError, PlanError
@@ -29,6 +29,7 @@ from pyplan.solve.remat import (
     RematItem,
     RematPlan,
     Replay,
+    Selective,
     checkpoint_cost_s,
     checkpoint_forward_s,
     full_remat,
@@ -48,12 +49,14 @@ __all__ = [
     "refine_plan",
     "relaxed_chain",
     "segmented",
+    "selective",
+    "selective_gains",
     "stage_outputs",
     "stage_remat",
     "unmade_grad_bytes",
 ]
 
-REMAT_MODES = ("none", "full", "periodic", "auto")
+REMAT_MODES = ("none", "full", "selective", "periodic", "auto")
 OFFLOAD_MODES = ("none", "auto")
 
 
@@ -128,6 +131,24 @@ def unmade_grad_bytes(rep: Replay, in_flight: int, grads_bytes: float) -> float:
     return max(0.0, counted - max(first, second, grads_bytes))
 
 
+def selective_gains(chain: RematChain) -> list[int]:
+    """The blocks selective checkpointing keeps fewer bytes of, most bytes saved per second recomputed first."""
+    if not chain.selective_kept_bytes:
+        return []
+    saved = [chain.kept_bytes[i] - chain.selective_kept_bytes[i] for i in range(len(chain))]
+
+    def worth(i: int) -> float:
+        return saved[i] / max(chain.selective_recompute_s[i], 1e-12)
+
+    return sorted((i for i in range(len(chain)) if saved[i] > 0), key=lambda i: (-worth(i), i))
+
+
+def selective(n: int, blocks: Iterable[int]) -> RematPlan:
+    """Blocks [0, n) with `blocks` run under selective checkpointing, every other block kept."""
+    chosen = set(blocks)
+    return RematPlan(tuple(Selective(i) if i in chosen else Keep(i) for i in range(n)))
+
+
 def segmented(n: int, segments: Sequence[tuple[int, int]]) -> RematPlan:
     """Blocks [0, n) with each of `segments` (disjoint [start, stop) ranges, in order) checkpointed whole, every other
     block kept: what checkpointing whole modules does (the module keeps its input and runs again in its backward)."""
@@ -180,6 +201,8 @@ def stage_remat(
         return fits(no_remat(0, n))
     if mode == "full":
         return fits(full_remat(0, n))
+    if mode == "selective":
+        return fits(selective(n, selective_gains(chain)))
     if mode == "segments":
         return fits(segmented(n, segments))
     if mode == "periodic":
@@ -197,7 +220,15 @@ def stage_remat(
     except InfeasibleError:
         return None
     need = got.peak_bytes + (in_flight - 1) * got.after_forward_bytes
-    return StageChoice(got.plan, got.time_s, got.recompute_s, got.transfer_s, need, unmade(got.plan))
+    best = StageChoice(got.plan, got.time_s, got.recompute_s, got.transfer_s, need, unmade(got.plan))
+    # Selective checkpointing block by block, the blocks that save most bytes per second recomputed first, as
+    # few as fit: the DP's plans do not include it; the faster of the two is the stage's plan.
+    gains = selective_gains(chain)
+    for k in range(1, len(gains) + 1):
+        mixed = fits(selective(n, gains[:k]))
+        if mixed is not None:
+            return mixed if mixed.time_s < best.time_s else best
+    return best
 
 
 def stage_outputs(lo: int, hi: int, mems: Sequence[BlockMemory], num_cuts: int) -> tuple[tuple[int, int], ...]:
@@ -246,6 +277,7 @@ def _without(mem: BlockMemory, drop: set[int]) -> BlockMemory:
         fwd_peak_bytes=max(0, mem.fwd_peak_bytes - gone),
         fwd_nosave_peak_bytes=max(0, mem.fwd_nosave_peak_bytes - gone),
         bwd_peak_bytes=max(0, mem.bwd_peak_bytes - gone),
+        selective_kept_bytes=max(0, mem.selective_kept_bytes - gone),
         out_values=tuple(
             (0, last, savers) if i in drop else (b, last, savers) for i, (b, last, savers) in enumerate(mem.out_values)
         ),
@@ -343,6 +375,9 @@ def refine_plan(
             checkpoint_s=checkpoint_s,
             checkpoint_block_s=tuple(checkpoint_block_s[lo:hi]),
             checkpoint_forward_share=checkpoint_forward_share,
+            selective_kept_bytes=tuple(m.selective_kept_bytes * scale for m in blocks),
+            selective_recompute_s=tuple(m.selective_share * f for m, f in zip(blocks, f_all[lo:hi])),
+            selective_holds=tuple(m.selective_holds for m in blocks),
         )
         # One replica (no DDP buckets), one stage per rank (GPipe, 1F1B), every forward before the first backward.
         fresh = lay.dp == 1 and lay.stages_per_rank == 1 and st.in_flight == lay.num_microbatches

@@ -30,7 +30,7 @@ from pyplan.graph.trace import Call, call_at, input_tensors, output_tensors
 from pyplan.plan import Layout, StageRemat
 from pyplan.runtime.trainer import OptimizerSpec, build_trainer, replica_slice
 from pyplan.solve.ilp import assign_stages, stage_dag_from_layergraph
-from pyplan.solve.remat import Checkpoint, Keep, Offload, RematPlan, full_remat, no_remat, periodic
+from pyplan.solve.remat import Checkpoint, Keep, Offload, RematPlan, Selective, full_remat, no_remat, periodic
 from pyplan.solve.schedules import torch_rejection
 from pyplan.spec import ModelSpec, default_loss
 
@@ -89,6 +89,7 @@ def stage_remat(spec_name: str, cuts: tuple[int, ...], micro_batch: int, kinds: 
             "periodic": periodic(0, 4, 2),
             "full": full_remat(0, 4),
             "nested": RematPlan((Checkpoint(RematPlan((Checkpoint(no_remat(0, 1)), Keep(1)))), Offload(2), Keep(3))),
+            "selective": RematPlan((Selective(0), Selective(1), Checkpoint(no_remat(2, 3)), Selective(3))),
             "none": None,
         }[kind]
         out.append(None if plan is None else StageRemat(positions, plan))
@@ -164,6 +165,7 @@ def configs(world: int) -> list[dict]:
         # Rematerialization (checkpointed, nested, offloaded blocks) inside the stages: the same training.
         for model, dp, pp, schedule, kinds in (
             ("gpt-tiny", 1, 2, "1F1B", ["periodic", "nested"]),
+            ("gpt-tiny", 1, 2, "GPipe", ["selective", "selective"]),
             ("resnet-tiny", 1, 2, "GPipe", ["nested", "full"]),
             ("resnet-tiny", 2, 1, "GPipe", ["full"]),
         ):

@@ -17,6 +17,7 @@ from pyplan.solve.remat import (
     Keep,
     Offload,
     RematPlan,
+    Selective,
     full_remat,
     min_budget,
     no_remat,
@@ -24,6 +25,7 @@ from pyplan.solve.remat import (
     replay,
     solve,
 )
+from pyplan.solve.remat_search import selective, selective_gains
 from pyplan.spec import ModelSpec
 from pyplan.zoo.transformer import GPT, GPTConfig
 
@@ -52,6 +54,8 @@ def _plans(n: int) -> dict[str, RematPlan]:
         "nested": RematPlan((Checkpoint(RematPlan((Keep(0), Checkpoint(no_remat(1, 3)), Keep(3)))), *rest)),
         "nested3": RematPlan((Checkpoint(RematPlan((Checkpoint(RematPlan((innermost, Keep(2)))),))), *from_3)),
         "offload": RematPlan((Offload(0), Checkpoint(RematPlan((Offload(1), Keep(2)))), Offload(3), *rest)),
+        "selective": RematPlan((*(Selective(i) for i in range(n - 1)), Keep(n - 1))),
+        "selective+checkpoint": RematPlan((Selective(0), Checkpoint(no_remat(1, 3)), Selective(3), *rest)),
     }
 
 
@@ -221,7 +225,10 @@ def layered(request: pytest.FixtureRequest) -> tuple[Chain, ExampleInputs]:
     return chain, example
 
 
-@pytest.mark.parametrize("plan", ["no_remat", "full_remat", "periodic(2)", "periodic(3)", "nested", "nested3"])
+@pytest.mark.parametrize(
+    "plan",
+    ["no_remat", "full_remat", "periodic(2)", "periodic(3)", "nested", "nested3", "selective", "selective+checkpoint"],
+)
 def test_training_peaks_as_predicted(layered: tuple[Chain, ExampleInputs], plan: str) -> None:
     chain, example = layered
     predicted = replay(remat_chain(chain, example, 4), _plans(len(chain))[plan])
@@ -287,6 +294,7 @@ def test_fine_chains_peak_as_predicted(name: str) -> None:
     n = len(chain)
     least, top = min_budget(figures), replay(figures, no_remat(0, n)).peak_bytes
     chosen = [solve(figures, least + (top - least) * f, slots=300).plan for f in (0.1, 0.3, 0.5, 0.8)]
+    chosen.append(selective(n, selective_gains(figures)))
     for plan in [no_remat(0, n), full_remat(0, n), *(periodic(0, n, k) for k in (2, 3, 4)), *chosen]:
         peak, _ = _training_step_bytes(apply_remat(chain, plan), example(4))
         predicted = replay(figures, plan).peak_bytes

@@ -3,10 +3,12 @@ and the plans the search makes of it (the training itself: tests/runtime/_transp
 
 from __future__ import annotations
 
+import pytest
+
 from pyplan import linearize, load_model, search, trace
 from pyplan.hardware import Cluster
 from pyplan.plan import Workload
-from pyplan.runtime.sharded import gathered_bytes, remat_kind, shard_units, unit_segments
+from pyplan.runtime.sharded import gathered_bytes, remat_kind, shard_units, unit_segments, zero3_overlap
 from pyplan.solve.remat import Checkpoint, Keep, full_remat, no_remat
 from pyplan.solve.remat_search import segmented
 
@@ -63,3 +65,38 @@ def test_remat_kinds() -> None:
     nested = segmented(4, [(0, 4)])
     nested = type(nested)((Checkpoint(segmented(4, [(1, 3)])),))
     assert remat_kind(layout(nested)) == "other"
+
+
+def test_zero3_overlap_against_its_closed_forms() -> None:
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        n = rng.randint(1, 6)
+        f = [rng.uniform(0.0, 2.0) for _ in range(n)]
+        b = [rng.uniform(0.0, 4.0) for _ in range(n)]
+        g = [rng.uniform(0.0, 1.0) for _ in range(n)]
+        s = [rng.uniform(0.0, 1.0) for _ in range(n)]
+        fwd, bwd = zero3_overlap(f, b, g, s)
+        # Never more than compute and communication one after the other, nor less than either alone.
+        assert sum(f) - 1e-12 <= sum(fwd) <= sum(f) + sum(g) + 1e-12
+        assert max(sum(f), sum(g)) - 1e-12 <= sum(fwd)
+        assert max(sum(b), sum(g) + sum(s)) - 1e-12 <= sum(bwd) <= sum(b) + sum(g) + sum(s) + 1e-12
+        # No communication: the compute alone; no compute: the communication alone.
+        alone = zero3_overlap(f, b, [0.0] * n, [0.0] * n)
+        assert alone[0] == pytest.approx(f) and alone[1] == pytest.approx(b)
+        nothing = [0.0] * n
+        fwd0, bwd0 = zero3_overlap(nothing, nothing, g, s)
+        assert sum(fwd0) == pytest.approx(sum(g)) and sum(bwd0) == pytest.approx(sum(g) + sum(s))
+    # The link ahead of the compute: max(fwd_i, gather_{i+1}) and max(bwd_i, gather_{i-1} + scatter_{i+1}).
+    f, b = [3.0, 3.0, 3.0], [6.0, 6.0, 6.0]
+    g, s = [1.0, 2.0, 1.5], [2.0, 3.0, 1.0]
+    fwd, bwd = zero3_overlap(f, b, g, s)
+    assert fwd == [1.0 + 3.0, 3.0, 3.0]
+    assert bwd == [6.0 + 2.0, 6.0, 6.0 + 1.5]
+    # Communication-bound: every block waits for its weights.
+    # Forward: the first gather (2), block 0 (0.5) while the second gathers (2), block 1 waits for it.
+    # Backward: block 1 once gathered (2 + 1); block 0 waits for its gather (issued at 2, done at 4) and the link
+    # reduce-scatters block 1 (4 to 5), block 0 (5 to 6).
+    fwd, bwd = zero3_overlap([0.5, 0.5], [1.0, 1.0], [2.0, 2.0], [1.0, 1.0])
+    assert fwd == [2.5, 2.0] and bwd == [2.0 + 1.0, 3.0]
