@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from pyplan import solve
-from pyplan.solve import reference
+from tests.solve import reference
 
 REL = 1e-12
 MIXED_PRECISION_ADAM = {"param_bytes": 2.0, "grad_bytes": 2.0, "optim_bytes": 12.0}

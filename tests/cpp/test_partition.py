@@ -12,7 +12,7 @@ import pytest
 
 from pyplan import _core
 from pyplan.solve import partition
-from pyplan.solve.reference import evaluate_partition, partition_brute_force
+from tests.solve.reference import evaluate_partition, partition_brute_force
 
 REL = 1e-9  # only float summation order may differ
 _CHAIN = ("fwd_time_s", "bwd_time_s", "act_bytes", "state_bytes", "cut_bytes")

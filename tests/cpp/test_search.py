@@ -9,7 +9,7 @@ from dataclasses import asdict, replace
 import pytest
 
 from pyplan import _core
-from pyplan.solve.reference_search import Hardware, Host, ProfiledChain, Space, search_brute_force
+from tests.solve.reference_search import Hardware, Host, ProfiledChain, Space, search_brute_force
 
 REL = 1e-9
 

@@ -30,7 +30,6 @@ from pyplan.solve.ilp import (
     replay_dag,
     stage_dag_from_layergraph,
 )
-from pyplan.solve.reference import evaluate_partition
 from pyplan.solve.remat import (
     Checkpoint,
     Keep,
@@ -44,6 +43,7 @@ from pyplan.solve.remat import (
     replay_ops,
     solve,
 )
+from tests.solve.reference import evaluate_partition
 
 REL = 1e-9  # stage times: only the rounding of seconds to CP-SAT's integer units may differ
 LIMIT_S = 20.0  # a safety net: every instance here solves to optimality in well under a second

@@ -12,8 +12,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pyplan.solve import reference
 from pyplan.solve.schedules import simulate
+from tests.solve import reference
 
 __all__ = ["Hardware", "Outcome", "Planned", "ProfiledChain", "Space", "search_brute_force"]
 
