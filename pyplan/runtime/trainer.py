@@ -252,8 +252,8 @@ def build_trainer(
                 s,
                 layout.num_stages,
                 device,
-                input_args=tuple(_dense(t, device) for t in inputs),
-                output_args=tuple(_dense(t, device) for t in outputs),
+                input_args=tuple(_example(t) for t in inputs),
+                output_args=tuple(_example(t) for t in outputs),
                 group=mesh["pp"].get_group(),
             )
         )
@@ -279,12 +279,15 @@ def build_trainer(
     )
 
 
-def _dense(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` on `device` with the strides of a new contiguous tensor, as the micro-batches that step() splits off a
-    contiguous batch have: is_contiguous ignores the stride of a size-1 dimension (a (1, T) row cut from a (1, T + 1)
-    draw keeps stride T + 1), and PipelineStage compares strides exactly on torch 2.11 (seen on an H200: gpt2-small
-    at micro-batch 1, "stride mismatch: expected (1025, 1) actual (1024, 1)")."""
-    return t.to(device).clone(memory_format=torch.contiguous_format)
+def _example(t: torch.Tensor) -> torch.Tensor:
+    """`t` as PipelineStage's example of a micro-batch: on the meta device, with the strides of a new contiguous
+    tensor. Meta: torch up to 2.11 keeps the examples it is given for the life of the stage, and a language model's
+    last stage was given a micro-batch of logits (gpt2-small on an H200: 206 MB a sample beyond the plan). Strides:
+    the micro-batches that step() splits off a contiguous batch have them, and is_contiguous ignores the stride of a
+    size-1 dimension (a (1, T) row cut from a (1, T + 1) draw keeps stride T + 1), while PipelineStage compares
+    strides exactly on torch 2.11 (seen on an H200: gpt2-small at micro-batch 1, "stride mismatch: expected
+    (1025, 1) actual (1024, 1)")."""
+    return t.to("meta").clone(memory_format=torch.contiguous_format)
 
 
 def _unique_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
