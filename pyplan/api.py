@@ -95,6 +95,12 @@ def _pricing(gpu: GPU, roofline: Roofline | None) -> Roofline | None:
         return None
 
 
+def _zero3_mode(mode: str) -> str:
+    """The remat mode a ZeRO-3 plan's stage is refined with: its runtime checkpoints whole FSDP units (the model's
+    own modules, `unit_segments`), selectively or not, or none of them."""
+    return {"none": "none", "selective": "selective segments", "auto": "any segments"}.get(mode, "segments")
+
+
 def _is_local(gpu: GPU) -> bool:
     return gpu.name == LOCAL
 
@@ -675,7 +681,7 @@ def search(
             if key in seen:
                 continue
             seen.add(key)
-            got = sharded(refine(c, start, "segments" if c.zero_stage == 3 and mode != "none" else mode))
+            got = sharded(refine(c, start, _zero3_mode(mode) if c.zero_stage == 3 else mode))
             if got is not None:
                 got = exact_state(got, [stage_shapes(st) for st in got.stages], workload)
             if got is not None and got.predicted.peak_memory_bytes <= gpu_mem:

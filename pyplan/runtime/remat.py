@@ -10,7 +10,9 @@ pyplan.graph.split do, and wraps them following the plan's tree:
                      the outputs of its matrix products and fused attention are saved, its other ops run again
                      in its backward (pyplan._torch.SELECTIVE_SAVE_OPS);
   Checkpoint(inner)  `torch.utils.checkpoint.checkpoint(run inner, *values, use_reentrant=False)`: the blocks of
-                     `inner` save nothing, and run again following `inner` when backward reaches them.
+                     `inner` save nothing, and run again following `inner` when backward reaches them;
+  SelectiveCheckpoint(inner)  the same with `context_fn=selective_contexts`: the outputs of the matrix products
+                     and fused attention of `inner` are saved, the rest runs again.
 
 Parameters and buffers are the traced module's own (shared, not copied) under their names in the original
 model, so `state_dict()` and `named_parameters()` read as those of `piece(chain, first, last + 1)`.
@@ -37,7 +39,7 @@ from pyplan._torch import selective_contexts
 from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
 from pyplan.graph.split import piece
-from pyplan.solve.remat import Checkpoint, Keep, Offload, RematPlan, Selective
+from pyplan.solve.remat import Checkpoint, Keep, Offload, RematPlan, Selective, SelectiveCheckpoint
 
 __all__ = ["RematModule", "apply_remat"]
 
@@ -96,7 +98,8 @@ class RematModule(nn.Module):
                 pin = any(isinstance(v, torch.Tensor) and v.is_cuda for v in values)
             with torch.autograd.graph.save_on_cpu(pin_memory=pin):
                 return self._code[item.block](self, *values)
-        return checkpoint(functools.partial(self._run, item.inner), *values, use_reentrant=False)
+        context = {"context_fn": selective_contexts} if isinstance(item, SelectiveCheckpoint) else {}
+        return checkpoint(functools.partial(self._run, item.inner), *values, use_reentrant=False, **context)
 
     def extra_repr(self) -> str:
         return f"plan={self.plan.describe()}"

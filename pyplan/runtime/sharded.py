@@ -25,10 +25,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
+from pyplan._torch import selective_contexts
 from pyplan.graph.trace import Call, ExampleInputs, call_at, output_tensors
 from pyplan.plan import Layout
 from pyplan.runtime.optim import OptimizerFactory
-from pyplan.solve.remat import Checkpoint, Keep
+from pyplan.solve.remat import Checkpoint, Keep, SelectiveCheckpoint
 
 __all__ = [
     "ShardedTrainer",
@@ -57,15 +58,18 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 
 def remat_kind(layout: Layout) -> str:
     """ "none" (every block keeps its activations), "units" (some blocks checkpointed in one level, as checkpointing
-    whole units makes them: the runtime then checkpoints every unit) or "other" (nested checkpoints, offloading)."""
+    whole units makes them: the runtime then checkpoints every unit), "selective units" (the same, selectively
+    checkpointed) or "other" (nested checkpoints, offloading, blocks checkpointed selectively on their own)."""
     items = [it for r in layout.remat if r is not None for it in r.plan.items]
     if all(isinstance(it, Keep) for it in items):
         return "none"
-    one_level = all(
-        isinstance(it, Keep) or (isinstance(it, Checkpoint) and all(isinstance(x, Keep) for x in it.inner.items))
-        for it in items
-    )
-    return "units" if one_level else "other"
+    for kind, name in ((SelectiveCheckpoint, "selective units"), (Checkpoint, "units")):
+        if all(
+            isinstance(it, Keep) or (type(it) is kind and all(isinstance(x, Keep) for x in it.inner.items))
+            for it in items
+        ):
+            return name
+    return "other"
 
 
 def _outermost(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -96,11 +100,13 @@ def unit_segments(model: nn.Module, block_names: Sequence[str]) -> list[tuple[in
     return runs
 
 
-def _checkpointed(unit: nn.Module) -> None:
+def _checkpointed(unit: nn.Module, *, selective: bool = False) -> None:
     """Run `unit`'s forward under non-reentrant checkpointing: it keeps its inputs and recomputes the rest in its
-    backward, inside FSDP2's hooks (which gather the unit's parameters again for the backward)."""
+    backward, inside FSDP2's hooks (which gather the unit's parameters again for the backward); `selective`: it also
+    keeps the outputs of its matrix products and fused attention (`pyplan._torch.selective_contexts`)."""
     forward = unit.forward
-    unit.forward = functools.partial(checkpoint, forward, use_reentrant=False)  # type: ignore[method-assign]
+    context = {"context_fn": selective_contexts} if selective else {}
+    unit.forward = functools.partial(checkpoint, forward, use_reentrant=False, **context)  # type: ignore[method-assign]
 
 
 def gathered_bytes(model: nn.Module, param_bytes: float, grad_bytes: float) -> float:
@@ -227,9 +233,10 @@ def build_sharded_trainer(
     """`model` sharded over the mesh's dp axis unit by unit (`shard_units`, then the root), the outermost units
     checkpointed where the plan recomputes (`unit_segments`), with its optimizer over the shards."""
     model = model.to(device)
-    if remat_kind(layout) == "units":
+    kind = remat_kind(layout)
+    if kind in ("units", "selective units"):
         for _, unit in _outermost(model):
-            _checkpointed(unit)
+            _checkpointed(unit, selective=kind == "selective units")
     for unit in shard_units(model):
         fully_shard(unit, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])

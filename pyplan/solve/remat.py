@@ -104,6 +104,7 @@ __all__ = [
     "RematResult",
     "Replay",
     "Selective",
+    "SelectiveCheckpoint",
     "checkpoint_calls",
     "checkpoint_cost_s",
     "checkpoint_forward_s",
@@ -349,6 +350,20 @@ class Checkpoint:
     inner: RematPlan
 
 
+@dataclass(frozen=True)
+class SelectiveCheckpoint(Checkpoint):
+    """Run the blocks of `inner` (kept blocks only) as one selective checkpoint: the outputs of their matrix
+    products and fused attention are saved in the first pass, everything else runs again in the backward, all of
+    `inner` at once when the backward reaches it (as checkpointing a whole FSDP unit under torchtitan's op policy).
+    Every rule of a `Checkpoint` holds, but for what the first pass leaves beside the output cut (the saved outputs,
+    `RematChain.selective_kept_bytes`, and the internal cuts' values they include, `selective_holds`) and the
+    recomputation's time (the ops not saved, `selective_recompute_s`)."""
+
+    def __post_init__(self) -> None:
+        if not all(isinstance(it, Keep) for it in self.inner.items):
+            raise ValueError("a selective checkpoint runs kept blocks only")
+
+
 RematItem = Keep | Offload | Selective | Checkpoint
 
 
@@ -384,10 +399,13 @@ class RematPlan:
         return RematPlan(tuple(_shift(it, offset) for it in self.items))
 
     def to_json(self) -> list[Any]:
-        """Nested lists: ["keep", i], ["offload", i], ["selective", i], ["checkpoint", [...]]."""
+        """Nested lists: ["keep", i], ["offload", i], ["selective", i], ["checkpoint", [...]],
+        ["selective_checkpoint", [...]]."""
         out: list[Any] = []
         for it in self.items:
-            if isinstance(it, Checkpoint):
+            if isinstance(it, SelectiveCheckpoint):
+                out.append(["selective_checkpoint", it.inner.to_json()])
+            elif isinstance(it, Checkpoint):
                 out.append(["checkpoint", it.inner.to_json()])
             else:
                 out.append([_KINDS[type(it)], it.block])
@@ -399,11 +417,14 @@ class RematPlan:
             raise ValueError(f"a remat plan is a non-empty list of items, got {data!r}")
         items: list[RematItem] = []
         for entry in data:
-            if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in (*_ITEMS, "checkpoint")):
-                raise ValueError(f"remat plan item {entry!r} is not [keep|offload|selective|checkpoint, value]")
+            kinds = (*_ITEMS, "checkpoint", "selective_checkpoint")
+            if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in kinds):
+                raise ValueError(f"remat plan item {entry!r} is not [{'|'.join(kinds)}, value]")
             kind, value = entry
             if kind == "checkpoint":
                 items.append(Checkpoint(RematPlan.from_json(value)))
+            elif kind == "selective_checkpoint":
+                items.append(SelectiveCheckpoint(RematPlan.from_json(value)))
             elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
                 items.append(_ITEMS[kind](value))
             else:
@@ -412,11 +433,11 @@ class RematPlan:
 
     def describe(self) -> str:
         """Compact text: K3 keeps block 3, O3 offloads it, S3 checkpoints it selectively, C[...] checkpoints what
-        is inside."""
+        is inside, SC[...] checkpoints it selectively as one."""
         parts = []
         for it in self.items:
             if isinstance(it, Checkpoint):
-                parts.append(f"C[{it.inner.describe()}]")
+                parts.append(f"{'SC' if isinstance(it, SelectiveCheckpoint) else 'C'}[{it.inner.describe()}]")
             else:
                 parts.append(f"{_KINDS[type(it)][0].upper()}{it.block}")
         return " ".join(parts)
@@ -446,7 +467,7 @@ def _last(it: RematItem) -> int:
 
 def _shift(it: RematItem, offset: int) -> RematItem:
     if isinstance(it, Checkpoint):
-        return Checkpoint(it.inner.shifted(offset))
+        return type(it)(it.inner.shifted(offset))
     return type(it)(it.block + offset)
 
 
@@ -509,10 +530,14 @@ def _first_pass(plan: RematPlan, ops: list[Op], saves: Sequence[bool] | None) ->
             ops.extend(("F", j, "save") for j in it.inner.blocks)
         else:
             a, b = it.inner.first, it.inner.last
+            selective = isinstance(it, SelectiveCheckpoint)
             for j in range(a, b + 1):
-                ops.append(("F", j, "nosave"))
+                # The last block of a selective checkpoint holds the outputs it saves to the checkpoint's backward.
+                ops.append(("F", j, "nosave", "holds") if selective and j == b else ("F", j, "nosave"))
                 if j > a:
                     ops.append(("free", j))
+                if selective:
+                    ops.append(("cache", j, b))  # the outputs it saves, from the block's forward on
 
 
 def _backward(plan: RematPlan, ops: list[Op], saves: Sequence[bool] | None) -> None:
@@ -530,7 +555,14 @@ def _backward(plan: RematPlan, ops: list[Op], saves: Sequence[bool] | None) -> N
             if keep < len(items):
                 ops.extend(("B", j) for j in range(it.inner.last, _first(items[keep]) - 1, -1))
             again = RematPlan(items[:keep])
-            _first_pass(again, ops, saves)
+            if isinstance(it, SelectiveCheckpoint):
+                # The recomputation hands back the saved outputs and runs the other ops again.
+                ops.extend(("uncache", j) for j in it.inner.blocks)
+                start = len(ops)
+                _first_pass(again, ops, saves)
+                ops[start:] = [(*op, "selective") if op[0] == "F" else op for op in ops[start:]]
+            else:
+                _first_pass(again, ops, saves)
             _backward(again, ops, saves)
         else:
             if isinstance(it, Offload):
@@ -589,8 +621,27 @@ def _time_s(chain: RematChain, plan: RematPlan) -> float:
     """`replay(chain, plan).time_s` without offloading, from the operations alone (no memory replayed)."""
     chain = chain.selective(plan.selective_blocks())
     ops = plan_ops(plan, chain.saves)
-    run = sum(chain.fwd_s[op[1]] if op[0] == "F" else chain.bwd_s[op[1]] for op in ops if op[0] in ("F", "B"))
+    run = sum(_op_s(chain, op) for op in ops if op[0] in ("F", "B"))
     return run + checkpoint_cost_s(chain, plan)
+
+
+def _op_s(chain: RematChain, op: Op) -> float:
+    """The time of a forward or backward operation: a selective recomputation runs the ops it did not save."""
+    if op[0] == "B":
+        return chain.bwd_s[op[1]]
+    return chain.selective_recompute_s[op[1]] if op[-1] == "selective" else chain.fwd_s[op[1]]
+
+
+def _cached_bytes(chain: RematChain, j: int, last: int) -> float:
+    """What a selective checkpoint's first pass keeps of block j beside its output cut: the outputs of the ops it
+    saves that are not the block's outputs, and, inside the checkpoint (j < last), the block's output values it
+    saves too (the stored cut that holds them is freed after the next block)."""
+    if not chain.selective_kept_bytes:
+        raise ValueError("the chain has no figures for selective checkpointing")
+    cached = max(0.0, chain.selective_kept_bytes[j] - chain.out_bytes[j])
+    if j < last and chain.selective_holds and chain.selective_holds[j]:  # the last block's: its "holds" forward
+        cached += sum(b for (b, _), h in zip(chain.out_values[j], chain.selective_holds[j]) if h)
+    return cached
 
 
 def _call_s(chain: RematChain, inner: RematPlan) -> float:
@@ -734,7 +785,7 @@ def replay_ops(
             if not has_cut(i):
                 raise ValueError(f"forward of block {i} without the values of cut {i}")
             save = op[2]
-            t = chain.fwd_s[i]
+            t = _op_s(chain, op)
             again = i in computed
             if again:
                 recompute_s += t
@@ -751,10 +802,13 @@ def replay_ops(
                         values[s].owned = False
                 segment_start[i + 1] = start
                 add(("X", i + 1), 0.0)
+                kept_out = chain.selective_holds[i] if op[-1] == "holds" and chain.selective_holds else ()
                 for j in range(start, i + 1):
                     for x, (_, last) in enumerate(chain.out_values[j]):
                         if last >= i + 1:
-                            make(j, x, ("X", i + 1), again)
+                            serial = make(j, x, ("X", i + 1), again)
+                            if j == i and x < len(kept_out) and kept_out[x]:
+                                values[serial].owned = False  # no reader frees it: the checkpoint holds it
                 continue
             peak = max(peak, cur + chain.fwd_peak_bytes[i])
             peak_with_grads = max(peak_with_grads, cur + chain.fwd_peak_bytes[i] + made_grads)
@@ -824,6 +878,10 @@ def replay_ops(
                 drop(("G", i + 1))
             if i > 0:
                 add(("G", i), chain.grad_bytes[i])
+        elif kind == "cache":
+            add(("S", i), _cached_bytes(chain, i, op[2]))
+        elif kind == "uncache":
+            drop(("S", i))
         elif kind == "free":
             if ("X", i) not in live:
                 raise ValueError(f"free of cut {i}, which is not stored")

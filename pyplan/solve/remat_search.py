@@ -30,6 +30,7 @@ from pyplan.solve.remat import (
     RematPlan,
     Replay,
     Selective,
+    SelectiveCheckpoint,
     checkpoint_cost_s,
     checkpoint_forward_s,
     full_remat,
@@ -149,14 +150,16 @@ def selective(n: int, blocks: Iterable[int]) -> RematPlan:
     return RematPlan(tuple(Selective(i) if i in chosen else Keep(i) for i in range(n)))
 
 
-def segmented(n: int, segments: Sequence[tuple[int, int]]) -> RematPlan:
+def segmented(n: int, segments: Sequence[tuple[int, int]], *, selective: bool = False) -> RematPlan:
     """Blocks [0, n) with each of `segments` (disjoint [start, stop) ranges, in order) checkpointed whole, every other
-    block kept: what checkpointing whole modules does (the module keeps its input and runs again in its backward)."""
+    block kept: what checkpointing whole modules does (the module keeps its input and runs again in its backward);
+    `selective`: each checkpointed selectively (`SelectiveCheckpoint`)."""
+    kind = SelectiveCheckpoint if selective else Checkpoint
     items: list[RematItem] = []
     k = 0
     for start, stop in segments:
         items.extend(Keep(i) for i in range(k, start))
-        items.append(Checkpoint(no_remat(start, stop)))
+        items.append(kind(no_remat(start, stop)))
         k = stop
     items.extend(Keep(i) for i in range(k, n))
     return RematPlan(tuple(items))
@@ -178,7 +181,8 @@ def stage_remat(
     every step and every micro-batch's forward runs before the stage's first backward (`unmade_grad_bytes`); what
     is not yet made at the peak is left out of the need. ("auto" chooses its plan within the budget without
     that allowance, then counts it.) Mode "segments" checkpoints each of `segments` ([start, stop) blocks) whole and
-    keeps the other blocks: the plan of a runtime that checkpoints modules (`segmented`)."""
+    keeps the other blocks: the plan of a runtime that checkpoints modules (`segmented`); "selective segments"
+    checkpoints them selectively, and "any segments" takes the fastest of keeping them and either way that fits."""
     n = len(chain)
     bw = offload_bw_bytes_per_s or math.inf
 
@@ -205,6 +209,12 @@ def stage_remat(
         return fits(selective(n, selective_gains(chain)))
     if mode == "segments":
         return fits(segmented(n, segments))
+    if mode == "selective segments":
+        return fits(segmented(n, segments, selective=True))
+    if mode == "any segments":
+        # Whole modules kept, checkpointed selectively or checkpointed: the fastest that fits.
+        options = [fits(no_remat(0, n)), fits(segmented(n, segments, selective=True)), fits(segmented(n, segments))]
+        return min((r for r in options if r is not None), key=lambda r: r.time_s, default=None)
     if mode == "periodic":
         options = [r for k in range(1, n + 1) if (r := fits(periodic(0, n, k))) is not None]
         return min(options, key=lambda r: r.time_s, default=None)

@@ -30,7 +30,17 @@ from pyplan.graph.trace import Call, call_at, input_tensors, output_tensors
 from pyplan.plan import Layout, StageRemat
 from pyplan.runtime.trainer import OptimizerSpec, build_trainer, replica_slice
 from pyplan.solve.ilp import assign_stages, stage_dag_from_layergraph
-from pyplan.solve.remat import Checkpoint, Keep, Offload, RematPlan, Selective, full_remat, no_remat, periodic
+from pyplan.solve.remat import (
+    Checkpoint,
+    Keep,
+    Offload,
+    RematPlan,
+    Selective,
+    SelectiveCheckpoint,
+    full_remat,
+    no_remat,
+    periodic,
+)
 from pyplan.solve.schedules import torch_rejection
 from pyplan.spec import ModelSpec, default_loss
 
@@ -90,6 +100,7 @@ def stage_remat(spec_name: str, cuts: tuple[int, ...], micro_batch: int, kinds: 
             "full": full_remat(0, 4),
             "nested": RematPlan((Checkpoint(RematPlan((Checkpoint(no_remat(0, 1)), Keep(1)))), Offload(2), Keep(3))),
             "selective": RematPlan((Selective(0), Selective(1), Checkpoint(no_remat(2, 3)), Selective(3))),
+            "selective units": RematPlan((SelectiveCheckpoint(no_remat(0, 4)),)),
             "none": None,
         }[kind]
         out.append(None if plan is None else StageRemat(positions, plan))
@@ -200,6 +211,9 @@ def configs(world: int) -> list[dict]:
         # ... and every layer checkpointed (a plan that recomputes every block).
         out.append(dict(model="gpt-tiny", dp=2, pp=1, schedule="1F1B", v=1, m=4, b=2, optimizer="adamw", zero=3,
                         remat=["full"]))  # fmt: skip
+        # ... and every layer checkpointed selectively (torchtitan's op policy on FSDP2 units).
+        out.append(dict(model="gpt-tiny", dp=2, pp=1, schedule="1F1B", v=1, m=4, b=2, optimizer="adamw", zero=3,
+                        remat=["selective units"]))  # fmt: skip
         # Stages assigned operation by operation (Layout.stage_of_node), not contiguous in the traced order: the
         # branches of grouped-mlp-tiny share one block of the chain and are split between the stages.
         out.append(dict(model="grouped-mlp-tiny", dp=1, pp=2, schedule="1F1B", v=1, m=4, b=2, optimizer="sgd", zero=0,

@@ -18,6 +18,7 @@ from pyplan.solve.remat import (
     Offload,
     RematPlan,
     Selective,
+    SelectiveCheckpoint,
     full_remat,
     min_budget,
     no_remat,
@@ -25,7 +26,7 @@ from pyplan.solve.remat import (
     replay,
     solve,
 )
-from pyplan.solve.remat_search import selective, selective_gains
+from pyplan.solve.remat_search import segmented, selective, selective_gains
 from pyplan.spec import ModelSpec
 from pyplan.zoo.transformer import GPT, GPTConfig
 
@@ -56,6 +57,7 @@ def _plans(n: int) -> dict[str, RematPlan]:
         "offload": RematPlan((Offload(0), Checkpoint(RematPlan((Offload(1), Keep(2)))), Offload(3), *rest)),
         "selective": RematPlan((*(Selective(i) for i in range(n - 1)), Keep(n - 1))),
         "selective+checkpoint": RematPlan((Selective(0), Checkpoint(no_remat(1, 3)), Selective(3), *rest)),
+        "selective units": RematPlan((SelectiveCheckpoint(no_remat(0, 2)), SelectiveCheckpoint(no_remat(2, 4)), *rest)),
     }
 
 
@@ -227,7 +229,17 @@ def layered(request: pytest.FixtureRequest) -> tuple[Chain, ExampleInputs]:
 
 @pytest.mark.parametrize(
     "plan",
-    ["no_remat", "full_remat", "periodic(2)", "periodic(3)", "nested", "nested3", "selective", "selective+checkpoint"],
+    [
+        "no_remat",
+        "full_remat",
+        "periodic(2)",
+        "periodic(3)",
+        "nested",
+        "nested3",
+        "selective",
+        "selective+checkpoint",
+        "selective units",
+    ],
 )
 def test_training_peaks_as_predicted(layered: tuple[Chain, ExampleInputs], plan: str) -> None:
     chain, example = layered
@@ -295,6 +307,7 @@ def test_fine_chains_peak_as_predicted(name: str) -> None:
     least, top = min_budget(figures), replay(figures, no_remat(0, n)).peak_bytes
     chosen = [solve(figures, least + (top - least) * f, slots=300).plan for f in (0.1, 0.3, 0.5, 0.8)]
     chosen.append(selective(n, selective_gains(figures)))
+    chosen.append(segmented(n, [(k, k + 3) for k in range(0, n - 3, 3)], selective=True))  # units of 3 blocks
     for plan in [no_remat(0, n), full_remat(0, n), *(periodic(0, n, k) for k in (2, 3, 4)), *chosen]:
         peak, _ = _training_step_bytes(apply_remat(chain, plan), example(4))
         predicted = replay(figures, plan).peak_bytes

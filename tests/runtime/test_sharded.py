@@ -9,7 +9,7 @@ from pyplan import linearize, load_model, search, trace
 from pyplan.hardware import Cluster
 from pyplan.plan import Workload
 from pyplan.runtime.sharded import gathered_bytes, remat_kind, shard_units, unit_segments, zero3_overlap
-from pyplan.solve.remat import Checkpoint, Keep, full_remat, no_remat
+from pyplan.solve.remat import Checkpoint, Keep, SelectiveCheckpoint, full_remat, no_remat
 from pyplan.solve.remat_search import segmented
 
 
@@ -51,6 +51,17 @@ def test_a_zero3_plan_recomputes_whole_units_or_nothing() -> None:
         assert all(
             all(isinstance(x, Keep) for x in it.inner.items) for it in stage.plan.items if isinstance(it, Checkpoint)
         )
+    # Selectively, the units are checkpointed as one each: less recomputed, more kept.
+    found = search(spec.build(), spec.example_inputs, Cluster.from_catalog("a100-80g", 4), Workload(global_batch=8),
+                   zero_stages=(3,), remat="selective", top_k=20)  # fmt: skip
+    selective = next(p for p in (found.best, *found.alternatives) if p.layout.zero_stage == 3)
+    assert remat_kind(selective.layout) == "selective units"
+    (stage,) = selective.layout.remat
+    assert any(isinstance(it, SelectiveCheckpoint) for it in stage.plan.items)
+    full = next(p for p in sharded if p.layout.micro_batch_size == selective.layout.micro_batch_size
+                and p.layout.dp == selective.layout.dp)  # fmt: skip
+    assert selective.stages[0].recompute_s < full.stages[0].recompute_s
+    assert selective.stages[0].activation_bytes > full.stages[0].activation_bytes
 
 
 def test_remat_kinds() -> None:
@@ -65,6 +76,9 @@ def test_remat_kinds() -> None:
     nested = segmented(4, [(0, 4)])
     nested = type(nested)((Checkpoint(segmented(4, [(1, 3)])),))
     assert remat_kind(layout(nested)) == "other"
+    assert remat_kind(layout(segmented(4, [(0, 2), (2, 4)], selective=True))) == "selective units"
+    mixed = type(nested)((Checkpoint(no_remat(0, 2)), SelectiveCheckpoint(no_remat(2, 4))))
+    assert remat_kind(layout(mixed)) == "other"
 
 
 def test_zero3_overlap_against_its_closed_forms() -> None:
