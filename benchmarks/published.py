@@ -7,7 +7,8 @@ Table 1, throughput. Each published run (tokens/s per GPU measured on A100s and 
 ZeRO-3, and no tensor parallelism) is planned as it ran, in a process of its own: its model built from a Hugging
 Face config on the meta device (MPT as the GPT-2 config with the same tensors), `pyplan.search` on the catalog GPU
 restricted to the run's ZeRO stage and micro-batch size, with `remat="full"` where the run checkpointed every
-layer (`"none"` otherwise, selective checkpointing included), at the published global batch; of every plan found,
+layer, `"selective"` where it ran torchtitan's op policy on every layer, `"none"` otherwise, at the published global
+batch; of every plan found,
 the one with the published layout (dp, pp, micro-batch, gradient-accumulation steps, ZeRO stage) is read.
 pyplan's tokens/s per GPU = global batch x sequence length / predicted iteration time / GPUs. Where that layout is
 not among the plans the row says so. Rows that rely on what pyplan does not model (FP8, tensor parallelism, a GPU
@@ -126,7 +127,9 @@ class Run:
 
     @property
     def remat(self) -> str:
-        return "full" if self.checkpointing == "full" else "none"
+        """pyplan's remat mode for the run's checkpointing: every layer (full), torchtitan's op policy on every
+        layer (selective, FSDP units checkpointed selectively), or none."""
+        return {"full": "full", "selective op": "selective", "selective": "selective"}.get(self.checkpointing, "none")
 
     def mfu_from_throughput(self) -> float | None:
         if self.peak_flops is None:
@@ -196,7 +199,7 @@ RUNS: tuple[Run, ...] = (
     # torchtitan, FSDP2 (ZeRO-3) on 64 A100 80GB, compile = false; Llama 3 at seq 8192, Llama 2 at 4096.
     Run("llama3-8b-a100", "TT-A100", "Llama 3 table", "Llama 3 8B", CASE["llama-3-8b"].ref,
         CASE["llama-3-8b"].published_params, 32, 4096, "a100-80g", 64, 1, 1, 64, 8192, "selective op", 2973,
-        mfu=0.582, peak_flops=A100_BF16, note="selective op AC planned as none"),
+        mfu=0.582, peak_flops=A100_BF16),
     Run("llama3-70b-a100", "TT-A100", "Llama 3 table", "Llama 3 70B", LLAMA3_70B, 70_553_706_496, 80, 8192,
         "a100-80g", 64, 1, 1, 64, 8192, "full", 331, mfu=0.517, peak_flops=A100_BF16),
     Run("llama2-13b-a100", "TT-A100", "Llama 2 table", "Llama 2 13B", LLAMA2_13B, 13_015_864_320, 40, 5120,
@@ -207,11 +210,11 @@ RUNS: tuple[Run, ...] = (
     # torchtitan on H100 96GB HBM2e at 500 W (not in the catalog): the FSDP rows without torch.compile or Float8.
     Run("llama31-8b-h100x8", "TT-H100", "Table 1, FSDP", "Llama 3.1 8B", CASE["llama-3-8b"].ref,
         CASE["llama-3-8b"].published_params, 32, 4096, H100_96G, 8, 2, 1, 16, 8192, "selective", 5762,
-        memory_gib=82.4, note="selective AC planned as none; seq 8192 from the config of the time",
+        memory_gib=82.4, note="selective op AC; seq 8192 from the config of the time",
         excluded="H100 96GB HBM2e at 500 W: not in the catalog, peak FLOP/s unknown (planned with h100-sxm's)"),
     Run("llama31-8b-h100x128", "TT-H100", "Table 3, FSDP", "Llama 3.1 8B", CASE["llama-3-8b"].ref,
         CASE["llama-3-8b"].published_params, 32, 4096, H100_96G, 128, 2, 1, 256, 8192, "selective", 5605,
-        memory_gib=67.0, note="selective AC planned as none; seq 8192 from the config of the time",
+        memory_gib=67.0, note="selective op AC; seq 8192 from the config of the time",
         excluded="H100 96GB HBM2e at 500 W: not in the catalog, peak FLOP/s unknown (planned with h100-sxm's)"),
     Run("llama31-70b-h100-tp", "TT-H100", "Table 4, 2D", "Llama 3.1 70B", LLAMA3_70B, 70_553_706_496, 80, 8192,
         H100_96G, 256, 16, 1, 512, 8192, "full", 829, memory_gib=71.9, dp=32,
