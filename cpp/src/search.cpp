@@ -268,6 +268,16 @@ private:
     std::map<std::tuple<int, int, int, int>, RankOrder> orders_;
     std::map<std::tuple<int, int, int, int>, std::vector<int>> in_flight_;
     std::map<const Chain*, std::vector<double>> caps_;  // [n] or NaN; chains_ never moves its chains
+    // What `bound` needs of a chain, whatever the candidate (per chain and optimizer sharding): sums over its
+    // blocks, its smallest cut and the largest optimizer step of one block.
+    struct ChainSums {
+        double work_s = 0, backward_s = 0, block_max_s = 0, state = 0, act = 0, optimizer_s = 0;
+        double least_cut_bytes = kInf;
+    };
+    std::map<std::pair<const Chain*, double>, ChainSums> sums_;
+    std::map<std::pair<const Chain*, int>, double> block_need_;  // per chain and least micro-batches in flight
+    // least_partition_makespan_s by (chain, schedule, p, m, v, least send): the same for many candidates.
+    std::map<std::tuple<const Chain*, int, int, int, int, double>, double> tightened_;
 
     SearchResult result_;
     std::vector<std::pair<Candidate, long long>> top_;     // best first, with enumeration index
@@ -503,10 +513,16 @@ void Searcher::tighten(Config& c) {
     const Layout& lay = layout(c.d, c.p, c.v, c.placement);
     const Chain& chain = chain_for(c, lay);
     const std::vector<int>& in_flight = in_flight_of(c);
-    std::vector<int> warmup;
-    if (c.v == 1) warmup = in_flight;  // GPipe runs all m forwards first, 1F1B min(m, p−s)
-    raise_makespan_bound(c, least_partition_makespan_s(chain, in_flight, warmup, c.m, c.least_send_s,
-                                                       hw_.gpu_mem_bytes));
+    const auto key = std::make_tuple(&chain, static_cast<int>(c.schedule), c.p, c.m, c.v, c.least_send_s);
+    auto it = tightened_.find(key);
+    if (it == tightened_.end()) {
+        std::vector<int> warmup;
+        if (c.v == 1) warmup = in_flight;  // GPipe runs all m forwards first, 1F1B min(m, p−s)
+        const double least_s =
+            least_partition_makespan_s(chain, in_flight, warmup, c.m, c.least_send_s, hw_.gpu_mem_bytes);
+        it = tightened_.emplace(key, least_s).first;
+    }
+    raise_makespan_bound(c, it->second);
 }
 
 void Searcher::bound(Config& c) {
@@ -514,16 +530,33 @@ void Searcher::bound(Config& c) {
     const Chain& chain = chain_for(c, lay);
     const int S = c.p * c.v;
     const int least_in_flight = c.schedule == Schedule::GPipe ? c.m : 1;
-    double work_s = 0, block_max_s = 0, backward_s = 0, state = 0, act = 0, block_need = 0;
-    for (int i = 0; i < L_; ++i) {
-        const double w = chain.fwd_time_s[i] + chain.bwd_time_s[i];
-        work_s += w;
-        backward_s += chain.bwd_time_s[i];
-        block_max_s = std::max(block_max_s, w);
-        state += chain.state_bytes[i];
-        act += chain.act_bytes[i];
-        block_need = std::max(block_need, chain.state_bytes[i] + least_in_flight * chain.act_bytes[i]);
+    const double shard = c.zero >= 1 ? c.d : 1;
+    auto found = sums_.find({&chain, shard});
+    if (found == sums_.end()) {
+        ChainSums t;
+        for (int i = 0; i < L_; ++i) {
+            const double w = chain.fwd_time_s[i] + chain.bwd_time_s[i];
+            t.work_s += w;
+            t.backward_s += chain.bwd_time_s[i];
+            t.block_max_s = std::max(t.block_max_s, w);
+            t.state += chain.state_bytes[i];
+            t.act += chain.act_bytes[i];
+            const double step_s = this->optimizer_s(chain.state_bytes[i], chain_.params[i] / shard, tensors_of(i));
+            t.optimizer_s = std::max(t.optimizer_s, step_s);
+        }
+        for (int cut = 1; cut < L_; ++cut) t.least_cut_bytes = std::min(t.least_cut_bytes, chain.cut_bytes[cut]);
+        found = sums_.emplace(std::make_pair(&chain, shard), t).first;
     }
+    const ChainSums& sums = found->second;
+    const double work_s = sums.work_s, backward_s = sums.backward_s, block_max_s = sums.block_max_s;
+    const double state = sums.state, act = sums.act;
+    auto need = block_need_.find({&chain, least_in_flight});
+    if (need == block_need_.end()) {
+        double most = 0;
+        for (int i = 0; i < L_; ++i) most = std::max(most, chain.state_bytes[i] + least_in_flight * chain.act_bytes[i]);
+        need = block_need_.emplace(std::make_pair(&chain, least_in_flight), most).first;
+    }
+    const double block_need = need->second;
     // Memory: the fullest stage holds at least the average and the largest block, at its least in flight.
     c.need_bound_bytes = std::max(block_need, (state + least_in_flight * act) / S);
 
@@ -531,8 +564,8 @@ void Searcher::bound(Config& c) {
     // stages' memory caps; with two stages per rank, at one micro-batch in flight each (a lower bound that
     // needs no schedule order; cap_exactly refines it for the candidates it does not skip).
     const Link& link = lay.pipeline_inter ? hw_.inter : hw_.intra;
-    double send_s = kInf;
-    for (int cut = 1; cut < L_; ++cut) send_s = std::min(send_s, p2p_time_s(link, chain.cut_bytes[cut]));
+    // A transfer takes longer the more bytes it moves: the least send is the smallest cut's.
+    double send_s = L_ > 1 ? p2p_time_s(link, sums.least_cut_bytes) : kInf;
     if (S == 1) send_s = 0.0;
     c.least_send_s = send_s;
     c.work_s = work_s;
@@ -560,12 +593,8 @@ void Searcher::bound(Config& c) {
     }
     // Optimizer (affine in state, elements and tensors): the rank with the most work does at least the average
     // and at least any single block's.
-    const double shard = c.zero >= 1 ? c.d : 1;
-    double optimizer_s = this->optimizer_s(state / c.p, total_params_ / shard / c.p, total_tensors_ / c.p);
-    for (int i = 0; i < L_; ++i) {
-        optimizer_s = std::max(optimizer_s, this->optimizer_s(chain.state_bytes[i], chain_.params[i] / shard,
-                                                              tensors_of(i)));
-    }
+    const double optimizer_s = std::max(
+        this->optimizer_s(state / c.p, total_params_ / shard / c.p, total_tensors_ / c.p), sums.optimizer_s);
     const double rest_s = exposed_s + optimizer_s + hw_.host.step_s;
     c.bound_makespan_s = makespan_s;
     c.bound_rest_s = rest_s;
@@ -715,7 +744,9 @@ const std::vector<int>& Searcher::in_flight_of(const Config& c) {
         for (int s = 0; s < S; ++s) in_flight[s] = in_flight_microbatches(rule, s, S, c.m);
     } else {
         std::vector<int> now(S, 0);
-        for (const std::vector<Action>& rank : order_for(c.schedule, c.p, c.m, c.v)) {
+        // A fresh order, not order_for's cached one: only the plans simulated keep theirs (a cache of every
+        // candidate's order grew with the GPUs and blocks: 1.6 GB for 1,000 blocks on 1,024 GPUs).
+        for (const std::vector<Action>& rank : schedule_order(c.schedule, c.p, c.m, c.v)) {
             for (const Action& a : rank) {
                 if (a.op == Op::Forward) {
                     in_flight[a.stage] = std::max(in_flight[a.stage], ++now[a.stage]);

@@ -76,17 +76,23 @@ def _outermost(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The units of `shard_units` inside no other unit, with their names: the ones the runtime checkpoints."""
     names = {id(m): name for name, m in model.named_modules()}
     units = [(names[id(u)], u) for u in shard_units(model)]
-    paths = [p for p, _ in units]
-    return [(p, u) for p, u in units if not any(p.startswith(q + ".") for q in paths if q != p)]
+    paths = {p for p, _ in units}
+    return [(p, u) for p, u in units if not any(a in paths for a in _ancestors(p))]
+
+
+def _ancestors(path: str) -> list[str]:
+    """The paths of the modules above `path`, outermost first: "a.b.c" -> ["a", "a.b"]."""
+    parts = path.split(".")
+    return [".".join(parts[:k]) for k in range(1, len(parts))]
 
 
 def unit_segments(model: nn.Module, block_names: Sequence[str]) -> list[tuple[int, int]]:
     """The blocks each outermost unit spans, as [start, stop) runs of consecutive blocks (blocks are named by the
     module they come from): what checkpointing those units recomputes."""
-    paths = [p for p, _ in _outermost(model)]
+    paths = {p for p, _ in _outermost(model)}
 
     def unit_of(block: str) -> str | None:
-        return next((p for p in paths if block == p or block.startswith(p + ".")), None)
+        return next((p for p in (*_ancestors(block), block) if p in paths), None)
 
     owners = [unit_of(name) for name in block_names]
     runs: list[tuple[int, int]] = []
