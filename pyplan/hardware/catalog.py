@@ -64,12 +64,27 @@ def _positive(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
+# The active currency codes of ISO 4217 (list one, as published by SIX for 2025), without the funds, precious
+# metals, testing and "no currency" codes (XAU, XTS, XXX, ...): a price is in money someone pays.
+ISO_4217 = frozenset(
+    """AED AFN ALL AMD ANG AOA ARS AUD AWG AZN BAM BBD BDT BGN BHD BIF BMD BND BOB BRL BSD BTN BWP BYN BZD CAD CDF
+    CHF CLP CNY COP CRC CUP CVE CZK DJF DKK DOP DZD EGP ERN ETB EUR FJD FKP GBP GEL GHS GIP GMD GNF GTQ GYD HKD HNL
+    HTG HUF IDR ILS INR IQD IRR ISK JMD JOD JPY KES KGS KHR KMF KPW KRW KWD KYD KZT LAK LBP LKR LRD LSL LYD MAD MDL
+    MGA MKD MMK MNT MOP MRU MUR MVR MWK MXN MYR MZN NAD NGN NIO NOK NPR NZD OMR PAB PEN PGK PHP PKR PLN PYG QAR RON
+    RSD RUB RWF SAR SBD SCR SDG SEK SGD SHP SLE SOS SRD SSP STN SVC SYP SZL THB TJS TMT TND TOP TRY TTD TWD TZS UAH
+    UGX USD UYU UZS VED VES VND VUV WST XAF XCD XCG XOF XPF YER ZAR ZMW ZWG""".split()  # noqa: SIM905 (a table)
+)
+
+
 def check_currency(currency: Any, what: str) -> None:
-    """Raise unless `currency` is an ISO 4217 code (three capitals); `what` names the field in the message."""
+    """Raise unless `currency` is an active ISO 4217 currency code (`ISO_4217`); `what` names the field in the
+    message."""
     rmb = isinstance(currency, str) and currency.upper() == "RMB"  # the name of China's money, not its code
-    if rmb or not isinstance(currency, str) or not re.fullmatch(r"[A-Z]{3}", currency):
+    if rmb or not isinstance(currency, str) or currency not in ISO_4217:
         hint = "; RMB is 'CNY'" if rmb else ""
-        raise PlanError(f"{what} must be an ISO 4217 code such as 'USD' or 'CNY', got {currency!r}{hint}")
+        if isinstance(currency, str) and currency.upper() in ISO_4217 and currency != currency.upper():
+            hint = f"; write it in capitals, '{currency.upper()}'"
+        raise PlanError(f"{what} must be an ISO 4217 currency code such as 'USD' or 'CNY', got {currency!r}{hint}")
 
 
 def _unknown_keys(data: Mapping[str, Any], cls: type, what: str) -> None:

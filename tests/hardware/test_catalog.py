@@ -269,8 +269,12 @@ def test_money_never_mixes_currencies_silently() -> None:
 def test_currency_must_be_an_iso_code() -> None:
     with pytest.raises(PlanError, match="RMB is 'CNY'"):
         Money(1.0, "RMB")
-    with pytest.raises(PlanError, match="ISO 4217"):
+    with pytest.raises(PlanError, match="write it in capitals, 'USD'"):
         Money(1.0, "usd")
+    for made_up in ("XYZ", "ABC", "XXX", "XAU"):  # three capitals, but no money anyone is paid in
+        with pytest.raises(PlanError, match="ISO 4217 currency code"):
+            Money(1.0, made_up)
+    assert Money(1.0, "EUR").currency == "EUR" and Money(1.0, "INR").currency == "INR"
 
 
 # --- JSON ---------------------------------------------------------------------------------------------------
