@@ -106,7 +106,9 @@ void bind_search(py::module_& m) {
            double weight, std::int64_t top_k, std::vector<double> param_tensors, std::vector<double> cut_tensors,
            std::pair<double, double> intra_collective, std::pair<double, double> inter_collective,
            const py::dict& host, std::vector<double> time_sizes, std::vector<double> fwd_points_s,
-           std::vector<double> bwd_points_s, bool zero3_single_stage) {
+           std::vector<double> bwd_points_s, bool zero3_single_stage,
+           const std::vector<std::int64_t>& data_parallel, const std::vector<std::int64_t>& pipeline_ranks,
+           const std::vector<std::int64_t>& num_microbatches) {
             pyplan::ProfiledChain chain{std::move(fwd_alpha_s),     std::move(fwd_beta_s),
                                               std::move(bwd_alpha_s),     std::move(bwd_beta_s),
                                               std::move(act_per_sample_bytes), std::move(act_fixed_bytes),
@@ -144,6 +146,9 @@ void bind_search(py::module_& m) {
             space.global_batch = to_int(global_batch, "global_batch", 1, kIntMax);
             space.bytes_per_param = {param_bytes, grad_bytes, optim_bytes};
             space.micro_batch_sizes = to_ints(micro_batch_sizes, "micro_batch_sizes", 1, kIntMax);
+            space.data_parallel = to_ints(data_parallel, "data_parallel", 1, kIntMax);
+            space.pipeline_ranks = to_ints(pipeline_ranks, "pipeline_ranks", 1, kIntMax);
+            space.num_microbatches = to_ints(num_microbatches, "num_microbatches", 1, kIntMax);
             space.schedules.clear();
             for (const auto& name : schedules) space.schedules.push_back(to_schedule(name));
             space.zero_stages = to_ints(zero_stages, "zero_stages", 0, 3);
@@ -174,6 +179,8 @@ void bind_search(py::module_& m) {
         py::arg("inter_collective") = std::make_pair(0.0, 0.0), py::arg("host") = py::dict(),
         py::arg("time_sizes") = std::vector<double>{}, py::arg("fwd_points_s") = std::vector<double>{},
         py::arg("bwd_points_s") = std::vector<double>{}, py::arg("zero3_single_stage") = false,
+        py::arg("data_parallel") = std::vector<std::int64_t>{}, py::arg("pipeline_ranks") = std::vector<std::int64_t>{},
+        py::arg("num_microbatches") = std::vector<std::int64_t>{},
         "Searches data parallelism x pipeline stages x micro-batch size x schedule x ZeRO stage x placement\n"
         "for a chain profiled as t(b) = alpha*b + beta per block, or, with time_sizes (K ascending sizes), as\n"
         "the line between the neighbouring points fwd/bwd_points_s[i*K + k] (see cpp/include/pyplan/search.h for the\n"

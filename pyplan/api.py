@@ -372,6 +372,9 @@ def search(
     stage_dag: bool = True,
     loss: LossFn | None = None,
     target: TargetFn | None = None,
+    data_parallel: Sequence[int] = (),
+    pipeline_ranks: Sequence[int] = (),
+    num_microbatches: Sequence[int] = (),
 ) -> PlanSearch:
     """Every way to train `model` on `cluster` that fits, ranked by `objective`.
 
@@ -384,8 +387,18 @@ def search(
     (see pyplan/solve/remat_search.py). `loss(output, target)` with `target(b)` (None: zeros like the output) is
     the training loss: its time and saved bytes join the last block (pyplan/profile/loss.py); without it the loss
     is left out. `stage_dag` also assigns stages operation by operation to the pipelines
-    whose chain is too coarse to balance (pyplan/solve/dag_search.py).
+    whose chain is too coarse to balance (pyplan/solve/dag_search.py). `data_parallel`, `pipeline_ranks`,
+    `num_microbatches` (gradient-accumulation steps), like `micro_batch_sizes`, `schedules` and `zero_stages`,
+    restrict the search to the values given (empty: any): pins, for "what does this configuration cost".
     """
+    for name, pins in (
+        ("data_parallel", data_parallel),
+        ("pipeline_ranks", pipeline_ranks),
+        ("num_microbatches", num_microbatches),
+        ("micro_batch_sizes", micro_batch_sizes),
+    ):
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in pins):
+            raise PlanError(f"{name} takes whole numbers of at least 1, got {list(pins)}")
     if remat not in REMAT_MODES:
         raise PlanError(f"unknown remat mode '{remat}'; choose one of {', '.join(REMAT_MODES)}")
     if offload not in OFFLOAD_MODES:
@@ -488,6 +501,9 @@ def search(
                 grad_bytes=float(per_param.grad_bytes),
                 optim_bytes=float(per_param.optimizer_bytes),
                 micro_batch_sizes=list(micro_batch_sizes),
+                data_parallel=list(data_parallel),
+                pipeline_ranks=list(pipeline_ranks),
+                num_microbatches=list(num_microbatches),
                 schedules=list(schedules),
                 zero_stages=list(zero_stages),
                 placements=list(placements),

@@ -7,6 +7,7 @@ import json
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -15,8 +16,10 @@ from rich.text import Text
 from pyplan import __version__, _core
 from pyplan.errors import PlanError
 from pyplan.hardware.cluster import Cluster
+from pyplan.plan import ZERO_STAGES, Plan
 from pyplan.profile.memory import OPTIMIZERS, PRECISIONS
 from pyplan.report.console import make_console
+from pyplan.report.units import fmt_seconds
 from pyplan.solve.remat_search import OFFLOAD_MODES, REMAT_MODES
 
 __all__ = ["main"]
@@ -100,6 +103,43 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     )
 
 
+def _pins(args: argparse.Namespace) -> dict[str, tuple[Any, ...]]:
+    """The search's restrictions from the pin options given (none: an empty dict)."""
+    given = {
+        "data_parallel": args.dp,
+        "pipeline_ranks": args.pp,
+        "micro_batch_sizes": args.micro_batch,
+        "num_microbatches": args.ga,
+        "schedules": args.schedule,
+        "zero_stages": args.zero,
+    }
+    for flag, value in (("--dp", args.dp), ("--pp", args.pp), ("--micro-batch", args.micro_batch), ("--ga", args.ga)):
+        if value is not None and value < 1:
+            raise PlanError(f"{flag} takes a whole number of at least 1, got {value}")
+    if args.dp is not None and args.pp is not None and args.gpus is not None and args.dp * args.pp > args.gpus:
+        raise PlanError(f"--dp {args.dp} x --pp {args.pp} needs {args.dp * args.pp} GPUs; --gpus offers {args.gpus}")
+    return {k: (v,) for k, v in given.items() if v is not None}
+
+
+def _versus_best(pinned: Plan, best: Plan, objective: str) -> str:
+    """One line: how far the pinned plan is from the best plan without pins, in the objective's terms."""
+    lay = best.layout
+    what = (
+        f"dp={lay.dp} pp={lay.pp} b={lay.micro_batch_size} GA={lay.num_microbatches} {lay.schedule} "
+        f"ZeRO-{lay.zero_stage}"
+    )
+    a, b = pinned.predicted.iteration_s, best.predicted.iteration_s
+    if _key_of(pinned) == _key_of(best):
+        return f"the pinned plan is also the best without pins ({what})"
+    gap = f"{(a / b - 1) * 100:+.1f} % iteration time" if b > 0 else "-"
+    return f"without the pins the best plan is {what}: {fmt_seconds(b)} per iteration; the pinned plan {gap}"
+
+
+def _key_of(p: Plan) -> tuple[Any, ...]:
+    lay = p.layout
+    return (lay.dp, lay.pp, lay.micro_batch_size, lay.num_microbatches, lay.schedule, lay.zero_stage, lay.placement)
+
+
 def _plan(args: argparse.Namespace) -> int:
     from pyplan.api import memory_per_process, search
     from pyplan.emit.planfile import PlanFile, write_plan_file
@@ -125,11 +165,7 @@ def _plan(args: argparse.Namespace) -> int:
             model = spec.build()
     else:
         model = spec.build()
-    result = search(
-        model,
-        spec.example_inputs,
-        cluster,
-        workload,
+    options: dict[str, Any] = dict(
         objective=args.objective,
         weight=args.weight,
         # The pictures show many configurations; the table shows --top of them.
@@ -143,6 +179,10 @@ def _plan(args: argparse.Namespace) -> int:
         loss=spec.loss or default_loss,
         target=spec.target,
     )
+    pins = _pins(args)
+    result = search(model, spec.example_inputs, cluster, workload, **options, **pins)
+    # With pins, the best plan without them, for how far the pinned one is from it (the profile is reused).
+    unpinned = search(model, spec.example_inputs, cluster, workload, **options, chain=result.chain) if pins else None
     document = PlanFile(
         model=args.model, workload=workload, cluster=cluster, plan=result.best, leaf_modules=tuple(args.leaf)
     )
@@ -172,6 +212,9 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         data = {"model": args.model, "workload": workload.to_json(), "cluster": cluster.to_json(), **result.to_json()}
         data["alternatives"] = data["alternatives"][: args.top - 1]
+        if unpinned is not None:
+            data["pins"] = {k: list(v) for k, v in pins.items()}
+            data["without_pins"] = unpinned.best.to_json()
         print(json.dumps(data, indent=2))
     else:
         title = (
@@ -181,6 +224,8 @@ def _plan(args: argparse.Namespace) -> int:
         memory = memory_per_process(cluster) * args.memory_fraction
         shown = [result.best, *result.alternatives][: args.top]
         render_plans(shown, make_console(), title=title, memory_bytes=memory)
+        if unpinned is not None:
+            make_console().print(_versus_best(result.best, unpinned.best, args.objective))
     for path in written:  # on stderr beside --json, whose stdout is the JSON alone
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0
@@ -292,6 +337,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--offload", choices=OFFLOAD_MODES, default="none", help="with --remat auto: offload activations to host"
     )
+    pins = p.add_argument_group("pins (what-if: the best plan with these, and how far it is from the best)")
+    pins.add_argument("--dp", type=int, metavar="D", help="data-parallel replicas")
+    pins.add_argument("--pp", type=int, metavar="P", help="pipeline ranks")
+    pins.add_argument("--micro-batch", type=int, metavar="B", help="micro-batch size")
+    pins.add_argument("--ga", type=int, metavar="M", help="gradient-accumulation steps (micro-batches per step)")
+    pins.add_argument("--schedule", choices=("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"), help="pipeline schedule")
+    pins.add_argument("--zero", type=int, choices=ZERO_STAGES, help="ZeRO stage")
     p.add_argument("--out", help="write the best plan to this plan.json")
     p.add_argument("--emit", metavar="TRAIN_PY", help="write a torchrun training script for the best plan")
     p.add_argument("--pareto", metavar="FILE", help="draw predicted time against cost of the plans (.png or .svg)")

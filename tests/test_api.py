@@ -49,6 +49,40 @@ def test_search_returns_consistent_plans(gpt_tiny: tuple) -> None:
     assert frontier[-1][1] <= result.best.predicted.cost_per_iteration
 
 
+def test_pins_restrict_the_search_to_what_they_name(gpt_tiny: tuple) -> None:
+    """Pinned dp, pp, GA (and micro-batch, schedule, ZeRO stage): every plan has them, and the best pinned plan is
+    the best of the unpinned search's plans that have them (the same figures), never faster than the best."""
+    spec, model, cluster, workload, chain = gpt_tiny
+    everything = search(model, spec.example_inputs, cluster, workload, chain=chain, top_k=1000)  # every one
+    plans = [everything.best, *everything.alternatives]
+    for pins in (
+        dict(data_parallel=(4,)),
+        dict(pipeline_ranks=(2,), num_microbatches=(4,)),
+        dict(data_parallel=(2,), pipeline_ranks=(4,), micro_batch_sizes=(2,), schedules=("1F1B",), zero_stages=(1,)),
+    ):
+        found = search(model, spec.example_inputs, cluster, workload, chain=chain, top_k=3, **pins)
+        wanted = {
+            "dp": pins.get("data_parallel"),
+            "pp": pins.get("pipeline_ranks"),
+            "num_microbatches": pins.get("num_microbatches"),
+            "micro_batch_size": pins.get("micro_batch_sizes"),
+            "schedule": pins.get("schedules"),
+            "zero_stage": pins.get("zero_stages"),
+        }
+
+        def matches(p: Plan, wanted: dict = wanted) -> bool:
+            return all(v is None or getattr(p.layout, k) in v for k, v in wanted.items())
+
+        assert all(matches(p) for p in (found.best, *found.alternatives)), pins
+        same = min((p for p in plans if matches(p)), key=lambda p: p.predicted.iteration_s)
+        assert found.best.predicted.iteration_s == pytest.approx(same.predicted.iteration_s), pins
+        assert found.best.predicted.iteration_s >= everything.best.predicted.iteration_s
+    with pytest.raises(PlanError, match="pipeline_ranks takes whole numbers"):
+        search(model, spec.example_inputs, cluster, workload, chain=chain, pipeline_ranks=(0,))
+    with pytest.raises(PlanError, match="no data-parallel degree of the pinned 5"):
+        search(model, spec.example_inputs, cluster, workload, chain=chain, data_parallel=(5,), allow_fewer_gpus=False)
+
+
 def test_cost_objective_prefers_fewer_gpus(gpt_tiny: tuple) -> None:
     spec, model, cluster, workload, chain = gpt_tiny
     fast = search(model, spec.example_inputs, cluster, workload, chain=chain).best
@@ -106,6 +140,21 @@ def test_a_model_that_fits_nowhere_says_what_it_needs() -> None:
     cluster = Cluster.from_catalog("t4", 1)
     with pytest.raises(InfeasibleError, match=r"no plan fits: .* needs .*GB.* the GPU has"):
         search(model, spec.example_inputs, cluster, Workload(global_batch=1))
+
+
+def test_cli_pins(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["plan", "zoo:gpt-tiny", "--gpus", "4", "--gpu", "a100-80g", "--global-batch", "32"]
+    assert main([*base, "--pp", "2", "--schedule", "1F1B", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["pp"] == 2 and data["plan"]["schedule"] == "1F1B"
+    assert data["pins"] == {"pipeline_ranks": [2], "schedules": ["1F1B"]}
+    assert data["without_pins"]["predicted"]["iteration_s"] <= data["plan"]["predicted"]["iteration_s"]
+    assert main([*base, "--pp", "2"]) == 0
+    assert "without the pins the best plan is" in capsys.readouterr().out
+    assert main([*base, "--dp", "3", "--pp", "2"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --dp 3 x --pp 2 needs 6 GPUs; --gpus offers 4"
+    assert main([*base, "--ga", "0"]) == 2
+    assert "--ga takes a whole number of at least 1" in capsys.readouterr().err
 
 
 def test_cli_plan_json_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -113,6 +113,13 @@ void validate(const ProfiledChain& c, const Hardware& hw, const SearchSpace& spa
     for (int b : space.micro_batch_sizes) {
         if (b < 1) fail("micro-batch sizes must be >= 1, got " + std::to_string(b));
     }
+    for (const auto& [pins, what] : {std::pair{&space.data_parallel, "data-parallel degrees"},
+                                     std::pair{&space.pipeline_ranks, "pipeline ranks"},
+                                     std::pair{&space.num_microbatches, "micro-batch counts"}}) {
+        for (int x : *pins) {
+            if (x < 1) fail(std::string(what) + " must be >= 1, got " + std::to_string(x));
+        }
+    }
     if (space.schedules.empty()) fail("no schedule to search");
     for (Schedule s : space.schedules) {
         if (s != Schedule::GPipe && s != Schedule::OneFOneB && s != Schedule::Interleaved1F1B &&
@@ -320,7 +327,11 @@ std::vector<Config> Searcher::enumerate() {
     std::vector<int> degrees;  // the data-parallel degrees some pipeline depth allows
     bool any_batch = false;
     // Every schedule torch builds for (p, m), every ZeRO stage and placement, deduplicated (search.h).
+    auto allowed = [](const std::vector<int>& pins, int x) {
+        return pins.empty() || std::find(pins.begin(), pins.end(), x) != pins.end();
+    };
     auto add = [&](int d, int p, int b, int m) {
+        if (!allowed(space_.pipeline_ranks, p) || !allowed(space_.num_microbatches, m)) return;
         for (Schedule schedule : space_.schedules) {
             const int v = stages_per_rank_of(schedule);
             if (p * v > L_ || (v > 1 && p < 2) || !torch_rejection(schedule, p, m, v).empty()) continue;
@@ -354,7 +365,7 @@ std::vector<Config> Searcher::enumerate() {
     for (int d = 1; d <= N; ++d) {
         const int p_max = std::min(N / d, L_);
         const int p_min = space_.allow_fewer_gpus ? 1 : N / d;
-        if ((!space_.allow_fewer_gpus && N % d != 0) || p_min > p_max) continue;
+        if ((!space_.allow_fewer_gpus && N % d != 0) || p_min > p_max || !allowed(space_.data_parallel, d)) continue;
         degrees.push_back(d);
         if (B % d != 0) continue;
         const std::vector<int> sizes = micro_batch_sizes(space_.micro_batch_sizes, B / d);
@@ -364,8 +375,16 @@ std::vector<Config> Searcher::enumerate() {
     }
     if (!any_batch) {
         const std::string sizes = space_.micro_batch_sizes.empty() ? "any" : join(space_.micro_batch_sizes);
+        if (degrees.empty()) fail("no data-parallel degree of the pinned " + join(space_.data_parallel) + " fits");
         fail("the global batch " + std::to_string(B) + " is not d·b·m for any data-parallel degree d (of " +
              join(degrees) + ") and micro-batch size b (" + sizes + ")");
+    }
+    const bool pinned = !space_.pipeline_ranks.empty() || !space_.num_microbatches.empty();
+    if (configs.empty() && pinned) {
+        fail("no configuration has the pinned pipeline ranks (" +
+             (space_.pipeline_ranks.empty() ? std::string("any") : join(space_.pipeline_ranks)) +
+             ") and micro-batch counts (" +
+             (space_.num_microbatches.empty() ? std::string("any") : join(space_.num_microbatches)) + ")");
     }
     return configs;
 }

@@ -163,6 +163,9 @@ struct SearchSpace {
     int global_batch = 1;                 // B
     BytesPerParam bytes_per_param;        // P, G, K
     std::vector<int> micro_batch_sizes;   // allowed b; empty: every b dividing B/d
+    std::vector<int> data_parallel;       // allowed d; empty: any (pins a what-if)
+    std::vector<int> pipeline_ranks;      // allowed p; empty: any
+    std::vector<int> num_microbatches;    // allowed m (gradient-accumulation steps); empty: any
     std::vector<Schedule> schedules = {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B,
                                        Schedule::LoopedBFS};
     std::vector<int> zero_stages = {0, 1, 2, 3};
