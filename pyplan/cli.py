@@ -88,8 +88,8 @@ _PLAN_EXAMPLES = """examples:
 
 def _cluster(args: argparse.Namespace) -> Cluster:
     if args.cluster:
-        if args.gpu or args.instance or args.gpus_per_node:
-            raise PlanError("--cluster describes the whole cluster; drop --gpu, --instance and --gpus-per-node")
+        if args.gpu or args.instance or args.gpus_per_node or args.gpus is not None:
+            raise PlanError("--cluster describes the whole cluster; drop --gpus, --gpu, --instance and --gpus-per-node")
         return Cluster.from_file(args.cluster)
     if args.gpus is None or not 1 <= args.gpus <= _core.MAX_GPUS:
         raise PlanError(f"--gpus must be a number of GPUs from 1 to {_core.MAX_GPUS:,}, got {args.gpus}")

@@ -157,6 +157,17 @@ def test_cli_pins(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--ga takes a whole number of at least 1" in capsys.readouterr().err
 
 
+def test_cli_cluster_file_takes_no_gpu_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"gpu": "a100-80g", "gpus": 4}))
+    argv = ["plan", "zoo:gpt-tiny", "--cluster", str(cluster), "--global-batch", "8", "--json"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["dp"] * plan["pp"] <= 4
+    assert main([*argv, "--gpus", "2"]) == 2  # never silently ignored
+    assert "--cluster describes the whole cluster; drop --gpus" in capsys.readouterr().err
+
+
 def test_cli_plan_json_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
     code = main(
