@@ -788,7 +788,34 @@ def _rank(plans: list[Plan], objective: str, weight: float) -> list[Plan]:
         return (p.layout.num_gpus, p.predicted.peak_memory_bytes)
 
     unique = {_key(p): p for p in sorted(plans, key=lambda p: (value(p), *tiebreak(p)), reverse=True)}
-    return rank_ties(list(unique.values()), value, tiebreak)
+    return _distinct(rank_ties(list(unique.values()), value, tiebreak))
+
+
+def _distinct(ranked: list[Plan]) -> list[Plan]:
+    """`ranked` without the plans that differ from a better-ranked one only in the schedule or the placement and
+    are predicted the same to the last digit (time, memory, cost): on one pipeline stage of one micro-batch
+    GPipe and 1F1B run the same actions, and with one replica or one stage the placement changes no link."""
+    seen: set[tuple[Any, ...]] = set()
+    out: list[Plan] = []
+    for p in ranked:
+        lay, pred = p.layout, p.predicted
+        shape = (
+            lay.dp,
+            lay.pp,
+            lay.micro_batch_size,
+            lay.num_microbatches,
+            lay.zero_stage,
+            lay.cut_positions,
+            tuple(r.plan.describe() if r else "" for r in lay.remat),
+            tuple(lay.stage_of_node.items()),
+            pred.iteration_s,
+            pred.peak_memory_bytes,
+            pred.cost_per_iteration,
+        )
+        if shape not in seen:
+            seen.add(shape)
+            out.append(p)
+    return out
 
 
 def _frontier(plans: list[Plan]) -> list[Plan]:
