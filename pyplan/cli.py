@@ -103,6 +103,11 @@ def _cluster(args: argparse.Namespace) -> Cluster:
     )
 
 
+# How many plans the search that gives the answer ranks: the best is the best of the plans it refines, so it
+# depends on this number alone, never on how many rows or pictures are asked for.
+ANSWER_TOP_K = 5
+
+
 def _pins(args: argparse.Namespace) -> dict[str, tuple[Any, ...]]:
     """The search's restrictions from the pin options given (none: an empty dict)."""
     given = {
@@ -153,6 +158,11 @@ def _plan(args: argparse.Namespace) -> int:
     if args.offload != "none" and args.remat != "auto":
         raise PlanError("--offload plans offloading within --remat auto's plans: add --remat auto")
     cluster = _cluster(args)
+    if args.pareto and any(g.price_per_gpu_hour is None for g in cluster.groups):
+        raise PlanError(
+            "--pareto draws time against cost, and the cluster has no price: give --price-per-gpu-hour with "
+            "--currency, or an --instance"
+        )
     workload = Workload(
         global_batch=args.global_batch,
         optimizer=args.optimizer,
@@ -168,8 +178,6 @@ def _plan(args: argparse.Namespace) -> int:
     options: dict[str, Any] = dict(
         objective=args.objective,
         weight=args.weight,
-        # The pictures show many configurations; the table shows --top of them.
-        top_k=max(args.top, 200) if args.pareto or args.report else args.top,
         allow_fewer_gpus=not args.all_gpus,
         memory_fraction=args.memory_fraction,
         leaf_modules=args.leaf,
@@ -180,9 +188,22 @@ def _plan(args: argparse.Namespace) -> int:
         target=spec.target,
     )
     pins = _pins(args)
-    result = search(model, spec.example_inputs, cluster, workload, **options, **pins)
+    # The answer comes from one search whatever is shown: the best of the plans refined from the core's first
+    # candidates. More rows (--top) or the pictures refine more candidates, in a second search on the same profile.
+    result = search(model, spec.example_inputs, cluster, workload, **options, **pins, top_k=ANSWER_TOP_K)
+    shown_k = max(args.top, 200) if args.pareto or args.report else args.top
+    more = (
+        search(model, spec.example_inputs, cluster, workload, **options, **pins, top_k=shown_k, chain=result.chain)
+        if shown_k > ANSWER_TOP_K
+        else result
+    )
     # With pins, the best plan without them, for how far the pinned one is from it (the profile is reused).
-    unpinned = search(model, spec.example_inputs, cluster, workload, **options, chain=result.chain) if pins else None
+    unpinned = (
+        search(model, spec.example_inputs, cluster, workload, **options, top_k=ANSWER_TOP_K, chain=result.chain)
+        if pins
+        else None
+    )
+    rows = [result.best, *(p for p in (more.best, *more.alternatives) if _key_of(p) != _key_of(result.best))]
     document = PlanFile(
         model=args.model, workload=workload, cluster=cluster, plan=result.best, leaf_modules=tuple(args.leaf)
     )
@@ -202,16 +223,16 @@ def _plan(args: argparse.Namespace) -> int:
         if args.pareto:
             from pyplan.report.pareto import write_pareto
 
-            write_pareto(result, args.pareto, weights=weights)
+            write_pareto(more, args.pareto, weights=weights)
             written.append(args.pareto)
         if args.report:
             from pyplan.report.html import write_html_report
 
-            write_html_report(document, args.report, search=result, weights=weights)
+            write_html_report(document, args.report, search=more, weights=weights)
             written.append(args.report)
     if args.json:
         data = {"model": args.model, "workload": workload.to_json(), "cluster": cluster.to_json(), **result.to_json()}
-        data["alternatives"] = data["alternatives"][: args.top - 1]
+        data["alternatives"] = [p.to_json() for p in rows[1 : args.top]]
         if unpinned is not None:
             data["pins"] = {k: list(v) for k, v in pins.items()}
             data["without_pins"] = unpinned.best.to_json()
@@ -222,8 +243,7 @@ def _plan(args: argparse.Namespace) -> int:
             f"({result.profiled_on}; {result.evaluated} of {result.candidates} configurations evaluated)"
         )
         memory = memory_per_process(cluster) * args.memory_fraction
-        shown = [result.best, *result.alternatives][: args.top]
-        render_plans(shown, make_console(), title=title, memory_bytes=memory)
+        render_plans(rows[: args.top], make_console(), title=title, memory_bytes=memory)
         if unpinned is not None:
             make_console().print(_versus_best(result.best, unpinned.best, args.objective))
     for path in written:  # on stderr beside --json, whose stdout is the JSON alone

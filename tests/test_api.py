@@ -157,6 +157,34 @@ def test_cli_pins(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--ga takes a whole number of at least 1" in capsys.readouterr().err
 
 
+def test_the_answer_does_not_depend_on_what_is_shown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The chosen plan is the same with and without every output option, and with --remat auto where nothing
+    needs recomputing."""
+    base = ["plan", "zoo:gpt-tiny", "--gpus", "8", "--gpu", "a100-80g", "--global-batch", "32"]
+    assert main([*base, "--pareto", str(tmp_path / "p.svg")]) == 2  # no price: refused before the search
+    assert "the cluster has no price" in capsys.readouterr().err
+    base += ["--price-per-gpu-hour", "2", "--currency", "USD"]
+
+    def chosen(*extra: str) -> dict:
+        assert main([*base, *extra]) == 0
+        out = capsys.readouterr().out
+        plan = read_plan_file(tmp_path / "plan.json").plan.to_json()
+        if "--json" in extra:
+            assert json.loads(out)["plan"] == plan
+        return plan
+
+    first = chosen("--out", str(tmp_path / "plan.json"))
+    for extra in (
+        ("--json",),
+        ("--top", "12"),
+        ("--top", "1"),
+        ("--pareto", str(tmp_path / "p.svg")),  # --report ranks the same wider search
+        ("--emit", str(tmp_path / "train.py")),
+        ("--remat", "auto"),
+    ):
+        assert chosen("--out", str(tmp_path / "plan.json"), *extra) == first, extra
+
+
 def test_cli_cluster_file_takes_no_gpu_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cluster = tmp_path / "cluster.json"
     cluster.write_text(json.dumps({"gpu": "a100-80g", "gpus": 4}))
