@@ -26,13 +26,19 @@ Run it with one process per GPU:
 --save-params write this rank's parameters after training to FILE.rank<R>.pt (for checking against one process)
 --timeout     seconds after which a rank that stopped answering (stopped, killed, exited) ends the run, rank 0
               saying which; also init_process_group's timeout (default 600)
+
+Each step rank 0 prints the replicas' mean loss, the slowest rank's step time, samples/s (tokens/s for a model of
+token ids) and the largest peak memory of any rank (on a GPU; the process's peak RSS on a CPU), each beside the
+plan's prediction; at the end, the median step after the first against the prediction.
 """
 
 import argparse
 import importlib.util
 import json
 import os
+import resource
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -48,6 +54,29 @@ from pyplan.runtime.trainer import build_trainer, optimizer_factory, replica_sli
 PLAN = json.loads(r"""
 {plan_json}
 """)
+
+
+def reduce(figures, op, device):
+    """`figures` reduced over every rank with `op` (on the device NCCL needs), back on the CPU."""
+    out = figures.to(device)
+    dist.all_reduce(out, op=op)
+    return out.cpu()
+
+
+def peak_memory_bytes(device):
+    """This rank's peak memory: the most the CUDA allocator held, or on a CPU the process's peak resident set (the
+    interpreter and torch's libraries included, so above the plan's figure, which counts tensors)."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def throughput(tensors, global_batch, step_s):
+    """Samples per second, or tokens per second where the model reads token ids (an integer (B, T) input)."""
+    tokens = [t for t in tensors if not t.is_floating_point() and t.dim() == 2]
+    if tokens:
+        return f"{{global_batch * tokens[0].shape[1] / step_s:,.0f}} tokens/s"
+    return f"{{global_batch / step_s:,.1f}} samples/s"
 
 
 def synthetic_batches(spec, global_batch):
@@ -102,14 +131,44 @@ def train(args):
     )
     batches = user_batches(args.data) if args.data else synthetic_batches(spec, workload.global_batch)
     mine = replica_slice(layout, trainer.dp_rank)
+    predicted = document.plan.predicted
+    times = []
     for step in range(args.steps):
         inputs, target = next(batches)
-        losses = trainer.step(
-            tuple(t[mine] for t in input_tensors(inputs)), target[mine] if target is not None else None
+        tensors = input_tensors(inputs)
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        losses = trainer.step(tuple(t[mine] for t in tensors), target[mine] if target is not None else None)
+        if cuda:
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        # Every rank's figures to rank 0, which alone reports: the replicas' mean loss (the last stages hold the
+        # losses), the slowest rank's step and its peak memory.
+        total = torch.stack(losses).sum().item() if losses else 0.0
+        figures = torch.tensor([total, float(len(losses)), elapsed, peak_memory_bytes(device)], dtype=torch.float64)
+        summed = reduce(figures, dist.ReduceOp.SUM, device)
+        largest = reduce(figures, dist.ReduceOp.MAX, device)
+        step_s, peak = largest[2].item(), largest[3].item()
+        times.append(step_s)
+        if dist.get_rank() == 0:
+            loss = summed[0].item() / max(summed[1].item(), 1.0)
+            print(
+                f"step {{step}} loss {{loss:.6f}} time {{step_s * 1e3:.1f}} ms "
+                f"(plan {{predicted.iteration_s * 1e3:.1f}}) "
+                f"{{throughput(tensors, workload.global_batch, step_s)}} "
+                f"{{'peak memory' if cuda else 'peak RSS'}} {{peak / 2**30:.2f}} GiB "
+                f"(plan {{predicted.peak_memory_bytes / 2**30:.2f}})",
+                flush=True,
+            )
+    if dist.get_rank() == 0 and len(times) > 1 and predicted.iteration_s > 0:
+        steady = sorted(times[1:])[len(times[1:]) // 2]  # the median step after the first (warm-up)
+        print(
+            f"median step {{steady * 1e3:.1f}} ms over steps 1..{{len(times) - 1}}: "
+            f"{{(steady / predicted.iteration_s - 1) * 100:+.1f}} % against the plan's "
+            f"{{predicted.iteration_s * 1e3:.1f}} ms",
+            flush=True,
         )
-        if losses:
-            loss = torch.stack(losses).mean().item()
-            print(f"step {{step}} replica {{trainer.dp_rank}} loss {{loss:.6f}}", flush=True)
     if args.save_params:
         torch.save(trainer.parameters(), f"{{args.save_params}}.rank{{dist.get_rank()}}.pt")
     dist.barrier()

@@ -35,7 +35,7 @@ def _document() -> PlanFile:
     )
     # The runtime needs only the layout; the stages and predictions are what a search would report.
     stages = tuple(StagePlan(0, 0, 0.0, 0.0, 0.0, 0.0, 1) for _ in range(2))
-    predicted = Prediction(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, "")
+    predicted = Prediction(0.02, B / 0.02, 4e6, 0.0, 0.0, 0.0, 0.0, 0.0, "")
     return PlanFile(
         "zoo:gpt-tiny",
         Workload(global_batch=B, optimizer="sgd"),
@@ -87,7 +87,12 @@ def test_emitted_script_trains_like_one_process(tmp_path: Path) -> None:
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"step {STEPS - 1} replica 0 loss" in done.stdout
+    # Rank 0 alone reports, one line a step: loss, time and tokens/s (gpt-tiny reads token ids), memory, each beside
+    # the plan's prediction; then the median step against it.
+    steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == [str(k) for k in range(STEPS)]
+    assert all("ms (plan " in line and "tokens/s" in line and "GiB (plan " in line for line in steps)
+    assert "median step" in done.stdout and "against the plan's" in done.stdout
 
     spec = load_model("zoo:gpt-tiny")
     torch.manual_seed(0)
@@ -146,7 +151,7 @@ def test_plan_emit_then_torchrun(tmp_path: Path) -> None:
     assert all(r is not None for r in json.loads(plan.read_text())["plan"]["remat"])
     done = _torchrun(script, 4, "--steps", "2")
     assert done.returncode == 0, [line for line in done.stderr.splitlines() if "error" in line.lower()][:5]
-    losses = [float(line.split()[-1]) for line in done.stdout.splitlines() if line.startswith("step ")]
+    losses = [float(line.split()[3]) for line in done.stdout.splitlines() if line.startswith("step ")]
     assert losses and all(torch.isfinite(torch.tensor(losses)))
 
     # Bad input: every rank sees it, rank 0 says it in one line, the launch exits non-zero without hanging.
