@@ -1,7 +1,9 @@
-"""The rich console the CLI prints to: the terminal's width, or wide enough for the tables when piped."""
+"""The rich console the CLI prints to: the terminal's width, or when piped $COLUMNS, else wide enough for the
+tables."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 from rich.console import Console
@@ -16,4 +18,6 @@ def make_console(*, stderr: bool = False) -> Console:
     stream = sys.stderr if stderr else sys.stdout
     if stream.isatty():
         return Console(stderr=stderr, emoji=False)
-    return Console(stderr=stderr, width=_PIPED_WIDTH, emoji=False)
+    columns = os.environ.get("COLUMNS", "")
+    width = int(columns) if columns.isdigit() and int(columns) >= 40 else _PIPED_WIDTH
+    return Console(stderr=stderr, width=width, emoji=False)

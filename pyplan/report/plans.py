@@ -1,8 +1,14 @@
-"""`pyplan plan`: the chosen plan and its alternatives as a table."""
+"""`pyplan plan`: the chosen plan and its alternatives as a table that fits the terminal.
+
+Where the full table is wider than the console, it is narrowed step by step, never by cutting a number: short
+headers first, then short schedule and placement names, then `v` folded into `pp` (4x2), then the columns a
+decision needs least dropped (bubble, GPUs, samples/s, placement), each change named in the caption.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.table import Table
@@ -12,50 +18,110 @@ from pyplan.report.units import fmt_bytes, fmt_seconds
 
 __all__ = ["render_plans"]
 
+_SHORT_HEADERS = {
+    "micro-batch": "b",
+    "memory/GPU": "mem/GPU",
+    "iteration": "iter",
+    "samples/s": "smp/s",
+    "schedule": "sched",
+    "ZeRO": "Z",
+    "placement": "place",
+}
+_SHORT_SCHEDULES = {"Interleaved1F1B": "I1F1B", "LoopedBFS": "LBFS", "InterleavedZeroBubble": "IZB"}
+_SHORT_PLACEMENTS = {"pp-inner": "pp", "dp-inner": "dp"}
+_DROPPED_LAST = ("bubble", "GPUs", "samples/s", "placement")  # dropped in this order where the table is too wide
+
 
 def _cost(plan: Plan) -> str:
     p = plan.predicted
     return f"{p.cost_per_iteration:.4g} {p.currency}" if p.currency else "-"
 
 
+@dataclass
+class _Column:
+    name: str
+    cells: list[str]
+    left: bool = False
+    header: str = ""
+
+    def width(self) -> int:
+        return max(len(self.header or self.name), *(len(c) for c in self.cells))
+
+
+def _columns(plans: Sequence[Plan], *, short_names: bool, fold_v: bool) -> list[_Column]:
+    schedule: Callable[[str], str] = (lambda s: _SHORT_SCHEDULES.get(s, s)) if short_names else (lambda s: s)
+    placement: Callable[[str], str] = (lambda s: _SHORT_PLACEMENTS.get(s, s)) if short_names else (lambda s: s)
+    lays, preds = [p.layout for p in plans], [p.predicted for p in plans]
+    pp = [f"{x.pp}x{x.stages_per_rank}" if fold_v and x.stages_per_rank > 1 else str(x.pp) for x in lays]
+    columns = [
+        _Column("#", ["best" if i == 0 else str(i) for i in range(len(plans))]),
+        _Column("GPUs", [str(x.num_gpus) for x in lays]),
+        _Column("dp", [str(x.dp) for x in lays]),
+        _Column("pp", pp),
+        _Column("v", [str(x.stages_per_rank) for x in lays]),
+        _Column("micro-batch", [str(x.micro_batch_size) for x in lays]),
+        _Column("GA", [str(x.num_microbatches) for x in lays]),
+        _Column("schedule", [schedule(x.schedule) for x in lays], left=True),
+        _Column("ZeRO", [str(x.zero_stage) for x in lays]),
+        _Column("placement", [placement(x.placement) for x in lays], left=True),
+        _Column("iteration", [fmt_seconds(p.iteration_s) for p in preds]),
+        _Column("samples/s", [f"{p.samples_per_s:.4g}" for p in preds]),
+        _Column("memory/GPU", [fmt_bytes(p.peak_memory_bytes) for p in preds]),
+        _Column("bubble", [f"{p.bubble_fraction:.1%}" for p in preds]),
+        _Column("cost/iter", [_cost(p) for p in plans]),
+    ]
+    if fold_v:
+        columns = [c for c in columns if c.name != "v"]
+    if all(c == "-" for c in columns[-1].cells):
+        columns.pop()  # no prices: no cost column
+    return columns
+
+
+def _table_width(columns: Sequence[_Column]) -> int:
+    return sum(c.width() + 3 for c in columns) + 1  # a cell's padding and border, and the last border
+
+
+def _fitted(plans: Sequence[Plan], width: int) -> tuple[list[_Column], list[str]]:
+    """The columns of the widest table that fits `width`, and what was changed to make it fit."""
+    notes: list[str] = []
+    short_headers = short_names = fold_v = False
+    dropped: list[str] = []
+
+    def build() -> list[_Column]:
+        columns = _columns(plans, short_names=short_names, fold_v=fold_v)
+        for c in columns:
+            c.header = _SHORT_HEADERS.get(c.name, c.name) if short_headers else c.name
+        return [c for c in columns if c.name not in dropped]
+
+    columns = build()
+    steps = ["headers", "names", "fold", *_DROPPED_LAST]
+    while _table_width(columns) > width and steps:
+        step = steps.pop(0)
+        if step == "headers":
+            short_headers = True
+            notes.append("b = micro-batch, Z = ZeRO stage")
+        elif step == "names":
+            short_names = True
+            notes.append("I1F1B = Interleaved1F1B, LBFS = LoopedBFS")
+        elif step == "fold":
+            fold_v = True
+            notes.append("pp PxV: P ranks with V stages each")
+        else:
+            dropped.append(step)
+        columns = build()
+    if dropped:
+        notes.append(f"not shown for the width: {', '.join(dropped)} (--json has every figure)")
+    return columns, notes
+
+
 def render_plans(plans: Sequence[Plan], console: Console, *, title: str, memory_bytes: float) -> None:
-    """One row per plan, the chosen one first: layout, time, throughput, memory per GPU, bubble, cost."""
-    table = Table(title=title, caption=f"memory per GPU planned against {fmt_bytes(memory_bytes)}")
-    for col in (
-        "#",
-        "GPUs",
-        "dp",
-        "pp",
-        "v",
-        "micro-batch",
-        "GA",
-        "schedule",
-        "ZeRO",
-        "placement",
-        "iteration",
-        "samples/s",
-        "memory/GPU",
-        "bubble",
-        "cost/iter",
-    ):
-        table.add_column(col, justify="left" if col in ("schedule", "placement") else "right")
-    for i, plan in enumerate(plans):
-        lay, pred = plan.layout, plan.predicted
-        table.add_row(
-            "best" if i == 0 else str(i),
-            str(lay.num_gpus),
-            str(lay.dp),
-            str(lay.pp),
-            str(lay.stages_per_rank),
-            str(lay.micro_batch_size),
-            str(lay.num_microbatches),
-            lay.schedule,
-            str(lay.zero_stage),
-            lay.placement,
-            fmt_seconds(pred.iteration_s),
-            f"{pred.samples_per_s:.4g}",
-            fmt_bytes(pred.peak_memory_bytes),
-            f"{pred.bubble_fraction:.1%}",
-            _cost(plan),
-        )
+    """One row per plan, the chosen one first: layout, time, throughput, memory per GPU, bubble, cost; as many
+    columns as the console's width holds, numbers never cut."""
+    columns, notes = _fitted(plans, console.width)
+    caption = "; ".join([f"memory per GPU planned against {fmt_bytes(memory_bytes)}", *notes])
+    table = Table(title=title, caption=caption)
+    for c in columns:
+        table.add_column(c.header, justify="left" if c.left else "right", no_wrap=True)
+    for i in range(len(plans)):
+        table.add_row(*(c.cells[i] for c in columns))
     console.print(table)
