@@ -375,6 +375,7 @@ def search(
     data_parallel: Sequence[int] = (),
     pipeline_ranks: Sequence[int] = (),
     num_microbatches: Sequence[int] = (),
+    progress: Callable[[str], None] | None = None,
 ) -> PlanSearch:
     """Every way to train `model` on `cluster` that fits, ranked by `objective`.
 
@@ -390,7 +391,10 @@ def search(
     whose chain is too coarse to balance (pyplan/solve/dag_search.py). `data_parallel`, `pipeline_ranks`,
     `num_microbatches` (gradient-accumulation steps), like `micro_batch_sizes`, `schedules` and `zero_stages`,
     restrict the search to the values given (empty: any): pins, for "what does this configuration cost".
+    `progress(step)` is told each step as it starts: "tracing and profiling", "searching", "refining",
+    "assigning operations to stages".
     """
+    say = progress or (lambda step: None)
     for name, pins in (
         ("data_parallel", data_parallel),
         ("pipeline_ranks", pipeline_ranks),
@@ -422,6 +426,7 @@ def search(
         price, currency = money.amount, money.currency
     profiled_on = "given chain"
     if chain is None:
+        say("tracing and profiling")
         chain, profiled_on = chain_for(model, example_inputs, cluster, workload, leaf_modules=leaf_modules)
     if any(b.fwd_time_s is None or b.bwd_time_s is None or b.saved_bytes is None for b in chain.blocks):
         raise PlanError("the chain has blocks without times or saved bytes; profile it first")
@@ -704,6 +709,7 @@ def search(
                 out.append(tied_sync(got))
         return out
 
+    say("searching")
     plain = run(act_a, act_b, bwd_a, bwd_b, wide, False) if remat in ("none", "auto") else None
     relaxed = (
         [
@@ -713,6 +719,7 @@ def search(
         if remat != "none"
         else []
     )
+    say("refining")
     every = (refined([plain], "none") if plain is not None else []) + refined(relaxed, remat)
     if not every:
         reason = plain.reason if plain is not None and plain.reason else (relaxed[0].reason if relaxed else "")
@@ -723,6 +730,8 @@ def search(
     top, pareto = _rank(every, objective, weight)[:top_k], _frontier(every)
     candidates = sum(r.num_candidates for r in relaxed) + (plain.num_candidates if plain is not None else 0)
     evaluated = sum(r.num_evaluated for r in relaxed) + (plain.num_evaluated if plain is not None else 0)
+    if stage_dag and plain is not None and plain.feasible:
+        say("assigning operations to stages")
     dag = dag_plans([*plain.top, *plain.pareto], chain, example_inputs, cluster, workload, gpu_mem_bytes=gpu_mem,
                     scale=scale, price_per_gpu_s=price, currency=currency, objective=objective, weight=weight,
                     host=host_costs) if stage_dag and plain is not None and plain.feasible else []  # fmt: skip

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -145,6 +146,17 @@ def _key_of(p: Plan) -> tuple[Any, ...]:
     return (lay.dp, lay.pp, lay.micro_batch_size, lay.num_microbatches, lay.schedule, lay.zero_stage, lay.placement)
 
 
+@contextlib.contextmanager
+def _progress(label: str) -> Iterator[Callable[[str], None]]:
+    """A spinner on the terminal naming the step under way (tracing and profiling, searching, refining); nothing
+    where stderr is not a terminal."""
+    if not sys.stderr.isatty():
+        yield lambda step: None
+        return
+    with make_console(stderr=True).status(label) as status:
+        yield lambda step: status.update(f"{label}: {step}")
+
+
 def _plan(args: argparse.Namespace) -> int:
     from pyplan.api import memory_per_process, search
     from pyplan.emit.planfile import PlanFile, write_plan_file
@@ -190,20 +202,17 @@ def _plan(args: argparse.Namespace) -> int:
     pins = _pins(args)
     # The answer comes from one search whatever is shown: the best of the plans refined from the core's first
     # candidates. More rows (--top) or the pictures refine more candidates, in a second search on the same profile.
-    result = search(model, spec.example_inputs, cluster, workload, **options, **pins, top_k=ANSWER_TOP_K)
-    shown_k = max(args.top, 200) if args.pareto or args.report else args.top
-    more = (
-        search(model, spec.example_inputs, cluster, workload, **options, **pins, top_k=shown_k, chain=result.chain)
-        if shown_k > ANSWER_TOP_K
-        else result
-    )
-    # With pins, the best plan without them, for how far the pinned one is from it (the profile is reused).
-    unpinned = (
-        search(model, spec.example_inputs, cluster, workload, **options, top_k=ANSWER_TOP_K, chain=result.chain)
-        if pins
-        else None
-    )
-    rows = [result.best, *(p for p in (more.best, *more.alternatives) if _key_of(p) != _key_of(result.best))]
+    with _progress(f"planning {args.model}") as say:
+
+        def searched(**extra: Any) -> Any:
+            return search(model, spec.example_inputs, cluster, workload, **options, progress=say, **extra)
+
+        result = searched(**pins, top_k=ANSWER_TOP_K)
+        shown_k = max(args.top, 200) if args.pareto or args.report else args.top
+        more = searched(**pins, top_k=shown_k, chain=result.chain) if shown_k > ANSWER_TOP_K else result
+        # With pins, the best plan without them, for how far the pinned one is from it (the profile is reused).
+        unpinned = searched(top_k=ANSWER_TOP_K, chain=result.chain) if pins else None
+        rows = [result.best, *(p for p in (more.best, *more.alternatives) if _key_of(p) != _key_of(result.best))]
     document = PlanFile(
         model=args.model, workload=workload, cluster=cluster, plan=result.best, leaf_modules=tuple(args.leaf)
     )

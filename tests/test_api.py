@@ -83,6 +83,13 @@ def test_pins_restrict_the_search_to_what_they_name(gpt_tiny: tuple) -> None:
         search(model, spec.example_inputs, cluster, workload, chain=chain, data_parallel=(5,), allow_fewer_gpus=False)
 
 
+def test_progress_names_each_step(gpt_tiny: tuple) -> None:
+    spec, model, cluster, workload, _ = gpt_tiny
+    steps: list[str] = []
+    search(model, spec.example_inputs, cluster, workload, progress=steps.append)
+    assert steps[:3] == ["tracing and profiling", "searching", "refining"]
+
+
 def test_cost_objective_prefers_fewer_gpus(gpt_tiny: tuple) -> None:
     spec, model, cluster, workload, chain = gpt_tiny
     fast = search(model, spec.example_inputs, cluster, workload, chain=chain).best
