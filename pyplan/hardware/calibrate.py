@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -120,6 +121,8 @@ class LinkMeasurement:
     allreduce_time_s: tuple[float, ...]
     p2p: AlphaBeta
     allreduce: AlphaBeta
+    # (max - min) / median of each fitted figure over the repeated passes (`spread`), e.g. "send latency"
+    spread: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,8 @@ class Calibration:
     link: LinkMeasurement | None
     elapsed_s: float
     host: HostCosts | None = None
+    # (max - min) / median of each device figure over the rounds that measured it (`spread`); the link's are its own
+    spread: dict[str, float] = field(default_factory=dict)
     torch_version: str = torch.__version__
     measured_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
 
@@ -184,11 +189,31 @@ class Calibration:
             "launch_s": self.launch_s,
             "ops": [asdict(s) for s in self.samples],
             "link": None if self.link is None else asdict(self.link),
+            "spread": self.spread,
         }
         return data
 
+    def unstable(self) -> list[str]:
+        """One line for each figure that moved more than UNSTABLE between the repeats that measured it."""
+        figures = {**self.spread, **(self.link.spread if self.link is not None else {})}
+        return [
+            f"warning: {name} moved {value:.0%} between repeats (more than {UNSTABLE:.0%}): something else ran on "
+            "the machine; calibrate again when it is quiet"
+            for name, value in sorted(figures.items())
+            if value > UNSTABLE
+        ]
+
 
 # --- Fitting (pure) ---------------------------------------------------------------------------------------
+
+# A figure whose repeats differ by more than this share of their median is reported as unstable.
+UNSTABLE = 0.2
+
+
+def spread(values: Sequence[float]) -> float:
+    """(max − min) / median of repeated measurements of one figure: 0 for one value, or when all are 0."""
+    mid = statistics.median(values) if values else 0.0
+    return (max(values) - min(values)) / mid if mid > 0 else 0.0
 
 
 def fit_alpha_beta(sizes_bytes: Sequence[float], times_s: Sequence[float]) -> AlphaBeta:
@@ -559,8 +584,11 @@ def _p2p_stream(rank: int, buf: torch.Tensor, trips: int, device: torch.device, 
     return [max(0.0, (span - c) / 2) for span, c in zip(spans, spent.tolist(), strict=True)]
 
 
-def _link_worker(rank: int, out: str, init: str, backend: str, sizes: list[int], quick: bool, threads: int) -> None:
-    """One of the two processes: ping-pong and all-reduce at each size; rank 0 writes the medians to `out`."""
+def _link_worker(
+    rank: int, out: str, init: str, backend: str, sizes: list[int], quick: bool, threads: int, passes: int = 1
+) -> None:
+    """One of the two processes: ping-pong and all-reduce at each size, in `passes` passes over the sizes; rank 0
+    writes each pass's medians to `out`."""
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
@@ -580,33 +608,48 @@ def _link_worker(rank: int, out: str, init: str, backend: str, sizes: list[int],
         for _ in range(10):  # the first messages set up connections: not timed
             dist.all_reduce(warm)
             dist.barrier()
-        p2p, allreduce = [], []
-        for nbytes in sizes:
-            buf = torch.zeros(max(1, nbytes // 4), device=device)
-            reps = _reps(nbytes, quick)
-            dist.barrier()
-            # On a CPU the ranks compute between messages, as pipeline stages do (see _BURST_S).
-            trips = _p2p_stream(rank, buf, 2 + reps, device, 0.0 if cuda else _BURST_S)[2:]
-            reduces = []
-            for rep in range(2 + reps):
-                dist.barrier()
-                if not cuda:
-                    # As the gradient all-reduce follows a backward, which one rank ends later (see _SKEW_S);
-                    # rank 0, which writes the figures, is the late one.
-                    _busy(_BURST_S + (_SKEW_S if rank == 0 else 0.0))
-                t0 = time.perf_counter()
-                dist.all_reduce(buf)
-                _sync(device)
-                if rep >= 2:
-                    reduces.append(time.perf_counter() - t0)
-            if rank == 0:
-                p2p.append(statistics.median(trips))
-            # gloo's all-reduce time is bimodal on a busy CPU (see _BURST_S): its mean is what steps pay.
-            allreduce.append(statistics.median(reduces) if cuda else statistics.fmean(reduces))
+        p2p_passes, allreduce_passes = [], []
+        for _ in range(passes):
+            p2p, allreduce = _link_pass(rank, sizes, quick, device, cuda)
+            p2p_passes.append(p2p)
+            allreduce_passes.append(allreduce)
         if rank == 0:
-            Path(out).write_text(json.dumps({"p2p": p2p, "allreduce": allreduce}))
+            Path(out).write_text(json.dumps({"p2p": p2p_passes, "allreduce": allreduce_passes}))
     finally:
         dist.destroy_process_group()
+
+
+def _link_pass(
+    rank: int, sizes: list[int], quick: bool, device: torch.device, cuda: bool
+) -> tuple[list[float], list[float]]:
+    """One pass of ping-pongs and all-reduces over the sizes: each size's median (rank 0's p2p)."""
+    import torch.distributed as dist
+
+    p2p: list[float] = []
+    allreduce: list[float] = []
+    for nbytes in sizes:
+        buf = torch.zeros(max(1, nbytes // 4), device=device)
+        reps = _reps(nbytes, quick)
+        dist.barrier()
+        # On a CPU the ranks compute between messages, as pipeline stages do (see _BURST_S).
+        trips = _p2p_stream(rank, buf, 2 + reps, device, 0.0 if cuda else _BURST_S)[2:]
+        reduces = []
+        for rep in range(2 + reps):
+            dist.barrier()
+            if not cuda:
+                # As the gradient all-reduce follows a backward, which one rank ends later (see _SKEW_S);
+                # rank 0, which writes the figures, is the late one.
+                _busy(_BURST_S + (_SKEW_S if rank == 0 else 0.0))
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            _sync(device)
+            if rep >= 2:
+                reduces.append(time.perf_counter() - t0)
+        if rank == 0:
+            p2p.append(statistics.median(trips))
+        # gloo's all-reduce time is bimodal on a busy CPU (see _BURST_S): its mean is what steps pay.
+        allreduce.append(statistics.median(reduces) if cuda else statistics.fmean(reduces))
+    return p2p, allreduce
 
 
 def measure_link(*, quick: bool = False, threads: int = 1, timeout_s: float = 180.0) -> LinkMeasurement:
@@ -614,24 +657,38 @@ def measure_link(*, quick: bool = False, threads: int = 1, timeout_s: float = 18
     GPUs when there are two, else gloo over CPU tensors. Each is fitted to α-β over several message sizes."""
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
     sizes = _link_sizes(quick)
+    passes = 2 if quick else 3
     what = f"{backend} link measurement between 2 processes"
-    data = run_two(_link_worker, (backend, sizes, quick, threads), what=what, timeout_s=timeout_s)
+    data = run_two(_link_worker, (backend, sizes, quick, threads, passes), what=what, timeout_s=timeout_s)
+    # Each size's median over the passes is fitted; each pass's own fit gives the figures' spread.
+    p2p = [statistics.median(times) for times in zip(*data["p2p"])]
+    allreduce = [statistics.median(times) for times in zip(*data["allreduce"])]
+    fits = {kind: [fit_alpha_beta(sizes, one) for one in data[kind]] for kind in ("p2p", "allreduce")}
     return LinkMeasurement(
         backend=backend,
         sizes_bytes=tuple(sizes),
-        p2p_time_s=tuple(data["p2p"]),
-        allreduce_time_s=tuple(data["allreduce"]),
-        p2p=fit_alpha_beta(sizes, data["p2p"]),
-        allreduce=fit_alpha_beta(sizes, data["allreduce"]),
+        p2p_time_s=tuple(p2p),
+        allreduce_time_s=tuple(allreduce),
+        p2p=fit_alpha_beta(sizes, p2p),
+        allreduce=fit_alpha_beta(sizes, allreduce),
+        spread={
+            "send latency": spread([f.latency_s for f in fits["p2p"]]),
+            "send bandwidth": spread([f.bw_bytes_per_s for f in fits["p2p"]]),
+            "all-reduce latency": spread([f.latency_s for f in fits["allreduce"]]),
+            "all-reduce bandwidth": spread([f.bw_bytes_per_s for f in fits["allreduce"]]),
+        },
     )
 
 
 # --- Calibration ------------------------------------------------------------------------------------------
 
 
-def _measure(clock: _Clock, quick: bool) -> tuple[list[MatmulPeak], float, float, float, list[OpSample]]:
-    """Peaks, copy and add bandwidth, launch cost and op samples. Every figure is timed in each of several rounds
-    and the best round kept, so a burst of load from other processes spoils one round of a figure, not the figure."""
+def _measure(
+    clock: _Clock, quick: bool
+) -> tuple[list[MatmulPeak], float, float, float, list[OpSample], dict[str, float]]:
+    """Peaks, copy and add bandwidth, launch cost, op samples and the device figures' spreads. Every figure is timed
+    in each of several rounds and the best round kept, so a burst of load from other processes spoils one round of
+    a figure, not the figure; how far the rounds differ is its spread."""
     rounds, min_time_s = (2, 0.02) if quick else (4, 0.1)
     device = clock.device
     launch_fn = _launch_program(device)
@@ -643,13 +700,19 @@ def _measure(clock: _Clock, quick: bool) -> tuple[list[MatmulPeak], float, float
     copy_bw = add_bw = 0.0
     launch = math.inf
     times = [math.inf] * len(programs)
+    rounds_of: dict[str, list[float]] = {}  # each figure's value in each round, for its spread
     for _ in range(rounds):
         for p in _matmul_peaks(clock, quick, min_time_s):
+            rounds_of.setdefault(f"peak {p.dtype}", []).append(p.flops_per_s)
             if p.dtype not in peaks or p.flops_per_s > peaks[p.dtype].flops_per_s:
                 peaks[p.dtype] = p
         copy, add = _bandwidth(clock, quick, 2 * min_time_s)
+        rounds_of.setdefault("copy bandwidth", []).append(copy)
+        rounds_of.setdefault("add bandwidth", []).append(add)
         copy_bw, add_bw = max(copy_bw, copy), max(add_bw, add)
-        launch = min(launch, _time(launch_fn, clock, min_time_s=min_time_s) / n_launch)
+        once = _time(launch_fn, clock, min_time_s=min_time_s) / n_launch
+        rounds_of.setdefault("launch per op", []).append(once)
+        launch = min(launch, once)
         for i, (_, _, fn, _, _) in enumerate(programs):
             times[i] = min(times[i], _time(fn, clock, min_time_s=min_time_s))
     unit = dict.fromkeys(OP_CLASSES, 1.0)
@@ -658,7 +721,7 @@ def _measure(clock: _Clock, quick: bool) -> tuple[list[MatmulPeak], float, float
         OpSample(name, cls, _op_name(ops), large, len(ops), sum(roof.op_time_s(op) for op in ops), t)
         for (name, cls, _, ops, large), t in zip(programs, times)
     ]
-    return list(peaks.values()), copy_bw, add_bw, launch, samples
+    return list(peaks.values()), copy_bw, add_bw, launch, samples, {k: spread(v) for k, v in rounds_of.items()}
 
 
 def calibrate(options: CalibrationOptions | None = None) -> Calibration:
@@ -671,7 +734,7 @@ def calibrate(options: CalibrationOptions | None = None) -> Calibration:
     device = torch.device("cuda") if detected.device_type == "cuda" else torch.device("cpu")
     with _threads(options.threads), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        peaks, copy_bw, add_bw, launch, samples = _measure(_Clock(device, options.threads), options.quick)
+        peaks, copy_bw, add_bw, launch, samples, spreads = _measure(_Clock(device, options.threads), options.quick)
     per_class = class_efficiency(samples, launch)
     default = Efficiency()
     efficiency = Efficiency(
@@ -704,6 +767,7 @@ def calibrate(options: CalibrationOptions | None = None) -> Calibration:
         efficiency=efficiency,
         link=link,
         elapsed_s=time.perf_counter() - start,
+        spread=spreads,
     )
 
 
@@ -759,6 +823,8 @@ def calibrate_command(args: argparse.Namespace) -> int:
         print(json.dumps({"path": str(path), **result.to_json()}, indent=2))
     else:
         _render(result, path, Console())
+    for line in result.unstable():
+        print(line, file=sys.stderr)
     return 0
 
 
@@ -767,16 +833,31 @@ def _render(cal: Calibration, path: Path, console: Console) -> None:
     console.print(f"[bold]{cal.device}[/bold] ({cal.device_type}{threads}), measured in {cal.elapsed_s:.1f} s")
     console.print(f"written to {path}")
 
-    t = Table(title="Roofs")
+    t = Table(title="Roofs", caption="spread: (max - min) / median over the rounds")
     t.add_column("figure")
     t.add_column("value", justify="right")
+    t.add_column("spread", justify="right")
     t.add_column("how")
+
+    def moved(name: str) -> str:
+        return f"{cal.spread[name]:.0%}" if name in cal.spread else "-"
+
     for p in cal.peaks:
-        t.add_row(f"peak {p.dtype}", f"{fmt_count(p.flops_per_s)}FLOP/s", f"best square matmul, n = {p.size}")
-    t.add_row("memory bandwidth", f"{fmt_bytes(cal.mem_bw_bytes_per_s)}/s", "the better of copy and add")
-    t.add_row("  copy", f"{fmt_bytes(cal.copy_bw_bytes_per_s)}/s", "bytes read + written")
-    t.add_row("  add", f"{fmt_bytes(cal.add_bw_bytes_per_s)}/s", "bytes read + written")
-    t.add_row("launch per op", fmt_seconds(cal.launch_s), "tiny ops, forward and backward under autograd")
+        t.add_row(
+            f"peak {p.dtype}",
+            f"{fmt_count(p.flops_per_s)}FLOP/s",
+            moved(f"peak {p.dtype}"),
+            f"best square matmul, n = {p.size}",
+        )
+    t.add_row("memory bandwidth", f"{fmt_bytes(cal.mem_bw_bytes_per_s)}/s", "", "the better of copy and add")
+    t.add_row("  copy", f"{fmt_bytes(cal.copy_bw_bytes_per_s)}/s", moved("copy bandwidth"), "bytes read + written")
+    t.add_row("  add", f"{fmt_bytes(cal.add_bw_bytes_per_s)}/s", moved("add bandwidth"), "bytes read + written")
+    t.add_row(
+        "launch per op",
+        fmt_seconds(cal.launch_s),
+        moved("launch per op"),
+        "tiny ops, forward and backward under autograd",
+    )
     console.print(t)
 
     t = Table(title="Achieved fraction of the roofline")
@@ -798,11 +879,18 @@ def _render(cal: Calibration, path: Path, console: Console) -> None:
         t.add_column("all-reduce", justify="right")
         for n, p2p, ar in zip(link.sizes_bytes, link.p2p_time_s, link.allreduce_time_s):
             t.add_row(fmt_bytes(n), fmt_seconds(p2p), fmt_seconds(ar))
-        for what, fit in (("send/recv", link.p2p), ("all-reduce", link.allreduce)):
+        for what, fit, key in (("send/recv", link.p2p, "send"), ("all-reduce", link.allreduce, "all-reduce")):
             t.add_row(
                 f"α-β fit of {what}",
                 f"{fmt_seconds(fit.latency_s)} + n / {fmt_bytes(fit.bw_bytes_per_s)}/s",
                 "",
-                end_section=what == "send/recv",
+                end_section=what == "send/recv" and not link.spread,
             )
+            if link.spread:
+                t.add_row(
+                    "  spread over passes",
+                    f"latency {link.spread[f'{key} latency']:.0%}, bandwidth {link.spread[f'{key} bandwidth']:.0%}",
+                    "",
+                    end_section=what == "send/recv",
+                )
         console.print(t)

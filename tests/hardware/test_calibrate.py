@@ -335,6 +335,13 @@ def test_quick_calibration_end_to_end(cache: Path, capsys: pytest.CaptureFixture
     assert {"addmm", "convolution", "native_layer_norm", "relu"} <= set(eff.op)
     assert all(0 < e.efficiency < 10 and e.latency_s >= eff.launch_s for e in eff.op.values())
 
+    # The figures' spread over the rounds and the link's passes, beside them.
+    spread = written["measured"]["spread"]
+    assert {"peak fp32", "copy bandwidth", "add bandwidth", "launch per op"} <= set(spread)
+    assert set(written["measured"]["link"]["spread"]) == {
+        "send latency", "send bandwidth", "all-reduce latency", "all-reduce bandwidth"}  # fmt: skip
+    assert all(v >= 0 for v in (*spread.values(), *written["measured"]["link"]["spread"].values()))
+
     # The runtime's host costs, measured with pyplan's runtime on 2 gloo processes (a 2-core VM: ~0.1 and
     # ~0.2 ms per micro-batch, ~50 us per message, ~0.5 ms per step, AdamW ~35 us per tensor).
     host = local_host_costs()
@@ -348,3 +355,20 @@ def test_quick_calibration_end_to_end(cache: Path, capsys: pytest.CaptureFixture
 def test_bad_threads_is_a_plan_error(cache: Path) -> None:
     with pytest.raises(PlanError, match="--threads must be at least 1"):
         run("--threads", "0")
+
+
+def test_spread_and_the_warning_for_a_figure_that_moved() -> None:
+    from pyplan.hardware.calibrate import UNSTABLE, Calibration, LinkMeasurement, spread
+
+    assert spread([1.0]) == 0.0 and spread([0.0, 0.0]) == 0.0
+    assert spread([1.0, 1.1, 1.3]) == pytest.approx(0.3 / 1.1)
+    # The example of an unstable quick calibration: send latency 82 us in one pass, 2.27 ms in the other.
+    fit = AlphaBeta(latency_s=1e-4, bw_bytes_per_s=1e9)
+    link = LinkMeasurement("gloo", (1, 2), (1.0, 2.0), (1.0, 2.0), fit, fit, spread={
+        "send latency": spread([82e-6, 2.27e-3]), "send bandwidth": 0.05})  # fmt: skip
+    cal = Calibration("cpu", "cpu", 1, (), 1.0, 1.0, 1e-6, (), Efficiency(), link, 1.0,
+                      spread={"peak fp32": 0.1, "copy bandwidth": UNSTABLE + 0.01})  # fmt: skip
+    lines = cal.unstable()
+    assert [line.split(" moved")[0] for line in lines] == ["warning: copy bandwidth", "warning: send latency"]
+    assert "calibrate again when it is quiet" in lines[1]
+    assert cal.to_json()["measured"]["spread"] == {"peak fp32": 0.1, "copy bandwidth": UNSTABLE + 0.01}
