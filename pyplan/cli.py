@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -146,6 +147,15 @@ def _key_of(p: Plan) -> tuple[Any, ...]:
     return (lay.dp, lay.pp, lay.micro_batch_size, lay.num_microbatches, lay.schedule, lay.zero_stage, lay.placement)
 
 
+def _portable(ref: str) -> str:
+    """`ref` as the plan file and the emitted script keep it: a model file by its absolute path, so that they run
+    from any directory; zoo:, hf: and timm: references as they are."""
+    if ref.startswith(("zoo:", "hf:", "timm:")):
+        return ref
+    path, colon, func = ref.partition(":") if ref.count(":") == 1 and not os.path.exists(ref) else (ref, "", "")
+    return os.path.abspath(path) + colon + func
+
+
 @contextlib.contextmanager
 def _progress(label: str) -> Iterator[Callable[[str], None]]:
     """A spinner on the terminal naming the step under way (tracing and profiling, searching, refining); nothing
@@ -214,7 +224,7 @@ def _plan(args: argparse.Namespace) -> int:
         unpinned = searched(top_k=ANSWER_TOP_K, chain=result.chain) if pins else None
         rows = [result.best, *(p for p in (more.best, *more.alternatives) if _key_of(p) != _key_of(result.best))]
     document = PlanFile(
-        model=args.model, workload=workload, cluster=cluster, plan=result.best, leaf_modules=tuple(args.leaf)
+        model=_portable(args.model), workload=workload, cluster=cluster, plan=result.best, leaf_modules=tuple(args.leaf)
     )
     written: list[str] = []
     if args.out:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from pyplan.hardware import Cluster
 from pyplan.plan import Layout, Plan, Workload
 from pyplan.runtime.sharded import gathered_bytes, remat_kind
 from pyplan.solve.state import stage_state_bytes
+from tests.conftest import EXAMPLES
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +234,12 @@ def test_cli_plan_json_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[
         data["plan"]["predicted"].keys()
     )
     assert read_plan_file(out).plan.to_json() == data["plan"]
+    # A model file is kept by its absolute path, so the plan and its script run from any directory.
+    relative = os.path.relpath(os.path.join(EXAMPLES, "mlp.py"))
+    assert main(["plan", relative, "--gpus", "2", "--gpu", "a100-80g", "--global-batch", "8", "--out",
+                 str(out)]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert read_plan_file(out).model == os.path.join(EXAMPLES, "mlp.py")
     for argv, text in [
         (["--gpus", "0", "--gpu", "a100-80g"], "--gpus must be a number of GPUs from 1"),
         (["--gpus", str(2**70), "--gpu", "a100-80g"], "--gpus must be a number of GPUs from 1 to 1,048,576"),
