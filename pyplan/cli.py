@@ -52,6 +52,9 @@ def _inspect(args: argparse.Namespace) -> int:
     ):
         if value < least:
             raise PlanError(f"{flag} must be at least {least}, got {value}")
+    for flag, value in (("--repeats", args.repeats), ("--warmup", args.warmup), ("--threads", args.threads)):
+        if value > 10_000:
+            raise PlanError(f"{flag} must be at most 10,000 (each block runs that many times), got {value}")
     spec = load_model(args.model)
     if args.analytic:
         with torch.device("meta"):
@@ -422,10 +425,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The largest whole number an option takes: the C++ core counts in 32-bit ints.
+MAX_OPTION_INT = 2**31 - 1
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    """Every whole-number option within what the core counts in, before anything runs."""
+    for name, value in vars(args).items():
+        for x in value if isinstance(value, list | tuple) else (value,):
+            if isinstance(x, int) and not isinstance(x, bool) and abs(x) > MAX_OPTION_INT:
+                flag = "--" + name.replace("_", "-")
+                raise PlanError(f"{flag} {x} is too large: at most {MAX_OPTION_INT:,}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     err = Console(stderr=True, highlight=False, emoji=False)
     try:
+        _check_sizes(args)
         return int(args.func(args))
     except PlanError as exc:
         if args.debug:

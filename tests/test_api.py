@@ -118,6 +118,8 @@ def test_plan_file_round_trip(gpt_tiny: tuple, tmp_path: Path) -> None:
         (lambda d: d["plan"].update(dp=0), "must be positive"),
         (lambda d: d["plan"].update(speed=1), "unknown field 'speed'"),
         (lambda d: d["workload"].update(global_batch=0), "global batch must be a positive"),
+        (lambda d: d["plan"]["predicted"].update(iteration_s=float("inf")), "'plan.predicted.iteration_s' is inf"),
+        (lambda d: d["plan"]["stages"][0].update(memory_bytes=float("nan")), r"'plan.stages\[0\].memory_bytes' is nan"),
     ],
 )
 def test_malformed_plan_files(gpt_tiny: tuple, tmp_path: Path, edit: object, message: str) -> None:

@@ -87,6 +87,11 @@ def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureF
         (["inspect", "zoo:mlp-tiny", "--min-blocks", "8", "--max-blocks", "4"], "--max-blocks must be at least 8"),
         (["plan", "zoo:mlp-tiny", "--gpus", "2", "--gpu", "a100-80g", "--top", "0"], "--top must be at least 1"),
         (["plan", "zoo:mlp-tiny", "--gpus", "2", "--gpu", "a100-80g", "--offload", "auto"], "add --remat auto"),
+        (["plan", "zoo:mlp-tiny", "--gpus", "2", "--gpu", "a100-80g", "--global-batch", "9" * 20], "is too large"),
+        (["plan", "zoo:mlp-tiny", "--gpus", "2", "--gpu", "a100-80g", "--dp", "3000000000"], "--dp 3000000000 is too"),
+        (["inspect", "zoo:mlp-tiny", "--threads", "9" * 20], "--threads 99999999999999999999 is too large"),
+        (["inspect", "zoo:mlp-tiny", "--repeats", "100000"], "--repeats must be at most 10,000"),
+        (["zoo", "mlp-tiny", "--gpus", "9" * 20], "--gpus takes at most 1,048,576 GPUs"),
     ],
 )
 def test_options_out_of_range_are_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

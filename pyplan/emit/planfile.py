@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,11 +65,24 @@ def read_plan_file(path: str | Path) -> PlanFile:
     return plan_file_from_json(data, f"plan file '{path}'")
 
 
+def _all_finite(value: Any, where: str, at: str = "") -> None:
+    """Refuse a number that is not finite (JSON's Infinity and NaN, or 1e999) anywhere in the document."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise PlanError(f"{where}: '{at}' is {value}; a plan holds finite numbers only")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _all_finite(item, where, f"{at}.{key}" if at else str(key))
+    elif isinstance(value, list):
+        for k, item in enumerate(value):
+            _all_finite(item, where, f"{at}[{k}]")
+
+
 def plan_file_from_json(data: Any, where: str = "plan") -> PlanFile:
     """Validate a plan document; errors name `where` and the field."""
     path = where
     if not isinstance(data, dict):
         raise PlanError(f"{path}: expected an object at the top level")
+    _all_finite(data, path)
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
         raise PlanError(f"{path}: unknown schema_version {version!r}; this pyplan reads {SCHEMA_VERSION}")

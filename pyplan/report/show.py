@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -381,8 +382,23 @@ def _cost_table(data: dict[str, Any]) -> Table:
     return table
 
 
+def _inert(value: Any) -> Any:
+    """`value` with every string shown as written: rich markup escaped, control characters (terminal escapes)
+    replaced by their code, so that a plan file can neither style nor move the terminal."""
+    if isinstance(value, str):
+        shown = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in value)
+        return escape(shown)
+    if isinstance(value, dict):
+        return {k: _inert(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_inert(v) for v in value]
+    return value
+
+
 def render_show(data: dict[str, Any], console: Console) -> None:
-    """Print the plan: a summary, the stages, memory per GPU, the time breakdown and the cost."""
+    """Print the plan: a summary, the stages, memory per GPU, the time breakdown and the cost. The plan file's
+    strings are shown as written (`_inert`)."""
+    data = _inert(data)
     console.print(
         Group(
             _summary(data),

@@ -12,7 +12,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from pyplan import zoo
+from pyplan import _core, zoo
 from pyplan.errors import PlanError
 from pyplan.profile.memory import OPTIMIZERS, PRECISIONS
 from pyplan.report.console import make_console
@@ -216,6 +216,8 @@ def _sizes(value: str | None) -> list[int]:
     for v in _split(value):
         if not v.isdigit() or int(v) < 1:
             raise PlanError(f"--gpus takes positive numbers of GPUs separated by commas, got '{v}'")
+        if int(v) > _core.MAX_GPUS:
+            raise PlanError(f"--gpus takes at most {_core.MAX_GPUS:,} GPUs a cluster, got {v}")
         sizes.append(int(v))
     return list(dict.fromkeys(sizes))
 

@@ -14,7 +14,7 @@ from pyplan.cli import main
 from pyplan.emit.planfile import PlanFile, write_plan_file
 from pyplan.hardware.cluster import Cluster
 from pyplan.plan import Workload
-from pyplan.report.show import boundary_send_s, show_data, text_bar, time_rows
+from pyplan.report.show import _inert, boundary_send_s, show_data, text_bar, time_rows
 from tests.report.conftest import PipelinePlan
 
 
@@ -103,3 +103,16 @@ def test_cli_show_of_a_missing_file_is_an_input_error(tmp_path: Path, capsys: py
     assert main(["show", str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err
     assert "does not exist" in err and err.count("\n") == 1
+
+
+def test_show_prints_the_plan_files_strings_as_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cluster: Cluster, pipeline_plan: PipelinePlan
+) -> None:
+    """A plan file can neither style the terminal (rich markup) nor move it (control characters)."""
+    plan, _ = pipeline_plan("GPipe", 4, 6, stage_memory_bytes=55e9)
+    model = "/tmp/[bold red]evil[/bold red].py"
+    document = PlanFile(model=model, workload=Workload(global_batch=24), cluster=cluster, plan=plan)
+    assert main(["show", _write(tmp_path, document)]) == 0
+    assert "[bold red]evil[/bold red]" in capsys.readouterr().out
+    shown = _inert({"gpu": "a100\x1b[5m[blink]x[/blink]", "n": [1.5, "[b]"]})
+    assert shown == {"gpu": "a100\\x1b[5m\\[blink]x\\[/blink]", "n": [1.5, "\\[b]"]}
