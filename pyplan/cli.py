@@ -432,6 +432,8 @@ MAX_OPTION_INT = 2**31 - 1
 def _check_sizes(args: argparse.Namespace) -> None:
     """Every whole-number option within what the core counts in, before anything runs."""
     for name, value in vars(args).items():
+        if name == "gpus":
+            continue  # checked against the core's GPU limit, with its own message (_cluster)
         for x in value if isinstance(value, list | tuple) else (value,):
             if isinstance(x, int) and not isinstance(x, bool) and abs(x) > MAX_OPTION_INT:
                 flag = "--" + name.replace("_", "-")
