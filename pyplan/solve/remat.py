@@ -972,20 +972,37 @@ def solve(
     from pyplan.errors import InfeasibleError, PlanError
 
     bw = offload_bw_bytes_per_s or 0.0
-    try:
-        r = _core.remat(
-            *_arrays(chain),
-            # An unlimited budget is the most memory any input may name (the core's bound, far past any device).
-            budget_bytes=min(budget_bytes, _core.MAX_BYTES),
-            slots=slots,
-            offload_bw_bytes_per_s=bw,
-            max_depth=-1 if max_depth is None else max_depth,
-            in_flight=in_flight,
-            checkpoint_s=chain.checkpoint_s,
-            checkpoint_block_s=list(chain.checkpoint_block_s),
-        )
-    except ValueError as exc:
-        raise PlanError(f"rematerialization: {exc}") from None
+
+    def dp(budget: float) -> Any:
+        try:
+            return _core.remat(
+                *_arrays(chain),
+                # An unlimited budget is the most memory any input may name (the core's bound, far past any device).
+                budget_bytes=min(budget, _core.MAX_BYTES),
+                slots=slots,
+                offload_bw_bytes_per_s=bw,
+                max_depth=-1 if max_depth is None else max_depth,
+                in_flight=in_flight,
+                checkpoint_s=chain.checkpoint_s,
+                checkpoint_block_s=list(chain.checkpoint_block_s),
+            )
+        except ValueError as exc:
+            raise PlanError(f"rematerialization: {exc}") from None
+
+    def fits(rep: Replay) -> bool:
+        return rep.peak_bytes + (in_flight - 1) * rep.after_forward_bytes <= budget_bytes
+
+    r = dp(budget_bytes)
+    if not r.feasible and r.min_budget_bytes <= budget_bytes:
+        # A plan fits in bytes, but slots round every size up and hide the plans at the edge of the budget (as
+        # at exactly the least budget): ask with a few slots more and keep an answer whose replay fits in bytes.
+        for extra in (1, 4, 16, slots / 10):
+            wider = dp(budget_bytes * (1 + extra / slots))
+            if wider.feasible and fits(
+                replay(chain, _plan_of_steps(wider.plan, 0), offload_bw_bytes_per_s=bw or math.inf)
+            ):
+                r = wider
+                break
     if not r.feasible:
         raise InfeasibleError(f"rematerialization: {r.reason}")
     plan = _plan_of_steps(r.plan, 0)
@@ -1002,7 +1019,7 @@ def solve(
             if _time_s(chain, other) >= rep.time_s:
                 continue  # no faster: its memory does not matter
             got = replay(chain, other)
-            if got.peak_bytes + (in_flight - 1) * got.after_forward_bytes <= budget_bytes:
+            if fits(got):
                 plan, rep = other, got
     return RematResult(
         plan=plan.shifted(first_block) if first_block else plan,

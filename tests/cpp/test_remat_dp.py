@@ -271,3 +271,27 @@ def test_slots_round_towards_safety() -> None:
             except InfeasibleError:
                 continue
             assert got.peak_bytes <= budget
+
+
+_SIZES = ("kept_bytes", "out_bytes", "fwd_peak_bytes", "fwd_nosave_peak_bytes", "bwd_peak_bytes", "grad_bytes")
+
+
+def test_the_least_budget_is_always_answered() -> None:
+    """At exactly `min_budget` slots round the least plan's sizes up past the budget: solve asks again with a few
+    slots more and keeps an answer whose replay fits in bytes, never "no plan fits in X; the least is X"."""
+    rng = random.Random(11)
+    for _ in range(60):
+        chain = random_chain(rng, rng.randint(2, 12))
+        for scale in (1.0, 1e6):  # bytes, and MB-sized values whose rounding differs
+            if scale != 1.0:
+                chain = RematChain(
+                    **{k: tuple(v * scale for v in getattr(chain, k)) for k in _SIZES},
+                    fwd_s=chain.fwd_s,
+                    bwd_s=chain.bwd_s,
+                    out_values=tuple(tuple((b * scale, last) for b, last in vs) for vs in chain.out_values),
+                    out_savers=chain.out_savers,
+                    saves=chain.saves,
+                )
+            least = min_budget(chain)
+            got = solve(chain, least)
+            assert got.peak_bytes <= least and replay(chain, got.plan).peak_bytes <= least
