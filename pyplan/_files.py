@@ -11,6 +11,20 @@ from pyplan.errors import PlanError
 __all__ = ["write_atomic"]
 
 
+def check_writable(path: str | Path) -> None:
+    """Raise the one-line error `write_atomic` would give for `path` (a directory, a missing or read-only
+    directory), before any work: a command checks its outputs before it plans."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise PlanError(f"cannot write '{path}': it is a directory; give a file path in a writable directory")
+    fix = "give a file path in a writable directory"
+    if not directory.is_dir():
+        raise PlanError(f"cannot write '{path}': no such file or directory ('{directory}'); {fix}")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PlanError(f"cannot write '{path}': '{directory}' is not writable; {fix}")
+
+
 def write_atomic(path: str | Path, data: str | bytes, *, make_parents: bool = False) -> None:
     """Write `data` (text or bytes) to `path` through a temporary file in the same directory, flushed to disk and
     renamed over `path`: an interrupted write leaves the old file or none, never a half-written one.

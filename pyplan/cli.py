@@ -182,6 +182,11 @@ def _plan(args: argparse.Namespace) -> int:
         raise PlanError(f"--top must be at least 1, got {args.top}")
     if args.offload != "none" and args.remat != "auto":
         raise PlanError("--offload plans offloading within --remat auto's plans: add --remat auto")
+    from pyplan._files import check_writable
+
+    for output in (args.out, args.emit, args.pareto, args.report):
+        if output:
+            check_writable(output)  # before the search, not after it
     cluster = _cluster(args)
     if args.pareto and any(g.price_per_gpu_hour is None for g in cluster.groups):
         raise PlanError(
