@@ -279,11 +279,25 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _emit(args: argparse.Namespace) -> int:
+    from pyplan._files import write_atomic
     from pyplan.emit.planfile import read_plan_file
     from pyplan.emit.script import write_script
 
-    write_script(args.out, read_plan_file(args.plan_file))
-    make_console().print(f"wrote {args.out}; run it with torchrun (see its docstring)")
+    document = read_plan_file(args.plan_file)
+    if args.format == "script":
+        write_script(args.out, document)
+        make_console().print(f"wrote {args.out}; run it with torchrun (see its docstring)")
+        return 0
+    from pyplan.emit.configs import render_config
+
+    text, notes = render_config(document, args.format)
+    if args.out == "train.py":  # the default belongs to the script
+        print(text, end="")
+    else:
+        write_atomic(args.out, text)
+        print(f"wrote {args.out}")
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     return 0
 
 
@@ -410,11 +424,19 @@ def _parser() -> argparse.ArgumentParser:
         help="write a torchrun training script from a plan.json",
         description="Write a readable training script that builds the planned pipeline with "
         "torch.distributed.pipelining and DDP/FSDP2; run it as `torchrun --nproc-per-node G train.py`.",
-        epilog="examples:\n  pyplan emit plan.json -o train.py\n  torchrun --nproc-per-node 4 train.py --steps 3\n",
+        epilog="examples:\n  pyplan emit plan.json -o train.py\n  torchrun --nproc-per-node 4 train.py --steps 3\n"
+        "  pyplan emit plan.json --format torchtitan -o parallelism.toml\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("plan_file", help="plan.json written by `pyplan plan --out`")
-    p.add_argument("-o", "--out", default="train.py", help="script to write (default train.py)")
+    p.add_argument("-o", "--out", default="train.py", help="file to write (default train.py; with --format, stdout)")
+    p.add_argument(
+        "--format",
+        choices=("script", "torchtitan", "deepspeed", "megatron"),
+        default="script",
+        help="script (default): a torchrun training script; torchtitan (TOML), deepspeed (JSON), megatron (flags): "
+        "the plan as that tool's configuration, with a note for each part it cannot express",
+    )
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.set_defaults(func=_emit)
 
