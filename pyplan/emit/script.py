@@ -21,7 +21,9 @@ Run it with one process per GPU:
 --steps       optimizer steps to run (default 10)
 --data        `file.py:function` returning an iterator of (inputs, target) global batches of {global_batch}
               samples, inputs as example_inputs returns them: a tuple of tensors, a dict of keyword arguments,
-              or (args, kwargs) (default: synthetic batches from the model's example_inputs)
+              or (args, kwargs) (default: synthetic batches from the model's example_inputs); a function with
+              parameters `replica` and `replicas` is called with them and gives only that data-parallel replica's
+              share ({global_batch} / replicas samples), as a DistributedSampler would
 --lr          learning rate (default 1e-3)
 --save-params write this rank's parameters after training to FILE.rank<R>.pt (for checking against one process)
 --timeout     seconds after which a rank that stopped answering (stopped, killed, exited) ends the run, rank 0
@@ -34,6 +36,7 @@ plan's prediction; at the end, the median step after the first against the predi
 
 import argparse
 import importlib.util
+import inspect
 import json
 import os
 import resource
@@ -85,12 +88,26 @@ def synthetic_batches(spec, global_batch):
         yield spec.example_inputs(global_batch), spec.target(global_batch) if spec.target else None
 
 
-def user_batches(ref):
+def user_batches(ref, replica, replicas):
+    """The batches of `--data`, and whether they are this replica's share (a function that takes `replica` and
+    `replicas`) rather than global batches."""
     path, _, func = ref.rpartition(":")
     module_spec = importlib.util.spec_from_file_location("pyplan_user_data", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    return iter(getattr(module, func)())
+    fn = getattr(module, func)
+    params = inspect.signature(fn).parameters
+    if "replica" in params and "replicas" in params:
+        return iter(fn(replica=replica, replicas=replicas)), True
+    return iter(fn()), False
+
+
+def checked(tensors, expected, what):
+    """`tensors` when each holds `expected` samples; else one line naming the mismatch."""
+    for t in tensors:
+        if t.shape[0] != expected:
+            raise PlanError(f"--data gave {{what}} of {{t.shape[0]}} samples; the plan takes {{expected}}")
+    return tensors
 
 
 def stopped_answering(ranks, silent_s):
@@ -129,17 +146,25 @@ def train(args):
         spec, model, layout, optimizer_factory(workload.optimizer, args.lr),
         device=device, leaf_modules=document.leaf_modules, precision=workload.precision,
     )
-    batches = user_batches(args.data) if args.data else synthetic_batches(spec, workload.global_batch)
     mine = replica_slice(layout, trainer.dp_rank)
+    if args.data:
+        batches, shared = user_batches(args.data, trainer.dp_rank, layout.dp)
+    else:
+        batches, shared = synthetic_batches(spec, workload.global_batch), False
     predicted = document.plan.predicted
     times = []
     for step in range(args.steps):
         inputs, target = next(batches)
-        tensors = input_tensors(inputs)
+        if shared:  # this replica's share, as loaded
+            tensors = checked(input_tensors(inputs), mine.stop - mine.start, "a replica's batch")
+            take = slice(None)
+        else:
+            tensors = checked(input_tensors(inputs), workload.global_batch, "a batch")
+            take = mine
         if cuda:
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        losses = trainer.step(tuple(t[mine] for t in tensors), target[mine] if target is not None else None)
+        losses = trainer.step(tuple(t[take] for t in tensors), target[take] if target is not None else None)
         if cuda:
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start

@@ -124,6 +124,23 @@ def _torchrun(script: Path, nproc: int, *args: str) -> subprocess.CompletedProce
     )
 
 
+# --data for gpt-tiny that loads one replica's share of a global batch of 8, and notes what it was asked for.
+SHARDS = """
+import os
+from pathlib import Path
+
+from pyplan.load import load_model
+
+
+def shards(replica, replicas):
+    spec = load_model("zoo:gpt-tiny")
+    share = 8 // replicas
+    Path(__file__).with_name(f"loaded.{os.environ['RANK']}").write_text(f"{replica} {replicas} {share}")
+    while True:
+        yield spec.example_inputs(share), spec.target(share)
+"""
+
+
 @pytest.mark.distributed
 def test_plan_emit_then_torchrun(tmp_path: Path) -> None:
     from pyplan.cli import main
@@ -153,6 +170,13 @@ def test_plan_emit_then_torchrun(tmp_path: Path) -> None:
     assert done.returncode == 0, [line for line in done.stderr.splitlines() if "error" in line.lower()][:5]
     losses = [float(line.split()[3]) for line in done.stdout.splitlines() if line.startswith("step ")]
     assert losses and all(torch.isfinite(torch.tensor(losses)))
+    # Each replica loads only its share when --data's function takes `replica` and `replicas`.
+    dp = json.loads(plan.read_text())["plan"]["dp"]
+    (tmp_path / "shards.py").write_text(SHARDS)
+    done = _torchrun(script, 4, "--steps", "2", "--data", f"{tmp_path / 'shards.py'}:shards")
+    assert done.returncode == 0, [line for line in done.stderr.splitlines() if "rror" in line][:5]
+    loaded = sorted({p.read_text() for p in tmp_path.glob("loaded.*")})  # the stages of a replica load alike
+    assert loaded == sorted({f"{r} {dp} {8 // dp}" for r in range(dp)}), loaded
 
     # Bad input: every rank sees it, rank 0 says it in one line, the launch exits non-zero without hanging.
     document = json.loads(plan.read_text())
