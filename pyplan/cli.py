@@ -393,7 +393,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=REMAT_MODES,
         default="none",
         help="recompute activations: auto (optimal per stage, also finds plans that only fit with it), full, "
-        "periodic (checkpoint_sequential), none (default)",
+        "selective (torchtitan's op policy: keep matmul and attention outputs), periodic (checkpoint_sequential), "
+        "none (default)",
     )
     p.add_argument(
         "--offload", choices=OFFLOAD_MODES, default="none", help="with --remat auto: offload activations to host"
