@@ -25,6 +25,8 @@ Run it with one process per GPU:
               parameters `replica` and `replicas` is called with them and gives only that data-parallel replica's
               share ({global_batch} / replicas samples), as a DistributedSampler would
 --lr          learning rate (default 1e-3)
+--warmup-steps  linear learning-rate warm-up over this many steps (default 0)
+--decay       learning-rate decay after the warm-up: none (default), linear or cosine, to 0.1 x --lr at the last step
 --save-params write this rank's parameters after training to FILE.rank<R>.pt (for checking against one process)
 --timeout     seconds after which a rank that stopped answering (stopped, killed, exited) ends the run, rank 0
               saying which; also init_process_group's timeout (default 600)
@@ -52,6 +54,7 @@ from pyplan.errors import PlanError
 from pyplan.graph.trace import input_tensors
 from pyplan.load import load_model
 from pyplan.runtime.heartbeat import Heartbeat
+from pyplan.runtime.optim import LR_DECAYS, lr_factor
 from pyplan.runtime.trainer import build_trainer, optimizer_factory, replica_slice
 
 PLAN = json.loads(r"""
@@ -126,6 +129,8 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--data")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup-steps", type=int, default=0)
+    parser.add_argument("--decay", choices=LR_DECAYS, default="none")
     parser.add_argument("--save-params")
     parser.add_argument("--timeout", type=float, default=600.0)
     return parser.parse_args()
@@ -147,6 +152,9 @@ def train(args):
         device=device, leaf_modules=document.leaf_modules, precision=workload.precision,
     )
     mine = replica_slice(layout, trainer.dp_rank)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        trainer.optimizer, lambda step: lr_factor(step, args.steps, args.warmup_steps, args.decay)
+    )
     if args.data:
         batches, shared = user_batches(args.data, trainer.dp_rank, layout.dp)
     else:
@@ -165,6 +173,7 @@ def train(args):
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         losses = trainer.step(tuple(t[take] for t in tensors), target[take] if target is not None else None)
+        schedule.step()
         if cuda:
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +12,9 @@ from torch import nn
 
 from pyplan.errors import PlanError
 
-__all__ = ["OptimizerFactory", "OptimizerSpec", "optimizer_factory"]
+__all__ = ["LR_DECAYS", "OptimizerFactory", "OptimizerSpec", "lr_factor", "optimizer_factory"]
+
+LR_DECAYS = ("none", "linear", "cosine")
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -38,3 +41,18 @@ def optimizer_factory(name: str, lr: float) -> OptimizerSpec:
     if name not in makers:
         raise PlanError(f"unknown optimizer '{name}'; choose one of {', '.join(makers)}")
     return makers[name]
+
+
+def lr_factor(step: int, steps: int, warmup: int, decay: str, floor: float = 0.1) -> float:
+    """The share of the learning rate at optimizer step `step` (from 0) of `steps`: a linear warm-up over `warmup`
+    steps, then constant ("none") or decaying to `floor` at the last step ("linear", "cosine"), as torchtitan's
+    scheduler does. For torch.optim.lr_scheduler.LambdaLR."""
+    if decay not in LR_DECAYS:
+        raise PlanError(f"unknown learning-rate decay '{decay}'; choose one of {', '.join(LR_DECAYS)}")
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if decay == "none" or steps - warmup <= 1:
+        return 1.0
+    done = min(1.0, (step - warmup) / (steps - warmup - 1))
+    shape = 1.0 - done if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+    return floor + (1.0 - floor) * shape

@@ -17,6 +17,7 @@ from pyplan.emit.planfile import PlanFile, plan_file_from_json
 from pyplan.emit.script import render_script, write_script
 from pyplan.hardware import Cluster
 from pyplan.plan import Layout, Plan, Prediction, StagePlan, Workload
+from pyplan.runtime.optim import lr_factor
 
 STEPS, LR, B, MICRO = 3, 0.05, 8, 2
 
@@ -77,6 +78,10 @@ def test_emitted_script_trains_like_one_process(tmp_path: Path) -> None:
             str(STEPS),
             "--lr",
             str(LR),
+            "--warmup-steps",
+            "1",
+            "--decay",
+            "cosine",
             "--save-params",
             str(saved),
         ],
@@ -99,7 +104,9 @@ def test_emitted_script_trains_like_one_process(tmp_path: Path) -> None:
     reference = spec.build()
     opt = torch.optim.SGD(reference.parameters(), lr=LR)
     inputs, target = spec.example_inputs(B), spec.target(B)
-    for _ in range(STEPS):
+    for step in range(STEPS):  # the learning rate warms up over 1 step, then decays (cosine), as the script's
+        for group in opt.param_groups:
+            group["lr"] = LR * lr_factor(step, STEPS, 1, "cosine")
         opt.zero_grad()
         for k in range(B // MICRO):
             sl = slice(k * MICRO, (k + 1) * MICRO)
