@@ -82,7 +82,7 @@ checkpoint_s). The CPU F and B errors printed are those of the busiest stage per
 recomputation, and R that of the recomputation.
 A row whose error exceeds 10 % names its largest term as the wrong one.
 
-Targets (issue "Predictions users can trust"): median |error| of iteration time <= 10 %, worst <= 25 %; peak
+Targets: median |error| of iteration time <= 10 %, worst <= 25 %; peak
 memory |error| <= 10 %; the plan ranked first is the measured fastest, or within 5 % of it, in >= 90 % of the
 decisions (each search, model x remat policy, and each model over both policies).
 """
@@ -117,7 +117,7 @@ ATTEMPTS = 3
 SCHEDULES = ("GPipe", "1F1B")
 # One device runs 1F1B only: with one stage it is gradient accumulation (each micro-batch's forward and backward in
 # turn); GPipe does the same work holding every micro-batch's activations at once, a plan pyplan never ranks first
-# (equal time, more memory). With both in the matrix, every wrong decision of the ninth session's one-cpu runs was
+# (equal time, more memory). With both in the matrix, every wrong decision of an earlier run of the one-cpu matrix was
 # that pair: over the 36 pairs of two runs, 1F1B measured -17 % to +21 % off its GPipe twin (mean -1.0 %, standard
 # deviation 6.5 %), noise either way, which the 5 % of a right decision does not cover.
 ONE_DEVICE_SCHEDULES = ("1F1B",)

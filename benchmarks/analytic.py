@@ -4,7 +4,7 @@ Run: `python benchmarks/analytic.py [--gpu a100-80g] [--cprofile MODEL]`. Each m
 peak resident memory is its own. The steps are those `pyplan plan` takes for a GPU that is not present: build on
 the meta device, trace, linearize, FLOPs per block (`block_flops`), bytes saved for backward (`saved_bytes`), and
 roofline times (`block_times_analytic`, bf16 mixed precision), each at micro-batches 1 and 2.
-Target (issue 3, Performance): the 70B Llama configuration in under 60 s and under 2 GB of resident memory.
+Target: the 70B Llama configuration in under 60 s and under 2 GB of resident memory.
 `--cprofile MODEL` profiles one model instead and prints where the time goes.
 """
 

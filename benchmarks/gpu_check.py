@@ -4,7 +4,7 @@ Run: `python benchmarks/gpu_check.py OUT_DIR` on a machine with one CUDA GPU (ab
 never more than `--budget-s`, 470 s by default). `--device cpu` runs the same code paths on the CPU with tiny
 models, as tests/test_gpu_check.py does, so the script cannot break before it ever reaches a GPU.
 
-Each check runs in a process of its own (its own session, killed with its children at its time limit) and writes
+Each check runs in a process group of its own (killed with its children at its time limit) and writes
 OUT_DIR/<check>.json with at least {"check", "status" ("ok", "failed", "timeout", "error"), "elapsed_s"}; a check
 that dies or runs out of time still leaves its file, with what it had finished. In order:
 
@@ -139,7 +139,7 @@ class Result:
 
 
 def _run(cmd: Sequence[str], timeout_s: float, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run `cmd` in a session of its own; at `timeout_s` kill it with its children. Returns rc, output, time."""
+    """Run `cmd` in a process group of its own; at `timeout_s` kill it with its children. Returns rc, output, time."""
     start = time.perf_counter()
     proc = subprocess.Popen(
         list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env

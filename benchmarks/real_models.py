@@ -5,7 +5,7 @@ process of its own, so its peak resident memory is its own. Per model: build fro
 (no weights), the parameter count against the published one, capture (torch.export) + linearize, and
 `pyplan.search` for 8 and for 64 A100-80GB (bf16 mixed precision, AdamW, the global batch below, `--remat auto`),
 each search from the model as `pyplan plan` runs it (profiling included).
-Targets (issue "Plan the models people actually train"): every plan under 60 s; capture + linearize of the
+Targets: every plan under 60 s; capture + linearize of the
 Llama-2-7B configuration under 20 s; peak resident memory under 2 GB for the 70B configuration.
 """
 

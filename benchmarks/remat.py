@@ -1,6 +1,6 @@
 """Rematerialization: pyplan's optimal plan against checkpoint_sequential's best, and the DP's solve time.
 
-Run: `python benchmarks/remat.py`. Targets (issue "Optimal rematerialization and activation offloading"):
+Run: `python benchmarks/remat.py`. Targets:
 for ResNet-152 and GPT-2 xl, profiled analytically for an A100 (times from the roofline, bytes measured on
 fake tensors), at budgets from the least any plan needs up to what keeping everything needs, the predicted
 overhead (recomputation time over the time without remat) of pyplan's plan is never worse than that of

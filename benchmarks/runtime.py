@@ -3,7 +3,7 @@
 Run: `python benchmarks/runtime.py` (it launches itself under torchrun with 2 ranks, one thread each). Both
 programs train the same split of the same model with the same schedule, micro-batches and optimizer; the
 hand-written one builds `PipelineStage`s from the traced pieces directly, pyplan's goes through
-`build_trainer` (stage wrappers, mesh, tied-weight groups). Target (issue "Emit a plan that runs"): under 5 %.
+`build_trainer` (stage wrappers, mesh, tied-weight groups). Target: under 5 %.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ for an A100 80GB (once per model) and searched for each of 8, 32, 128, 512 and 1
 worker processes (default: the CPU count). The cold run starts with an empty profile cache, the warm run reuses
 it (tracing and the searches remain). Each run is a fresh process, so its wall time includes starting Python,
 importing torch and pyplan, and starting the workers, as a user's command does; CPU time is the workers' time
-in their tasks (imports left out). Targets (issue 7): on 2 cores, the cold run in under 2 minutes, the warm
+in their tasks (imports left out). Targets: on 2 cores, the cold run in under 2 minutes, the warm
 run in under 20 s.
 """
 

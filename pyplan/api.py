@@ -749,16 +749,17 @@ def search(
     )
 
 
-def _key(p: Plan) -> tuple[Any, ...]:
-    """Identity of a configuration: the same plan found by both searches counts once."""
+def _key(p: Plan, *, choices: bool = True) -> tuple[Any, ...]:
+    """Identity of a configuration: the same plan found by both searches counts once. Without `choices`, the
+    schedule and the placement are left out (`_distinct`)."""
     lay = p.layout
+    chosen = (lay.schedule, lay.placement) if choices else ()
     return (
         lay.dp,
         lay.pp,
         lay.micro_batch_size,
-        lay.schedule,
+        *chosen,
         lay.zero_stage,
-        lay.placement,
         lay.cut_positions,
         tuple(r.plan.describe() if r else "" for r in lay.remat),
         tuple(lay.stage_of_node.items()),
@@ -807,20 +808,8 @@ def _distinct(ranked: list[Plan]) -> list[Plan]:
     seen: set[tuple[Any, ...]] = set()
     out: list[Plan] = []
     for p in ranked:
-        lay, pred = p.layout, p.predicted
-        shape = (
-            lay.dp,
-            lay.pp,
-            lay.micro_batch_size,
-            lay.num_microbatches,
-            lay.zero_stage,
-            lay.cut_positions,
-            tuple(r.plan.describe() if r else "" for r in lay.remat),
-            tuple(lay.stage_of_node.items()),
-            pred.iteration_s,
-            pred.peak_memory_bytes,
-            pred.cost_per_iteration,
-        )
+        pred = p.predicted
+        shape = (*_key(p, choices=False), pred.iteration_s, pred.peak_memory_bytes, pred.cost_per_iteration)
         if shape not in seen:
             seen.add(shape)
             out.append(p)

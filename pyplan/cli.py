@@ -131,7 +131,7 @@ def _pins(args: argparse.Namespace) -> dict[str, tuple[Any, ...]]:
     return {k: (v,) for k, v in given.items() if v is not None}
 
 
-def _versus_best(pinned: Plan, best: Plan, objective: str) -> str:
+def _versus_best(pinned: Plan, best: Plan) -> str:
     """One line: how far the pinned plan is from the best plan without pins, in the objective's terms."""
     lay = best.layout
     what = (
@@ -272,7 +272,7 @@ def _plan(args: argparse.Namespace) -> int:
         memory = memory_per_process(cluster) * args.memory_fraction
         render_plans(rows[: args.top], make_console(), title=title, memory_bytes=memory)
         if unpinned is not None:
-            make_console().print(_versus_best(result.best, unpinned.best, args.objective))
+            make_console().print(_versus_best(result.best, unpinned.best))
     for path in written:  # on stderr beside --json, whose stdout is the JSON alone
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -64,8 +64,9 @@ def _positive(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
-# The active currency codes of ISO 4217 (list one, as published by SIX for 2025), without the funds, precious
-# metals, testing and "no currency" codes (XAU, XTS, XXX, ...): a price is in money someone pays.
+# The active currency codes of ISO 4217 (list one, as published by SIX for 2025), without the fund codes (BOV, CHE,
+# CHW, CLF, COU, MXV, USN, UYI, UYW), precious metals (XAG, XAU, XPD, XPT), settlement units (XBA-XBD, XDR, XSU,
+# XUA), the testing code XTS and XXX (no currency): a price is in money someone pays.
 ISO_4217 = frozenset(
     """AED AFN ALL AMD ANG AOA ARS AUD AWG AZN BAM BBD BDT BGN BHD BIF BMD BND BOB BRL BSD BTN BWP BYN BZD CAD CDF
     CHF CLP CNY COP CRC CUP CVE CZK DJF DKK DOP DZD EGP ERN ETB EUR FJD FKP GBP GEL GHS GIP GMD GNF GTQ GYD HKD HNL

@@ -27,7 +27,7 @@ _SHORT_HEADERS = {
     "ZeRO": "Z",
     "placement": "place",
 }
-_SHORT_SCHEDULES = {"Interleaved1F1B": "I1F1B", "LoopedBFS": "LBFS", "InterleavedZeroBubble": "IZB"}
+_SHORT_SCHEDULES = {"Interleaved1F1B": "I1F1B", "LoopedBFS": "LBFS"}  # the searched schedules with long names
 _SHORT_PLACEMENTS = {"pp-inner": "pp", "dp-inner": "dp"}
 _DROPPED_LAST = ("bubble", "GPUs", "samples/s", "placement")  # dropped in this order where the table is too wide
 
