@@ -40,7 +40,7 @@ def _import_file(path: str) -> ModuleType:
         # A model file that exits when imported (a script's `sys.exit()` at module level) would end pyplan silently.
         raise ModelLoadError(
             f"importing '{path}' called sys.exit({exc.code!r}); put the file's script part under "
-            "`if __name__ == \"__main__\":`"
+            '`if __name__ == "__main__":`'
         ) from None
     except Exception as exc:
         raise ModelLoadError(f"importing '{path}' failed with {type(exc).__name__}: {exc}") from exc

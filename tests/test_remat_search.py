@@ -184,7 +184,8 @@ def test_checkpoint_costs_are_scaled_to_what_the_runtime_pays(monkeypatch: pytes
     # Nothing left beyond the forwards and the calls: no block cost, the calls' forward part alone.
     seconds = iter([(0.004, 0.006), (0.004 + call, 0.006 + forward + call * (n - 2))])
     got = measure._as_in_the_runtime(chain, mods, [], alone, b, call, clock, measure.TimingOptions())
-    assert got.block_s == pytest.approx((0.0,) * n, abs=1e-15) and got.forward_share == pytest.approx(1 / (n - 1), rel=1e-6)
+    assert got.block_s == pytest.approx((0.0,) * n, abs=1e-15)
+    assert got.forward_share == pytest.approx(1 / (n - 1), rel=1e-6)
 
 
 def test_what_a_stage_holds_beside_the_replay_of_its_blocks() -> None:

@@ -7,10 +7,10 @@
 namespace pyplan {
 
 std::string format_bytes(double bytes) {
-    static const char* const kUnits[] = {"B", "kB", "MB", "GB", "TB", "PB"};
+    static const char* const kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
     int unit = 0;
-    while (std::fabs(bytes) >= 1000.0 && unit < 5) {
-        bytes /= 1000.0;
+    while (std::fabs(bytes) >= 1024.0 && unit < 5) {
+        bytes /= 1024.0;
         ++unit;
     }
     char text[64];

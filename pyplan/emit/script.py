@@ -16,17 +16,28 @@ _TEMPLATE = '''\
 
 Run it with one process per GPU:
     torchrun --nnodes {nodes} --nproc-per-node {per_node} {name} [--plan plan.json] [--steps N] [--data FILE:FUNC]
+        [--checkpoint DIR] [--clip-grad-norm X]
 
 --plan        use another plan file instead of the plan embedded here
---steps       optimizer steps to run (default 10)
+--steps       optimizer steps to train to, counting those of a resumed checkpoint (default 10)
 --data        `file.py:function` returning an iterator of (inputs, target) global batches of {global_batch}
               samples, inputs as example_inputs returns them: a tuple of tensors, a dict of keyword arguments,
               or (args, kwargs) (default: synthetic batches from the model's example_inputs); a function with
               parameters `replica` and `replicas` is called with them and gives only that data-parallel replica's
-              share ({global_batch} / replicas samples), as a DistributedSampler would
+              share ({global_batch} / replicas samples), as a DistributedSampler would; on resuming, a function
+              with a parameter `start` is called with the step to start from, and otherwise the batches of the
+              steps already trained are drawn and dropped
 --lr          learning rate (default 1e-3)
 --warmup-steps  linear learning-rate warm-up over this many steps (default 0)
 --decay       learning-rate decay after the warm-up: none (default), linear or cosine, to 0.1 x --lr at the last step
+--clip-grad-norm  clip the gradient of the whole model to this norm, as torch.nn.utils.clip_grad_norm_ does in one
+              process (default: no clipping); each step's line then shows the norm before clipping
+--checkpoint  folder for the training state (parameters, optimizer state, step; torch.distributed.checkpoint):
+              saved as DIR/step-N at the end and every --checkpoint-every steps. If DIR holds one, the run resumes
+              from the latest, also under another plan of the same model and optimizer (other dp, pp, micro-batches
+              or ZeRO stage: the state is resharded); give --lr, --warmup-steps, --decay and --steps as before
+--checkpoint-every  steps between checkpoints (default: only at the end)
+--keep-checkpoints  how many of the latest checkpoints to keep (default 2)
 --save-params write this rank's parameters after training to FILE.rank<R>.pt (for checking against one process)
 --timeout     seconds after which a rank that stopped answering (stopped, killed, exited) ends the run, rank 0
               saying which; also init_process_group's timeout (default 600)
@@ -53,6 +64,7 @@ from pyplan.emit.planfile import plan_file_from_json, read_plan_file
 from pyplan.errors import PlanError
 from pyplan.graph.trace import input_tensors
 from pyplan.load import load_model
+from pyplan.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from pyplan.runtime.heartbeat import Heartbeat
 from pyplan.runtime.optim import LR_DECAYS, lr_factor
 from pyplan.runtime.trainer import build_trainer, optimizer_factory, replica_slice
@@ -91,18 +103,24 @@ def synthetic_batches(spec, global_batch):
         yield spec.example_inputs(global_batch), spec.target(global_batch) if spec.target else None
 
 
-def user_batches(ref, replica, replicas):
-    """The batches of `--data`, and whether they are this replica's share (a function that takes `replica` and
-    `replicas`) rather than global batches."""
+def user_batches(ref, replica, replicas, start):
+    """The batches of `--data` from step `start` on, and whether they are this replica's share (a function that
+    takes `replica` and `replicas`) rather than global batches."""
     path, _, func = ref.rpartition(":")
     module_spec = importlib.util.spec_from_file_location("pyplan_user_data", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     fn = getattr(module, func)
     params = inspect.signature(fn).parameters
-    if "replica" in params and "replicas" in params:
-        return iter(fn(replica=replica, replicas=replicas)), True
-    return iter(fn()), False
+    kwargs = {{"start": start}} if "start" in params else {{}}
+    shared = "replica" in params and "replicas" in params
+    if shared:
+        kwargs.update(replica=replica, replicas=replicas)
+    batches = iter(fn(**kwargs))
+    if "start" not in params:
+        for _ in range(start):  # the steps already trained
+            next(batches)
+    return batches, shared
 
 
 def checked(tensors, expected, what):
@@ -131,6 +149,10 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=0)
     parser.add_argument("--decay", choices=LR_DECAYS, default="none")
+    parser.add_argument("--clip-grad-norm", type=float)
+    parser.add_argument("--checkpoint")
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--keep-checkpoints", type=int, default=2)
     parser.add_argument("--save-params")
     parser.add_argument("--timeout", type=float, default=600.0)
     return parser.parse_args()
@@ -152,16 +174,22 @@ def train(args):
         device=device, leaf_modules=document.leaf_modules, precision=workload.precision,
     )
     mine = replica_slice(layout, trainer.dp_rank)
+    start = 0
+    resume = latest_checkpoint(args.checkpoint) if args.checkpoint else None
+    if resume is not None:
+        start = load_checkpoint(trainer, resume)
+        if dist.get_rank() == 0:
+            print(f"resumed from {{resume}} (step {{start}})", flush=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        trainer.optimizer, lambda step: lr_factor(step, args.steps, args.warmup_steps, args.decay)
+        trainer.optimizer, lambda step: lr_factor(start + step, args.steps, args.warmup_steps, args.decay)
     )
     if args.data:
-        batches, shared = user_batches(args.data, trainer.dp_rank, layout.dp)
+        batches, shared = user_batches(args.data, trainer.dp_rank, layout.dp, start)
     else:
         batches, shared = synthetic_batches(spec, workload.global_batch), False
     predicted = document.plan.predicted
     times = []
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         inputs, target = next(batches)
         if shared:  # this replica's share, as loaded
             tensors = checked(input_tensors(inputs), mine.stop - mine.start, "a replica's batch")
@@ -172,7 +200,9 @@ def train(args):
         if cuda:
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        losses = trainer.step(tuple(t[take] for t in tensors), target[take] if target is not None else None)
+        losses = trainer.step(
+            tuple(t[take] for t in tensors), target[take] if target is not None else None, args.clip_grad_norm
+        )
         schedule.step()
         if cuda:
             torch.cuda.synchronize(device)
@@ -187,18 +217,22 @@ def train(args):
         times.append(step_s)
         if dist.get_rank() == 0:
             loss = summed[0].item() / max(summed[1].item(), 1.0)
+            norm = f"grad norm {{trainer.grad_norm:.4g}} " if args.clip_grad_norm is not None else ""
             print(
-                f"step {{step}} loss {{loss:.6f}} time {{step_s * 1e3:.1f}} ms "
+                f"step {{step}} loss {{loss:.6f}} {{norm}}time {{step_s * 1e3:.1f}} ms "
                 f"(plan {{predicted.iteration_s * 1e3:.1f}}) "
                 f"{{throughput(tensors, workload.global_batch, step_s)}} "
                 f"{{'peak memory' if cuda else 'peak RSS'}} {{peak / 2**30:.2f}} GiB "
                 f"(plan {{predicted.peak_memory_bytes / 2**30:.2f}})",
                 flush=True,
             )
+        done = step + 1
+        if args.checkpoint and (done == args.steps or args.checkpoint_every and done % args.checkpoint_every == 0):
+            save_checkpoint(trainer, done, args.checkpoint, args.keep_checkpoints)
     if dist.get_rank() == 0 and len(times) > 1 and predicted.iteration_s > 0:
         steady = sorted(times[1:])[len(times[1:]) // 2]  # the median step after the first (warm-up)
         print(
-            f"median step {{steady * 1e3:.1f}} ms over steps 1..{{len(times) - 1}}: "
+            f"median step {{steady * 1e3:.1f}} ms over steps {{start + 1}}..{{start + len(times) - 1}}: "
             f"{{(steady / predicted.iteration_s - 1) * 100:+.1f}} % against the plan's "
             f"{{predicted.iteration_s * 1e3:.1f}} ms",
             flush=True,
@@ -215,6 +249,10 @@ def main():
     try:
         if not 0 < args.timeout <= 1e9:
             raise PlanError(f"--timeout takes seconds in (0, 1e9], got {{args.timeout}}")
+        if args.clip_grad_norm is not None and not 0 < args.clip_grad_norm < float("inf"):
+            raise PlanError(f"--clip-grad-norm takes a positive norm, got {{args.clip_grad_norm}}")
+        if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
+            raise PlanError("--checkpoint-every takes steps >= 0 and --keep-checkpoints a count >= 1")
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             world = PLAN["plan"]["dp"] * PLAN["plan"]["pp"]
             raise PlanError(

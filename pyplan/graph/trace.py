@@ -38,9 +38,7 @@ ExampleInputs = Callable[[int], Any] | torch.Tensor | Sequence[torch.Tensor]
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_SHAPE = (
-    "return a tuple of tensors, a dict of keyword arguments, or (args, kwargs) from example_inputs(batch_size)"
-)
+_SHAPE = "return a tuple of tensors, a dict of keyword arguments, or (args, kwargs) from example_inputs(batch_size)"
 
 
 def _as_call(inputs: Any) -> Call:

@@ -220,9 +220,7 @@ def _trainer_step(spec: Any, m: int, reps: int, *, pp: int = 1) -> tuple[float, 
     from pyplan.runtime.trainer import build_trainer, optimizer_factory
 
     cuts = (0, 3) if pp == 1 else (0, 2, 3)
-    layout = Layout(
-        dp=2 // pp, pp=pp, micro_batch_size=1, num_microbatches=m, schedule="GPipe", cut_positions=cuts
-    )
+    layout = Layout(dp=2 // pp, pp=pp, micro_batch_size=1, num_microbatches=m, schedule="GPipe", cut_positions=cuts)
     torch.manual_seed(0)
     trainer = build_trainer(spec, spec.build(), layout, optimizer_factory("sgd", 1e-3))
     x, y = torch.randn(m, _WIDTH), torch.randn(m, _WIDTH)

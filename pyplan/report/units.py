@@ -13,8 +13,10 @@ def _scaled(value: float, steps: list[tuple[float, str]], digits: int = 3) -> st
 
 
 def fmt_bytes(n: float) -> str:
-    """Bytes in decimal units (1 MB = 10^6 B), as DESIGN's memory figures are."""
-    return _scaled(n, [(1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B")]) if n else "0 B"
+    """Bytes in binary units (1 GiB = 2^30 B), the unit of the GPU catalog, of `torch.cuda.max_memory_allocated`
+    as users read it and of the emitted script's report: one unit for every memory figure pyplan prints."""
+    steps = [(2.0**40, "TiB"), (2.0**30, "GiB"), (2.0**20, "MiB"), (2.0**10, "KiB"), (1, "B")]
+    return _scaled(n, steps) if n else "0 B"
 
 
 def fmt_count(n: float) -> str:

@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from pyplan._torch import selective_contexts
 from pyplan.graph.trace import Call, ExampleInputs, call_at, output_tensors
 from pyplan.plan import Layout
+from pyplan.runtime.clip import clip_gradients
 from pyplan.runtime.optim import OptimizerFactory
 from pyplan.solve.remat import Checkpoint, Keep, SelectiveCheckpoint
 
@@ -186,6 +187,7 @@ class ShardedTrainer:
     template: Call  # the structure of one micro-batch's call, its tensors in `input_tensors` order
     loss_fn: Any
     autocast_dtype: torch.dtype | None = None
+    grad_norm: float = float("nan")  # the gradient's norm at the last step that clipped
 
     stage_indices = (0,)
     has_first = True
@@ -203,14 +205,21 @@ class ShardedTrainer:
         """The parameters by their names in the original model, as full tensors."""
         return {name: p.full_tensor().detach() for name, p in self.model.named_parameters()}
 
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """The parameters (DTensor shards) and persistent buffers under every name they have in the model."""
+        return self.model.state_dict(keep_vars=True)
+
     def _call(self, tensors: tuple[torch.Tensor, ...]) -> Call:
         leaves, spec = tree_flatten(self.template)
         given = iter(tensors)
         return tree_unflatten([next(given) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
 
-    def step(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None) -> list[torch.Tensor]:
+    def step(
+        self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None, max_norm: float | None = None
+    ) -> list[torch.Tensor]:
         """One optimizer step on this replica's samples (gradient accumulation over the plan's micro-batches, the
-        loss of each divided by their count, as the pipeline schedules scale it); returns each micro-batch's loss."""
+        loss of each divided by their count, as the pipeline schedules scale it), the gradient clipped to
+        `max_norm` if given (its norm before clipping in `grad_norm`); returns each micro-batch's loss."""
         self.optimizer.zero_grad(set_to_none=True)
         m, b = self.layout.num_microbatches, self.layout.micro_batch_size
         losses: list[torch.Tensor] = []
@@ -222,6 +231,9 @@ class ShardedTrainer:
             loss = self.loss_fn(out, target[part].to(self.device) if target is not None else None)
             (loss / m).backward()
             losses.append(loss.detach())
+        if max_norm is not None:
+            grads = [(p.grad, 1.0) for p in self.model.parameters() if p.grad is not None]  # shards
+            self.grad_norm = clip_gradients(grads, max_norm)
         self.optimizer.step()
         return losses
 

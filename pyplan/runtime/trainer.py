@@ -19,12 +19,14 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from pyplan.errors import PlanError
 from pyplan.graph.trace import ExampleInputs, LeafSpec, inputs_at
 from pyplan.plan import Layout
 from pyplan.runtime.affinity import pin_rank
+from pyplan.runtime.clip import clip_gradients
 from pyplan.runtime.heap import keep_freed_memory
 from pyplan.runtime.optim import OptimizerFactory, OptimizerSpec, optimizer_factory
 from pyplan.runtime.sharded import ShardedTrainer, build_sharded_trainer, remat_kind
@@ -74,12 +76,15 @@ class PipelineTrainer:
     optimizer: torch.optim.Optimizer
     schedule: Any
     device: torch.device
-    tied_groups: list[tuple[list[nn.Parameter], dist.ProcessGroup]] = field(default_factory=list)
+    # Per tied weight held on several pipeline ranks: this rank's copy, the group of the ranks holding one, and
+    # whether this rank is the first of them (the copy that counts once in the gradient's norm).
+    tied_groups: list[tuple[list[nn.Parameter], dist.ProcessGroup, bool]] = field(default_factory=list)
     manual_grads: bool = False
     # Zero the gradients in place instead of freeing them: DDP's gradients are views into its buckets, and freed
     # ones come back as new tensors that DDP copies into the buckets, two copies at the step's peak (gpt-tiny,
     # 2 x 1: 4.21 MB freed, 3.73 MB in place, as a single process trains).
     zero_in_place: bool = False
+    grad_norm: float = float("nan")  # the gradient's norm at the last step that clipped
 
     @property
     def dp_rank(self) -> int:
@@ -103,8 +108,29 @@ class PipelineTrainer:
                 out[name] = full.detach()
         return out
 
-    def step(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None) -> list[torch.Tensor]:
-        """One optimizer step on this replica's samples; returns the per-micro-batch losses on the last stage."""
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and persistent buffers under every name they have in the original model (a
+        weight tied inside a stage under both), as the stages hold them (DTensor shards under ZeRO-3)."""
+        out: dict[str, torch.Tensor] = {}
+        for mod in self.modules:
+            inner = mod.module if isinstance(mod, DistributedDataParallel) else mod
+            out.update(inner.piece.state_dict(keep_vars=True))
+        return out
+
+    def _clipped_gradients(self) -> list[tuple[torch.Tensor, float]]:
+        """Each gradient of this rank once, with its weight in the norm over the world (`clip_gradients`)."""
+        later = {id(p) for params, _, first in self.tied_groups if not first for p in params}
+        return [
+            (p.grad, 0.0 if id(p) in later else 1.0 if isinstance(p.grad, DTensor) else 1.0 / self.layout.dp)
+            for p in _unique_parameters(self.modules)
+            if p.grad is not None
+        ]
+
+    def step(
+        self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None, max_norm: float | None = None
+    ) -> list[torch.Tensor]:
+        """One optimizer step on this replica's samples, the gradient clipped to `max_norm` if given (its norm
+        before clipping in `grad_norm`); returns the per-micro-batch losses on the last stage."""
         self.optimizer.zero_grad(set_to_none=not self.zero_in_place)
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {}
@@ -120,6 +146,8 @@ class PipelineTrainer:
         # (2·m outputs alive at the end of the step, the logits of a language model); only the losses are needed.
         self.schedule.step(*args, return_outputs=False, **kwargs)
         self._finish_gradients()
+        if max_norm is not None:
+            self.grad_norm = clip_gradients(self._clipped_gradients(), max_norm)
         self.optimizer.step()
         return losses
 
@@ -133,7 +161,7 @@ class PipelineTrainer:
                 if self.layout.dp > 1:
                     dist.all_reduce(p.grad, group=group)
                 p.grad.div_(self.layout.dp * self.layout.num_microbatches)
-        for params, group in self.tied_groups:
+        for params, group, _ in self.tied_groups:
             for p in params:
                 # Every member must join the collective, with zeros if its copy got no gradient.
                 if p.grad is None:
@@ -143,7 +171,7 @@ class PipelineTrainer:
 
 def _tied_groups(
     layout: Layout, mesh: DeviceMesh, stage_params: dict[int, dict[str, nn.Parameter]], tied: list[Any]
-) -> list[tuple[list[nn.Parameter], dist.ProcessGroup]]:
+) -> list[tuple[list[nn.Parameter], dist.ProcessGroup, bool]]:
     """A process group per tied parameter and replica, over the ranks holding its stages; every rank creates
     every group in the same order (new_group is collective), and keeps the ones it belongs to."""
     from pyplan.solve.schedules import stage_placement
@@ -162,7 +190,7 @@ def _tied_groups(
             if me in members:
                 # One copy per rank: a rank holding two of the stages holds one Parameter for both.
                 params = [stage_params[s][name] for s, name in t.names.items() if s in stage_params]
-                groups.append((params[:1], group))
+                groups.append((params[:1], group, me == members[0]))
     return groups
 
 

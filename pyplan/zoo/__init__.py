@@ -166,9 +166,7 @@ def _image_specs() -> list[ModelSpec]:
                 f"kuangliu/pytorch-cifar VGG('{name.upper()}') (10 classes)",
             ),
             # 28x28 halves to 1x1 after four pools, and a fifth pool of a 1x1 map is empty: it is left out.
-            _classifier(
-                f"{name}-mnist", partial(cifar_vgg, layers[:-1], in_channels=1), "mnist", None, _MNIST
-            ),
+            _classifier(f"{name}-mnist", partial(cifar_vgg, layers[:-1], in_channels=1), "mnist", None, _MNIST),
         ]
 
     tv = "torchvision.models.mobilenet_v2 (1000 classes)"
@@ -236,9 +234,7 @@ def _transformer_specs() -> list[ModelSpec]:
             ModelSpec(
                 name=name,
                 build=partial(Bert, bert),
-                example_inputs=partial(
-                    _tokens_and_mask, vocab=bert.vocab_size, seq_len=bert.max_position_embeddings
-                ),
+                example_inputs=partial(_tokens_and_mask, vocab=bert.vocab_size, seq_len=bert.max_position_embeddings),
                 published_params=published,
                 source=source,
             )

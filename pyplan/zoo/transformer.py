@@ -57,9 +57,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)))
 
 
@@ -173,9 +171,7 @@ class BertSelfAttention(nn.Module):
         k = self.key(x).view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2)
         v = self.value(x).view(B, T, self.num_heads, C // self.num_heads).transpose(1, 2)
         mask = attention_mask[:, None, None, :].bool()
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
         return y.transpose(1, 2).contiguous().view(B, T, C)
 
 
@@ -342,9 +338,7 @@ class Attention(nn.Module):
         cos, sin = self.rope_cos.narrow(0, 0, T), self.rope_sin.narrow(0, 0, T)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -406,9 +400,7 @@ GPT2_CONFIGS: dict[str, GPTConfig] = {
 # BERT: Devlin et al. 2019, §3 (HF bert-base-uncased, bert-large-uncased).
 BERT_CONFIGS: dict[str, BertConfig] = {
     "bert-base": BertConfig(),
-    "bert-large": BertConfig(
-        hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096
-    ),
+    "bert-large": BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
 }
 
 # Llama: 1B is Llama 3.2 1B (tied embeddings, 128k vocabulary, rope theta 5e5; its long-context rope scaling

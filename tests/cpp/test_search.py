@@ -293,7 +293,7 @@ def test_nothing_fits_names_the_least_memory_needed() -> None:
     assert not result.feasible and result.best is None and not result.top and not result.pareto
     assert result.least_need_bytes == pytest.approx(brute.least_need_bytes, rel=REL)
     assert result.reason.startswith("no plan fits: the best candidate (dp=")
-    assert "the GPU has 1 MB" in result.reason
+    assert "the GPU has 977 KiB" in result.reason
     assert result.num_feasible == 0 and result.num_evaluated >= 1
 
 

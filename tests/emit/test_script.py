@@ -13,20 +13,21 @@ import pytest
 import torch
 
 from pyplan import cut_points, load_model, trace
-from pyplan.emit.planfile import PlanFile, plan_file_from_json
+from pyplan.emit.planfile import PlanFile, plan_file_from_json, write_plan_file
 from pyplan.emit.script import render_script, write_script
 from pyplan.hardware import Cluster
 from pyplan.plan import Layout, Plan, Prediction, StagePlan, Workload
 from pyplan.runtime.optim import lr_factor
 
-STEPS, LR, B, MICRO = 3, 0.05, 8, 2
+STEPS, LR, B, MICRO, CLIP = 3, 0.05, 8, 2, 1.0
 
 
-def _document() -> PlanFile:
+def _document(optimizer: str = "sgd", layout: Layout | None = None) -> PlanFile:
+    """gpt-tiny on 2 ranks: by default a pipeline of 2 stages, or `layout`."""
     spec = load_model("zoo:gpt-tiny")
     points = cut_points(trace(spec.build(), spec.example_inputs, batch_size=MICRO))
     inner = [c.position for c in points.candidates if 0 < c.position < len(points.order)]
-    layout = Layout(
+    layout = layout or Layout(
         dp=1,
         pp=2,
         micro_batch_size=MICRO,
@@ -35,11 +36,11 @@ def _document() -> PlanFile:
         cut_positions=(0, inner[len(inner) // 2], len(points.order)),
     )
     # The runtime needs only the layout; the stages and predictions are what a search would report.
-    stages = tuple(StagePlan(0, 0, 0.0, 0.0, 0.0, 0.0, 1) for _ in range(2))
+    stages = tuple(StagePlan(0, 0, 0.0, 0.0, 0.0, 0.0, 1) for _ in range(layout.num_stages))
     predicted = Prediction(0.02, B / 0.02, 4e6, 0.0, 0.0, 0.0, 0.0, 0.0, "")
     return PlanFile(
         "zoo:gpt-tiny",
-        Workload(global_batch=B, optimizer="sgd"),
+        Workload(global_batch=B, optimizer=optimizer),
         Cluster.from_catalog("t4", 2),
         Plan(layout, stages, predicted),
     )
@@ -62,48 +63,42 @@ def test_script_embeds_the_plan_and_is_valid_python(tmp_path: Path) -> None:
 
 @pytest.mark.distributed
 def test_emitted_script_trains_like_one_process(tmp_path: Path) -> None:
-    document = _document()
+    """Two steps as a pipeline of 2 stages, checkpointed; then the third resumed from the checkpoint under another
+    plan (2 replicas, ZeRO-3), with a learning-rate schedule, momentum and gradient clipping throughout: the
+    parameters are those of one process training 3 steps."""
+    document = _document("sgd-momentum")
     script = tmp_path / "train.py"
     write_script(script, document)
-    saved = tmp_path / "params"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            str(script),
-            "--steps",
-            str(STEPS),
-            "--lr",
-            str(LR),
-            "--warmup-steps",
-            "1",
-            "--decay",
-            "cosine",
-            "--save-params",
-            str(saved),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    # Rank 0 alone reports, one line a step: loss, time and tokens/s (gpt-tiny reads token ids), memory, each beside
-    # the plan's prediction; then the median step against it.
-    steps = [line for line in done.stdout.splitlines() if line.startswith("step ")]
-    assert [line.split()[1] for line in steps] == [str(k) for k in range(STEPS)]
+    sharded = tmp_path / "zero3.json"
+    n = document.plan.layout.cut_positions[-1]
+    write_plan_file(sharded, _document("sgd-momentum", Layout(2, 1, MICRO, B // MICRO // 2, "1F1B", (0, n), 3)))
+    saved, checkpoints = tmp_path / "params", tmp_path / "ckpt"
+    common = ["--steps", str(STEPS), "--lr", str(LR), "--warmup-steps", "1", "--decay", "cosine"]
+    common += ["--clip-grad-norm", str(CLIP), "--checkpoint", str(checkpoints)]
+    first = _torchrun(script, 2, *common, "--steps", str(STEPS - 1))
+    assert first.returncode == 0, first.stderr[-3000:]
+    # Rank 0 alone reports, one line a step: loss, the gradient's norm, time and tokens/s (gpt-tiny reads token
+    # ids), memory, each beside the plan's prediction; then the median step against it.
+    steps = [line for line in first.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == [str(k) for k in range(STEPS - 1)]
     assert all("ms (plan " in line and "tokens/s" in line and "GiB (plan " in line for line in steps)
-    assert "median step" in done.stdout and "against the plan's" in done.stdout
+    assert "median step" in first.stdout and "against the plan's" in first.stdout
+    norms = [float(line.split("grad norm ")[1].split()[0]) for line in steps]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"step-{STEPS - 1}"]
+    second = _torchrun(script, 2, *common, "--plan", str(sharded), "--save-params", str(saved))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from {checkpoints / f'step-{STEPS - 1}'} (step {STEPS - 1})" in second.stdout
+    steps = [line for line in second.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == [str(STEPS - 1)]
+    norms += [float(steps[0].split("grad norm ")[1].split()[0])]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"step-{STEPS - 1}", f"step-{STEPS}"]
 
     spec = load_model("zoo:gpt-tiny")
     torch.manual_seed(0)
     reference = spec.build()
-    opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
     inputs, target = spec.example_inputs(B), spec.target(B)
+    expected = []
     for step in range(STEPS):  # the learning rate warms up over 1 step, then decays (cosine), as the script's
         for group in opt.param_groups:
             group["lr"] = LR * lr_factor(step, STEPS, 1, "cosine")
@@ -111,7 +106,10 @@ def test_emitted_script_trains_like_one_process(tmp_path: Path) -> None:
         for k in range(B // MICRO):
             sl = slice(k * MICRO, (k + 1) * MICRO)
             (spec.loss(reference(*(t[sl] for t in inputs)), target[sl]) / (B // MICRO)).backward()
+        expected.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)))
         opt.step()
+    assert min(expected) > CLIP  # every step clips
+    assert norms == pytest.approx(expected, rel=1e-3)  # as printed, 4 digits
     ref = dict(reference.named_parameters(remove_duplicate=False))
     trained = {**torch.load(f"{saved}.rank0.pt"), **torch.load(f"{saved}.rank1.pt")}
     assert set(trained) <= set(ref) and len(trained) >= len(dict(reference.named_parameters()))
@@ -173,15 +171,13 @@ def test_plan_emit_then_torchrun(tmp_path: Path) -> None:
     assert main(argv) == 0
     # Every stage checkpoints its blocks: the script runs them under torch.utils.checkpoint.
     assert all(r is not None for r in json.loads(plan.read_text())["plan"]["remat"])
-    done = _torchrun(script, 4, "--steps", "2")
-    assert done.returncode == 0, [line for line in done.stderr.splitlines() if "error" in line.lower()][:5]
-    losses = [float(line.split()[3]) for line in done.stdout.splitlines() if line.startswith("step ")]
-    assert losses and all(torch.isfinite(torch.tensor(losses)))
     # Each replica loads only its share when --data's function takes `replica` and `replicas`.
     dp = json.loads(plan.read_text())["plan"]["dp"]
     (tmp_path / "shards.py").write_text(SHARDS)
     done = _torchrun(script, 4, "--steps", "2", "--data", f"{tmp_path / 'shards.py'}:shards")
     assert done.returncode == 0, [line for line in done.stderr.splitlines() if "rror" in line][:5]
+    losses = [float(line.split()[3]) for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     loaded = sorted({p.read_text() for p in tmp_path.glob("loaded.*")})  # the stages of a replica load alike
     assert loaded == sorted({f"{r} {dp} {8 // dp}" for r in range(dp)}), loaded
 

@@ -86,7 +86,7 @@ def test_cli_show_prints_the_stages_and_the_memory_bars(
     for first, last in ((0, 2), (3, 5), (6, 8), (9, 11)):
         assert f"{first}..{last}" in out
     # 55 GB of 85.9 GB is 64.0 %: 12.8 cells of 20.
-    assert out.count("████████████▊░░░░░░░ 55 GB / 85.9 GB (64.0%)") == 4
+    assert out.count("████████████▊░░░░░░░ 51.2 GiB / 80 GiB (64.0%)") == 4
     for part in ("compute", "pipeline bubble", "exposed communication", "optimizer", "USD"):
         assert part in out
 

@@ -1,11 +1,15 @@
-"""Run under torchrun (2 ranks): the model state each rank holds after a step, per ZeRO stage and precision.
+"""Run under torchrun (2 ranks): the model state each rank holds after a step, per ZeRO stage and precision; and
+training state checkpointed under one layout and resumed under another.
 
-Rank 0 writes {"<zero>/<precision>": [held bytes of rank 0, of rank 1, ...]} to argv[1]: the unique storages of the
-rank's parameters, gradients and optimizer state (local shards of sharded tensors)."""
+Rank 0 writes to argv[1] {"held": {"<zero>/<precision>": [held bytes of rank 0, of rank 1, ...]}, "resumed":
+{"<from> -> <to>": [largest relative error of a parameter against one process, on any rank; |gradient norm of each
+step - one process's| / one process's, largest over the steps]}}: held bytes are the unique storages of the rank's
+parameters, gradients and optimizer state (local shards of sharded tensors)."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -14,9 +18,11 @@ import torch.distributed as dist
 from pyplan import cut_points, load_model, trace
 from pyplan.graph.trace import call_at, input_tensors
 from pyplan.plan import Layout
+from pyplan.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from pyplan.runtime.trainer import build_trainer, optimizer_factory, replica_slice
+from pyplan.spec import ModelSpec
 
-MODEL, BATCH, MICRO = "zoo:gpt-tiny", 8, 2
+MODEL, BATCH, MICRO, CLIP = "zoo:gpt-tiny", 8, 2, 1.0
 
 
 def _held(tensors: list[torch.Tensor]) -> int:
@@ -49,10 +55,66 @@ def main() -> None:
             held[f"{zero}/{precision}"] = _held(params) + _held(grads) + _held(state)
     everyone: list[dict[str, int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, held)
+    resumed = _resumed(spec, end, os.path.dirname(sys.argv[1]))
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
-            json.dump({k: [h[k] for h in everyone] for k in held}, f)
+            json.dump({"held": {k: [h[k] for h in everyone] for k in held}, "resumed": resumed}, f)
     dist.destroy_process_group()
+
+
+def _resumed(spec: ModelSpec, end: int, folder: str) -> dict[str, list[float]]:
+    """AdamW with the gradient clipped to a norm every step binds: 2 steps under one layout, a checkpoint, the third
+    step under another layout loaded from it, against one process training 3 steps (float64)."""
+    torch.set_default_dtype(torch.float64)
+    inputs, target = input_tensors(call_at(spec.example_inputs, BATCH)), spec.target(BATCH)
+    torch.manual_seed(0)
+    reference = spec.build()
+    opt = optimizer_factory("adamw", 1e-2)(reference.parameters())
+    norms = []
+    for _ in range(3):
+        opt.zero_grad()
+        for k in range(BATCH // MICRO):
+            part = slice(k * MICRO, (k + 1) * MICRO)
+            (spec.loss(reference(*(t[part] for t in inputs)), target[part]) / (BATCH // MICRO)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)))
+        opt.step()
+    expected = dict(reference.named_parameters(remove_duplicate=False))
+    points = cut_points(trace(spec.build(), spec.example_inputs, batch_size=MICRO))
+    inner = [c.position for c in points.candidates if 0 < c.position < end]
+    layouts = {
+        "pp 2": Layout(1, 2, MICRO, BATCH // MICRO, "1F1B", (0, inner[len(inner) // 2], end)),
+        "dp 2": Layout(2, 1, MICRO, BATCH // MICRO // 2, "1F1B", (0, end)),
+        "dp 2 ZeRO-1": Layout(2, 1, MICRO, BATCH // MICRO // 2, "1F1B", (0, end), zero_stage=1),
+        "dp 2 ZeRO-3": Layout(2, 1, MICRO, BATCH // MICRO // 2, "1F1B", (0, end), zero_stage=3),
+    }
+    out = {}
+    for first, then in (
+        ("pp 2", "dp 2 ZeRO-3"),
+        ("dp 2 ZeRO-3", "pp 2"),
+        ("dp 2 ZeRO-1", "dp 2"),
+        ("dp 2", "dp 2 ZeRO-1"),
+    ):
+        seen = []
+        path = os.path.join(folder, first.replace(" ", "_"))
+        for layout, steps in ((layouts[first], 2), (layouts[then], 1)):
+            torch.manual_seed(0 if steps == 2 else 1)  # resumed: other weights, which only the checkpoint replaces
+            trainer = build_trainer(spec, spec.build(), layout, optimizer_factory("adamw", 1e-2))
+            if steps == 1:
+                assert load_checkpoint(trainer, latest_checkpoint(path)) == 2
+            mine = replica_slice(layout, trainer.dp_rank)
+            for _ in range(steps):
+                trainer.step(tuple(t[mine] for t in inputs), target[mine], max_norm=CLIP)
+                seen.append(trainer.grad_norm)
+            if steps == 2:
+                save_checkpoint(trainer, 2, path, keep=1)
+        err = max(
+            ((p - expected[n]).abs().max() / expected[n].abs().max()).item() for n, p in trainer.parameters().items()
+        )
+        worst = torch.tensor([err])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        out[f"{first} -> {then}"] = [worst.item(), max(abs(a - b) / b for a, b in zip(seen, norms, strict=True))]
+    torch.set_default_dtype(torch.float32)
+    return out
 
 
 if __name__ == "__main__":

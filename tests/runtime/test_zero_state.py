@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,9 +22,10 @@ def test_zero1_gives_each_tensor_to_the_emptiest_replica_largest_first() -> None
     assert zero1_shares([4, 4, 4], 2) == [[0, 2], [1]]
 
 
-@pytest.mark.distributed
-def test_each_rank_holds_the_model_state_the_plan_counts(tmp_path: Path) -> None:
-    out = tmp_path / "held.json"
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What _zero_state.py found, in one torchrun launch for the tests below."""
+    out = tmp_path_factory.mktemp("zero_state") / "held.json"
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", SCRIPT, str(out)],
         capture_output=True,
@@ -32,10 +33,26 @@ def test_each_rank_holds_the_model_state_the_plan_counts(tmp_path: Path) -> None
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    held = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.distributed
+def test_each_rank_holds_the_model_state_the_plan_counts(launched: dict[str, Any]) -> None:
+    held = launched["held"]
     shapes = [tuple(p.shape) for p in load_model("zoo:gpt-tiny").build().parameters()]
     for key, ranks in held.items():
         zero, precision = key.split("/")
         plan = stage_state_bytes(shapes, Workload(global_batch=8, precision=precision), 2, int(zero))
         # The plan counts the fullest replica (ZeRO-1's greedy split gives the ranks different shares).
         assert max(ranks) == plan, (key, ranks, plan)
+
+
+@pytest.mark.distributed
+def test_training_resumes_from_a_checkpoint_under_another_layout(launched: dict[str, Any]) -> None:
+    """Saved after 2 steps under one layout, the third step under another: the parameters and every step's clipped
+    gradient norm are one process's (float64), resharding to and from ZeRO-3, ZeRO-1's optimizer shards and a
+    pipeline's tied embedding included."""
+    resumed = launched["resumed"]
+    assert len(resumed) == 4
+    for case, (err, norm) in resumed.items():
+        assert err < 1e-9 and norm < 1e-9, (case, err, norm)

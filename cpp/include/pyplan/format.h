@@ -5,7 +5,8 @@
 
 namespace pyplan {
 
-// Bytes with three significant digits and a decimal unit: "91.2 GB", "381 kB".
+// Bytes with three significant digits and a binary unit (1 GiB = 2^30 B), as pyplan prints every memory
+// figure: "84.9 GiB", "372 KiB".
 std::string format_bytes(double bytes);
 
 }  // namespace pyplan
