@@ -71,7 +71,7 @@ profile measures: what the stages cost); contention = the same in wall-clock tim
 core while a stage computed); recompute = makespan(wall F, B) − that (the blocks a checkpoint runs again in the
 backward, measured against the plan's recomputed forwards: its recompute_s less checkpoint_s); framework = makespan
 with each stage's framework overhead per micro-batch added to its F and B, less that, less the predicted host costs
-(per-stage, per-message and per-step, pyplan/hardware/host.py); optimizer = measured − predicted optimizer step;
+(per-stage, per-message and per-step, pyplan/profile/host.py); optimizer = measured − predicted optimizer step;
 sync = measured all-reduce waits − predicted exposed communication (DDP's and the tied parameters'); the rest
 (measured − everything above) is "p2p" for pipelines (time the ranks wait for sends and receives beyond what the
 schedule with the real compute and overhead implies) and "other" for dp x 1.
@@ -378,7 +378,7 @@ class Summary:
 def calibration_dir(calibration: str | None, quick: bool) -> Iterator[str]:
     """A temporary pyplan cache directory holding a calibration file, set as $PYPLAN_CACHE_DIR while inside: the
     given file, or a fresh `pyplan calibrate` (1 thread per process, as the ranks run)."""
-    from pyplan.hardware.calibrate import CalibrationOptions, calibrate, write_calibration
+    from pyplan.profile.calibrate import CalibrationOptions, calibrate, write_calibration
 
     before = os.environ.get("PYPLAN_CACHE_DIR")
     with tempfile.TemporaryDirectory(prefix="pyplan-accuracy-") as tmp:
@@ -407,8 +407,8 @@ def plan_case(
     from pyplan import load_model, search
     from pyplan.api import chain_for
     from pyplan.hardware import Cluster
-    from pyplan.hardware.catalog import local_host_costs
     from pyplan.plan import Plan, Workload
+    from pyplan.profile.host import local_host_costs
     from pyplan.profile.measure import local_device
     from pyplan.solve.schedules import stage_placement
     from pyplan.spec import default_loss
@@ -1219,7 +1219,7 @@ def print_report(rows: Sequence[Row], summary: Summary, *, header: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from pyplan.report.units import fmt_bytes
+    from pyplan.units import fmt_bytes
 
     console = Console(width=200)
 

@@ -31,7 +31,7 @@ from pyplan.hardware import get_gpu
 from pyplan.profile.analytic import Roofline, block_times_analytic
 from pyplan.profile.flops import block_flops
 from pyplan.profile.memory import saved_bytes
-from pyplan.report.units import fmt_bytes, fmt_count, fmt_seconds
+from pyplan.units import fmt_bytes, fmt_count, fmt_seconds
 
 MODELS = ("gpt2-xl", "llama-7b-style", "llama-70b-style")
 TARGET_MODEL, TARGET_S, TARGET_RSS_BYTES = "llama-70b-style", 60.0, 2e9

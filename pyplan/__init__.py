@@ -1,7 +1,14 @@
-"""pyplan: plan distributed PyTorch training (DP x PP x GA x micro-batch x schedule) with predictions."""
+"""pyplan: plan distributed PyTorch training (DP x PP x GA x micro-batch x schedule) with predictions.
+
+The package in layers, each importing only from its own and those below (tests/test_layers.py holds it):
+data at the bottom (`graph`, `hardware`, `zoo`, `load`, `plan`), the solvers (`solve`), the runtime that runs a plan
+(`runtime`), measuring (`profile`: profiling and calibration, which times the runtime itself), output (`emit`,
+`report`), `api` and `sweep`, which compose them, and on top `cli`, every command.
+"""
 
 from __future__ import annotations
 
+from pyplan._version import __version__
 from pyplan.api import PlanSearch, plan, search
 from pyplan.errors import InfeasibleError, ModelLoadError, PlanError, TraceError
 from pyplan.graph.chain import Block, Chain, Cut
@@ -15,8 +22,6 @@ from pyplan.plan import Layout, Plan, Prediction, StagePlan, Workload
 from pyplan.profile import TimingOptions, model_state_bytes, profile
 from pyplan.spec import ModelSpec
 from pyplan.sweep import plan_many
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Affine",

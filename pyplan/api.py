@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -18,7 +19,7 @@ from pyplan.graph.chain import Block, Chain
 from pyplan.graph.layergraph import Piecewise
 from pyplan.graph.linearize import linearize
 from pyplan.graph.trace import ExampleInputs, LeafSpec, trace
-from pyplan.hardware.catalog import GPU, LOCAL, Link, local_host_costs
+from pyplan.hardware.catalog import GPU, LOCAL, Link
 from pyplan.hardware.cluster import Cluster
 from pyplan.plan import (
     OBJECTIVES,
@@ -35,6 +36,7 @@ from pyplan.profile import TimingOptions, default_batch_sizes, local_device, mea
 from pyplan.profile.analytic import Roofline, block_times_analytic
 from pyplan.profile.attention import AttentionTarget, TargetKernels
 from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, measured_target
+from pyplan.profile.host import local_host_costs
 from pyplan.profile.loss import LossCost, LossFn, TargetFn, loss_cost, remat_with_loss, with_loss
 from pyplan.profile.measure import CheckpointCosts, checkpoint_call_s, checkpoint_costs
 from pyplan.profile.memory import optimizer_step_bytes
@@ -169,6 +171,7 @@ def chain_for(
             leaf_modules=leaf_modules,
             min_blocks=min_blocks,
             max_blocks=max_blocks,
+            caller=inspect.getsource(chain_for),
         )
         hit = cache.load(key, model, leaf_modules=leaf_modules, min_blocks=min_blocks, max_blocks=max_blocks)
         if hit is not None:

@@ -11,7 +11,7 @@ import torch
 
 from pyplan import InfeasibleError, PlanError, load_model
 from pyplan.api import chain_for, search
-from pyplan.cli import main
+from pyplan.cli.main import main
 from pyplan.emit.planfile import PlanFile, read_plan_file, write_plan_file
 from pyplan.hardware import Cluster
 from pyplan.plan import Layout, Plan, Workload
@@ -149,7 +149,7 @@ def test_a_model_that_fits_nowhere_says_what_it_needs() -> None:
     with torch.device("meta"):
         model = spec.build()
     cluster = Cluster.from_catalog("t4", 1)
-    with pytest.raises(InfeasibleError, match=r"no plan fits: .* needs .*GB.* the GPU has"):
+    with pytest.raises(InfeasibleError, match=r"no plan fits: .* needs .*GiB.* the GPU has"):
         search(model, spec.example_inputs, cluster, Workload(global_batch=1))
 
 

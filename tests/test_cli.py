@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pyplan.cli import main
+from pyplan.cli.main import main
 from tests.conftest import EXAMPLES
 
 REQUIRED_TOP = {"model", "batch_size", "params", "flops_fwd", "flops_bwd", "activation_bytes", "blocks"}

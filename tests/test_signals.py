@@ -121,7 +121,7 @@ SLOW_SOLVES = r"""
 import signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever disposition the test runner left us
 from ortools.sat.python import cp_model
-from pyplan.cli import main
+from pyplan.cli.main import main
 from pyplan.solve import ilp
 
 

@@ -18,7 +18,7 @@ import torch
 
 import pyplan
 from pyplan import Cluster, Workload, zoo
-from pyplan.cli import main
+from pyplan.cli.main import main
 from pyplan.profile.cache import ProfileCache
 from pyplan.sweep import COLUMN_NAMES, ResultsFile
 from tests.conftest import ROOT

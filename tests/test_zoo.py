@@ -12,10 +12,10 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from pyplan import linearize, trace, zoo
+from pyplan.cli.zoo import add_zoo_parser
 from pyplan.errors import ModelLoadError
 from pyplan.spec import ModelSpec, default_loss, default_target
 from pyplan.zoo.amoeba import AMOEBANET_CONFIGS, AmoebaNet, AmoebaNetConfig
-from pyplan.zoo.cli import add_zoo_parser
 from pyplan.zoo.transformer import GPT, Bert, BertConfig, GPTConfig, Llama, LlamaConfig
 
 REQUIRED = [

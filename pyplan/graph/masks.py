@@ -17,9 +17,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from pyplan.graph.trace import is_batch_size
-
-__all__ = ["SDPA_TARGETS", "sdpa_arguments", "simplify_attention_masks"]
+__all__ = ["SDPA_TARGETS", "is_batch_size", "sdpa_arguments", "simplify_attention_masks"]
 
 SDPA_TARGETS = (
     torch.nn.functional.scaled_dot_product_attention,
@@ -29,6 +27,17 @@ SDPA_TARGETS = (
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 # A mask larger than this many elements is left alone: evaluating it would cost real memory.
 _MAX_MASK_ELEMENTS = 1 << 28
+
+
+def is_batch_size(n: fx.Node) -> bool:
+    """Whether `n` reads the batch size off a model input: `aten.sym_size.int(input, 0)` of an exported graph."""
+    return (
+        n.op == "call_function"
+        and n.target is torch.ops.aten.sym_size.int
+        and n.args[1] == 0
+        and isinstance(n.args[0], fx.Node)
+        and n.args[0].op == "placeholder"
+    )
 
 
 def sdpa_arguments(args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import torch
 from torch import fx
 
 from pyplan.graph.chain import Chain
-from pyplan.graph.trace import is_batch_size
+from pyplan.graph.masks import is_batch_size
 
 __all__ = ["piece", "pieces", "run_pieces"]
 

@@ -16,6 +16,7 @@ from torch import fx, nn
 from pyplan._torch import is_meta_module, plain_codegen, run_without_compute, tree_flatten, tree_map_only
 from pyplan.errors import TraceError
 from pyplan.graph.layergraph import Affine, GraphNode, LayerGraph, TensorInfo
+from pyplan.graph.masks import is_batch_size, simplify_attention_masks
 
 __all__ = [
     "Call",
@@ -290,17 +291,6 @@ def _classes(model: nn.Module) -> str:
     return ", ".join(classes[:8]) + (", ..." if len(classes) > 8 else "")
 
 
-def is_batch_size(n: fx.Node) -> bool:
-    """Whether `n` reads the batch size off a model input: `aten.sym_size.int(input, 0)` of an exported graph."""
-    return (
-        n.op == "call_function"
-        and n.target is torch.ops.aten.sym_size.int
-        and n.args[1] == 0
-        and isinstance(n.args[0], fx.Node)
-        and n.args[0].op == "placeholder"
-    )
-
-
 def _capture(model: nn.Module, example: ExampleInputs, leaves: tuple[LeafSpec, ...], batch_size: int) -> fx.GraphModule:
     """The model's graph: torch.fx's symbolic trace where it works on positional tensor inputs (its graph keeps
     module calls whole and leaf modules as asked), else torch.export's (`_export`)."""
@@ -377,7 +367,6 @@ def trace(
         batch_size = 2 if callable(example_inputs) else _flat_tensors(_as_call(example_inputs))[0].shape[0]
     b1, b2 = batch_size, 2 * batch_size
     gm = _capture(model, example_inputs, leaves, b1)
-    from pyplan.graph.masks import simplify_attention_masks  # (it reads is_batch_size from here)
 
     simplify_attention_masks(gm)
     try:

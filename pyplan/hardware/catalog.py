@@ -15,12 +15,9 @@ from fractions import Fraction
 from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pyplan.errors import PlanError
-
-if TYPE_CHECKING:
-    from pyplan.hardware.host import HostCosts
 
 __all__ = [
     "DTYPES",
@@ -44,7 +41,7 @@ __all__ = [
     "local_calibration_path",
     "local_efficiency",
     "local_gpu",
-    "local_host_costs",
+    "local_host_json",
     "local_link",
     "total",
 ]
@@ -685,7 +682,7 @@ def local_calibration_path() -> Path:
       "link":   "latency_s", "bw_bytes_per_s", optionally "collective_latency_s", "collective_bw_bytes_per_s"
                 and "source" of the link between local processes,
       "efficiency": per-op-class efficiencies, handed out by `local_efficiency` (`analytic.Efficiency` reads them),
-      "host":   the runtime's host costs, handed out by `local_host_costs` (pyplan/hardware/host.py).
+      "host":   the runtime's host costs, handed out by `local_host_json`, read by pyplan/profile/host.py.
     Other keys (e.g. "measured", the details of a calibration) are for people and ignored here.
     """
     return cache_dir() / "local.json"
@@ -792,17 +789,16 @@ def local_link() -> Link:
     return Link.from_json(values, f"calibration file {path}: 'link'")
 
 
-def local_host_costs() -> HostCosts | None:
-    """The "host" object of the calibration file (the runtime's host costs, pyplan/hardware/host.py), or None when
-    there is no file, no such object, or the file is for another device."""
-    from pyplan.hardware.host import HostCosts
-
+def local_host_json() -> tuple[dict[str, Any], Path] | None:
+    """The "host" object of the calibration file (the runtime's host costs; `pyplan.profile.host.local_host_costs`
+    reads it) and the file's path, or None when there is no file, no such object, or the file is for another
+    device."""
     data, path = _read_calibration()
     if data is None or data.get("host") is None:
         return None
     if data.get("device") is not None and data["device"] != _detect_local().description:
         return None
-    return HostCosts.from_json(data["host"], f"calibration file {path}: 'host'")
+    return data["host"], path
 
 
 def local_efficiency() -> dict[str, Any] | None:

@@ -41,6 +41,7 @@ import torch
 from torch import fx, nn
 
 from pyplan._files import write_atomic
+from pyplan._version import __version__
 from pyplan.errors import PlanError
 from pyplan.graph.chain import Block, Chain
 from pyplan.graph.layergraph import Affine, GraphNode, LayerGraph, Piecewise, TensorInfo
@@ -100,14 +101,12 @@ def _digest_of_file(path: str, size: int, mtime_ns: int) -> str:
     return _sha256(Path(path).read_bytes())
 
 
-def _code_digest() -> str:
-    """Digest of pyplan's tracing and profiling sources, so an edit to them (no version bump in a development
-    install) invalidates what they profiled."""
-    from pyplan.api import chain_for
-
+def _code_digest(caller: str) -> str:
+    """Digest of pyplan's tracing and profiling sources and of `caller` (the source of the function that combines
+    them), so an edit to them (no version bump in a development install) invalidates what they profiled."""
     files = sorted({p for pattern in _PROFILING_CODE for p in _PYPLAN_DIR.glob(pattern)})
     digests = "".join(f"{p.relative_to(_PYPLAN_DIR)}:{_file_digest(str(p))}\n" for p in files)
-    return _sha256(digests + inspect.getsource(chain_for))
+    return _sha256(digests + caller)
 
 
 def _class_source(cls: type) -> str:
@@ -197,10 +196,11 @@ class ProfileKey:
         leaf_modules: Iterable[LeafSpec] = (),
         min_blocks: int,
         max_blocks: int,
+        caller: str = "",
     ) -> ProfileKey:
         """The key of profiling `model` as `chain_for` does: traced at `trace_batch`, timed at `batch_sizes`,
-        for `target` (JSON: the analytic GPU and its roofline, or the measuring device and timing options)."""
-        from pyplan import __version__
+        for `target` (JSON: the analytic GPU and its roofline, or the measuring device and timing options);
+        `caller` is the source of the function profiling it (`chain_for`'s), part of the code digest."""
 
         data = {
             "model": model_digest(model),
@@ -212,7 +212,7 @@ class ProfileKey:
             "max_blocks": max_blocks,
             "target": target,
             "pyplan": __version__,
-            "code": _code_digest(),
+            "code": _code_digest(caller),
             "torch": torch.__version__,
         }
         # Through JSON once, so the key compares equal to the one read back from a file (tuples become lists).

@@ -10,8 +10,8 @@ from pyplan.errors import PlanError
 from pyplan.plan import Plan
 from pyplan.report.figure import new_figure, picture_format, save_figure, time_unit
 from pyplan.report.show import boundary_send_s, fmt_fraction
-from pyplan.report.units import fmt_seconds
 from pyplan.solve.schedules import Event, Simulation, simulate, stage_placement
+from pyplan.units import fmt_seconds
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -29,7 +29,7 @@ from pyplan.report.show import (
     summary_rows,
     time_rows,
 )
-from pyplan.report.units import fmt_bytes, fmt_seconds
+from pyplan.units import fmt_bytes, fmt_seconds
 
 __all__ = ["html_report", "write_html_report"]
 

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from pyplan.graph.chain import Chain
 from pyplan.profile.memory import model_state_bytes
-from pyplan.report.units import fmt_bytes, fmt_count, fmt_seconds
+from pyplan.units import fmt_bytes, fmt_count, fmt_seconds
 
 __all__ = ["inspect_data", "render_inspect"]
 

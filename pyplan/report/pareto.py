@@ -18,7 +18,7 @@ from pyplan.api import PlanSearch
 from pyplan.errors import PlanError
 from pyplan.plan import Plan
 from pyplan.report.figure import new_figure, picture_format, save_figure, time_unit
-from pyplan.report.units import fmt_seconds
+from pyplan.units import fmt_seconds
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

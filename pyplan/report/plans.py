@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pyplan.plan import Plan
-from pyplan.report.units import fmt_bytes, fmt_seconds
+from pyplan.units import fmt_bytes, fmt_seconds
 
 __all__ = ["render_plans"]
 

@@ -14,8 +14,8 @@ from rich.text import Text
 from pyplan.emit.planfile import PlanFile
 from pyplan.hardware.cluster import Cluster
 from pyplan.plan import Plan, StagePlan
-from pyplan.report.units import fmt_bytes, fmt_seconds
 from pyplan.solve.schedules import stage_placement
+from pyplan.units import fmt_bytes, fmt_seconds
 
 __all__ = [
     "NO_PRICE",

@@ -12,7 +12,7 @@ gloo threads run on its own cores. Measured on this project's 2-core VM (2 ranks
   - a message in a stream of them, each rank computing between messages as pipeline stages do, took as long pinned
     as unpinned (0.08-0.13 ms up to 256 KiB); but a rank that waits longer, as after a barrier, is woken on its
     own idle core, which a VM may have halted: 0.9-1.9 ms a message pinned. `pyplan calibrate` times messages in
-    a stream (pyplan/hardware/calibrate.py, _p2p_stream).
+    a stream (pyplan/profile/calibrate.py, _p2p_stream).
 So CPU ranks are pinned by default; `pyplan calibrate` and the runtime both follow PYPLAN_PIN_CPUS, so that the
 calibrated costs are those of the runtime as it runs.
 

@@ -17,8 +17,8 @@ from pyplan import _core
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.graph.layergraph import LayerGraph
 from pyplan.graph.linearize import cut_points
-from pyplan.report.units import fmt_bytes
 from pyplan.solve.remat import RematChain
+from pyplan.units import fmt_bytes
 
 __all__ = [
     "DagReplay",

@@ -6,7 +6,7 @@ the ranks holding the copies all-reduce it (pyplan/runtime/trainer.py, `_finish_
 once. Nothing overlaps it, so the iteration pays a ring all-reduce of the weight's gradient over those ranks, on
 the link the pipeline's messages take. For GPT-2 xl (a 50,257 x 1,600 embedding) that is 320 MB of fp32 gradient a
 step; for gpt-tiny on 2 CPU processes, a 64 KiB all-reduce measured at 2.2 ms (gloo's wake-up latency, see
-pyplan/hardware/calibrate.py).
+pyplan/profile/calibrate.py).
 """
 
 from __future__ import annotations

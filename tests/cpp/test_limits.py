@@ -174,7 +174,7 @@ def test_a_budget_below_the_least_any_plan_needs_is_answered_at_once() -> None:
     for budget in (1.0, 1e-300, 5e-324, least * (1 - 1e-9)):
         got = _core.remat(*arrays, budget_bytes=budget)
         assert not got.feasible and got.min_budget_bytes == least
-        assert got.reason.endswith(f"the least any plan needs is {least / 1e9:.3g} GB")
+        assert got.reason.endswith(f"the least any plan needs is {least / 2**30:.3g} GiB")
     assert time.perf_counter() - start < 1.0
 
 

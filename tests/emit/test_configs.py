@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pyplan.cli import main
+from pyplan.cli.main import main
 from pyplan.emit.configs import render_config
 from pyplan.emit.planfile import read_plan_file
 

@@ -148,7 +148,7 @@ def shards(replica, replicas):
 
 @pytest.mark.distributed
 def test_plan_emit_then_torchrun(tmp_path: Path) -> None:
-    from pyplan.cli import main
+    from pyplan.cli.main import main
 
     script, plan = tmp_path / "train.py", tmp_path / "plan.json"
     argv = [

@@ -28,10 +28,10 @@ from pathlib import Path
 import pytest
 
 from pyplan import linearize, trace
-from pyplan.hardware.calibrate import CalibrationOptions, calibrate, write_calibration
 from pyplan.hardware.catalog import get_gpu
 from pyplan.load import load_model
 from pyplan.profile.analytic import Roofline, block_times_analytic
+from pyplan.profile.calibrate import CalibrationOptions, calibrate, write_calibration
 from pyplan.profile.measure import TimingOptions, block_times
 from tests.conftest import EXAMPLES
 

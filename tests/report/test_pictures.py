@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pyplan.api import PlanSearch
-from pyplan.cli import main
+from pyplan.cli.main import main
 from pyplan.emit.planfile import PlanFile, write_plan_file
 from pyplan.errors import PlanError
 from pyplan.plan import Plan

@@ -10,7 +10,7 @@ from pyplan.api import search
 from pyplan.hardware import Cluster
 from pyplan.plan import Workload
 from pyplan.report.plans import render_plans
-from pyplan.report.units import fmt_bytes, fmt_seconds
+from pyplan.units import fmt_bytes, fmt_seconds
 
 
 def test_the_table_fits_80_columns_and_cuts_no_number() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pyplan.api import PlanSearch
-from pyplan.cli import main
+from pyplan.cli.main import main
 from pyplan.emit.planfile import PlanFile, write_plan_file
 from pyplan.hardware.cluster import Cluster
 from pyplan.plan import Workload

@@ -17,7 +17,6 @@ from torch import nn
 
 from pyplan import cut_points, trace
 from pyplan.errors import InfeasibleError, PlanError
-from pyplan.report.units import fmt_bytes
 from pyplan.solve import partition
 from pyplan.solve.ilp import (
     RematDag,
@@ -43,6 +42,7 @@ from pyplan.solve.remat import (
     replay_ops,
     solve,
 )
+from pyplan.units import fmt_bytes
 from tests.solve.reference import evaluate_partition
 
 REL = 1e-9  # stage times: only the rounding of seconds to CP-SAT's integer units may differ

@@ -24,9 +24,17 @@ import torch
 from torch import nn
 
 from pyplan.errors import PlanError
-from pyplan.hardware._procs import run_two
+from pyplan.hardware.catalog import local_host_json
+from pyplan.profile._procs import run_two
 
-__all__ = ["HostCosts", "OptimizerCost", "fit_optimizer_cost", "measure_host_costs", "measure_optimizer_costs"]
+__all__ = [
+    "HostCosts",
+    "OptimizerCost",
+    "fit_optimizer_cost",
+    "local_host_costs",
+    "measure_host_costs",
+    "measure_optimizer_costs",
+]
 
 OPTIMIZER_NAMES = ("sgd", "sgd-momentum", "adam", "adamw")
 
@@ -121,6 +129,13 @@ class HostCosts:
 
 
 # --- Optimizer step (one process) ----------------------------------------------------------------------------
+
+
+def local_host_costs() -> HostCosts | None:
+    """The runtime's host costs `pyplan calibrate` measured on this machine, or None when it has not (no
+    calibration file, no host costs in it, or a file for another device)."""
+    found = local_host_json()
+    return None if found is None else HostCosts.from_json(found[0], f"calibration file {found[1]}: 'host'")
 
 
 def _optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:

@@ -11,7 +11,7 @@ from rich.table import Table
 from pyplan.errors import PlanError
 from pyplan.hardware.catalog import GIB, GPU, Instance, Link, load_catalog, local_calibration_path
 from pyplan.report.console import make_console
-from pyplan.report.units import fmt_bytes, fmt_count, fmt_seconds
+from pyplan.units import fmt_bandwidth, fmt_count, fmt_seconds
 
 __all__ = ["add_hardware_parser", "hardware_list", "hardware_show", "list_data", "show_data"]
 
@@ -135,7 +135,7 @@ def _gib(n: float | None) -> str:
 
 
 def _rate(n: float | None) -> str:
-    return "unknown" if n is None else f"{fmt_bytes(n)}/s"
+    return "unknown" if n is None else fmt_bandwidth(n)
 
 
 def _flops(n: float | None, dtype: str = "") -> str:

@@ -16,8 +16,8 @@ from pyplan import _core, zoo
 from pyplan.errors import PlanError
 from pyplan.profile.memory import OPTIMIZERS, PRECISIONS
 from pyplan.report.console import make_console
-from pyplan.report.units import fmt_bytes, fmt_count
 from pyplan.solve.remat_search import OFFLOAD_MODES, REMAT_MODES
+from pyplan.units import fmt_bytes, fmt_count
 
 if TYPE_CHECKING:
     from pyplan.hardware.cluster import Cluster

@@ -1,4 +1,4 @@
-"""`pyplan hardware list | show`, called through a parser built the way pyplan/cli.py builds its own."""
+"""`pyplan hardware list | show`, called through a parser built the way pyplan/cli/main.py builds its own."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from pyplan.cli.hardware import add_hardware_parser
 from pyplan.errors import PlanError
-from pyplan.hardware.cli import add_hardware_parser
 
 TABLE_III_NAMES = [
     "gn6i.xlarge",

@@ -16,7 +16,17 @@ from torch import nn
 
 from pyplan.api import search
 from pyplan.errors import PlanError
-from pyplan.hardware.calibrate import (
+from pyplan.hardware.catalog import (
+    get_gpu,
+    get_link,
+    local_calibration_path,
+    local_efficiency,
+    local_gpu,
+)
+from pyplan.hardware.cluster import Cluster
+from pyplan.plan import Workload
+from pyplan.profile.analytic import Efficiency, OpCost, OpEfficiency, Roofline
+from pyplan.profile.calibrate import (
     AlphaBeta,
     Calibration,
     LinkMeasurement,
@@ -29,18 +39,7 @@ from pyplan.hardware.calibrate import (
     op_efficiency,
     write_calibration,
 )
-from pyplan.hardware.catalog import (
-    get_gpu,
-    get_link,
-    local_calibration_path,
-    local_efficiency,
-    local_gpu,
-    local_host_costs,
-)
-from pyplan.hardware.cluster import Cluster
-from pyplan.hardware.host import HostCosts, OptimizerCost, fit_optimizer_cost
-from pyplan.plan import Workload
-from pyplan.profile.analytic import Efficiency, OpCost, OpEfficiency, Roofline
+from pyplan.profile.host import HostCosts, OptimizerCost, fit_optimizer_cost, local_host_costs
 
 LAUNCH = 5e-6
 
@@ -358,7 +357,7 @@ def test_bad_threads_is_a_plan_error(cache: Path) -> None:
 
 
 def test_spread_and_the_warning_for_a_figure_that_moved() -> None:
-    from pyplan.hardware.calibrate import UNSTABLE, Calibration, LinkMeasurement, spread
+    from pyplan.profile.calibrate import UNSTABLE, Calibration, LinkMeasurement, spread
 
     assert spread([1.0]) == 0.0 and spread([0.0, 0.0]) == 0.0
     assert spread([1.0, 1.1, 1.3]) == pytest.approx(0.3 / 1.1)

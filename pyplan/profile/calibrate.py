@@ -24,11 +24,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from pyplan._files import write_atomic
 from pyplan._torch import OpRecorder
 from pyplan.errors import PlanError
-from pyplan.hardware._procs import run_two
 from pyplan.hardware.catalog import _detect_local, local_calibration_path
-from pyplan.hardware.host import HostCosts, measure_host_costs
+from pyplan.profile._procs import run_two
 from pyplan.profile.analytic import ALLOCATIONS, OP_CLASSES, Efficiency, OpCost, OpEfficiency, Roofline, op_class
-from pyplan.report.units import fmt_bytes, fmt_count, fmt_seconds
+from pyplan.profile.host import HostCosts, measure_host_costs
+from pyplan.units import fmt_bandwidth, fmt_bytes, fmt_count, fmt_seconds
 
 __all__ = [
     "AlphaBeta",
@@ -61,7 +61,7 @@ __all__ = [
 #                           several message sizes, each fitted to t = latency + bytes / bandwidth (α-β); the
 #                           all-reduce's fit gives the link's collective α-β (a 2-rank ring: 2α + G/BW);
 #   host (CPU only)         the runtime's own costs per micro-batch and stage, per message, per step, and each
-#                           optimizer's per tensor and per element (pyplan/hardware/host.py).
+#                           optimizer's per tensor and per element (pyplan/profile/host.py).
 # Every device figure is the best of several rounds; one efficiency is applied to both roofs.
 
 
@@ -849,9 +849,9 @@ def _render(cal: Calibration, path: Path, console: Console) -> None:
             moved(f"peak {p.dtype}"),
             f"best square matmul, n = {p.size}",
         )
-    t.add_row("memory bandwidth", f"{fmt_bytes(cal.mem_bw_bytes_per_s)}/s", "", "the better of copy and add")
-    t.add_row("  copy", f"{fmt_bytes(cal.copy_bw_bytes_per_s)}/s", moved("copy bandwidth"), "bytes read + written")
-    t.add_row("  add", f"{fmt_bytes(cal.add_bw_bytes_per_s)}/s", moved("add bandwidth"), "bytes read + written")
+    t.add_row("memory bandwidth", fmt_bandwidth(cal.mem_bw_bytes_per_s), "", "the better of copy and add")
+    t.add_row("  copy", fmt_bandwidth(cal.copy_bw_bytes_per_s), moved("copy bandwidth"), "bytes read + written")
+    t.add_row("  add", fmt_bandwidth(cal.add_bw_bytes_per_s), moved("add bandwidth"), "bytes read + written")
     t.add_row(
         "launch per op",
         fmt_seconds(cal.launch_s),
@@ -882,7 +882,7 @@ def _render(cal: Calibration, path: Path, console: Console) -> None:
         for what, fit, key in (("send/recv", link.p2p, "send"), ("all-reduce", link.allreduce, "all-reduce")):
             t.add_row(
                 f"α-β fit of {what}",
-                f"{fmt_seconds(fit.latency_s)} + n / {fmt_bytes(fit.bw_bytes_per_s)}/s",
+                f"{fmt_seconds(fit.latency_s)} + n / {fmt_bandwidth(fit.bw_bytes_per_s)}",
                 "",
                 end_section=what == "send/recv" and not link.spread,
             )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["fmt_bytes", "fmt_count", "fmt_seconds"]
+__all__ = ["fmt_bandwidth", "fmt_bytes", "fmt_count", "fmt_seconds"]
 
 
 def _scaled(value: float, steps: list[tuple[float, str]], digits: int = 3) -> str:
@@ -17,6 +17,11 @@ def fmt_bytes(n: float) -> str:
     as users read it and of the emitted script's report: one unit for every memory figure pyplan prints."""
     steps = [(2.0**40, "TiB"), (2.0**30, "GiB"), (2.0**20, "MiB"), (2.0**10, "KiB"), (1, "B")]
     return _scaled(n, steps) if n else "0 B"
+
+
+def fmt_bandwidth(n: float) -> str:
+    """Bytes per second in decimal units (1 GB/s = 10^9 B/s), as vendors and NCCL's tests quote links and memory."""
+    return f"{_scaled(n, [(1e12, 'TB'), (1e9, 'GB'), (1e6, 'MB'), (1e3, 'kB'), (1, 'B')])}/s" if n else "0 B/s"
 
 
 def fmt_count(n: float) -> str:

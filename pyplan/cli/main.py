@@ -15,14 +15,15 @@ import torch
 from rich.console import Console
 from rich.text import Text
 
-from pyplan import __version__, _core
+from pyplan import _core
+from pyplan._version import __version__
 from pyplan.errors import PlanError
 from pyplan.hardware.cluster import Cluster
 from pyplan.plan import ZERO_STAGES, Plan
 from pyplan.profile.memory import OPTIMIZERS, PRECISIONS
 from pyplan.report.console import make_console
-from pyplan.report.units import fmt_seconds
 from pyplan.solve.remat_search import OFFLOAD_MODES, REMAT_MODES
+from pyplan.units import fmt_seconds
 
 __all__ = ["main"]
 
@@ -441,10 +442,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.set_defaults(func=_emit)
 
-    from pyplan.hardware.calibrate import add_calibrate_parser
-    from pyplan.hardware.cli import add_hardware_parser
-    from pyplan.report.cli import add_show_parser
-    from pyplan.zoo.cli import add_zoo_parser
+    from pyplan.cli.hardware import add_hardware_parser
+    from pyplan.cli.show import add_show_parser
+    from pyplan.cli.zoo import add_zoo_parser
+    from pyplan.profile.calibrate import add_calibrate_parser
 
     add_hardware_parser(sub)
     add_show_parser(sub)
