@@ -487,8 +487,8 @@ def state_table() -> tuple[Table, Footnotes, list[dict[str, Any]], bool]:
     DeepSpeed within 1 % (the largest-layer term aside)."""
     from pyplan import _core
     from pyplan.errors import PlanError
+    from pyplan.model_state import model_state_bytes
     from pyplan.plan import Workload
-    from pyplan.profile.memory import model_state_bytes
 
     workload = Workload(global_batch=1, precision="bf16-mixed")
     per = model_state_bytes(1, 0, optimizer=workload.optimizer, precision=workload.precision)

@@ -26,7 +26,8 @@ from pyplan.api import chain_for
 from pyplan.hardware import Cluster
 from pyplan.plan import Workload
 from pyplan.profile.remat import remat_bytes
-from pyplan.solve.remat import RematChain, min_budget, no_remat, periodic, replay, solve
+from pyplan.remat_plan import no_remat, periodic
+from pyplan.solve.remat import RematChain, min_budget, replay, solve
 from pyplan.units import fmt_bytes
 
 MODELS = (("resnet152", 32), ("gpt2-xl", 4))

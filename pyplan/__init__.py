@@ -9,7 +9,7 @@ data at the bottom (`graph`, `hardware`, `zoo`, `load`, `plan`), the solvers (`s
 from __future__ import annotations
 
 from pyplan._version import __version__
-from pyplan.api import PlanSearch, plan, search
+from pyplan.api import plan, search
 from pyplan.errors import InfeasibleError, ModelLoadError, PlanError, TraceError
 from pyplan.graph.chain import Block, Chain, Cut
 from pyplan.graph.layergraph import Affine, GraphNode, LayerGraph, TensorInfo
@@ -18,7 +18,7 @@ from pyplan.graph.split import piece, pieces, run_pieces
 from pyplan.graph.trace import trace
 from pyplan.hardware import Cluster
 from pyplan.load import load_model
-from pyplan.plan import Layout, Plan, Prediction, StagePlan, Workload
+from pyplan.plan import Layout, Plan, PlanSearch, Prediction, StagePlan, Workload
 from pyplan.profile import TimingOptions, model_state_bytes, profile
 from pyplan.spec import ModelSpec
 from pyplan.sweep import plan_many

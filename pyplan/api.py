@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from torch import nn
@@ -21,6 +22,7 @@ from pyplan.graph.linearize import linearize
 from pyplan.graph.trace import ExampleInputs, LeafSpec, trace
 from pyplan.hardware.catalog import GPU, LOCAL, Link
 from pyplan.hardware.cluster import Cluster
+from pyplan.model_state import optimizer_step_bytes
 from pyplan.plan import (
     OBJECTIVES,
     PLACEMENTS,
@@ -28,6 +30,7 @@ from pyplan.plan import (
     ZERO_STAGES,
     Layout,
     Plan,
+    PlanSearch,
     Prediction,
     StagePlan,
     Workload,
@@ -39,7 +42,7 @@ from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, meas
 from pyplan.profile.host import local_host_costs
 from pyplan.profile.loss import LossCost, LossFn, TargetFn, loss_cost, remat_with_loss, with_loss
 from pyplan.profile.measure import CheckpointCosts, checkpoint_call_s, checkpoint_costs
-from pyplan.profile.memory import optimizer_step_bytes
+from pyplan.profile.nodes import node_profile
 from pyplan.profile.remat import remat_bytes
 from pyplan.runtime.sharded import gathered_bytes, remat_kind, unit_segments, zero3_overlap
 from pyplan.solve.dag_search import dag_plans
@@ -61,29 +64,6 @@ SEARCHED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
 _COMPUTE_DTYPE = {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}
 # The catalog peak each precision computes at.
 _PEAK_OF = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp32": "fp32"}
-
-
-@dataclass(frozen=True)
-class PlanSearch:
-    """The best plan, the next best, and the time/cost Pareto frontier, with the chain they were made from."""
-
-    best: Plan
-    alternatives: tuple[Plan, ...]
-    pareto: tuple[Plan, ...]
-    candidates: int
-    evaluated: int
-    chain: Chain = field(repr=False, compare=False)
-    profiled_on: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "plan": self.best.to_json(),
-            "alternatives": [p.to_json() for p in self.alternatives],
-            "pareto": [p.to_json() for p in self.pareto],
-            "candidates": self.candidates,
-            "evaluated": self.evaluated,
-            "profiled_on": self.profiled_on,
-        }
 
 
 def _pricing(gpu: GPU, roofline: Roofline | None) -> Roofline | None:
@@ -735,7 +715,8 @@ def search(
     evaluated = sum(r.num_evaluated for r in relaxed) + (plain.num_evaluated if plain is not None else 0)
     if stage_dag and plain is not None and plain.feasible:
         say("assigning operations to stages")
-    dag = dag_plans([*plain.top, *plain.pareto], chain, example_inputs, cluster, workload, gpu_mem_bytes=gpu_mem,
+    nodes = functools.partial(node_profile, chain, example_inputs, gpu=cluster.gpu)
+    dag = dag_plans([*plain.top, *plain.pareto], chain, nodes, cluster, workload, gpu_mem_bytes=gpu_mem,
                     scale=scale, price_per_gpu_s=price, currency=currency, objective=objective, weight=weight,
                     host=host_costs) if stage_dag and plain is not None and plain.feasible else []  # fmt: skip
     if dag:

@@ -8,8 +8,9 @@ from typing import Any
 
 from pyplan import _core
 from pyplan.errors import PlanError
-from pyplan.profile.memory import OPTIMIZERS, PRECISIONS, ModelState, model_state_bytes
-from pyplan.solve.remat import RematPlan
+from pyplan.graph.chain import Chain
+from pyplan.model_state import OPTIMIZERS, PRECISIONS, ModelState, model_state_bytes
+from pyplan.remat_plan import RematPlan
 
 __all__ = [
     "OBJECTIVES",
@@ -17,6 +18,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "Layout",
     "Plan",
+    "PlanSearch",
     "Prediction",
     "StagePlan",
     "StageRemat",
@@ -342,3 +344,26 @@ def _known(cls: type, data: dict[str, Any], where: str, extra: frozenset[str] = 
     if missing:
         raise PlanError(f"{where}: missing field '{missing[0]}'")
     return {k: v for k, v in data.items() if k in names}
+
+
+@dataclass(frozen=True)
+class PlanSearch:
+    """The best plan, the next best, and the time/cost Pareto frontier, with the chain they were made from."""
+
+    best: Plan
+    alternatives: tuple[Plan, ...]
+    pareto: tuple[Plan, ...]
+    candidates: int
+    evaluated: int
+    chain: Chain = field(repr=False, compare=False)
+    profiled_on: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "plan": self.best.to_json(),
+            "alternatives": [p.to_json() for p in self.alternatives],
+            "pareto": [p.to_json() for p in self.pareto],
+            "candidates": self.candidates,
+            "evaluated": self.evaluated,
+            "profiled_on": self.profiled_on,
+        }

@@ -1,7 +1,7 @@
 """pyplan's imports follow its layers, read from the source (every import outside `if TYPE_CHECKING:`).
 
     base      errors, _files, _torch, _version, units, spec, the C++ core
-    data      graph, hardware (catalog, clusters), zoo (model definitions), load, hub, plan
+    data      graph, hardware (catalog, clusters), zoo (model definitions), load, hub, plan, model_state, remat_plan
     solve     the solvers, over data only
     runtime   what runs a plan under torchrun
     profile   measuring: profiling, calibration (which times the runtime itself)
@@ -9,9 +9,7 @@
     compose   api, sweep: the one place that composes the layers below
     cli       every command; pyplan/__init__.py re-exports the library
 
-A module imports from its own layer or below, and no modules import each other in a circle. The imports that do not
-yet follow these layers are listed in KNOWN: the test fails on any other, and on a listed one that is gone (so the
-list only shrinks).
+A module imports from its own layer or below, and no modules import each other in a circle.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1] / "pyplan"
 
 LAYERS: list[set[str]] = [
     {"errors", "_files", "_torch", "_version", "_core", "units", "spec"},
-    {"graph", "hardware", "zoo", "load", "hub", "plan"},
+    {"graph", "hardware", "zoo", "load", "hub", "plan", "model_state", "remat_plan"},
     {"solve"},
     {"runtime"},
     {"profile"},
@@ -32,19 +30,6 @@ LAYERS: list[set[str]] = [
     {"api", "sweep"},
     {"cli", "__init__"},
 ]
-
-# Imports against the layers, to be removed (importer -> imported module).
-KNOWN = {
-    ("pyplan.plan", "pyplan.profile.memory"),  # the workload's state bytes: the formulas belong with the data
-    ("pyplan.plan", "pyplan.solve.remat"),  # RematPlan: the remat plan's types belong with the data
-    ("pyplan.solve.dag_search", "pyplan.profile.analytic"),  # per-operation costs: to be handed in by the caller
-    ("pyplan.solve.dag_search", "pyplan.profile.memory"),
-    ("pyplan.solve.remat_search", "pyplan.profile.remat"),  # RematProfile: data, to move below solve
-    ("pyplan.solve.state", "pyplan.profile.memory"),
-    ("pyplan.report.html", "pyplan.api"),  # PlanSearch: the search's result, to move below output
-    ("pyplan.report.pareto", "pyplan.api"),
-}
-
 
 def _module(path: Path) -> str:
     parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
@@ -99,8 +84,7 @@ def test_no_module_imports_from_a_layer_above_its_own() -> None:
         for target in targets
         if target != "pyplan" and _layer(target) > _layer(module)
     }
-    assert not upward - KNOWN, f"imports from a higher layer: {sorted(upward - KNOWN)}"
-    assert not KNOWN - upward, f"gone (take them off KNOWN): {sorted(KNOWN - upward)}"
+    assert not upward, f"imports from a higher layer: {sorted(upward)}"
 
 
 def test_no_modules_import_each_other_in_a_circle() -> None:

@@ -14,8 +14,8 @@ from pyplan.errors import PlanError
 from pyplan.graph.linearize import operations
 from pyplan.hardware import Cluster
 from pyplan.plan import Layout, Plan, Prediction, StagePlan, StageRemat, Workload
+from pyplan.remat_plan import no_remat
 from pyplan.runtime.stages import cut_model
-from pyplan.solve.remat import no_remat
 
 MODEL = "grouped-mlp-tiny"
 

@@ -13,7 +13,8 @@ from pyplan.errors import InfeasibleError, PlanError
 from pyplan.hardware import Cluster
 from pyplan.plan import Plan, Workload
 from pyplan.profile.remat import remat_bytes
-from pyplan.solve.remat import Checkpoint, Keep, Selective, replay
+from pyplan.remat_plan import Checkpoint, Keep, Selective
+from pyplan.solve.remat import replay
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +190,8 @@ def test_checkpoint_costs_are_scaled_to_what_the_runtime_pays(monkeypatch: pytes
 
 
 def test_what_a_stage_holds_beside_the_replay_of_its_blocks() -> None:
-    from pyplan.profile.remat import BlockMemory
-    from pyplan.solve.remat import Keep, RematPlan, full_remat, no_remat
+    from pyplan.remat_plan import Keep, RematPlan, full_remat, no_remat
+    from pyplan.solve.remat import BlockMemory
     from pyplan.solve.remat_search import _recomputed_outputs, _without, stage_outputs
 
     def block(values: tuple[tuple[int, int, tuple[int, ...]], ...]) -> BlockMemory:
@@ -236,7 +237,7 @@ def test_unmade_gradients_by_hand() -> None:
 def test_optimizer_step_bytes() -> None:
     """Adam's sqrt(exp_avg_sq) + eps out of place in the master dtype: every tensor at once on a GPU (foreach), two
     of the largest on the CPU (measured on mlp-tiny: tests/runtime/test_step_memory.py); SGD updates in place."""
-    from pyplan.profile.memory import optimizer_step_bytes
+    from pyplan.model_state import optimizer_step_bytes
 
     assert optimizer_step_bytes("adamw", "fp32", elements=1000, largest_tensor=300, foreach=True) == 4000
     assert optimizer_step_bytes("adam", "fp32", elements=1000, largest_tensor=300, foreach=False) == 2400

@@ -19,8 +19,8 @@ from pyplan import _core
 from pyplan._version import __version__
 from pyplan.errors import PlanError
 from pyplan.hardware.cluster import Cluster
+from pyplan.model_state import OPTIMIZERS, PRECISIONS
 from pyplan.plan import ZERO_STAGES, Plan
-from pyplan.profile.memory import OPTIMIZERS, PRECISIONS
 from pyplan.report.console import make_console
 from pyplan.solve.remat_search import OFFLOAD_MODES, REMAT_MODES
 from pyplan.units import fmt_seconds

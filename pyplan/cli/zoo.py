@@ -14,7 +14,7 @@ from rich.table import Table
 
 from pyplan import _core, zoo
 from pyplan.errors import PlanError
-from pyplan.profile.memory import OPTIMIZERS, PRECISIONS
+from pyplan.model_state import OPTIMIZERS, PRECISIONS
 from pyplan.report.console import make_console
 from pyplan.solve.remat_search import OFFLOAD_MODES, REMAT_MODES
 from pyplan.units import fmt_bytes, fmt_count

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pyplan.emit.planfile import PlanFile
 from pyplan.errors import PlanError
 from pyplan.plan import Layout
-from pyplan.solve.remat import Checkpoint, Keep, Selective, SelectiveCheckpoint
+from pyplan.remat_plan import Checkpoint, Keep, Selective, SelectiveCheckpoint
 
 __all__ = ["FORMATS", "render_config", "stage_starts"]
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from pyplan.graph.layergraph import Affine, LayerGraph
 
 if TYPE_CHECKING:
-    from pyplan.profile.remat import RematProfile
+    from pyplan.solve.remat import RematProfile
 
 __all__ = ["Block", "Chain", "Cut"]
 

@@ -11,11 +11,13 @@ from pyplan._torch import is_meta_module
 from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
 from pyplan.graph.trace import ExampleInputs
+from pyplan.model_state import ModelState, model_state_bytes
 from pyplan.profile.flops import block_flops
 from pyplan.profile.live import LiveMemory
 from pyplan.profile.measure import TimingOptions, block_times, local_device
-from pyplan.profile.memory import ModelState, model_state_bytes, saved_bytes
-from pyplan.profile.remat import RematBytes, RematProfile, remat_bytes, remat_chain
+from pyplan.profile.memory import saved_bytes
+from pyplan.profile.remat import remat_bytes, remat_chain
+from pyplan.solve.remat import RematBytes, RematProfile
 
 __all__ = [
     "LiveMemory",

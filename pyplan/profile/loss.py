@@ -33,7 +33,7 @@ from pyplan.profile.measure import (
     _time_block,
     local_device,
 )
-from pyplan.profile.remat import RematProfile
+from pyplan.solve.remat import RematProfile
 
 __all__ = ["LossCost", "LossFn", "TargetFn", "loss_cost", "remat_with_loss", "with_loss"]
 

@@ -550,8 +550,8 @@ def _as_in_the_runtime(
     Timed alone, a block under a checkpoint also pays the module call of its recomputation, which the runtime's
     checkpoints, running the blocks' code, do not: measured on resnet-tiny at b = 8, the blocks alone added 5.1-5.6
     ms of hooks a micro-batch against 2-3 ms in the RematModule."""
+    from pyplan.remat_plan import full_remat, no_remat
     from pyplan.runtime.remat import apply_remat
-    from pyplan.solve.remat import full_remat, no_remat
 
     n = len(mods)
     plain = _module_s(apply_remat(chain, no_remat(0, n)), inputs, clock, options)

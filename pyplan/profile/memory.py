@@ -1,4 +1,4 @@
-"""Exact memory: bytes saved for backward per block, and parameter, gradient and optimizer-state bytes.
+"""Exact memory: bytes saved for backward per block (the model state's bytes are pyplan/model_state.py's).
 
 Saved bytes are measured, not estimated: the traced graph runs under `saved_tensors_hooks`, every saved
 storage is counted once, parameters and buffers are excluded, and each storage is charged to the block whose
@@ -20,88 +20,7 @@ from pyplan.graph.layergraph import Affine
 from pyplan.graph.linearize import static_closure
 from pyplan.graph.trace import ExampleInputs, inputs_at
 
-__all__ = [
-    "OPTIMIZERS",
-    "PRECISIONS",
-    "ModelState",
-    "SavedBytes",
-    "model_state_bytes",
-    "optimizer_step_bytes",
-    "saved_bytes",
-]
-
-# Optimizer states per parameter element, in units of the master dtype: what torch.optim keeps in `state`.
-OPTIMIZERS: dict[str, int] = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
-# Optimizers that also keep a `step` counter: a 0-dim float32 tensor per parameter tensor (torch.optim.Adam/AdamW).
-_STEP_TENSOR = {"adam", "adamw"}
-# Bytes per element of (weights used in compute, gradients, master copy or None when the weights are the master).
-# Mixed precision is what pyplan's runtime runs, torch's autocast: the weights, their gradients and the optimizer
-# state stay fp32 and each op casts its inputs to 16 bits (the copies live with the activations), so a parameter
-# holds 4 + 4 + Adam's 8 bytes, not the 2 + 2 + 12 of 16-bit weights beside an fp32 master copy (Megatron-LM,
-# DeepSpeed). The totals agree; what ZeRO-1 shards does not: measured on gpt-tiny at dp = 2, 1,423,384 and
-# 1,421,400 bytes held per rank against 1,185,280 under the 2 + 2 + 12 convention, 1,422,336 under this one.
-PRECISIONS: dict[str, tuple[int, int, int | None]] = {
-    "fp32": (4, 4, None),
-    "bf16-mixed": (4, 4, None),
-    "fp16-mixed": (4, 4, None),
-}
-
-
-@dataclass(frozen=True)
-class ModelState:
-    """Bytes of model state for a set of parameters under one optimizer and precision.
-
-    The convention (printed with every memory figure, since tools disagree): `param_bytes` the weights used in
-    compute, `grad_bytes` their gradients, `optimizer_bytes` the master copy (mixed precision) plus the
-    optimizer's states in the master dtype plus Adam's per-tensor step counters.
-    """
-
-    param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
-
-    @property
-    def total(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
-
-
-def model_state_bytes(numel: int, tensors: int, *, optimizer: str = "adamw", precision: str = "fp32") -> ModelState:
-    """Model-state bytes of `numel` parameter elements in `tensors` tensors (mixed Adam: 2 + 2 + 12 per element)."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer '{optimizer}'; choose one of {', '.join(OPTIMIZERS)}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision '{precision}'; choose one of {', '.join(PRECISIONS)}")
-    weight, grad, master = PRECISIONS[precision]
-    master_bytes = master if master is not None else weight
-    optimizer_bytes = OPTIMIZERS[optimizer] * master_bytes * numel
-    if master is not None:
-        optimizer_bytes += master * numel
-    if optimizer in _STEP_TENSOR:
-        optimizer_bytes += 4 * tensors
-    return ModelState(param_bytes=weight * numel, grad_bytes=grad * numel, optimizer_bytes=optimizer_bytes)
-
-
-def optimizer_step_bytes(
-    optimizer: str, precision: str, *, elements: float, largest_tensor: float, foreach: bool
-) -> float:
-    """Bytes an optimizer step holds beside the model state, over `elements` parameter elements whose largest tensor
-    has `largest_tensor` elements (torch 2.13's defaults, as `pyplan.runtime.optim.optimizer_factory` builds them).
-
-    Adam and AdamW divide by sqrt(exp_avg_sq) + eps made out of place, in the master dtype. On the CPU torch runs
-    them tensor by tensor: measured on mlp-tiny's one-device plans, the step peaked with two such temporaries of its
-    largest tensors live beside the whole state (16,384 + 16,640 bytes). On a GPU the foreach path makes them for
-    every tensor at once (`torch._foreach_sqrt` of the exp_avg_sq list; from torch's source, not measured here).
-    SGD, with or without momentum, updates in place."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer '{optimizer}'; choose one of {', '.join(OPTIMIZERS)}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision '{precision}'; choose one of {', '.join(PRECISIONS)}")
-    if optimizer not in _STEP_TENSOR:
-        return 0.0
-    weight, _, master = PRECISIONS[precision]
-    master_bytes = master if master is not None else weight
-    return float(master_bytes * (elements if foreach else 2 * largest_tensor))
-
+__all__ = ["SavedBytes", "SavedRecorder", "saved_bytes"]
 
 class SavedRecorder(fx.Interpreter):
     """Runs the graph and charges each storage saved for backward to the node that produced it."""

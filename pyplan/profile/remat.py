@@ -64,84 +64,9 @@ from pyplan.graph.trace import ExampleInputs, inputs_at
 from pyplan.profile.analytic import OpCost, Roofline, op_class
 from pyplan.profile.live import LiveMemory
 from pyplan.profile.pieces import RepeatedBlocks, block_inputs, leaf_inputs
-from pyplan.solve.remat import RematChain
+from pyplan.solve.remat import BlockMemory, RematBytes, RematChain, RematProfile, remat_chain_of
 
-__all__ = ["BlockMemory", "RematBytes", "RematProfile", "block_memory", "remat_bytes", "remat_chain"]
-
-
-@dataclass(frozen=True)
-class BlockMemory:
-    """The bytes of one block at one batch size (see the module docstring)."""
-
-    kept_bytes: int
-    out_bytes: int
-    fwd_peak_bytes: int
-    fwd_nosave_peak_bytes: int
-    bwd_peak_bytes: int
-    # (bytes, last cut live, the blocks that save it) per new output storage
-    out_values: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
-    saves: bool = True
-    # Under selective checkpointing (pyplan._torch.SELECTIVE_SAVE_OPS): what the forward leaves, outputs held, and
-    # the share of the forward's time its recomputation takes (the ops it does not save, priced by a roofline).
-    selective_kept_bytes: int = 0
-    selective_share: float = 1.0
-    # Per output value: whether selective checkpointing holds it to the block's backward (its storage is the
-    # output of an op it saves, as a projection's output that is the block's output).
-    selective_holds: tuple[bool, ...] = ()
-
-
-@dataclass(frozen=True)
-class RematBytes:
-    """The bytes of one block as `per_sample·b + fixed`."""
-
-    kept_bytes: Affine
-    out_bytes: Affine
-    fwd_peak_bytes: Affine
-    fwd_nosave_peak_bytes: Affine
-    bwd_peak_bytes: Affine
-    out_values: tuple[tuple[Affine, int, tuple[int, ...]], ...] = ()  # (bytes, last cut live, savers)
-    saves: bool = True
-    # The last block with the loss folded in (pyplan/profile/loss.py): the peak of the loss's backward, which runs
-    # before the block's own; the block's backward peak is the larger of the two at each batch size.
-    loss_bwd_peak_bytes: Affine | None = None
-    selective_kept_bytes: Affine | None = None  # None: not measured (a selective block then keeps what it would)
-    selective_share: float = 1.0
-    selective_holds: tuple[bool, ...] = ()
-
-    def at(self, batch_size: int) -> BlockMemory:
-        def value(a: Affine) -> int:
-            return round(a(batch_size))
-
-        values = tuple((value(b), last, saver) for b, last, saver in self.out_values)
-        bwd_peak = value(self.bwd_peak_bytes)
-        if self.loss_bwd_peak_bytes is not None:
-            bwd_peak = max(bwd_peak, value(self.loss_bwd_peak_bytes))
-        kept = value(self.kept_bytes)
-        return BlockMemory(
-            kept,
-            sum(b for b, _, _ in values) if values else value(self.out_bytes),
-            value(self.fwd_peak_bytes),
-            value(self.fwd_nosave_peak_bytes),
-            bwd_peak,
-            values,
-            self.saves,
-            kept if self.selective_kept_bytes is None else value(self.selective_kept_bytes),
-            self.selective_share,
-            self.selective_holds,
-        )
-
-
-@dataclass(frozen=True)
-class RematProfile:
-    """The memory figures of a whole chain: per block, and the gradient bytes per cut (one more than blocks)."""
-
-    blocks: tuple[RematBytes, ...]
-    grad_bytes: tuple[Affine, ...]
-
-    def chain(self, batch_size: int, fwd_s: Sequence[float], bwd_s: Sequence[float]) -> RematChain:
-        """The RematChain at `batch_size`, with the blocks' forward and backward seconds at that size."""
-        mems = [b.at(batch_size) for b in self.blocks]
-        return _remat_chain(mems, [round(g(batch_size)) for g in self.grad_bytes], fwd_s, bwd_s)
+__all__ = ["block_memory", "remat_bytes", "remat_chain"]
 
 
 def _discard(t: torch.Tensor) -> None:
@@ -556,27 +481,6 @@ def _times(chain: Chain, batch_size: int, time_scale: float) -> tuple[list[float
     return fwd, bwd
 
 
-def _remat_chain(
-    mems: Sequence[BlockMemory], grads: Sequence[int], fwd_s: Sequence[float], bwd_s: Sequence[float]
-) -> RematChain:
-    return RematChain(
-        fwd_s=tuple(float(t) for t in fwd_s),
-        bwd_s=tuple(float(t) for t in bwd_s),
-        kept_bytes=tuple(float(m.kept_bytes) for m in mems),
-        out_bytes=tuple(float(m.out_bytes) for m in mems),
-        fwd_peak_bytes=tuple(float(m.fwd_peak_bytes) for m in mems),
-        fwd_nosave_peak_bytes=tuple(float(m.fwd_nosave_peak_bytes) for m in mems),
-        bwd_peak_bytes=tuple(float(m.bwd_peak_bytes) for m in mems),
-        grad_bytes=tuple(float(g) for g in grads),
-        out_values=tuple(tuple((float(b), last) for b, last, _ in m.out_values) for m in mems),
-        out_savers=tuple(tuple(savers for _, _, savers in m.out_values) for m in mems),
-        saves=tuple(m.saves for m in mems),
-        selective_kept_bytes=tuple(float(m.selective_kept_bytes) for m in mems),
-        selective_recompute_s=tuple(m.selective_share * float(t) for m, t in zip(mems, fwd_s)),
-        selective_holds=tuple(m.selective_holds for m in mems),
-    )
-
-
 def remat_chain(
     chain: Chain,
     example_inputs: ExampleInputs,
@@ -590,4 +494,4 @@ def remat_chain(
     `fwd_time_s`/`bwd_time_s` (times `time_scale`, e.g. to another device's speed; 0 where never timed)."""
     mems, grads = block_memory(chain, example_inputs, batch_size, fake=fake, roofline=roofline)
     fwd, bwd = _times(chain, batch_size, time_scale)
-    return _remat_chain(mems, grads, fwd, bwd)
+    return remat_chain_of(mems, grads, fwd, bwd)

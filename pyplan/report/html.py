@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from pyplan._files import write_atomic
-from pyplan.api import PlanSearch
 from pyplan.emit.planfile import PlanFile
-from pyplan.plan import Plan
+from pyplan.plan import Plan, PlanSearch
 from pyplan.report.figure import figure_bytes
 from pyplan.report.gantt import gantt_figure, timeline
 from pyplan.report.pareto import DEFAULT_WEIGHTS, pareto_data, pareto_figure

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pyplan.graph.chain import Chain
-from pyplan.profile.memory import model_state_bytes
+from pyplan.model_state import model_state_bytes
 from pyplan.units import fmt_bytes, fmt_count, fmt_seconds
 
 __all__ = ["inspect_data", "render_inspect"]

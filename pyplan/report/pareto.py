@@ -14,9 +14,8 @@ from itertools import groupby
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pyplan.api import PlanSearch
 from pyplan.errors import PlanError
-from pyplan.plan import Plan
+from pyplan.plan import Plan, PlanSearch
 from pyplan.report.figure import new_figure, picture_format, save_figure, time_unit
 from pyplan.units import fmt_seconds
 

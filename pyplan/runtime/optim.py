@@ -31,7 +31,7 @@ class OptimizerSpec:
 
 
 def optimizer_factory(name: str, lr: float) -> OptimizerSpec:
-    """The workload's optimizer by name (pyplan.profile.memory.OPTIMIZERS) at learning rate `lr`."""
+    """The workload's optimizer by name (pyplan.model_state.OPTIMIZERS) at learning rate `lr`."""
     makers = {
         "sgd": OptimizerSpec(torch.optim.SGD, {"lr": lr}),
         "sgd-momentum": OptimizerSpec(torch.optim.SGD, {"lr": lr, "momentum": 0.9}),

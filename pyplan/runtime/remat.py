@@ -39,7 +39,7 @@ from pyplan._torch import selective_contexts
 from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
 from pyplan.graph.split import piece
-from pyplan.solve.remat import Checkpoint, Keep, Offload, RematPlan, Selective, SelectiveCheckpoint
+from pyplan.remat_plan import Checkpoint, Keep, Offload, RematPlan, Selective, SelectiveCheckpoint
 
 __all__ = ["RematModule", "apply_remat"]
 

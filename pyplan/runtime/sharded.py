@@ -28,9 +28,9 @@ from torch.utils.checkpoint import checkpoint
 from pyplan._torch import selective_contexts
 from pyplan.graph.trace import Call, ExampleInputs, call_at, output_tensors
 from pyplan.plan import Layout
+from pyplan.remat_plan import Checkpoint, Keep, SelectiveCheckpoint
 from pyplan.runtime.clip import clip_gradients
 from pyplan.runtime.optim import OptimizerFactory
-from pyplan.solve.remat import Checkpoint, Keep, SelectiveCheckpoint
 
 __all__ = [
     "ShardedTrainer",

@@ -94,25 +94,33 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pyplan.graph.layergraph import Affine
+from pyplan.remat_plan import (
+    Checkpoint,
+    Keep,
+    Offload,
+    RematItem,
+    RematPlan,
+    Selective,
+    SelectiveCheckpoint,
+    full_remat,
+    no_remat,
+    periodic,
+)
+
 __all__ = [
-    "Checkpoint",
-    "Keep",
-    "Offload",
+    "BlockMemory",
+    "RematBytes",
     "RematChain",
-    "RematItem",
-    "RematPlan",
+    "RematProfile",
     "RematResult",
     "Replay",
-    "Selective",
-    "SelectiveCheckpoint",
     "checkpoint_calls",
     "checkpoint_cost_s",
     "checkpoint_forward_s",
-    "full_remat",
     "min_budget",
-    "no_remat",
-    "periodic",
     "plan_ops",
+    "remat_chain_of",
     "replay",
     "replay_ops",
     "solve",
@@ -308,6 +316,103 @@ class RematChain:
         return RematChain(**fields)
 
 
+@dataclass(frozen=True)
+class BlockMemory:
+    """The bytes of one block at one batch size (see the module docstring)."""
+
+    kept_bytes: int
+    out_bytes: int
+    fwd_peak_bytes: int
+    fwd_nosave_peak_bytes: int
+    bwd_peak_bytes: int
+    # (bytes, last cut live, the blocks that save it) per new output storage
+    out_values: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    saves: bool = True
+    # Under selective checkpointing (pyplan._torch.SELECTIVE_SAVE_OPS): what the forward leaves, outputs held, and
+    # the share of the forward's time its recomputation takes (the ops it does not save, priced by a roofline).
+    selective_kept_bytes: int = 0
+    selective_share: float = 1.0
+    # Per output value: whether selective checkpointing holds it to the block's backward (its storage is the
+    # output of an op it saves, as a projection's output that is the block's output).
+    selective_holds: tuple[bool, ...] = ()
+
+
+@dataclass(frozen=True)
+class RematBytes:
+    """The bytes of one block as `per_sample·b + fixed`."""
+
+    kept_bytes: Affine
+    out_bytes: Affine
+    fwd_peak_bytes: Affine
+    fwd_nosave_peak_bytes: Affine
+    bwd_peak_bytes: Affine
+    out_values: tuple[tuple[Affine, int, tuple[int, ...]], ...] = ()  # (bytes, last cut live, savers)
+    saves: bool = True
+    # The last block with the loss folded in (pyplan/profile/loss.py): the peak of the loss's backward, which runs
+    # before the block's own; the block's backward peak is the larger of the two at each batch size.
+    loss_bwd_peak_bytes: Affine | None = None
+    selective_kept_bytes: Affine | None = None  # None: not measured (a selective block then keeps what it would)
+    selective_share: float = 1.0
+    selective_holds: tuple[bool, ...] = ()
+
+    def at(self, batch_size: int) -> BlockMemory:
+        def value(a: Affine) -> int:
+            return round(a(batch_size))
+
+        values = tuple((value(b), last, saver) for b, last, saver in self.out_values)
+        bwd_peak = value(self.bwd_peak_bytes)
+        if self.loss_bwd_peak_bytes is not None:
+            bwd_peak = max(bwd_peak, value(self.loss_bwd_peak_bytes))
+        kept = value(self.kept_bytes)
+        return BlockMemory(
+            kept,
+            sum(b for b, _, _ in values) if values else value(self.out_bytes),
+            value(self.fwd_peak_bytes),
+            value(self.fwd_nosave_peak_bytes),
+            bwd_peak,
+            values,
+            self.saves,
+            kept if self.selective_kept_bytes is None else value(self.selective_kept_bytes),
+            self.selective_share,
+            self.selective_holds,
+        )
+
+
+@dataclass(frozen=True)
+class RematProfile:
+    """The memory figures of a whole chain: per block, and the gradient bytes per cut (one more than blocks)."""
+
+    blocks: tuple[RematBytes, ...]
+    grad_bytes: tuple[Affine, ...]
+
+    def chain(self, batch_size: int, fwd_s: Sequence[float], bwd_s: Sequence[float]) -> RematChain:
+        """The RematChain at `batch_size`, with the blocks' forward and backward seconds at that size."""
+        mems = [b.at(batch_size) for b in self.blocks]
+        return remat_chain_of(mems, [round(g(batch_size)) for g in self.grad_bytes], fwd_s, bwd_s)
+
+
+def remat_chain_of(
+    mems: Sequence[BlockMemory], grads: Sequence[int], fwd_s: Sequence[float], bwd_s: Sequence[float]
+) -> RematChain:
+    """The RematChain of blocks with memory `mems`, gradient bytes per cut `grads` and these times."""
+    return RematChain(
+        fwd_s=tuple(float(t) for t in fwd_s),
+        bwd_s=tuple(float(t) for t in bwd_s),
+        kept_bytes=tuple(float(m.kept_bytes) for m in mems),
+        out_bytes=tuple(float(m.out_bytes) for m in mems),
+        fwd_peak_bytes=tuple(float(m.fwd_peak_bytes) for m in mems),
+        fwd_nosave_peak_bytes=tuple(float(m.fwd_nosave_peak_bytes) for m in mems),
+        bwd_peak_bytes=tuple(float(m.bwd_peak_bytes) for m in mems),
+        grad_bytes=tuple(float(g) for g in grads),
+        out_values=tuple(tuple((float(b), last) for b, last, _ in m.out_values) for m in mems),
+        out_savers=tuple(tuple(savers for _, _, savers in m.out_values) for m in mems),
+        saves=tuple(m.saves for m in mems),
+        selective_kept_bytes=tuple(float(m.selective_kept_bytes) for m in mems),
+        selective_recompute_s=tuple(m.selective_share * float(t) for m, t in zip(mems, fwd_s)),
+        selective_holds=tuple(m.selective_holds for m in mems),
+    )
+
+
 # The per-block and per-cut vectors of a RematChain, in the order the C++ core takes them.
 _VECTORS = (
     "fwd_s",
@@ -319,184 +424,6 @@ _VECTORS = (
     "bwd_peak_bytes",
     "grad_bytes",
 )
-
-
-@dataclass(frozen=True)
-class Keep:
-    """Run block `block` saving what its backward needs."""
-
-    block: int
-
-
-@dataclass(frozen=True)
-class Offload:
-    """Run block `block` saving, with its saved tensors moved to host memory until its backward."""
-
-    block: int
-
-
-@dataclass(frozen=True)
-class Selective:
-    """Run block `block` under selective checkpointing: saving the outputs of its matrix products and fused
-    attention, recomputing its other ops in its backward (`RematChain.selective`)."""
-
-    block: int
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """Run the blocks of `inner` without saving; recompute them in backward following `inner`."""
-
-    inner: RematPlan
-
-
-@dataclass(frozen=True)
-class SelectiveCheckpoint(Checkpoint):
-    """Run the blocks of `inner` (kept blocks only) as one selective checkpoint: the outputs of their matrix
-    products and fused attention are saved in the first pass, everything else runs again in the backward, all of
-    `inner` at once when the backward reaches it (as checkpointing a whole FSDP unit under torchtitan's op policy).
-    Every rule of a `Checkpoint` holds, but for what the first pass leaves beside the output cut (the saved outputs,
-    `RematChain.selective_kept_bytes`, and the internal cuts' values they include, `selective_holds`) and the
-    recomputation's time (the ops not saved, `selective_recompute_s`)."""
-
-    def __post_init__(self) -> None:
-        if not all(isinstance(it, Keep) for it in self.inner.items):
-            raise ValueError("a selective checkpoint runs kept blocks only")
-
-
-RematItem = Keep | Offload | Selective | Checkpoint
-
-
-@dataclass(frozen=True)
-class RematPlan:
-    """Items covering consecutive blocks, in order (see the module docstring)."""
-
-    items: tuple[RematItem, ...]
-
-    def __post_init__(self) -> None:
-        if not self.items:
-            raise ValueError("a remat plan covers at least one block")
-        expected = self.first
-        for it in self.items:
-            if _first(it) != expected:
-                raise ValueError(f"remat plan items must cover consecutive blocks: expected {expected}, got {it}")
-            expected = _last(it) + 1
-
-    @property
-    def first(self) -> int:
-        return _first(self.items[0])
-
-    @property
-    def last(self) -> int:
-        return _last(self.items[-1])
-
-    @property
-    def blocks(self) -> range:
-        return range(self.first, self.last + 1)
-
-    def shifted(self, offset: int) -> RematPlan:
-        """The same plan with every block index moved by `offset`."""
-        return RematPlan(tuple(_shift(it, offset) for it in self.items))
-
-    def to_json(self) -> list[Any]:
-        """Nested lists: ["keep", i], ["offload", i], ["selective", i], ["checkpoint", [...]],
-        ["selective_checkpoint", [...]]."""
-        out: list[Any] = []
-        for it in self.items:
-            if isinstance(it, SelectiveCheckpoint):
-                out.append(["selective_checkpoint", it.inner.to_json()])
-            elif isinstance(it, Checkpoint):
-                out.append(["checkpoint", it.inner.to_json()])
-            else:
-                out.append([_KINDS[type(it)], it.block])
-        return out
-
-    @staticmethod
-    def from_json(data: Any) -> RematPlan:
-        if not isinstance(data, list) or not data:
-            raise ValueError(f"a remat plan is a non-empty list of items, got {data!r}")
-        items: list[RematItem] = []
-        for entry in data:
-            kinds = (*_ITEMS, "checkpoint", "selective_checkpoint")
-            if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in kinds):
-                raise ValueError(f"remat plan item {entry!r} is not [{'|'.join(kinds)}, value]")
-            kind, value = entry
-            if kind == "checkpoint":
-                items.append(Checkpoint(RematPlan.from_json(value)))
-            elif kind == "selective_checkpoint":
-                items.append(SelectiveCheckpoint(RematPlan.from_json(value)))
-            elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-                items.append(_ITEMS[kind](value))
-            else:
-                raise ValueError(f"remat plan item {entry!r} needs a block index")
-        return RematPlan(tuple(items))
-
-    def describe(self) -> str:
-        """Compact text: K3 keeps block 3, O3 offloads it, S3 checkpoints it selectively, C[...] checkpoints what
-        is inside, SC[...] checkpoints it selectively as one."""
-        parts = []
-        for it in self.items:
-            if isinstance(it, Checkpoint):
-                parts.append(f"{'SC' if isinstance(it, SelectiveCheckpoint) else 'C'}[{it.inner.describe()}]")
-            else:
-                parts.append(f"{_KINDS[type(it)][0].upper()}{it.block}")
-        return " ".join(parts)
-
-    def selective_blocks(self) -> frozenset[int]:
-        """The blocks a `Selective` item runs, at any depth."""
-        out: set[int] = set()
-        for it in self.items:
-            if isinstance(it, Checkpoint):
-                out |= it.inner.selective_blocks()
-            elif isinstance(it, Selective):
-                out.add(it.block)
-        return frozenset(out)
-
-
-_ITEMS: dict[str, type[Keep | Offload | Selective]] = {"keep": Keep, "offload": Offload, "selective": Selective}
-_KINDS = {v: k for k, v in _ITEMS.items()}
-
-
-def _first(it: RematItem) -> int:
-    return it.inner.first if isinstance(it, Checkpoint) else it.block
-
-
-def _last(it: RematItem) -> int:
-    return it.inner.last if isinstance(it, Checkpoint) else it.block
-
-
-def _shift(it: RematItem, offset: int) -> RematItem:
-    if isinstance(it, Checkpoint):
-        return type(it)(it.inner.shifted(offset))
-    return type(it)(it.block + offset)
-
-
-def no_remat(start: int, stop: int) -> RematPlan:
-    """Keep every block of [start, stop)."""
-    return RematPlan(tuple(Keep(i) for i in range(start, stop)))
-
-
-def periodic(start: int, stop: int, segments: int) -> RematPlan:
-    """`torch.utils.checkpoint.checkpoint_sequential`: `segments` equal segments, all but the last
-    checkpointed (each recomputed keeping everything), the last run normally."""
-    n = stop - start
-    if not 1 <= segments <= n:
-        raise ValueError(f"{segments} segments for {n} blocks")
-    size = -(-n // segments)  # checkpoint_sequential's segment size: ceil(n / segments)
-    items: list[RematItem] = []
-    a = start
-    while a + size < stop:
-        items.append(Checkpoint(no_remat(a, a + size)))
-        a += size
-    items.extend(Keep(i) for i in range(a, stop))
-    return RematPlan(tuple(items))
-
-
-def full_remat(start: int, stop: int) -> RematPlan:
-    """Checkpoint every block on its own except the last: only block inputs are kept."""
-    items: list[RematItem] = [Checkpoint(RematPlan((Keep(i),))) for i in range(start, stop - 1)]
-    items.append(Keep(stop - 1))
-    return RematPlan(tuple(items))
 
 
 # One operation of a schedule: ("F", i, "save"|"nosave"|"offload"), ("B", i), ("prefetch", i), ("free", c).
@@ -553,7 +480,7 @@ def _backward(plan: RematPlan, ops: list[Op], saves: Sequence[bool] | None) -> N
             while keep and not _packs(RematPlan(items[keep - 1 : keep]), saves):
                 keep -= 1
             if keep < len(items):
-                ops.extend(("B", j) for j in range(it.inner.last, _first(items[keep]) - 1, -1))
+                ops.extend(("B", j) for j in range(it.inner.last, RematPlan(items[keep : keep + 1]).first - 1, -1))
             again = RematPlan(items[:keep])
             if isinstance(it, SelectiveCheckpoint):
                 # The recomputation hands back the saved outputs and runs the other ops again.

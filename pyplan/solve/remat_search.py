@@ -21,21 +21,24 @@ from dataclasses import dataclass, replace
 
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.plan import Plan, StagePlan, StageRemat
-from pyplan.profile.remat import BlockMemory, RematProfile
-from pyplan.solve.remat import (
+from pyplan.remat_plan import (
     Checkpoint,
     Keep,
-    RematChain,
     RematItem,
     RematPlan,
-    Replay,
     Selective,
     SelectiveCheckpoint,
-    checkpoint_cost_s,
-    checkpoint_forward_s,
     full_remat,
     no_remat,
     periodic,
+)
+from pyplan.solve.remat import (
+    BlockMemory,
+    RematChain,
+    RematProfile,
+    Replay,
+    checkpoint_cost_s,
+    checkpoint_forward_s,
     replay,
     solve,
 )

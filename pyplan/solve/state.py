@@ -17,8 +17,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+from pyplan.model_state import OPTIMIZERS
 from pyplan.plan import Plan, Workload
-from pyplan.profile.memory import OPTIMIZERS
 
 __all__ = ["exact_state", "stage_state_bytes", "zero1_shares"]
 

@@ -10,20 +10,8 @@ from functools import cache
 import pytest
 
 from pyplan.errors import InfeasibleError
-from pyplan.solve.remat import (
-    Checkpoint,
-    Keep,
-    Offload,
-    RematChain,
-    RematItem,
-    RematPlan,
-    full_remat,
-    min_budget,
-    no_remat,
-    periodic,
-    replay,
-    solve,
-)
+from pyplan.remat_plan import Checkpoint, Keep, Offload, RematItem, RematPlan, full_remat, no_remat, periodic
+from pyplan.solve.remat import RematChain, min_budget, replay, solve
 
 
 def random_chain(rng: random.Random, n: int) -> RematChain:

@@ -122,7 +122,8 @@ def test_the_replay_with_the_loss_peaks_as_training_does() -> None:
     from pyplan.profile.live import LiveMemory
     from pyplan.profile.loss import remat_with_loss
     from pyplan.profile.remat import remat_bytes
-    from pyplan.solve.remat import no_remat, replay
+    from pyplan.remat_plan import no_remat
+    from pyplan.solve.remat import replay
 
     spec = zoo.get("gpt-tiny")
     assert spec.loss is not None and spec.target is not None

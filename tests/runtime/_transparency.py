@@ -28,9 +28,7 @@ from pyplan._torch import tree_map_only
 from pyplan.graph.linearize import operations
 from pyplan.graph.trace import Call, call_at, input_tensors, output_tensors
 from pyplan.plan import Layout, StageRemat
-from pyplan.runtime.trainer import OptimizerSpec, build_trainer, replica_slice
-from pyplan.solve.ilp import assign_stages, stage_dag_from_layergraph
-from pyplan.solve.remat import (
+from pyplan.remat_plan import (
     Checkpoint,
     Keep,
     Offload,
@@ -41,6 +39,8 @@ from pyplan.solve.remat import (
     no_remat,
     periodic,
 )
+from pyplan.runtime.trainer import OptimizerSpec, build_trainer, replica_slice
+from pyplan.solve.ilp import assign_stages, stage_dag_from_layergraph
 from pyplan.solve.schedules import torch_rejection
 from pyplan.spec import ModelSpec, default_loss
 

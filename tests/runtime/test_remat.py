@@ -11,8 +11,7 @@ from torch import nn
 from pyplan import Chain, LayerGraph, linearize, piece, trace, zoo
 from pyplan.graph.trace import ExampleInputs, inputs_at
 from pyplan.profile import LiveMemory, remat_chain
-from pyplan.runtime import apply_remat
-from pyplan.solve.remat import (
+from pyplan.remat_plan import (
     Checkpoint,
     Keep,
     Offload,
@@ -20,12 +19,11 @@ from pyplan.solve.remat import (
     Selective,
     SelectiveCheckpoint,
     full_remat,
-    min_budget,
     no_remat,
     periodic,
-    replay,
-    solve,
 )
+from pyplan.runtime import apply_remat
+from pyplan.solve.remat import min_budget, replay, solve
 from pyplan.solve.remat_search import segmented, selective, selective_gains
 from pyplan.spec import ModelSpec
 from pyplan.zoo.transformer import GPT, GPTConfig

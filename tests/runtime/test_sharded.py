@@ -8,8 +8,8 @@ import pytest
 from pyplan import linearize, load_model, search, trace
 from pyplan.hardware import Cluster
 from pyplan.plan import Workload
+from pyplan.remat_plan import Checkpoint, Keep, SelectiveCheckpoint, full_remat, no_remat
 from pyplan.runtime.sharded import gathered_bytes, remat_kind, shard_units, unit_segments, zero3_overlap
-from pyplan.solve.remat import Checkpoint, Keep, SelectiveCheckpoint, full_remat, no_remat
 from pyplan.solve.remat_search import segmented
 
 

@@ -16,16 +16,9 @@ from pyplan.graph.chain import Chain
 from pyplan.graph.split import run_pieces
 from pyplan.hardware import Cluster
 from pyplan.plan import Plan, Workload
+from pyplan.profile.nodes import node_profile
 from pyplan.runtime.stages import cut_model
-from pyplan.solve.dag_search import (
-    NodeProfile,
-    PipelineConfig,
-    StageCosts,
-    evaluate,
-    node_profile,
-    too_coarse,
-    worth_solving,
-)
+from pyplan.solve.dag_search import NodeProfile, PipelineConfig, StageCosts, evaluate, too_coarse, worth_solving
 from pyplan.solve.state import stage_state_bytes
 from pyplan.solve.tied import tied_parameters, tied_sync_s
 from pyplan.spec import ModelSpec

@@ -17,6 +17,7 @@ from torch import nn
 
 from pyplan import cut_points, trace
 from pyplan.errors import InfeasibleError, PlanError
+from pyplan.remat_plan import Checkpoint, Keep, RematItem, RematPlan, no_remat
 from pyplan.solve import partition
 from pyplan.solve.ilp import (
     RematDag,
@@ -29,19 +30,7 @@ from pyplan.solve.ilp import (
     replay_dag,
     stage_dag_from_layergraph,
 )
-from pyplan.solve.remat import (
-    Checkpoint,
-    Keep,
-    RematChain,
-    RematItem,
-    RematPlan,
-    min_budget,
-    no_remat,
-    plan_ops,
-    replay,
-    replay_ops,
-    solve,
-)
+from pyplan.solve.remat import RematChain, min_budget, plan_ops, replay, replay_ops, solve
 from pyplan.units import fmt_bytes
 from tests.solve.reference import evaluate_partition
 
