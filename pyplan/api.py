@@ -8,7 +8,7 @@ import inspect
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from torch import nn
@@ -21,7 +21,7 @@ from pyplan.graph.layergraph import Piecewise
 from pyplan.graph.linearize import linearize
 from pyplan.graph.trace import ExampleInputs, LeafSpec, trace
 from pyplan.hardware.catalog import GPU, LOCAL, Link
-from pyplan.hardware.cluster import Cluster
+from pyplan.hardware.cluster import Cluster, NodeGroup
 from pyplan.model_state import optimizer_step_bytes
 from pyplan.plan import (
     OBJECTIVES,
@@ -46,6 +46,7 @@ from pyplan.profile.nodes import node_profile
 from pyplan.profile.remat import remat_bytes
 from pyplan.runtime.sharded import gathered_bytes, remat_kind, unit_segments, zero3_overlap
 from pyplan.solve.dag_search import dag_plans
+from pyplan.solve.remat import RematProfile
 from pyplan.solve.remat_search import (
     OFFLOAD_MODES,
     RELAXED_SHARES,
@@ -55,7 +56,14 @@ from pyplan.solve.remat_search import (
     relaxed_chain,
 )
 from pyplan.solve.state import exact_state
-from pyplan.solve.tied import tied_copies, tied_parameters, tied_sync_s, with_tied_state, with_tied_sync
+from pyplan.solve.tied import (
+    TiedParameter,
+    tied_copies,
+    tied_parameters,
+    tied_sync_s,
+    with_tied_state,
+    with_tied_sync,
+)
 
 __all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "add_loss", "chain_for", "memory_per_process", "plan", "search"]
 
@@ -376,16 +384,77 @@ def search(
     restrict the search to the values given (empty: any): pins, for "what does this configuration cost".
     `progress(step)` is told each step as it starts: "tracing and profiling", "searching", "refining",
     "assigning operations to stages".
+
+    The steps: check the options; capture and profile the model once (`chain_for`); set out the candidate space
+    for the C++ search (`_Space`); search it, with every block's activations kept and, with `remat`, relaxed by
+    recomputation; refine each candidate found with the exact replay of its stages (`_Refiner`); rank; and for
+    pipelines whose chain is too coarse, assign stages operation by operation.
     """
     say = progress or (lambda step: None)
-    for name, pins in (
-        ("data_parallel", data_parallel),
-        ("pipeline_ranks", pipeline_ranks),
-        ("num_microbatches", num_microbatches),
-        ("micro_batch_sizes", micro_batch_sizes),
-    ):
-        if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in pins):
-            raise PlanError(f"{name} takes whole numbers of at least 1, got {list(pins)}")
+    _check_options(objective, remat, offload, memory_fraction, zero_stages, schedules,
+                   data_parallel=data_parallel, pipeline_ranks=pipeline_ranks, num_microbatches=num_microbatches,
+                   micro_batch_sizes=micro_batch_sizes)  # fmt: skip
+    profiled_on = "given chain"
+    if chain is None:
+        say("tracing and profiling")
+        chain, profiled_on = chain_for(model, example_inputs, cluster, workload, leaf_modules=leaf_modules)
+    chain, micro_batch_sizes = _trainable(chain, micro_batch_sizes, workload)
+    if loss is not None and chain.loss is None and not chain.graph.returns_loss:
+        # (A model that returns its own loss computes it in its last block, which the profile timed already.)
+        chain = add_loss(chain, model, example_inputs, cluster, workload, loss, target)
+    space = _Space.of(chain, cluster, workload, objective, memory_fraction)
+    pins = {
+        "micro_batch_sizes": list(micro_batch_sizes),
+        "data_parallel": list(data_parallel),
+        "pipeline_ranks": list(pipeline_ranks),
+        "num_microbatches": list(num_microbatches),
+        "schedules": list(schedules),
+        "zero_stages": list(zero_stages),
+        "placements": list(placements),
+        "allow_fewer_gpus": allow_fewer_gpus,
+        "objective": objective,
+        "weight": weight,
+    }
+    refiner = _Refiner.of(space, model, example_inputs, remat, offload, offload_bw_bytes_per_s)
+    wide = max(4 * top_k, 20)
+    say("searching")
+    plain = space.run(pins, wide) if remat in ("none", "auto") else None
+    relaxed = [space.run(pins, wide, refiner.profile, share) for share in RELAXED_SHARES] if remat != "none" else []
+    say("refining")
+    every = (refiner.refined([plain], "none") if plain is not None else []) + refiner.refined(relaxed, remat)
+    if not every:
+        raise InfeasibleError(_infeasible(plain, relaxed, remat))
+    top, pareto = _rank(every, objective, weight)[:top_k], _frontier(every)
+    found = [r for r in (plain, *relaxed) if r is not None]
+    if stage_dag and plain is not None and plain.feasible:
+        say("assigning operations to stages")
+        dag = refiner.operation_level([*plain.top, *plain.pareto], example_inputs, objective, weight)
+        if dag:
+            top, pareto = _rank([*top, *dag], objective, weight)[:top_k], _frontier([*pareto, *dag])
+    return PlanSearch(
+        best=top[0],
+        alternatives=tuple(top[1:]),
+        pareto=tuple(pareto),
+        candidates=sum(r.num_candidates for r in found),
+        evaluated=sum(r.num_evaluated for r in found),
+        chain=chain,
+        profiled_on=profiled_on,
+    )
+
+
+def _check_options(
+    objective: str,
+    remat: str,
+    offload: str,
+    memory_fraction: float,
+    zero_stages: Sequence[int],
+    schedules: Sequence[str],
+    **pins: Sequence[int],
+) -> None:
+    """One line for the first option `search` cannot take."""
+    for name, values in pins.items():
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in values):
+            raise PlanError(f"{name} takes whole numbers of at least 1, got {list(values)}")
     if remat not in REMAT_MODES:
         raise PlanError(f"unknown remat mode '{remat}'; choose one of {', '.join(REMAT_MODES)}")
     if offload not in OFFLOAD_MODES:
@@ -402,68 +471,104 @@ def search(
     unknown = [s for s in schedules if s not in SEARCHED_SCHEDULES]
     if unknown:
         raise PlanError(f"schedule '{unknown[0]}' is not searched; choose from {', '.join(SEARCHED_SCHEDULES)}")
-    price = 0.0
-    currency = ""
-    if objective != "time" or any(g.price_per_gpu_hour is not None for g in cluster.groups):
-        money = cluster.price_per_gpu_second()
-        price, currency = money.amount, money.currency
-    profiled_on = "given chain"
-    if chain is None:
-        say("tracing and profiling")
-        chain, profiled_on = chain_for(model, example_inputs, cluster, workload, leaf_modules=leaf_modules)
+
+
+def _trainable(chain: Chain, micro_batch_sizes: Sequence[int], workload: Workload) -> tuple[Chain, Sequence[int]]:
+    """The profiled chain, and the micro-batch sizes the model can train on (a BatchNorm that sees one value per
+    channel below `chain.min_micro_batch`, see chain_for)."""
     if any(b.fwd_time_s is None or b.bwd_time_s is None or b.saved_bytes is None for b in chain.blocks):
         raise PlanError("the chain has blocks without times or saved bytes; profile it first")
-    if chain.min_micro_batch > 1:
-        # A BatchNorm that sees one value per channel on a smaller micro-batch (chain_for).
-        allowed = [b for b in micro_batch_sizes or range(1, workload.global_batch + 1) if b >= chain.min_micro_batch]
-        if not allowed:
-            raise PlanError(
-                f"the model trains on micro-batches of {chain.min_micro_batch} samples or more (a BatchNorm sees "
-                f"one value per channel below), none of {list(micro_batch_sizes)} is"
-            )
-        micro_batch_sizes = allowed
-    if loss is not None and chain.loss is None and not chain.graph.returns_loss:
-        # (A model that returns its own loss computes it in its last block, which the profile timed already.)
-        chain = add_loss(chain, model, example_inputs, cluster, workload, loss, target)
-    gpu = cluster.gpu
-    if gpu.memory_bytes is None or not gpu.hbm_bw_bytes_per_s:
-        raise PlanError(f"GPU '{gpu.name}' has no memory size or bandwidth; run `pyplan calibrate` first")
-    group = cluster.groups[0]
-    if cluster.gpus == 1:
-        # One GPU sends nothing: a link without figures (`pyplan calibrate --no-link`, one GPU on the machine)
-        # takes no part in its plans, and any positive figures stand in for it.
-        group = replace(group, intra_link=_unused(group.intra_link), inter_link=_unused(group.inter_link))
-    for link, where in ((group.intra_link, "inside a node"), (group.inter_link, "between nodes")):
-        if link.latency_s is None or link.bw_bytes_per_s is None:
-            raise PlanError(f"the link {where} ({link.name}) has no latency or bandwidth; run `pyplan calibrate`")
-    per_param = workload.bytes_per_param()
-    scale = _activation_scale(workload)
-    blocks = chain.blocks
-    fwd_a = [b.fwd_time_s.per_sample for b in blocks]
-    fwd_b = [b.fwd_time_s.fixed for b in blocks]
-    bwd_a = [b.bwd_time_s.per_sample for b in blocks]
-    bwd_b = [b.bwd_time_s.fixed for b in blocks]
-    act_a = [b.saved_bytes.per_sample * scale for b in blocks]
-    act_b = [b.saved_bytes.fixed * scale for b in blocks]
-    gpu_mem = memory_per_process(cluster) * memory_fraction
-    # The runtime's host costs where it runs on this machine's CPU (measured by `pyplan calibrate`).
-    host = local_host_costs() if _is_local(gpu) and gpu.device_type == "cpu" else None
-    host_costs = host.for_search(workload.optimizer) if host is not None else {}
-    cut_tensors = [float(len(c.live)) for c in chain.cuts]
-    time_tables = _time_tables(blocks)
-    # Under full recomputation (the relaxed searches below) each block's backward also runs its forward again.
-    recomputing_tables = (
-        {
-            **time_tables,
-            "bwd_points_s": [g + f for g, f in zip(time_tables["bwd_points_s"], time_tables["fwd_points_s"])],
-        }
-        if time_tables
-        else {}
-    )
+    if chain.min_micro_batch <= 1:
+        return chain, micro_batch_sizes
+    allowed = [b for b in micro_batch_sizes or range(1, workload.global_batch + 1) if b >= chain.min_micro_batch]
+    if not allowed:
+        raise PlanError(
+            f"the model trains on micro-batches of {chain.min_micro_batch} samples or more (a BatchNorm sees "
+            f"one value per channel below), none of {list(micro_batch_sizes)} is"
+        )
+    return chain, allowed
 
-    def run(
-        act_a: list[float], act_b: list[float], bwd_a: list[float], bwd_b: list[float], top: int, recompute: bool
-    ) -> Any:
+
+def _infeasible(plain: Any, relaxed: Sequence[Any], remat: str) -> str:
+    """Why no plan was found, in one line."""
+    reason = plain.reason if plain is not None and plain.reason else (relaxed[0].reason if relaxed else "")
+    if plain is not None and plain.feasible:
+        reason = "every plan that fits the saved activations overflows with the stages' working memory"
+    suffix = f" (even with rematerialization: {remat})" if remat != "none" else ""
+    return f"{reason or 'no configuration fits'}{suffix}"
+
+
+@dataclass(frozen=True)
+class _Space:
+    """The search's fixed inputs: the chain's per-block figures, the cluster's links and memory, the workload's
+    bytes per parameter and price, as the C++ search (`_core.search`) takes them."""
+
+    chain: Chain
+    cluster: Cluster
+    workload: Workload
+    group: NodeGroup  # the cluster's nodes, links without figures given stand-ins when one GPU sends nothing
+    gpu_mem: float  # bytes planned for on each GPU
+    scale: float  # saved activations and boundary tensors traced in fp32, at the workload's precision
+    price: float  # per GPU-second, 0 when no price is known and none is needed
+    currency: str
+    host: dict[str, float | bool]  # the runtime's host costs on this machine's CPU (`pyplan calibrate`)
+    tables: dict[str, list[float]]  # the blocks' measured times at each batch size (`_time_tables`)
+
+    @staticmethod
+    def of(chain: Chain, cluster: Cluster, workload: Workload, objective: str, memory_fraction: float) -> _Space:
+        price, currency = 0.0, ""
+        if objective != "time" or any(g.price_per_gpu_hour is not None for g in cluster.groups):
+            money = cluster.price_per_gpu_second()
+            price, currency = money.amount, money.currency
+        gpu = cluster.gpu
+        if gpu.memory_bytes is None or not gpu.hbm_bw_bytes_per_s:
+            raise PlanError(f"GPU '{gpu.name}' has no memory size or bandwidth; run `pyplan calibrate` first")
+        group = cluster.groups[0]
+        if cluster.gpus == 1:
+            # One GPU sends nothing: a link without figures (`pyplan calibrate --no-link`, one GPU on the machine)
+            # takes no part in its plans, and any positive figures stand in for it.
+            group = replace(group, intra_link=_unused(group.intra_link), inter_link=_unused(group.inter_link))
+        for link, where in ((group.intra_link, "inside a node"), (group.inter_link, "between nodes")):
+            if link.latency_s is None or link.bw_bytes_per_s is None:
+                raise PlanError(f"the link {where} ({link.name}) has no latency or bandwidth; run `pyplan calibrate`")
+        host = local_host_costs() if _is_local(gpu) and gpu.device_type == "cpu" else None
+        return _Space(
+            chain,
+            cluster,
+            workload,
+            group,
+            gpu_mem=memory_per_process(cluster) * memory_fraction,
+            scale=_activation_scale(workload),
+            price=price,
+            currency=currency,
+            host=host.for_search(workload.optimizer) if host is not None else {},
+            tables=_time_tables(chain.blocks),
+        )
+
+    @property
+    def cut_tensors(self) -> list[float]:
+        return [float(len(c.live)) for c in self.chain.cuts]
+
+    def run(self, pins: dict[str, Any], top: int, memory: RematProfile | None = None, share: float = 0.0) -> Any:
+        """The C++ search over the candidates `pins` allow, its `top` best: with every block's activations kept,
+        or with `memory` relaxed by recomputation (`relaxed_chain` at `share`, each block's backward also running
+        its forward again)."""
+        blocks, scale = self.chain.blocks, self.scale
+        fwd_a = [b.fwd_time_s.per_sample for b in blocks]
+        fwd_b = [b.fwd_time_s.fixed for b in blocks]
+        bwd_a = [b.bwd_time_s.per_sample for b in blocks]
+        bwd_b = [b.bwd_time_s.fixed for b in blocks]
+        act_a = [b.saved_bytes.per_sample * scale for b in blocks]
+        act_b = [b.saved_bytes.fixed * scale for b in blocks]
+        tables = self.tables
+        if memory is not None:
+            act_a, act_b, bwd_a, bwd_b = relaxed_chain(fwd_a, fwd_b, bwd_a, bwd_b, memory, scale, share)
+            if tables:
+                tables = {
+                    **tables,
+                    "bwd_points_s": [g + f for g, f in zip(tables["bwd_points_s"], tables["fwd_points_s"])],
+                }
+        per_param, gpu, group = self.workload.bytes_per_param(), self.cluster.gpu, self.group
         try:
             return _core.search(
                 fwd_a,
@@ -473,131 +578,249 @@ def search(
                 act_a,
                 act_b,
                 [float(b.param_numel) for b in blocks],
-                [c.bytes.per_sample * scale for c in chain.cuts],
-                [c.bytes.fixed * scale for c in chain.cuts],
-                num_gpus=cluster.gpus,
-                gpus_per_node=cluster.gpus_per_node,
-                gpu_mem_bytes=gpu_mem,
+                [c.bytes.per_sample * scale for c in self.chain.cuts],
+                [c.bytes.fixed * scale for c in self.chain.cuts],
+                num_gpus=self.cluster.gpus,
+                gpus_per_node=self.cluster.gpus_per_node,
+                gpu_mem_bytes=self.gpu_mem,
                 mem_bw_bytes_per_s=gpu.hbm_bw_bytes_per_s,
                 intra_latency_s=group.intra_link.latency_s,
                 intra_bw_bytes_per_s=group.intra_link.bw_bytes_per_s,
                 inter_latency_s=group.inter_link.latency_s,
                 inter_bw_bytes_per_s=group.inter_link.bw_bytes_per_s,
-                price_per_gpu_s=price,
-                global_batch=workload.global_batch,
+                price_per_gpu_s=self.price,
+                global_batch=self.workload.global_batch,
                 param_bytes=float(per_param.param_bytes),
                 grad_bytes=float(per_param.grad_bytes),
                 optim_bytes=float(per_param.optimizer_bytes),
-                micro_batch_sizes=list(micro_batch_sizes),
-                data_parallel=list(data_parallel),
-                pipeline_ranks=list(pipeline_ranks),
-                num_microbatches=list(num_microbatches),
-                schedules=list(schedules),
-                zero_stages=list(zero_stages),
-                placements=list(placements),
-                allow_fewer_gpus=allow_fewer_gpus,
-                objective=objective,
-                weight=weight,
                 top_k=top,
                 param_tensors=[float(b.param_tensors) for b in blocks],
-                cut_tensors=cut_tensors,
+                cut_tensors=self.cut_tensors,
                 intra_collective=group.intra_link.collective,
                 inter_collective=group.inter_link.collective,
-                host=host_costs,
+                host=self.host,
                 zero3_single_stage=True,  # see pyplan/plan.py ZERO_STAGES
-                **(recomputing_tables if recompute else time_tables),
+                **pins,
+                **tables,
             )
         except ValueError as exc:
             raise PlanError(str(exc)) from exc
 
-    # Every plan is refined with the exact replay of its stages' activations (pyplan/solve/remat.py): the search's
-    # memory counts saved activations per micro-batch in flight; the replay adds each stage's working memory
-    # (outputs, gradients and transients of the forward and backward). A plan that then does not fit is dropped,
-    # so the searches return more candidates than asked. The replay also finds the parameter gradients not yet
-    # made at a GPipe stage's peak (`unmade_grad_bytes`), which the search counts in the state: a plan that fits
-    # only by them is not found (conservative).
-    profile_ = (
-        chain.memory
-        if chain.memory is not None
-        else remat_bytes(chain, example_inputs, (2, 4), roofline=_pricing(gpu, None))
-    )
-    if chain.loss is not None:
-        profile_ = remat_with_loss(profile_, chain.loss)
-    # A checkpoint call's own cost, measured where the blocks were (on a GPU the host overhead runs ahead of
-    # the kernels, and an analytic profile has no host to measure: none is charged).
-    hosted = remat != "none" and _is_local(gpu) and not is_meta_module(model)
-    checkpoint_s = checkpoint_call_s() if hosted else 0.0
-    costs = (
-        checkpoint_costs(chain, example_inputs, min(4, workload.global_batch), call_s=checkpoint_s)
-        if hosted
-        else CheckpointCosts(())
-    )
-    wide = max(4 * top_k, 20)
 
-    def refine(c: Any, start: Plan, mode: str) -> Plan | None:
-        link = group.inter_link if c.pipeline_inter else group.intra_link
-        # ZeRO-3 gathers each block's weights in its forward and again in its backward, and reduce-scatters its
-        # gradients, per micro-batch, over the replicas (half an all-reduce each), on streams of their own beside
-        # the compute (`zero3_overlap`).
-        fwd_of, bwd_of = [blk.fwd_time_s for blk in blocks], [blk.bwd_time_s for blk in blocks]
-        if c.zero_stage == 3 and c.dp > 1:
-            (a_lat, a_bw), (e_lat, e_bw) = group.intra_link.collective, group.inter_link.collective
+@dataclass(frozen=True)
+class _Refiner:
+    """Each candidate of the C++ search as the runtime would train it: its stages replayed block by block with
+    their exact working memory (pyplan/solve/remat.py; the search counts saved activations per micro-batch in
+    flight, the replay adds outputs, gradients and transients), ZeRO-3's communication beside the compute and its
+    gathered units, each rank's copy of a tied parameter. A plan that then does not fit is dropped, so the searches
+    return more candidates than asked. The replay also finds the parameter gradients not yet made at a GPipe stage's
+    peak (`unmade_grad_bytes`), which the search counts in the state: a plan that fits only by them is not found
+    (conservative)."""
 
-            def half_allreduce(nbytes: float) -> float:
-                whole = _core.hierarchical_allreduce_time_s(
-                    nbytes,
-                    c.dp_gpus_per_node,
-                    c.dp_nodes,
-                    intra_latency_s=a_lat,
-                    intra_bw_bytes_per_s=a_bw,
-                    inter_latency_s=e_lat,
-                    inter_bw_bytes_per_s=e_bw,
-                )
-                return whole / 2
+    space: _Space
+    model: nn.Module
+    profile: RematProfile  # the blocks' working memory, the loss's folded in
+    remat: str
+    offload_bw_bytes_per_s: float | None  # None: no offloading
+    checkpoint_s: float  # a checkpoint call's own cost, measured where the blocks were
+    costs: CheckpointCosts
+    tied: list[TiedParameter]  # parameters on stages of different ranks, all-reduced after the pipeline drains
+    params: StageParams
+    gathered: float  # ZeRO-3: the bytes of the units FSDP2 holds gathered beside the shards
+    units: list[tuple[int, int]]  # ZeRO-3: the blocks each unit spans (it checkpoints whole units)
 
-            gathers = [half_allreduce(blk.param_numel * per_param.param_bytes) for blk in blocks]
-            scatters = [half_allreduce(blk.param_numel * per_param.grad_bytes) for blk in blocks]
+    @staticmethod
+    def of(
+        space: _Space,
+        model: nn.Module,
+        example_inputs: ExampleInputs,
+        remat: str,
+        offload: str,
+        offload_bw_bytes_per_s: float,
+    ) -> _Refiner:
+        chain, workload, gpu = space.chain, space.workload, space.cluster.gpu
+        memory = (
+            chain.memory
+            if chain.memory is not None
+            else remat_bytes(chain, example_inputs, (2, 4), roofline=_pricing(gpu, None))
+        )
+        if chain.loss is not None:
+            memory = remat_with_loss(memory, chain.loss)
+        # On a GPU the host overhead of a checkpoint call runs ahead of the kernels, and an analytic profile has no
+        # host to measure: none is charged.
+        hosted = remat != "none" and _is_local(gpu) and not is_meta_module(model)
+        checkpoint_s = checkpoint_call_s() if hosted else 0.0
+        costs = (
+            checkpoint_costs(chain, example_inputs, min(4, workload.global_batch), call_s=checkpoint_s)
+            if hosted
+            else CheckpointCosts(())
+        )
+        per_param = workload.bytes_per_param()
+        tied = tied_parameters(chain)
+        return _Refiner(
+            space,
+            model,
+            memory,
+            remat,
+            offload_bw_bytes_per_s if offload == "auto" else None,
+            checkpoint_s,
+            costs,
+            tied,
+            _stage_params(chain, workload, gpu, tied),
+            gathered_bytes(model, float(per_param.param_bytes), float(per_param.grad_bytes)),
+            unit_segments(model, [b.name for b in chain.blocks]),
+        )
 
-            def fwd_times(b: int) -> list[float]:
-                return zero3_overlap([f(b) for f in fwd_of], [g(b) for g in bwd_of], gathers, scatters)[0]
+    def refined(self, results: Iterable[Any], mode: str) -> list[Plan]:
+        """The feasible candidates of `results` (each configuration once), refined, that still fit."""
+        space = self.space
+        seen: set[tuple[Any, ...]] = set()
+        out: list[Plan] = []
+        for c in [cand for r in results if r.feasible for cand in (*r.top, *r.pareto)]:
+            start = self.tied_state(_plan_of(c, space.chain, space.currency, space.workload))
+            key = _key(start)
+            if key in seen:
+                continue
+            seen.add(key)
+            got = self._sharded(self._refine(c, start, _zero3_mode(mode) if c.zero_stage == 3 else mode))
+            if got is not None:
+                got = exact_state(got, [self._stage_shapes(st) for st in got.stages], space.workload)
+            if got is not None and got.predicted.peak_memory_bytes <= space.gpu_mem:
+                out.append(self.tied_sync(got))
+        return out
 
-            def bwd_times(b: int) -> list[float]:
-                return zero3_overlap([f(b) for f in fwd_of], [g(b) for g in bwd_of], gathers, scatters)[1]
-        else:
+    def operation_level(
+        self, candidates: Sequence[Any], example_inputs: ExampleInputs, objective: str, weight: float
+    ) -> list[Plan]:
+        """Plans whose stages are assigned operation by operation, for the candidates whose chain is too coarse
+        to balance (pyplan/solve/dag_search.py), with their tied parameters, that fit."""
+        space = self.space
+        nodes = functools.partial(node_profile, space.chain, example_inputs, gpu=space.cluster.gpu)
+        dag = dag_plans(candidates, space.chain, nodes, space.cluster, space.workload, gpu_mem_bytes=space.gpu_mem,
+                        scale=space.scale, price_per_gpu_s=space.price, currency=space.currency,
+                        objective=objective, weight=weight, host=space.host)  # fmt: skip
+        fitting = (self.tied_sync(self.tied_state(p)) for p in dag)
+        return [p for p in fitting if p.predicted.peak_memory_bytes <= space.gpu_mem]
 
-            def fwd_times(b: int) -> list[float]:
-                return [f(b) for f in fwd_of]
-
-            def bwd_times(b: int) -> list[float]:
-                return [g(b) for g in bwd_of]
-
+    def _refine(self, c: Any, start: Plan, mode: str) -> Plan | None:
+        space, chain = self.space, self.space.chain
+        link = space.group.inter_link if c.pipeline_inter else space.group.intra_link
+        fwd_times, bwd_times = self._block_times(c)
         return refine_plan(
             start,
-            profile_,
+            self.profile,
             fwd_times,
             bwd_times,
-            scale=scale,
-            gpu_mem_bytes=gpu_mem,
-            cut_bytes=lambda b: [cut.bytes(b) * scale for cut in chain.cuts],
+            scale=space.scale,
+            gpu_mem_bytes=space.gpu_mem,
+            cut_bytes=lambda b: [cut.bytes(b) * space.scale for cut in chain.cuts],
             positions=[cut.position for cut in chain.cuts],
             send_s=lambda nbytes: link.latency_s + nbytes / link.bw_bytes_per_s,
             stage_sync_s=list(c.stage_sync_s),
             mode=mode,
-            offload_bw_bytes_per_s=offload_bw_bytes_per_s if offload == "auto" else None,
-            checkpoint_s=checkpoint_s,
-            host=host_costs,
-            cut_tensors=cut_tensors,
-            checkpoint_block_s=costs.block_s,
-            checkpoint_forward_share=costs.forward_share,
-            params=stage_params,
-            tied_copy_numel=[sum(float(t.numel) for t in ts) for ts in tied_copies(start.layout, chain, tied)],
-            segments=units,
+            offload_bw_bytes_per_s=self.offload_bw_bytes_per_s,
+            checkpoint_s=self.checkpoint_s,
+            host=space.host,
+            cut_tensors=space.cut_tensors,
+            checkpoint_block_s=self.costs.block_s,
+            checkpoint_forward_share=self.costs.forward_share,
+            params=self.params,
+            tied_copy_numel=[sum(float(t.numel) for t in ts) for ts in tied_copies(start.layout, chain, self.tied)],
+            segments=self.units,
         )
 
-    # Parameters on stages of different ranks (tied embeddings) are all-reduced after the pipeline drains.
-    tied = tied_parameters(chain)
-    # The parameters as the refinement counts their gradients and the optimizer step's temporaries: torch's Adam
-    # runs foreach on a GPU and tensor by tensor on the CPU; ZeRO 1-3 shard the optimizer over the replicas.
+    def _block_times(self, c: Any) -> tuple[Callable[[int], list[float]], Callable[[int], list[float]]]:
+        """The blocks' forward and backward seconds at micro-batch b, as functions of b. ZeRO-3 gathers each
+        block's weights in its forward and again in its backward, and reduce-scatters its gradients, per
+        micro-batch, over the replicas (half an all-reduce each), on streams of their own beside the compute
+        (`zero3_overlap`)."""
+        blocks, group = self.space.chain.blocks, self.space.group
+        fwd_of, bwd_of = [blk.fwd_time_s for blk in blocks], [blk.bwd_time_s for blk in blocks]
+        if not (c.zero_stage == 3 and c.dp > 1):
+            return (lambda b: [f(b) for f in fwd_of]), (lambda b: [g(b) for g in bwd_of])
+        (a_lat, a_bw), (e_lat, e_bw) = group.intra_link.collective, group.inter_link.collective
+
+        def half_allreduce(nbytes: float) -> float:
+            whole = _core.hierarchical_allreduce_time_s(
+                nbytes,
+                c.dp_gpus_per_node,
+                c.dp_nodes,
+                intra_latency_s=a_lat,
+                intra_bw_bytes_per_s=a_bw,
+                inter_latency_s=e_lat,
+                inter_bw_bytes_per_s=e_bw,
+            )
+            return whole / 2
+
+        per_param = self.space.workload.bytes_per_param()
+        gathers = [half_allreduce(blk.param_numel * per_param.param_bytes) for blk in blocks]
+        scatters = [half_allreduce(blk.param_numel * per_param.grad_bytes) for blk in blocks]
+
+        def overlapped(b: int) -> tuple[list[float], list[float]]:
+            return zero3_overlap([f(b) for f in fwd_of], [g(b) for g in bwd_of], gathers, scatters)
+
+        return (lambda b: overlapped(b)[0]), (lambda b: overlapped(b)[1])
+
+    def tied_sync(self, p: Plan) -> Plan:
+        """The plan with the all-reduce of its tied parameters' gradients after the pipeline drains."""
+        if not self.tied or p.layout.pp < 2:
+            return p
+        space, grad_bytes = self.space, float(self.space.workload.bytes_per_param().grad_bytes)
+        links = {
+            "intra": space.group.intra_link,
+            "inter": space.group.inter_link,
+            "gpus_per_node": space.cluster.gpus_per_node,
+        }
+        return with_tied_sync(p, tied_sync_s(p.layout, space.chain, self.tied, grad_bytes, **links))
+
+    def tied_state(self, p: Plan) -> Plan:
+        """Each rank's own copy of a tied parameter (weights, gradient, optimizer state), before the replay."""
+        if not self.tied or p.layout.pp < 2:
+            return p
+        lay, workload = p.layout, self.space.workload
+        return with_tied_state(
+            p, self.space.chain, self.tied, lambda n: workload.state_bytes_per_gpu(n, lay.dp, lay.zero_stage)
+        )
+
+    def _sharded(self, p: Plan | None) -> Plan | None:
+        """A ZeRO-3 plan as the runtime can run it (no recomputation, or every unit's: it trains the model's own
+        modules), with its gathered units, if it still fits; any other plan as it is."""
+        if p is None or p.layout.zero_stage != 3:
+            return p
+        if remat_kind(p.layout) == "other":
+            return None
+        # Gathered while the micro-batches run, resharded before the optimizer step: the pipeline's moment grows.
+        gathered = self.gathered
+        stages = tuple(
+            replace(
+                st,
+                activation_bytes=st.activation_bytes + gathered,
+                memory_bytes=max(
+                    st.memory_bytes,
+                    st.state_bytes + st.activation_bytes + gathered + st.buffer_bytes - st.unmade_grad_bytes,
+                ),
+            )
+            for st in p.stages
+        )
+        peak = max(st.memory_bytes for st in stages)
+        if peak > self.space.gpu_mem:
+            return None
+        return replace(p, stages=stages, predicted=replace(p.predicted, peak_memory_bytes=peak))
+
+    def _stage_shapes(self, st: StagePlan) -> list[tuple[int, ...]]:
+        """The shapes of the parameter tensors of a stage's blocks, each tensor once (tied names share one)."""
+        blocks, module = self.space.chain.blocks, self.space.chain.graph.module
+        seen: dict[int, tuple[int, ...]] = {}
+        for name in (n for b in blocks[st.first_block : st.last_block + 1] for n in b.param_names):
+            with contextlib.suppress(AttributeError):
+                param = module.get_parameter(name)
+                seen.setdefault(id(param), tuple(param.shape))
+        return list(seen.values())
+
+
+def _stage_params(chain: Chain, workload: Workload, gpu: GPU, tied: list[TiedParameter]) -> StageParams:
+    """The parameters as the refinement counts their gradients and the optimizer step's temporaries: torch's Adam
+    runs foreach on a GPU and tensor by tensor on the CPU; ZeRO 1-3 shard the optimizer over the replicas."""
     module = chain.graph.module
 
     def largest(names: Iterable[str]) -> float:
@@ -617,119 +840,12 @@ def search(
             foreach=gpu.device_type != "cpu",
         )
 
-    stage_params = StageParams(
-        numel=[float(b.param_numel) for b in blocks],
-        largest=[largest(b.param_names) for b in blocks],
+    return StageParams(
+        numel=[float(b.param_numel) for b in chain.blocks],
+        largest=[largest(b.param_names) for b in chain.blocks],
         tied=[(t.blocks, float(t.numel)) for t in tied],
-        grad_bytes=float(per_param.grad_bytes),
+        grad_bytes=float(workload.bytes_per_param().grad_bytes),
         step_bytes=step_bytes,
-    )
-
-    def tied_sync(p: Plan) -> Plan:
-        if not tied or p.layout.pp < 2:
-            return p
-        links = {"intra": group.intra_link, "inter": group.inter_link, "gpus_per_node": cluster.gpus_per_node}
-        return with_tied_sync(p, tied_sync_s(p.layout, chain, tied, float(per_param.grad_bytes), **links))
-
-    def tied_state(p: Plan) -> Plan:
-        """Each rank's own copy of a tied parameter (weights, gradient, optimizer state), before the replay."""
-        if not tied or p.layout.pp < 2:
-            return p
-        lay = p.layout
-        return with_tied_state(p, chain, tied, lambda n: workload.state_bytes_per_gpu(n, lay.dp, lay.zero_stage))
-
-    # ZeRO-3 (one stage, the model's own modules under FSDP2): the units it holds gathered beside the shards, and
-    # the blocks each unit spans, which it recomputes when it recomputes at all (it checkpoints whole units).
-    gathered = gathered_bytes(model, float(per_param.param_bytes), float(per_param.grad_bytes))
-    units = unit_segments(model, [b.name for b in blocks])
-
-    def sharded(p: Plan | None) -> Plan | None:
-        """A ZeRO-3 plan as the runtime can run it (no recomputation, or every unit's: it trains the model's own
-        modules), with its gathered units, if it still fits; any other plan as it is."""
-        if p is None or p.layout.zero_stage != 3:
-            return p
-        if remat_kind(p.layout) == "other":
-            return None
-        # Gathered while the micro-batches run, resharded before the optimizer step: the pipeline's moment grows.
-        stages_ = tuple(
-            replace(
-                st,
-                activation_bytes=st.activation_bytes + gathered,
-                memory_bytes=max(
-                    st.memory_bytes,
-                    st.state_bytes + st.activation_bytes + gathered + st.buffer_bytes - st.unmade_grad_bytes,
-                ),
-            )
-            for st in p.stages
-        )
-        peak = max(st.memory_bytes for st in stages_)
-        if peak > gpu_mem:
-            return None
-        return replace(p, stages=stages_, predicted=replace(p.predicted, peak_memory_bytes=peak))
-
-    def stage_shapes(st: StagePlan) -> list[tuple[int, ...]]:
-        """The shapes of the parameter tensors of a stage's blocks, each tensor once (tied names share one)."""
-        seen: dict[int, tuple[int, ...]] = {}
-        for name in (n for b in blocks[st.first_block : st.last_block + 1] for n in b.param_names):
-            with contextlib.suppress(AttributeError):
-                param = module.get_parameter(name)
-                seen.setdefault(id(param), tuple(param.shape))
-        return list(seen.values())
-
-    def refined(results: Iterable[Any], mode: str) -> list[Plan]:
-        seen: set[tuple[Any, ...]] = set()
-        out: list[Plan] = []
-        for c in [cand for r in results if r.feasible for cand in (*r.top, *r.pareto)]:
-            start = tied_state(_plan_of(c, chain, currency, workload))
-            key = _key(start)
-            if key in seen:
-                continue
-            seen.add(key)
-            got = sharded(refine(c, start, _zero3_mode(mode) if c.zero_stage == 3 else mode))
-            if got is not None:
-                got = exact_state(got, [stage_shapes(st) for st in got.stages], workload)
-            if got is not None and got.predicted.peak_memory_bytes <= gpu_mem:
-                out.append(tied_sync(got))
-        return out
-
-    say("searching")
-    plain = run(act_a, act_b, bwd_a, bwd_b, wide, False) if remat in ("none", "auto") else None
-    relaxed = (
-        [
-            run(*relaxed_chain(fwd_a, fwd_b, bwd_a, bwd_b, profile_, scale, share), wide, True)
-            for share in RELAXED_SHARES
-        ]
-        if remat != "none"
-        else []
-    )
-    say("refining")
-    every = (refined([plain], "none") if plain is not None else []) + refined(relaxed, remat)
-    if not every:
-        reason = plain.reason if plain is not None and plain.reason else (relaxed[0].reason if relaxed else "")
-        if plain is not None and plain.feasible:
-            reason = "every plan that fits the saved activations overflows with the stages' working memory"
-        suffix = f" (even with rematerialization: {remat})" if remat != "none" else ""
-        raise InfeasibleError(f"{reason or 'no configuration fits'}{suffix}")
-    top, pareto = _rank(every, objective, weight)[:top_k], _frontier(every)
-    candidates = sum(r.num_candidates for r in relaxed) + (plain.num_candidates if plain is not None else 0)
-    evaluated = sum(r.num_evaluated for r in relaxed) + (plain.num_evaluated if plain is not None else 0)
-    if stage_dag and plain is not None and plain.feasible:
-        say("assigning operations to stages")
-    nodes = functools.partial(node_profile, chain, example_inputs, gpu=cluster.gpu)
-    dag = dag_plans([*plain.top, *plain.pareto], chain, nodes, cluster, workload, gpu_mem_bytes=gpu_mem,
-                    scale=scale, price_per_gpu_s=price, currency=currency, objective=objective, weight=weight,
-                    host=host_costs) if stage_dag and plain is not None and plain.feasible else []  # fmt: skip
-    if dag:
-        dag = [q for p in dag if (q := tied_sync(tied_state(p))).predicted.peak_memory_bytes <= gpu_mem]
-        top, pareto = _rank([*top, *dag], objective, weight)[:top_k], _frontier([*pareto, *dag])
-    return PlanSearch(
-        best=top[0],
-        alternatives=tuple(top[1:]),
-        pareto=tuple(pareto),
-        candidates=candidates,
-        evaluated=evaluated,
-        chain=chain,
-        profiled_on=profiled_on,
     )
 
 

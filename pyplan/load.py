@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from pyplan import hub, zoo
 from pyplan.errors import ModelLoadError
 from pyplan.spec import ModelSpec
 
@@ -80,12 +81,8 @@ def load_model(ref: str) -> ModelSpec:
     """The ModelSpec named by `ref`: `path/to/model.py`, `path/to/model.py:builder`, `zoo:NAME`,
     `hf:MODEL_TYPE[:key=value,...]` (a transformers config, see pyplan.hub.hf_model) or `timm:NAME`."""
     if ref.startswith("zoo:"):
-        from pyplan import zoo
-
         return zoo.get(ref.removeprefix("zoo:"))
     if ref.startswith(("hf:", "timm:")):
-        from pyplan import hub
-
         return hub.hf_model(ref) if ref.startswith("hf:") else hub.timm_model(ref)
     path, _, func = ref.partition(":") if ref.count(":") == 1 and not os.path.exists(ref) else (ref, "", "")
     module = _import_file(path)

@@ -70,8 +70,6 @@ class Workload:
 
     def state_bytes_per_gpu(self, params: float, dp: int, zero_stage: int) -> float:
         """Model-state bytes of `params` parameter elements on one GPU of `dp` replicas under a ZeRO stage."""
-        from pyplan import _core
-
         per = self.bytes_per_param()
         return _core.zero_model_state_bytes(
             params,

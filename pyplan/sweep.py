@@ -29,12 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from pyplan import zoo
 from pyplan._files import write_atomic
 from pyplan.api import add_loss, chain_for, search
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.graph.trace import ExampleInputs
 from pyplan.hardware.catalog import LOCAL
 from pyplan.hardware.cluster import Cluster
+from pyplan.load import load_model
 from pyplan.plan import OBJECTIVES, Plan, Workload
 from pyplan.profile.cache import CacheStats, ProfileCache
 from pyplan.profile.loss import LossFn, TargetFn
@@ -158,7 +160,6 @@ class ModelRef:
         runtime does); none for a module given directly."""
         if self.ref is None:
             return None, None
-        from pyplan.load import load_model
 
         spec = load_model(self.ref)
         return spec.loss or default_loss, spec.target
@@ -169,7 +170,6 @@ class ModelRef:
         if self.module is not None:
             assert self.example_inputs is not None
             return self.module, self.example_inputs
-        from pyplan.load import load_model
 
         assert self.ref is not None
         spec = load_model(self.ref)
@@ -484,9 +484,6 @@ ModelLike = str | tuple[nn.Module, ExampleInputs]
 
 def _model_ref(name: str | None, model: ModelLike) -> ModelRef:
     if isinstance(model, str):
-        from pyplan import zoo
-        from pyplan.load import load_model
-
         ref = model if model.startswith("zoo:") or model.endswith(".py") or ".py:" in model else f"zoo:{model}"
         if ref.startswith("zoo:"):
             zoo.get(ref.removeprefix("zoo:"))  # an unknown name raises here, with the closest names

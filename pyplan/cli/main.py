@@ -16,13 +16,31 @@ from rich.console import Console
 from rich.text import Text
 
 from pyplan import _core
+from pyplan._files import check_writable, write_atomic
 from pyplan._version import __version__
+from pyplan.api import memory_per_process, search
+from pyplan.cli.hardware import add_hardware_parser
+from pyplan.cli.show import add_show_parser
+from pyplan.cli.zoo import add_zoo_parser
+from pyplan.emit.configs import render_config
+from pyplan.emit.planfile import PlanFile, read_plan_file, write_plan_file
+from pyplan.emit.script import write_script
 from pyplan.errors import PlanError
+from pyplan.graph.linearize import linearize
+from pyplan.graph.trace import trace
 from pyplan.hardware.cluster import Cluster
+from pyplan.load import load_model
 from pyplan.model_state import OPTIMIZERS, PRECISIONS
-from pyplan.plan import ZERO_STAGES, Plan
+from pyplan.plan import ZERO_STAGES, Plan, Workload
+from pyplan.profile import TimingOptions, local_device, profile
+from pyplan.profile.calibrate import add_calibrate_parser
 from pyplan.report.console import make_console
+from pyplan.report.html import write_html_report
+from pyplan.report.inspect import inspect_data, render_inspect
+from pyplan.report.pareto import parse_weights, write_pareto
+from pyplan.report.plans import render_plans
 from pyplan.solve.remat_search import OFFLOAD_MODES, REMAT_MODES
+from pyplan.spec import default_loss
 from pyplan.units import fmt_seconds
 
 __all__ = ["main"]
@@ -36,12 +54,6 @@ _INSPECT_EXAMPLES = """examples:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from pyplan.graph.linearize import linearize
-    from pyplan.graph.trace import trace
-    from pyplan.load import load_model
-    from pyplan.profile import TimingOptions, local_device, profile
-    from pyplan.report.inspect import inspect_data, render_inspect
-
     if args.batch_size < 1:
         raise PlanError(f"--batch-size must be at least 1, got {args.batch_size}")
     for flag, value, least in (
@@ -172,18 +184,10 @@ def _progress(label: str) -> Iterator[Callable[[str], None]]:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from pyplan.api import memory_per_process, search
-    from pyplan.emit.planfile import PlanFile, write_plan_file
-    from pyplan.load import load_model
-    from pyplan.plan import Workload
-    from pyplan.report.plans import render_plans
-    from pyplan.spec import default_loss
-
     if args.top < 1:
         raise PlanError(f"--top must be at least 1, got {args.top}")
     if args.offload != "none" and args.remat != "auto":
         raise PlanError("--offload plans offloading within --remat auto's plans: add --remat auto")
-    from pyplan._files import check_writable
 
     for output in (args.out, args.emit, args.pareto, args.report):
         if output:
@@ -240,22 +244,14 @@ def _plan(args: argparse.Namespace) -> int:
         write_plan_file(args.out, document)
         written.append(args.out)
     if args.emit:
-        from pyplan.emit.script import write_script
-
         write_script(args.emit, document)
         written.append(args.emit)
     if args.pareto or args.report:
-        from pyplan.report.pareto import parse_weights
-
         weights = parse_weights(args.pareto_weights)
         if args.pareto:
-            from pyplan.report.pareto import write_pareto
-
             write_pareto(more, args.pareto, weights=weights)
             written.append(args.pareto)
         if args.report:
-            from pyplan.report.html import write_html_report
-
             write_html_report(document, args.report, search=more, weights=weights)
             written.append(args.report)
     if args.json:
@@ -280,16 +276,11 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _emit(args: argparse.Namespace) -> int:
-    from pyplan._files import write_atomic
-    from pyplan.emit.planfile import read_plan_file
-    from pyplan.emit.script import write_script
-
     document = read_plan_file(args.plan_file)
     if args.format == "script":
         write_script(args.out, document)
         make_console().print(f"wrote {args.out}; run it with torchrun (see its docstring)")
         return 0
-    from pyplan.emit.configs import render_config
 
     text, notes = render_config(document, args.format)
     if args.out == "train.py":  # the default belongs to the script
@@ -441,11 +432,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.set_defaults(func=_emit)
-
-    from pyplan.cli.hardware import add_hardware_parser
-    from pyplan.cli.show import add_show_parser
-    from pyplan.cli.zoo import add_zoo_parser
-    from pyplan.profile.calibrate import add_calibrate_parser
 
     add_hardware_parser(sub)
     add_show_parser(sub)

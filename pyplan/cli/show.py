@@ -6,7 +6,11 @@ import argparse
 import json
 from typing import Any
 
+from pyplan.emit.planfile import read_plan_file
 from pyplan.report.console import make_console
+from pyplan.report.gantt import write_gantt
+from pyplan.report.html import write_html_report
+from pyplan.report.show import render_show, show_data
 
 __all__ = ["add_show_parser", "show"]
 
@@ -25,20 +29,13 @@ pip install 'pyplan[plot]'.
 
 def show(args: argparse.Namespace) -> int:
     """Run `pyplan show`."""
-    from pyplan.emit.planfile import read_plan_file
-    from pyplan.report.show import render_show, show_data
-
     document = read_plan_file(args.plan_file)
     data = show_data(document)
     written = []
     if args.gantt:
-        from pyplan.report.gantt import write_gantt
-
         write_gantt(document.plan, args.gantt)
         written.append(f"Gantt chart written to {args.gantt}")
     if args.report:
-        from pyplan.report.html import write_html_report
-
         write_html_report(document, args.report)
         written.append(f"report written to {args.report}")
     if args.json:

@@ -14,9 +14,13 @@ from rich.table import Table
 
 from pyplan import _core, zoo
 from pyplan.errors import PlanError
+from pyplan.hardware.cluster import Cluster
 from pyplan.model_state import OPTIMIZERS, PRECISIONS
+from pyplan.plan import Workload
+from pyplan.profile.cache import ProfileCache
 from pyplan.report.console import make_console
 from pyplan.solve.remat_search import OFFLOAD_MODES, REMAT_MODES
+from pyplan.sweep import ModelRef, ResultsFile, SearchOptions, Sweep, cluster_label, identity, is_finished
 from pyplan.units import fmt_bytes, fmt_count
 
 if TYPE_CHECKING:
@@ -233,8 +237,6 @@ def _model_names(names: Sequence[str]) -> list[str]:
 
 
 def _clusters(args: argparse.Namespace) -> list[Cluster]:
-    from pyplan.hardware.cluster import Cluster
-
     gpus = _sizes(args.gpus)
     types = _split(args.gpu)
     instances = _split(args.instance)
@@ -256,8 +258,6 @@ def _clusters(args: argparse.Namespace) -> list[Cluster]:
 
 
 def _cache(args: argparse.Namespace) -> ProfileCache | None:
-    from pyplan.profile.cache import ProfileCache
-
     if args.no_cache:
         if args.cache_dir:
             raise PlanError("--no-cache and --cache-dir contradict each other; give one")
@@ -268,9 +268,6 @@ def _cache(args: argparse.Namespace) -> ProfileCache | None:
 def zoo_sweep(args: argparse.Namespace) -> int:
     """`pyplan zoo NAMES|all --gpus ...`: plan every model on every cluster, write and print the records."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from pyplan.plan import Workload
-    from pyplan.sweep import ModelRef, ResultsFile, SearchOptions, Sweep, cluster_label, identity, is_finished
 
     names = _model_names(args.names)
     clusters = _clusters(args)

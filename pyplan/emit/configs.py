@@ -20,6 +20,9 @@ from collections.abc import Callable, Sequence
 
 from pyplan.emit.planfile import PlanFile
 from pyplan.errors import PlanError
+from pyplan.graph.linearize import cut_points
+from pyplan.graph.trace import trace
+from pyplan.load import load_model
 from pyplan.plan import Layout
 from pyplan.remat_plan import Checkpoint, Keep, Selective, SelectiveCheckpoint
 
@@ -155,10 +158,6 @@ FORMATS: dict[str, Callable[[PlanFile, Sequence[str]], tuple[str, Notes]]] = {
 def stage_starts(doc: PlanFile) -> tuple[list[str], Notes]:
     """The module each pipeline stage after the first starts at (torchtitan's split points), from the model traced
     as the runtime traces it; where a stage starts inside a module, that module and a note."""
-    from pyplan.graph.linearize import cut_points
-    from pyplan.graph.trace import trace
-    from pyplan.load import load_model
-
     lay = doc.plan.layout
     if lay.pp == 1 and lay.stages_per_rank == 1:
         return [], []

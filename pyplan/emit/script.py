@@ -199,14 +199,14 @@ def train(args):
             take = mine
         if cuda:
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        began = time.perf_counter()
         losses = trainer.step(
             tuple(t[take] for t in tensors), target[take] if target is not None else None, args.clip_grad_norm
         )
         schedule.step()
         if cuda:
             torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - began
         # Every rank's figures to rank 0, which alone reports: the replicas' mean loss (the last stages hold the
         # losses), the slowest rank's step and its peak memory.
         total = torch.stack(losses).sum().item() if losses else 0.0

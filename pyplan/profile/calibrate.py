@@ -28,6 +28,8 @@ from pyplan.hardware.catalog import _detect_local, local_calibration_path
 from pyplan.profile._procs import run_two
 from pyplan.profile.analytic import ALLOCATIONS, OP_CLASSES, Efficiency, OpCost, OpEfficiency, Roofline, op_class
 from pyplan.profile.host import HostCosts, measure_host_costs
+from pyplan.runtime.affinity import pin_rank
+from pyplan.runtime.heap import keep_freed_memory
 from pyplan.units import fmt_bandwidth, fmt_bytes, fmt_count, fmt_seconds
 
 __all__ = [
@@ -598,9 +600,6 @@ def _link_worker(
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=2)
     if not cuda:
-        from pyplan.runtime.affinity import pin_rank
-        from pyplan.runtime.heap import keep_freed_memory
-
         keep_freed_memory()  # as the runtime runs CPU ranks (pyplan/runtime/heap.py, affinity.py)
         pin_rank()
     try:

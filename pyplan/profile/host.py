@@ -25,7 +25,12 @@ from torch import nn
 
 from pyplan.errors import PlanError
 from pyplan.hardware.catalog import local_host_json
+from pyplan.plan import Layout
 from pyplan.profile._procs import run_two
+from pyplan.runtime.affinity import pin_rank
+from pyplan.runtime.heap import keep_freed_memory
+from pyplan.runtime.optim import optimizer_factory
+from pyplan.spec import ModelSpec
 
 __all__ = [
     "HostCosts",
@@ -139,8 +144,6 @@ def local_host_costs() -> HostCosts | None:
 
 
 def _optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    from pyplan.runtime.optim import optimizer_factory
-
     spec = optimizer_factory(name, 1e-3)
     return spec.cls(params, **spec.kwargs)
 
@@ -190,8 +193,6 @@ _WIDTH = 8  # the probe model: tiny Linear layers, so what is measured is the ru
 
 
 def _probe_spec() -> Any:
-    from pyplan.spec import ModelSpec
-
     def build() -> nn.Module:
         return nn.Sequential(nn.Linear(_WIDTH, _WIDTH), nn.ReLU(), nn.Linear(_WIDTH, _WIDTH))
 
@@ -231,8 +232,8 @@ def _messages(rank: int, reps: int) -> float:
 def _trainer_step(spec: Any, m: int, reps: int, *, pp: int = 1) -> tuple[float, float]:
     """CPU seconds of one `PipelineTrainer.step` of a (2/pp) x pp GPipe plan of the probe model at m micro-batches
     of one sample, and the forward chunk's CPU seconds per micro-batch beyond the model's own forward."""
-    from pyplan.plan import Layout
-    from pyplan.runtime.trainer import build_trainer, optimizer_factory
+    # Heavy: the trainer imports torch.distributed.pipelining and FSDP (1.3 s), which only calibration needs.
+    from pyplan.runtime.trainer import build_trainer
 
     cuts = (0, 3) if pp == 1 else (0, 2, 3)
     layout = Layout(dp=2 // pp, pp=pp, micro_batch_size=1, num_microbatches=m, schedule="GPipe", cut_positions=cuts)
@@ -301,8 +302,6 @@ def _host_worker(rank: int, out: str, init: str, quick: bool) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
-    from pyplan.runtime.affinity import pin_rank
-    from pyplan.runtime.heap import keep_freed_memory
 
     keep_freed_memory()  # as the runtime runs CPU ranks (pyplan/runtime/heap.py, affinity.py)
     pin_rank()

@@ -78,7 +78,9 @@ from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import Piecewise
 from pyplan.graph.trace import ExampleInputs, inputs_at
 from pyplan.profile.pieces import backward, block_inputs, block_modules, forward, leaf_inputs
+from pyplan.remat_plan import full_remat, no_remat
 from pyplan.runtime.heap import keep_freed_memory
+from pyplan.runtime.remat import apply_remat
 
 __all__ = ["CheckpointCosts", "TimingOptions", "block_times", "checkpoint_call_s", "checkpoint_costs", "local_device"]
 
@@ -550,9 +552,6 @@ def _as_in_the_runtime(
     Timed alone, a block under a checkpoint also pays the module call of its recomputation, which the runtime's
     checkpoints, running the blocks' code, do not: measured on resnet-tiny at b = 8, the blocks alone added 5.1-5.6
     ms of hooks a micro-batch against 2-3 ms in the RematModule."""
-    from pyplan.remat_plan import full_remat, no_remat
-    from pyplan.runtime.remat import apply_remat
-
     n = len(mods)
     plain = _module_s(apply_remat(chain, no_remat(0, n)), inputs, clock, options)
     full = _module_s(apply_remat(chain, full_remat(0, n)), inputs, clock, options)

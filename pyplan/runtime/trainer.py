@@ -7,6 +7,7 @@ With placement "pp-inner" the ranks of one pipeline are consecutive (mesh shape 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
@@ -31,7 +31,14 @@ from pyplan.runtime.heap import keep_freed_memory
 from pyplan.runtime.optim import OptimizerFactory, OptimizerSpec, optimizer_factory
 from pyplan.runtime.sharded import ShardedTrainer, build_sharded_trainer, remat_kind
 from pyplan.runtime.stages import cut_model, local_stages, stage_io, tied_parameters
+from pyplan.solve.schedules import stage_placement
 from pyplan.spec import ModelSpec, default_loss
+
+with warnings.catch_warnings():
+    # torch.distributed.optim scripts its functional optimizers with torch.jit.script when imported, which
+    # torch 2.13 deprecates with a warning on every import.
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = [
     "OptimizerFactory",
@@ -174,8 +181,6 @@ def _tied_groups(
 ) -> list[tuple[list[nn.Parameter], dist.ProcessGroup, bool]]:
     """A process group per tied parameter and replica, over the ranks holding its stages; every rank creates
     every group in the same order (new_group is collective), and keeps the ones it belongs to."""
-    from pyplan.solve.schedules import stage_placement
-
     placement = stage_placement(layout.schedule, layout.pp, layout.stages_per_rank)
     ranks = mesh.mesh  # [dp, pp] or [pp, dp] tensor of global ranks
     me = dist.get_rank()

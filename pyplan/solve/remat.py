@@ -94,6 +94,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pyplan import _core
+from pyplan.errors import InfeasibleError, PlanError
 from pyplan.graph.layergraph import Affine
 from pyplan.remat_plan import (
     Checkpoint,
@@ -867,8 +869,6 @@ def _arrays(chain: RematChain) -> list[Any]:
 
 def min_budget(chain: RematChain, *, offload: bool = False, max_depth: int | None = None) -> float:
     """The least peak (bytes) of any plan: below it no budget is feasible."""
-    from pyplan import _core
-
     return _core.remat_min_peak(*_arrays(chain), offload=offload, max_depth=-1 if max_depth is None else max_depth)
 
 
@@ -895,9 +895,6 @@ def solve(
     them is returned when it is faster and fits: slot rounding can hide such a plan from the DP.
     Raises InfeasibleError naming the least budget when nothing fits.
     """
-    from pyplan import _core
-    from pyplan.errors import InfeasibleError, PlanError
-
     bw = offload_bw_bytes_per_s or 0.0
 
     def dp(budget: float) -> Any:

@@ -42,7 +42,7 @@ from pyplan.solve.remat import (
     replay,
     solve,
 )
-from pyplan.solve.schedules import simulate
+from pyplan.solve.schedules import simulate, stage_placement
 
 __all__ = [
     "OFFLOAD_MODES",
@@ -499,7 +499,5 @@ def _step_bytes(plan: Plan, params: StageParams, tied_copy_numel: Sequence[float
 
 
 def _stage_ranks(plan: Plan) -> list[int]:
-    from pyplan.solve.schedules import stage_placement
-
     lay = plan.layout
     return stage_placement(lay.schedule, lay.pp, lay.stages_per_rank)

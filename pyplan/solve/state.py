@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from pyplan.model_state import OPTIMIZERS
 from pyplan.plan import Plan, Workload
+from pyplan.solve.schedules import stage_placement
 
 __all__ = ["exact_state", "stage_state_bytes", "zero1_shares"]
 
@@ -67,7 +68,6 @@ def exact_state(plan: Plan, stage_shapes: Sequence[Sequence[tuple[int, ...]]], w
         exact = stage_state_bytes(shapes, workload, lay.dp, lay.zero_stage)
         delta = exact - workload.state_bytes_per_gpu(sum(math.prod(s) for s in shapes), lay.dp, lay.zero_stage)
         stages.append(replace(st, state_bytes=st.state_bytes + delta, memory_bytes=st.memory_bytes + delta))
-    from pyplan.solve.schedules import stage_placement
 
     placement = stage_placement(lay.schedule, lay.pp, lay.stages_per_rank)
     ranks: dict[int, float] = {}

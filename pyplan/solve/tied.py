@@ -19,6 +19,7 @@ from pyplan import _core
 from pyplan.graph.chain import Chain
 from pyplan.hardware.catalog import Link
 from pyplan.plan import Layout, Plan
+from pyplan.solve.schedules import stage_placement
 
 __all__ = ["TiedParameter", "tied_copies", "tied_parameters", "tied_sync_s", "with_tied_state", "with_tied_sync"]
 
@@ -69,8 +70,6 @@ def _stages(layout: Layout, chain: Chain, blocks: Sequence[int]) -> list[int]:
 
 def _stage_ranks(layout: Layout, chain: Chain, blocks: Sequence[int]) -> set[int]:
     """The pipeline ranks (0..pp−1) holding the given blocks under `layout`."""
-    from pyplan.solve.schedules import stage_placement
-
     placement = stage_placement(layout.schedule, layout.pp, layout.stages_per_rank)
     return {placement[s] for s in _stages(layout, chain, blocks)}
 
@@ -127,8 +126,6 @@ def tied_copies(layout: Layout, chain: Chain, tied: Sequence[TiedParameter]) -> 
     """Per stage of `layout`, the tied parameters whose own copy its rank keeps there: the chain counts a shared
     parameter once, in the first block that reads it; every other rank holding a stage that reads it keeps a copy,
     charged to its first such stage."""
-    from pyplan.solve.schedules import stage_placement
-
     placement = stage_placement(layout.schedule, layout.pp, layout.stages_per_rank)
     out: list[list[TiedParameter]] = [[] for _ in range(layout.num_stages)]
     for t in tied:
@@ -149,8 +146,6 @@ def with_tied_state(
     gradient and optimizer state (`state_bytes(numel)`, by the plan's ZeRO stage). A rank's copy is charged to
     its first stage that reads it; the plan's peak is its fullest rank's memory again (measured on gpt-tiny's
     last stage, 1 x 2: 262 KB of AdamW state and weight for the 64 KiB embedding)."""
-    from pyplan.solve.schedules import stage_placement
-
     lay = plan.layout
     placement = stage_placement(lay.schedule, lay.pp, lay.stages_per_rank)
     extra = [sum((state_bytes(t.numel) for t in copies), 0.0) for copies in tied_copies(lay, chain, tied)]
