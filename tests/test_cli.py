@@ -100,11 +100,12 @@ def test_options_out_of_range_are_one_line(argv: list[str], message: str, capsys
     assert err.startswith("error:") and message in err and "\n" not in err
 
 
-def test_console_script_help() -> None:
-    done = subprocess.run([sys.executable, "-m", "pyplan.cli", "inspect", "--help"], capture_output=True, text=True)
-    assert done.returncode == 0 and "examples:" in done.stdout
+def test_console_script_help(capsys: pytest.CaptureFixture[str]) -> None:
     done = subprocess.run([sys.executable, "-m", "pyplan.cli", "nonsense"], capture_output=True, text=True)
-    assert done.returncode == 2
+    assert done.returncode == 2 and "invalid choice: 'nonsense'" in done.stderr
+    with pytest.raises(SystemExit) as exited:
+        main(["inspect", "--help"])
+    assert exited.value.code == 0 and "examples:" in capsys.readouterr().out
 
 
 def test_unwritable_outputs_unreadable_plans_and_misspelt_leaves_are_one_line(
