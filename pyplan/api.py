@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import math
-import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -18,9 +16,8 @@ from pyplan._torch import is_meta_module
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.graph.chain import Block, Chain
 from pyplan.graph.layergraph import Piecewise
-from pyplan.graph.linearize import linearize
-from pyplan.graph.trace import ExampleInputs, LeafSpec, trace
-from pyplan.hardware.catalog import GPU, LOCAL, Link
+from pyplan.graph.trace import ExampleInputs, Examples, LeafSpec
+from pyplan.hardware.catalog import GPU, Link
 from pyplan.hardware.cluster import Cluster, NodeGroup
 from pyplan.model_state import optimizer_step_bytes
 from pyplan.plan import (
@@ -35,12 +32,9 @@ from pyplan.plan import (
     StagePlan,
     Workload,
 )
-from pyplan.profile import TimingOptions, default_batch_sizes, local_device, measured_batch_sizes, profile
-from pyplan.profile.analytic import Roofline, block_times_analytic
-from pyplan.profile.attention import AttentionTarget, TargetKernels
-from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, measured_target
+from pyplan.profile.capture import add_loss, chain_for, is_local, pricing
 from pyplan.profile.host import local_host_costs
-from pyplan.profile.loss import LossCost, LossFn, TargetFn, loss_cost, remat_with_loss, with_loss
+from pyplan.profile.loss import LossFn, TargetFn, remat_with_loss
 from pyplan.profile.measure import CheckpointCosts, checkpoint_call_s, checkpoint_costs
 from pyplan.profile.nodes import node_profile
 from pyplan.profile.remat import remat_bytes
@@ -69,191 +63,12 @@ __all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "add_loss", "chain_for", "memory_
 
 # The schedules the search evaluates; the zero-bubble ones need split input/weight-gradient times first.
 SEARCHED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
-_COMPUTE_DTYPE = {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}
-# The catalog peak each precision computes at.
-_PEAK_OF = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp32": "fp32"}
-
-
-def _pricing(gpu: GPU, roofline: Roofline | None) -> Roofline | None:
-    """The roofline that prices a block's ops for the share of its forward a selective recomputation takes: the
-    analytic profile's, else the calibrated local device's (None where it is not calibrated: a nominal one)."""
-    if roofline is not None:
-        return roofline
-    try:
-        return Roofline.from_gpu(gpu)
-    except PlanError:
-        return None
 
 
 def _zero3_mode(mode: str) -> str:
     """The remat mode a ZeRO-3 plan's stage is refined with: its runtime checkpoints whole FSDP units (the model's
     own modules, `unit_segments`), selectively or not, or none of them."""
     return {"none": "none", "selective": "selective segments", "auto": "any segments"}.get(mode, "segments")
-
-
-def _is_local(gpu: GPU) -> bool:
-    return gpu.name == LOCAL
-
-
-def timing_options(cluster: Cluster) -> TimingOptions:
-    """How `chain_for` times a model on this machine for `cluster`: on the CPU, beside as many companion processes
-    as the cluster places other ranks on one machine, up to the cores beside the timed one (see
-    pyplan/profile/measure.py); on CUDA alone."""
-    base = TimingOptions()
-    if local_device().type != "cpu":
-        return base
-    ranks = max(g.gpus_per_node for g in cluster.groups)
-    cores = max(1, (os.cpu_count() or 1) // base.threads)
-    return replace(base, corun=max(0, min(ranks, cores) - 1))
-
-
-def chain_for(
-    model: nn.Module,
-    example_inputs: ExampleInputs,
-    cluster: Cluster,
-    workload: Workload,
-    *,
-    leaf_modules: Iterable[LeafSpec] = (),
-    min_blocks: int = 16,
-    max_blocks: int = 128,
-    cache: ProfileCache | None = None,
-) -> tuple[Chain, str]:
-    """Trace, linearize and profile `model` for the cluster's GPU: measured on this machine for `local`,
-    analytic (a roofline over the recorded ops) for a catalog GPU. Returns the chain and how it was timed.
-
-    With `cache`, a profile made before for the same model, inputs and target is reused (the model is traced
-    symbolically again and checked against the cached graph, see pyplan/profile/cache.py), and a new one is
-    stored."""
-    leaf_modules = tuple(leaf_modules)
-    trace_batch = min(4, workload.global_batch)
-    gpu = cluster.gpu
-    measured = _is_local(gpu) and not is_meta_module(model)
-    # Measured times at the sizes plans use (they are not linear in b); analytic ones are (FLOPs and bytes are).
-    sizes = measured_batch_sizes(workload.global_batch) if measured else default_batch_sizes(trace_batch)
-    if measured and workload.precision != "fp32":
-        raise PlanError("measured profiling on this machine runs in fp32; plan `local` with --precision fp32")
-    if not measured and (not gpu.peak_flops_per_s or not gpu.hbm_bw_bytes_per_s):
-        raise PlanError(f"GPU '{gpu.name}' has no peak FLOP/s or memory bandwidth; run `pyplan calibrate` first")
-    compute_dtype = _COMPUTE_DTYPE[workload.precision]
-    if not measured and _PEAK_OF[workload.precision] not in gpu.peak_flops_per_s:
-        others = [p for p, key in _PEAK_OF.items() if key in gpu.peak_flops_per_s]
-        raise PlanError(
-            f"GPU '{gpu.name}' has no {_PEAK_OF[workload.precision]} peak in the catalog (it runs no "
-            f"{workload.precision} kernels); plan it with --precision {' or '.join(others) or 'another GPU'}"
-        )
-    roofline = None if measured else Roofline.from_gpu(gpu)
-    timing = timing_options(cluster)
-    key = None
-    if cache is not None:
-        target = (
-            measured_target(gpu, local_device(), timing)
-            if roofline is None
-            else analytic_target(gpu, roofline, compute_dtype)
-        )
-        key = ProfileKey.of(
-            model,
-            example_inputs,
-            trace_batch=trace_batch,
-            batch_sizes=sizes,
-            target=target,
-            leaf_modules=leaf_modules,
-            min_blocks=min_blocks,
-            max_blocks=max_blocks,
-            caller=inspect.getsource(chain_for),
-        )
-        hit = cache.load(key, model, leaf_modules=leaf_modules, min_blocks=min_blocks, max_blocks=max_blocks)
-        if hit is not None:
-            return hit
-    graph = trace(model, example_inputs, leaf_modules=leaf_modules, batch_size=trace_batch)
-    chain = linearize(graph, min_blocks=min_blocks, max_blocks=max_blocks)
-
-    # A catalog GPU runs fused attention where torch would select it there (pyplan/profile/attention.py).
-    attention = (
-        TargetKernels(AttentionTarget(gpu.arch, compute_dtype))
-        if roofline is not None and gpu.arch is not None and gpu.device_type == "cuda"
-        else None
-    )
-
-    def profiled_at(sizes: tuple[int, ...]) -> tuple[Chain, str]:
-        with attention if attention is not None else contextlib.nullcontext():
-            profiled, how = _profiled_at(sizes)
-        if attention is not None and attention.chosen:
-            how = f"{how}, attention {', '.join(sorted(attention.chosen))}"
-        return profiled, how
-
-    def _profiled_at(sizes: tuple[int, ...]) -> tuple[Chain, str]:
-        if roofline is None:
-            profiled = profile(chain, example_inputs, batch_sizes=sizes, options=timing)
-            how = "measured on this machine"
-        else:
-            profiled = profile(chain, example_inputs, measure=False, batch_sizes=sizes)
-            times = block_times_analytic(profiled, example_inputs, roofline, sizes, compute_dtype=compute_dtype)
-            blocks = [replace(b, fwd_time_s=f, bwd_time_s=g) for b, (f, g) in zip(profiled.blocks, times)]
-            profiled, how = replace(profiled, blocks=blocks), f"analytic roofline of {gpu.name}"
-        # The blocks' working memory, for the exact replay of every plan's stages (search); cached with the rest.
-        # At 2 samples or more: at 1 a transpose can be a contiguous view, and a block that keeps a copy of its
-        # input at 2 keeps the input itself at 1 (nn.TransformerEncoder), which no line through both describes.
-        low = max(2, min(sizes))
-        memory = remat_bytes(profiled, example_inputs, (low, 2 * low), roofline=_pricing(gpu, roofline))
-        return replace(profiled, memory=memory), how
-
-    try:
-        profiled, how = profiled_at(sizes)
-    except ValueError as exc:
-        if "Expected more than 1 value per channel" not in str(exc):
-            raise
-        # A BatchNorm over a 1x1 map cannot train on one sample: profile from 2 and plan micro-batches of 2 or more.
-        try:
-            from_two = sorted({max(2, b) for b in sizes})
-            profiled, how = profiled_at(tuple(from_two if len(from_two) > 1 else [2, 4]))
-        except ValueError as again:
-            if "Expected more than 1 value per channel" not in str(again):
-                raise
-            raise PlanError(
-                "the model cannot train on micro-batches of 1 or 2 samples (a BatchNorm sees one value per "
-                "channel); enlarge the input or the last feature map"
-            ) from None
-        profiled = replace(profiled, min_micro_batch=2)
-    if cache is not None and key is not None:
-        cache.store(key, chain, profiled, how)
-    return profiled, how
-
-
-def add_loss(
-    chain: Chain,
-    model: nn.Module,
-    example_inputs: ExampleInputs,
-    cluster: Cluster,
-    workload: Workload,
-    loss: LossFn,
-    target: TargetFn | None = None,
-) -> Chain:
-    """`chain` (from chain_for) with the loss in its last block, timed as chain_for times the blocks: measured on
-    this machine, or on the roofline of the cluster's GPU (pyplan/profile/loss.py)."""
-    return with_loss(chain, _loss_cost(chain, model, example_inputs, cluster, workload, loss, target))
-
-
-def _loss_cost(
-    chain: Chain,
-    model: nn.Module,
-    example_inputs: ExampleInputs,
-    cluster: Cluster,
-    workload: Workload,
-    loss: LossFn,
-    target: TargetFn | None,
-) -> LossCost:
-    gpu = cluster.gpu
-    measured = _is_local(gpu) and not is_meta_module(model)
-    sizes = (
-        measured_batch_sizes(workload.global_batch) if measured else default_batch_sizes(min(4, workload.global_batch))
-    )
-    try:
-        if measured:
-            return loss_cost(chain, loss, target, sizes, options=timing_options(cluster))
-        return loss_cost(chain, loss, target, sizes, roofline=Roofline.from_gpu(gpu))
-    except (RuntimeError, ValueError, TypeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise PlanError(f"the loss cannot be computed on the model's output: {first}") from None
 
 
 def _time_tables(blocks: Sequence[Block]) -> dict[str, list[float]]:
@@ -286,7 +101,7 @@ def memory_per_process(cluster: Cluster) -> float:
     """A GPU's memory, or for `local` on the CPU the machine's memory shared by the processes on it."""
     gpu = cluster.gpu
     assert gpu.memory_bytes is not None
-    if _is_local(gpu) and gpu.device_type == "cpu":
+    if is_local(gpu) and gpu.device_type == "cpu":
         return gpu.memory_bytes / cluster.gpus_per_node
     return float(gpu.memory_bytes)
 
@@ -391,17 +206,18 @@ def search(
     pipelines whose chain is too coarse, assign stages operation by operation.
     """
     say = progress or (lambda step: None)
+    examples = Examples(example_inputs)
     _check_options(objective, remat, offload, memory_fraction, zero_stages, schedules,
                    data_parallel=data_parallel, pipeline_ranks=pipeline_ranks, num_microbatches=num_microbatches,
                    micro_batch_sizes=micro_batch_sizes)  # fmt: skip
     profiled_on = "given chain"
     if chain is None:
         say("tracing and profiling")
-        chain, profiled_on = chain_for(model, example_inputs, cluster, workload, leaf_modules=leaf_modules)
+        chain, profiled_on = chain_for(model, examples, cluster, workload, leaf_modules=leaf_modules)
     chain, micro_batch_sizes = _trainable(chain, micro_batch_sizes, workload)
     if loss is not None and chain.loss is None and not chain.graph.returns_loss:
         # (A model that returns its own loss computes it in its last block, which the profile timed already.)
-        chain = add_loss(chain, model, example_inputs, cluster, workload, loss, target)
+        chain = add_loss(chain, model, examples, cluster, workload, loss, target)
     space = _Space.of(chain, cluster, workload, objective, memory_fraction)
     pins = {
         "micro_batch_sizes": list(micro_batch_sizes),
@@ -415,7 +231,7 @@ def search(
         "objective": objective,
         "weight": weight,
     }
-    refiner = _Refiner.of(space, model, example_inputs, remat, offload, offload_bw_bytes_per_s)
+    refiner = _Refiner.of(space, model, examples, remat, offload, offload_bw_bytes_per_s)
     wide = max(4 * top_k, 20)
     say("searching")
     plain = space.run(pins, wide) if remat in ("none", "auto") else None
@@ -428,7 +244,7 @@ def search(
     found = [r for r in (plain, *relaxed) if r is not None]
     if stage_dag and plain is not None and plain.feasible:
         say("assigning operations to stages")
-        dag = refiner.operation_level([*plain.top, *plain.pareto], example_inputs, objective, weight)
+        dag = refiner.operation_level([*plain.top, *plain.pareto], examples, objective, weight)
         if dag:
             top, pareto = _rank([*top, *dag], objective, weight)[:top_k], _frontier([*pareto, *dag])
     return PlanSearch(
@@ -531,7 +347,7 @@ class _Space:
         for link, where in ((group.intra_link, "inside a node"), (group.inter_link, "between nodes")):
             if link.latency_s is None or link.bw_bytes_per_s is None:
                 raise PlanError(f"the link {where} ({link.name}) has no latency or bandwidth; run `pyplan calibrate`")
-        host = local_host_costs() if _is_local(gpu) and gpu.device_type == "cpu" else None
+        host = local_host_costs() if is_local(gpu) and gpu.device_type == "cpu" else None
         return _Space(
             chain,
             cluster,
@@ -642,13 +458,13 @@ class _Refiner:
         memory = (
             chain.memory
             if chain.memory is not None
-            else remat_bytes(chain, example_inputs, (2, 4), roofline=_pricing(gpu, None))
+            else remat_bytes(chain, example_inputs, (2, 4), roofline=pricing(gpu, None))
         )
         if chain.loss is not None:
             memory = remat_with_loss(memory, chain.loss)
         # On a GPU the host overhead of a checkpoint call runs ahead of the kernels, and an analytic profile has no
         # host to measure: none is charged.
-        hosted = remat != "none" and _is_local(gpu) and not is_meta_module(model)
+        hosted = remat != "none" and is_local(gpu) and not is_meta_module(model)
         checkpoint_s = checkpoint_call_s() if hosted else 0.0
         costs = (
             checkpoint_costs(chain, example_inputs, min(4, workload.global_batch), call_s=checkpoint_s)

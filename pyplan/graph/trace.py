@@ -21,6 +21,7 @@ from pyplan.graph.masks import is_batch_size, simplify_attention_masks
 __all__ = [
     "Call",
     "ExampleInputs",
+    "Examples",
     "LeafSpec",
     "call_at",
     "input_tensors",
@@ -116,6 +117,21 @@ def inputs_at(example: ExampleInputs, batch_size: int) -> tuple[torch.Tensor, ..
         return tuple(t[:batch_size].clone() for t in given)
     reps = -(-batch_size // have)
     return tuple(torch.cat([t] * reps)[:batch_size] for t in given)
+
+
+class Examples:
+    """A model's example inputs at each batch size, made once: every profiler of one capture reads the same tensors
+    for a size instead of building and batching them again. Callable as `example_inputs` is (it returns the call's
+    (args, kwargs)), so it goes wherever ExampleInputs do."""
+
+    def __init__(self, example_inputs: ExampleInputs) -> None:
+        self.source = example_inputs.source if isinstance(example_inputs, Examples) else example_inputs
+        self._calls: dict[int, Call] = {}
+
+    def __call__(self, batch_size: int) -> Call:
+        if batch_size not in self._calls:
+            self._calls[batch_size] = call_at(self.source, batch_size)
+        return self._calls[batch_size]
 
 
 class _Tracer(fx.Tracer):

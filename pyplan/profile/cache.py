@@ -67,8 +67,8 @@ FORMAT = 2
 
 _PYPLAN_DIR = Path(__file__).resolve().parents[1]
 _TORCH_DIR = Path(torch.__file__).resolve().parent
-# pyplan's code that a profile depends on: tracing, linearizing and profiling (and `chain_for`, which combines
-# them: its own source is part of the digest, not the rest of api.py).
+# pyplan's code that a profile depends on: tracing, linearizing and profiling (pyplan/profile/capture.py's
+# `chain_for` combines them).
 _PROFILING_CODE = ("_torch.py", "graph/*.py", "profile/*.py")
 # The fields of GraphNode and TensorInfo, in the order an entry lists them.
 _NODE_FIELDS = ("name", "op", "target", "module_path", "inputs", "outputs", "is_tensor", "static")
@@ -101,12 +101,12 @@ def _digest_of_file(path: str, size: int, mtime_ns: int) -> str:
     return _sha256(Path(path).read_bytes())
 
 
-def _code_digest(caller: str) -> str:
-    """Digest of pyplan's tracing and profiling sources and of `caller` (the source of the function that combines
-    them), so an edit to them (no version bump in a development install) invalidates what they profiled."""
+def _code_digest() -> str:
+    """Digest of pyplan's tracing and profiling sources, so an edit to them (no version bump in a development
+    install) invalidates what they profiled."""
     files = sorted({p for pattern in _PROFILING_CODE for p in _PYPLAN_DIR.glob(pattern)})
     digests = "".join(f"{p.relative_to(_PYPLAN_DIR)}:{_file_digest(str(p))}\n" for p in files)
-    return _sha256(digests + caller)
+    return _sha256(digests)
 
 
 def _class_source(cls: type) -> str:
@@ -196,11 +196,9 @@ class ProfileKey:
         leaf_modules: Iterable[LeafSpec] = (),
         min_blocks: int,
         max_blocks: int,
-        caller: str = "",
     ) -> ProfileKey:
         """The key of profiling `model` as `chain_for` does: traced at `trace_batch`, timed at `batch_sizes`,
-        for `target` (JSON: the analytic GPU and its roofline, or the measuring device and timing options);
-        `caller` is the source of the function profiling it (`chain_for`'s), part of the code digest."""
+        for `target` (JSON: the analytic GPU and its roofline, or the measuring device and timing options)."""
 
         data = {
             "model": model_digest(model),
@@ -212,7 +210,7 @@ class ProfileKey:
             "max_blocks": max_blocks,
             "target": target,
             "pyplan": __version__,
-            "code": _code_digest(caller),
+            "code": _code_digest(),
             "torch": torch.__version__,
         }
         # Through JSON once, so the key compares equal to the one read back from a file (tuples become lists).

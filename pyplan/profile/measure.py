@@ -2,7 +2,7 @@
 
 The times are kept as curves through the measured points (`Piecewise`: linear between neighbouring sizes), not
 one line t(b) = α·b + β: a line through small sizes missed vgg-tiny's blocks at 16 samples by 25-50 % on a CPU.
-`pyplan.api.chain_for` times the sizes its plans may use (`measured_batch_sizes`).
+`pyplan.profile.capture.chain_for` times the sizes its plans may use (`measured_batch_sizes`).
 
 Each block runs on the inputs it receives in the full model. On the CPU the blocks run as a stage runs them,
 every forward in order and then every backward in reverse (`warmup` untimed passes, then `repeats` timed ones,
@@ -34,7 +34,7 @@ them, and runs slower than alone: timed alone and then with a second process run
 core of this project's 2-core VM, a whole training step ran 2-3 % slower (resnet-tiny, vgg-tiny) and 1-16 % slower
 (gpt-tiny, b = 16), while a matrix product held in the core's own cache did not slow at all. So the CPU blocks can
 be timed under `TimingOptions.corun` companion processes (forked, each running the same blocks over and over, as
-the other ranks of a data- or pipeline-parallel step do at the same time); `pyplan.api.chain_for` asks for one per
+the other ranks of a data- or pipeline-parallel step do at the same time); `pyplan.profile.capture.chain_for` asks for one per
 other rank the cluster places on this machine.
 
 On the CPU a block timed alone also pays for being called alone: the module call and, above all, one autograd

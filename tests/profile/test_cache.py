@@ -14,6 +14,7 @@ from torch import nn
 from pyplan import Cluster, Workload, zoo
 from pyplan.api import chain_for
 from pyplan.graph.chain import Chain
+from pyplan.profile import capture
 from pyplan.profile.cache import ProfileCache, _canonical, _sha256, default_profile_dir, model_digest
 
 A100 = Cluster.from_catalog("a100-80g", 8)
@@ -48,9 +49,8 @@ def no_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("profiled although the cache holds the profile")
 
-    monkeypatch.setattr("pyplan.api.trace", refuse)
-    monkeypatch.setattr("pyplan.api.profile", refuse)
-    monkeypatch.setattr("pyplan.api.block_times_analytic", refuse)
+    for name in ("trace", "profile", "block_times_analytic"):
+        monkeypatch.setattr(capture, name, refuse)
 
 
 def test_a_hit_gives_the_same_chain_without_profiling(

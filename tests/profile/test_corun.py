@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from pyplan import TimingOptions, linearize, trace
-from pyplan.api import timing_options
 from pyplan.hardware import Cluster
+from pyplan.profile.capture import timing_options
 from pyplan.profile.measure import _companions, block_times
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="companions are forked")

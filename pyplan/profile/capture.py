@@ -1,0 +1,232 @@
+"""Capture and profile a model once, for a cluster's GPU: `chain_for` traces and linearizes it, then times its
+blocks (measured on this machine for `local`, an analytic roofline for a catalog GPU), their saved bytes and
+working memory, every profiler reading the same example inputs (`Examples`); `add_loss` folds the loss in."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch import nn
+
+from pyplan._torch import is_meta_module
+from pyplan.errors import PlanError
+from pyplan.graph.chain import Chain
+from pyplan.graph.linearize import linearize
+from pyplan.graph.trace import ExampleInputs, Examples, LeafSpec, trace
+from pyplan.hardware.catalog import GPU, LOCAL
+from pyplan.hardware.cluster import Cluster
+from pyplan.plan import Workload
+from pyplan.profile import default_batch_sizes, measured_batch_sizes, profile
+from pyplan.profile.analytic import Roofline, block_times_analytic
+from pyplan.profile.attention import AttentionTarget, TargetKernels
+from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, measured_target
+from pyplan.profile.loss import LossCost, LossFn, TargetFn, loss_cost, with_loss
+from pyplan.profile.measure import TimingOptions, local_device
+from pyplan.profile.remat import remat_bytes
+
+__all__ = ["add_loss", "chain_for", "is_local", "pricing", "timing_options"]
+
+_COMPUTE_DTYPE = {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}
+# The catalog peak each precision computes at.
+_PEAK_OF = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp32": "fp32"}
+
+
+def pricing(gpu: GPU, roofline: Roofline | None) -> Roofline | None:
+    """The roofline that prices a block's ops for the share of its forward a selective recomputation takes: the
+    analytic profile's, else the calibrated local device's (None where it is not calibrated: a nominal one)."""
+    if roofline is not None:
+        return roofline
+    try:
+        return Roofline.from_gpu(gpu)
+    except PlanError:
+        return None
+
+
+def is_local(gpu: GPU) -> bool:
+    return gpu.name == LOCAL
+
+
+def timing_options(cluster: Cluster) -> TimingOptions:
+    """How `chain_for` times a model on this machine for `cluster`: on the CPU, beside as many companion processes
+    as the cluster places other ranks on one machine, up to the cores beside the timed one (see
+    pyplan/profile/measure.py); on CUDA alone."""
+    base = TimingOptions()
+    if local_device().type != "cpu":
+        return base
+    ranks = max(g.gpus_per_node for g in cluster.groups)
+    cores = max(1, (os.cpu_count() or 1) // base.threads)
+    return replace(base, corun=max(0, min(ranks, cores) - 1))
+
+
+def chain_for(
+    model: nn.Module,
+    example_inputs: ExampleInputs,
+    cluster: Cluster,
+    workload: Workload,
+    *,
+    leaf_modules: Iterable[LeafSpec] = (),
+    min_blocks: int = 16,
+    max_blocks: int = 128,
+    cache: ProfileCache | None = None,
+) -> tuple[Chain, str]:
+    """Trace, linearize and profile `model` for the cluster's GPU: measured on this machine for `local`,
+    analytic (a roofline over the recorded ops) for a catalog GPU. Returns the chain and how it was timed.
+
+    With `cache`, a profile made before for the same model, inputs and target is reused (the model is traced
+    symbolically again and checked against the cached graph, see pyplan/profile/cache.py), and a new one is
+    stored."""
+    leaf_modules = tuple(leaf_modules)
+    trace_batch = min(4, workload.global_batch)
+    target = _Target.of(model, cluster, workload)
+    key = None
+    if cache is not None:
+        key = ProfileKey.of(
+            model,
+            example_inputs,
+            trace_batch=trace_batch,
+            batch_sizes=target.sizes,
+            target=target.describe(),
+            leaf_modules=leaf_modules,
+            min_blocks=min_blocks,
+            max_blocks=max_blocks,
+        )
+        hit = cache.load(key, model, leaf_modules=leaf_modules, min_blocks=min_blocks, max_blocks=max_blocks)
+        if hit is not None:
+            return hit
+    examples = Examples(example_inputs)
+    graph = trace(model, examples, leaf_modules=leaf_modules, batch_size=trace_batch)
+    chain = linearize(graph, min_blocks=min_blocks, max_blocks=max_blocks)
+    profiled, how = target.profile(chain, examples)
+    if cache is not None and key is not None:
+        cache.store(key, chain, profiled, how)
+    return profiled, how
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where and how a chain is timed: measured on this machine (`roofline` None), or on the roofline of a catalog
+    GPU computing in `compute_dtype`, at the micro-batch sizes `sizes`."""
+
+    gpu: GPU
+    sizes: tuple[int, ...]
+    roofline: Roofline | None
+    compute_dtype: str | None
+    timing: TimingOptions
+
+    @staticmethod
+    def of(model: nn.Module, cluster: Cluster, workload: Workload) -> _Target:
+        gpu = cluster.gpu
+        measured = is_local(gpu) and not is_meta_module(model)
+        # Measured times at the sizes plans use (they are not linear in b); analytic ones are (FLOPs and bytes are).
+        sizes = (
+            measured_batch_sizes(workload.global_batch)
+            if measured
+            else default_batch_sizes(min(4, workload.global_batch))
+        )
+        if measured and workload.precision != "fp32":
+            raise PlanError("measured profiling on this machine runs in fp32; plan `local` with --precision fp32")
+        if not measured and (not gpu.peak_flops_per_s or not gpu.hbm_bw_bytes_per_s):
+            raise PlanError(f"GPU '{gpu.name}' has no peak FLOP/s or memory bandwidth; run `pyplan calibrate` first")
+        if not measured and _PEAK_OF[workload.precision] not in gpu.peak_flops_per_s:
+            others = [p for p, key in _PEAK_OF.items() if key in gpu.peak_flops_per_s]
+            raise PlanError(
+                f"GPU '{gpu.name}' has no {_PEAK_OF[workload.precision]} peak in the catalog (it runs no "
+                f"{workload.precision} kernels); plan it with --precision {' or '.join(others) or 'another GPU'}"
+            )
+        roofline = None if measured else Roofline.from_gpu(gpu)
+        return _Target(gpu, tuple(sizes), roofline, _COMPUTE_DTYPE[workload.precision], timing_options(cluster))
+
+    def describe(self) -> dict[str, Any]:
+        """The target as the profile cache keys it."""
+        if self.roofline is None:
+            return measured_target(self.gpu, local_device(), self.timing)
+        return analytic_target(self.gpu, self.roofline, self.compute_dtype)
+
+    def profile(self, chain: Chain, examples: Examples) -> tuple[Chain, str]:
+        """The chain profiled at the target's sizes; a model with a BatchNorm over a 1x1 map, which cannot train on
+        one sample, profiled from 2 samples, its plans' micro-batches of 2 or more."""
+        try:
+            return self._at(chain, examples, self.sizes)
+        except ValueError as exc:
+            if "Expected more than 1 value per channel" not in str(exc):
+                raise
+        try:
+            from_two = sorted({max(2, b) for b in self.sizes})
+            profiled, how = self._at(chain, examples, tuple(from_two if len(from_two) > 1 else [2, 4]))
+        except ValueError as again:
+            if "Expected more than 1 value per channel" not in str(again):
+                raise
+            raise PlanError(
+                "the model cannot train on micro-batches of 1 or 2 samples (a BatchNorm sees one value per "
+                "channel); enlarge the input or the last feature map"
+            ) from None
+        return replace(profiled, min_micro_batch=2), how
+
+    def _at(self, chain: Chain, examples: Examples, sizes: tuple[int, ...]) -> tuple[Chain, str]:
+        """Times, saved bytes and the blocks' working memory at `sizes`. A catalog GPU runs fused attention where
+        torch would select it there (pyplan/profile/attention.py)."""
+        gpu, roofline = self.gpu, self.roofline
+        attention = (
+            TargetKernels(AttentionTarget(gpu.arch, self.compute_dtype))
+            if roofline is not None and gpu.arch is not None and gpu.device_type == "cuda"
+            else None
+        )
+        with attention if attention is not None else contextlib.nullcontext():
+            if roofline is None:
+                profiled = profile(chain, examples, batch_sizes=sizes, options=self.timing)
+                how = "measured on this machine"
+            else:
+                profiled = profile(chain, examples, measure=False, batch_sizes=sizes)
+                times = block_times_analytic(profiled, examples, roofline, sizes, compute_dtype=self.compute_dtype)
+                blocks = [replace(b, fwd_time_s=f, bwd_time_s=g) for b, (f, g) in zip(profiled.blocks, times)]
+                profiled, how = replace(profiled, blocks=blocks), f"analytic roofline of {gpu.name}"
+            # The blocks' working memory, for the exact replay of every plan's stages (search); cached with the
+            # rest. At 2 samples or more: at 1 a transpose can be a contiguous view, and a block that keeps a copy
+            # of its input at 2 keeps the input itself at 1 (nn.TransformerEncoder), which no line through both
+            # describes.
+            low = max(2, min(sizes))
+            memory = remat_bytes(profiled, examples, (low, 2 * low), roofline=pricing(gpu, roofline))
+        if attention is not None and attention.chosen:
+            how = f"{how}, attention {', '.join(sorted(attention.chosen))}"
+        return replace(profiled, memory=memory), how
+
+
+def add_loss(
+    chain: Chain,
+    model: nn.Module,
+    example_inputs: ExampleInputs,
+    cluster: Cluster,
+    workload: Workload,
+    loss: LossFn,
+    target: TargetFn | None = None,
+) -> Chain:
+    """`chain` (from chain_for) with the loss in its last block, timed as chain_for times the blocks: measured on
+    this machine, or on the roofline of the cluster's GPU (pyplan/profile/loss.py)."""
+    return with_loss(chain, _loss_cost(chain, model, example_inputs, cluster, workload, loss, target))
+
+
+def _loss_cost(
+    chain: Chain,
+    model: nn.Module,
+    example_inputs: ExampleInputs,
+    cluster: Cluster,
+    workload: Workload,
+    loss: LossFn,
+    target: TargetFn | None,
+) -> LossCost:
+    gpu = cluster.gpu
+    measured = is_local(gpu) and not is_meta_module(model)
+    sizes = (
+        measured_batch_sizes(workload.global_batch) if measured else default_batch_sizes(min(4, workload.global_batch))
+    )
+    try:
+        if measured:
+            return loss_cost(chain, loss, target, sizes, options=timing_options(cluster))
+        return loss_cost(chain, loss, target, sizes, roofline=Roofline.from_gpu(gpu))
+    except (RuntimeError, ValueError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PlanError(f"the loss cannot be computed on the model's output: {first}") from None
