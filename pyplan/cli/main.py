@@ -184,6 +184,8 @@ def _progress(label: str) -> Iterator[Callable[[str], None]]:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    """`pyplan plan`: check the outputs, search once for the answer (and again for more rows or pictures, and
+    without the pins), write what was asked, print the table or JSON."""
     if args.top < 1:
         raise PlanError(f"--top must be at least 1, got {args.top}")
     if args.offload != "none" and args.remat != "auto":
@@ -239,21 +241,7 @@ def _plan(args: argparse.Namespace) -> int:
     document = PlanFile(
         model=_portable(args.model), workload=workload, cluster=cluster, plan=result.best, leaf_modules=tuple(args.leaf)
     )
-    written: list[str] = []
-    if args.out:
-        write_plan_file(args.out, document)
-        written.append(args.out)
-    if args.emit:
-        write_script(args.emit, document)
-        written.append(args.emit)
-    if args.pareto or args.report:
-        weights = parse_weights(args.pareto_weights)
-        if args.pareto:
-            write_pareto(more, args.pareto, weights=weights)
-            written.append(args.pareto)
-        if args.report:
-            write_html_report(document, args.report, search=more, weights=weights)
-            written.append(args.report)
+    written = _write_outputs(args, document, more)
     if args.json:
         data = {"model": args.model, "workload": workload.to_json(), "cluster": cluster.to_json(), **result.to_json()}
         data["alternatives"] = [p.to_json() for p in rows[1 : args.top]]
@@ -275,6 +263,27 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_outputs(args: argparse.Namespace, document: PlanFile, shown: Any) -> list[str]:
+    """The files `pyplan plan` was asked for: plan.json, the training script, the Pareto picture and the HTML report
+    (their pictures over the plans `shown`); returns their paths."""
+    written: list[str] = []
+    if args.out:
+        write_plan_file(args.out, document)
+        written.append(args.out)
+    if args.emit:
+        write_script(args.emit, document)
+        written.append(args.emit)
+    if args.pareto or args.report:
+        weights = parse_weights(args.pareto_weights)
+        if args.pareto:
+            write_pareto(shown, args.pareto, weights=weights)
+            written.append(args.pareto)
+        if args.report:
+            write_html_report(document, args.report, search=shown, weights=weights)
+            written.append(args.report)
+    return written
+
+
 def _emit(args: argparse.Namespace) -> int:
     document = read_plan_file(args.plan_file)
     if args.format == "script":
@@ -294,6 +303,7 @@ def _emit(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The `pyplan` command line: a subcommand each, the others' parsers added by their modules."""
     parser = argparse.ArgumentParser(
         prog="pyplan", description="Plan distributed PyTorch training: how to split a model over GPUs, with numbers."
     )
@@ -301,6 +311,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pyplan {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    _add_inspect_parser(sub)
+    _add_plan_parser(sub)
+    _add_emit_parser(sub)
+    add_hardware_parser(sub)
+    add_show_parser(sub)
+    add_calibrate_parser(sub)
+    add_zoo_parser(sub)
+    return parser
+
+
+def _add_inspect_parser(sub: Any) -> None:
+    """`pyplan inspect`."""
     p = sub.add_parser(
         "inspect",
         help="trace, linearize and profile a model; print its blocks",
@@ -352,6 +374,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.set_defaults(func=_inspect)
 
+
+def _add_plan_parser(sub: Any) -> None:
+    """`pyplan plan`."""
     p = sub.add_parser(
         "plan",
         help="find the fastest (or cheapest) way to train a model on a cluster",
@@ -412,6 +437,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.set_defaults(func=_plan)
 
+
+def _add_emit_parser(sub: Any) -> None:
+    """`pyplan emit`."""
     p = sub.add_parser(
         "emit",
         help="write a torchrun training script from a plan.json",
@@ -432,12 +460,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.set_defaults(func=_emit)
-
-    add_hardware_parser(sub)
-    add_show_parser(sub)
-    add_calibrate_parser(sub)
-    add_zoo_parser(sub)
-    return parser
 
 
 # The largest whole number an option takes: the C++ core counts in 32-bit ints.

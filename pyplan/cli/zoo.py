@@ -6,10 +6,11 @@ import argparse
 import json
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from pyplan import _core, zoo
@@ -22,12 +23,6 @@ from pyplan.report.console import make_console
 from pyplan.solve.remat_search import OFFLOAD_MODES, REMAT_MODES
 from pyplan.sweep import ModelRef, ResultsFile, SearchOptions, Sweep, cluster_label, identity, is_finished
 from pyplan.units import fmt_bytes, fmt_count
-
-if TYPE_CHECKING:
-    from pyplan.hardware.cluster import Cluster
-    from pyplan.plan import Workload
-    from pyplan.profile.cache import ProfileCache
-    from pyplan.sweep import SearchOptions
 
 __all__ = ["add_zoo_parser", "list_data", "zoo_list", "zoo_main", "zoo_sweep"]
 
@@ -267,8 +262,6 @@ def _cache(args: argparse.Namespace) -> ProfileCache | None:
 
 def zoo_sweep(args: argparse.Namespace) -> int:
     """`pyplan zoo NAMES|all --gpus ...`: plan every model on every cluster, write and print the records."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     names = _model_names(args.names)
     clusters = _clusters(args)
     workload = Workload(global_batch=args.global_batch, optimizer=args.optimizer, precision=args.precision)
@@ -335,21 +328,9 @@ def zoo_sweep(args: argparse.Namespace) -> int:
         failures = [r for r in mine if r["status"] != "ok"]
         if failures:
             console.print(_failure_table(failures))
-    stats = run.cache
-    counts = {status: sum(r["status"] == status for r in run.records) for status in ("ok", "infeasible", "error")}
-    note = (
-        f"{len(run.records)} pairs in {run.seconds:.1f} s: {counts['ok']} planned, {counts['infeasible']} do not "
-        f"fit, {counts['error']} cannot be planned, {len(run.records) - sum(counts.values())} failed"
+    err.print(
+        _sweep_note(run, len(done), cache, args.out if results is not None else None), soft_wrap=True, highlight=False
     )
-    if done:
-        note += f"; {len(done)} kept from {args.out}"
-    if cache is not None:
-        note += f"; profiles: {stats.hits} from the cache ({cache.directory}), {stats.misses} made"
-        if stats.discarded:
-            note += f", {stats.discarded} bad cache entries replaced ({stats.reasons[0]})"
-    if results is not None:
-        note += f"; records in {args.out}"
-    err.print(note, soft_wrap=True, highlight=False)
     failed = sum(r["status"] == "failed" for r in mine)
     if failed:
         err.print(
@@ -358,6 +339,25 @@ def zoo_sweep(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _sweep_note(run: Any, kept: int, cache: ProfileCache | None, out: str | None) -> str:
+    """One line on what a sweep did: pairs planned, not fitting, failing; records kept; the profile cache's use."""
+    counts = {status: sum(r["status"] == status for r in run.records) for status in ("ok", "infeasible", "error")}
+    note = (
+        f"{len(run.records)} pairs in {run.seconds:.1f} s: {counts['ok']} planned, {counts['infeasible']} do not "
+        f"fit, {counts['error']} cannot be planned, {len(run.records) - sum(counts.values())} failed"
+    )
+    if kept:
+        note += f"; {kept} kept from {out}"
+    if cache is not None:
+        stats = run.cache
+        note += f"; profiles: {stats.hits} from the cache ({cache.directory}), {stats.misses} made"
+        if stats.discarded:
+            note += f", {stats.discarded} bad cache entries replaced ({stats.reasons[0]})"
+    if out is not None:
+        note += f"; records in {out}"
+    return note
 
 
 def _money(value: float | None, currency: str | None) -> str:

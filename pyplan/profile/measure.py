@@ -34,8 +34,8 @@ them, and runs slower than alone: timed alone and then with a second process run
 core of this project's 2-core VM, a whole training step ran 2-3 % slower (resnet-tiny, vgg-tiny) and 1-16 % slower
 (gpt-tiny, b = 16), while a matrix product held in the core's own cache did not slow at all. So the CPU blocks can
 be timed under `TimingOptions.corun` companion processes (forked, each running the same blocks over and over, as
-the other ranks of a data- or pipeline-parallel step do at the same time); `pyplan.profile.capture.chain_for` asks for one per
-other rank the cluster places on this machine.
+the other ranks of a data- or pipeline-parallel step do at the same time); `pyplan.profile.capture.chain_for` asks
+for one per other rank the cluster places on this machine.
 
 On the CPU a block timed alone also pays for being called alone: the module call and, above all, one autograd
 engine run per backward (about 50 µs on a 2-core x86 VM, against a few µs per op), which a stage running many

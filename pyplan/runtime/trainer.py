@@ -221,11 +221,10 @@ def build_trainer(
             f"{layout.schedule} with ZeRO-3 trains wrong weights on torch 2.13 (FSDP2 misses its weight "
             "gradients); choose another schedule or ZeRO stage"
         )
-    # The plan is checked against the model before the world: a plan for another model fails the same anywhere.
-    examples = example_inputs if example_inputs is not None else spec.example_inputs
-    split_backward = layout.schedule in _SPLIT_BACKWARD
     if precision not in _AUTOCAST:
         raise PlanError(f"unknown precision '{precision}'; choose one of {', '.join(_AUTOCAST)}")
+    examples = example_inputs if example_inputs is not None else spec.example_inputs
+    trainer: PipelineTrainer | ShardedTrainer
     if layout.zero_stage == 3 and layout.num_stages == 1 and layout.dp > 1:
         # ZeRO-3 as FSDP runs it, on the model's own modules (pyplan/runtime/sharded.py).
         if remat_kind(layout) == "other":
@@ -237,10 +236,30 @@ def build_trainer(
         trainer = build_sharded_trainer(
             model, layout, mesh, make_optimizer, examples, device, spec.loss or default_loss, _AUTOCAST[precision]
         )
-        if device.type == "cpu":
-            keep_freed_memory()
-            pin_rank()
-        return trainer
+    else:
+        trainer = _pipeline_trainer(
+            spec, model, layout, make_optimizer, device, tuple(leaf_modules), examples, precision
+        )
+    if device.type == "cpu":
+        keep_freed_memory()  # a step reuses what the last one freed, without page faults (pyplan/runtime/heap.py)
+        pin_rank()  # unless PYPLAN_PIN_CPUS=0; after the process groups, so that gloo's threads move too
+    return trainer
+
+
+def _pipeline_trainer(
+    spec: ModelSpec,
+    model: nn.Module,
+    layout: Layout,
+    make_optimizer: OptimizerFactory,
+    device: torch.device,
+    leaf_modules: tuple[LeafSpec, ...],
+    examples: ExampleInputs,
+    precision: str,
+) -> PipelineTrainer:
+    """The pipeline's stages on this rank, each under DDP or FSDP2 over the replicas, their optimizer and schedule.
+    The plan is checked against the model (cut_model) before the world: a plan for another model fails the same
+    anywhere."""
+    split_backward = layout.schedule in _SPLIT_BACKWARD
     _, stages = cut_model(
         model,
         examples,
@@ -250,15 +269,13 @@ def build_trainer(
         autocast_dtype=_AUTOCAST[precision],
     )
     mesh = build_mesh(layout, device.type)
-    pp_rank = mesh["pp"].get_local_rank()
-    mine = local_stages(layout, pp_rank)
+    mine = local_stages(layout, mesh["pp"].get_local_rank())
     io = stage_io(stages, inputs_at(examples, layout.micro_batch_size))
     tied = tied_parameters(stages)
     stage_params = {s: dict(stages[s].piece.named_parameters()) for s in mine}
     tied_groups = _tied_groups(layout, mesh, stage_params, tied)
     if tied and layout.zero_stage == 3:
         raise PlanError("tied parameters across pipeline stages are not supported with ZeRO-3 yet; use ZeRO 0-1")
-
     # Gradients are averaged by hand, not by DDP and torch's per-stage scaling, when the split-backward schedules
     # bypass DDP's hooks, or when two stages on this rank share a parameter (each stage would scale it, and each
     # DDP would reduce it).
@@ -266,49 +283,52 @@ def build_trainer(
     manual_grads = split_backward or shared
     if manual_grads and layout.zero_stage == 3 and layout.dp > 1:
         raise PlanError("stages sharing parameters on one rank are not supported with ZeRO-3 yet; use ZeRO 0-1")
-    modules: list[nn.Module] = []
-    pipeline_stages = []
-    dp_group = mesh["dp"].get_group()
-    for s in mine:
-        module: nn.Module = stages[s].to(device)
-        if layout.dp > 1 and layout.zero_stage == 3:
-            fully_shard(module, mesh=mesh["dp"])
-        elif layout.dp > 1 and not manual_grads:
-            # Gradients as views into DDP's all-reduce buckets: one copy of the gradients, as the plan counts
-            # (the default keeps the buckets beside the gradients: 4 more bytes per fp32 parameter).
-            module = DistributedDataParallel(module, process_group=dp_group, gradient_as_bucket_view=True)
-        modules.append(module)
-        inputs, outputs = io[s]
-        pipeline_stages.append(
-            PipelineStage(
-                module,
-                s,
-                layout.num_stages,
-                device,
-                input_args=tuple(_example(t) for t in inputs),
-                output_args=tuple(_example(t) for t in outputs),
-                group=mesh["pp"].get_group(),
-            )
+    modules = [_data_parallel(stages[s].to(device), layout, mesh, manual_grads) for s in mine]
+    pipeline_stages = [
+        PipelineStage(
+            module,
+            s,
+            layout.num_stages,
+            device,
+            input_args=tuple(_example(t) for t in io[s][0]),
+            output_args=tuple(_example(t) for t in io[s][1]),
+            group=mesh["pp"].get_group(),
         )
-    params = _unique_parameters(modules)
-    if layout.dp > 1 and layout.zero_stage == 1:
-        if not isinstance(make_optimizer, OptimizerSpec):
-            raise PlanError("ZeRO-1 shards the optimizer: give it as an OptimizerSpec(class, kwargs)")
-        optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
-            params, optimizer_class=make_optimizer.cls, process_group=dp_group, **make_optimizer.kwargs
-        )
-    else:
-        optimizer = make_optimizer(params)
-    loss_fn = spec.loss or default_loss
+        for s, module in zip(mine, modules)
+    ]
+    optimizer = _optimizer(_unique_parameters(modules), layout, make_optimizer, mesh["dp"].get_group())
     cls = get_schedule_class(layout.schedule)
     stage_arg = pipeline_stages[0] if issubclass(cls, PipelineScheduleSingle) else pipeline_stages
+    loss_fn = spec.loss or default_loss
     schedule = cls(stage_arg, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=not manual_grads)
-    if device.type == "cpu":
-        keep_freed_memory()  # a step reuses what the last one freed, without page faults (pyplan/runtime/heap.py)
-        pin_rank()  # unless PYPLAN_PIN_CPUS=0; after the process groups, so that gloo's threads move too
     bucket_views = any(isinstance(m, DistributedDataParallel) for m in modules)
     return PipelineTrainer(
         layout, mesh, mine, modules, optimizer, schedule, device, tied_groups, manual_grads, bucket_views
+    )
+
+
+def _data_parallel(module: nn.Module, layout: Layout, mesh: DeviceMesh, manual_grads: bool) -> nn.Module:
+    """A stage as its replicas train it: sharded by FSDP2 under ZeRO-3, else under DDP unless its gradients are
+    averaged by hand."""
+    if layout.dp > 1 and layout.zero_stage == 3:
+        fully_shard(module, mesh=mesh["dp"])
+    elif layout.dp > 1 and not manual_grads:
+        # Gradients as views into DDP's all-reduce buckets: one copy of the gradients, as the plan counts
+        # (the default keeps the buckets beside the gradients: 4 more bytes per fp32 parameter).
+        module = DistributedDataParallel(module, process_group=mesh["dp"].get_group(), gradient_as_bucket_view=True)
+    return module
+
+
+def _optimizer(
+    params: list[nn.Parameter], layout: Layout, make_optimizer: OptimizerFactory, dp_group: dist.ProcessGroup
+) -> torch.optim.Optimizer:
+    """The optimizer over this rank's parameters: ZeRO-1 shards its state over the replicas."""
+    if not (layout.dp > 1 and layout.zero_stage == 1):
+        return make_optimizer(params)
+    if not isinstance(make_optimizer, OptimizerSpec):
+        raise PlanError("ZeRO-1 shards the optimizer: give it as an OptimizerSpec(class, kwargs)")
+    return ZeroRedundancyOptimizer(
+        params, optimizer_class=make_optimizer.cls, process_group=dp_group, **make_optimizer.kwargs
     )
 
 
