@@ -8,7 +8,7 @@ import math
 import signal
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ortools.sat.python import cp_model
@@ -513,6 +513,61 @@ def _hint_stages(sm: _StageModel, dag: StageDag, stage_of_node: Sequence[int], p
             sm.model.add_hint(x, s < last)
 
 
+@dataclass(frozen=True)
+class _StageTimes:
+    """The seconds of the stage model as integer time units."""
+
+    time_q: list[int]  # [node] forward + backward
+    latency_q: int  # one message's latency
+    out_q: list[int]  # [node] sending its output
+    inp_q: list[int]  # [input] sending it
+
+    @staticmethod
+    def of(dag: StageDag, pipe: _Pipeline) -> _StageTimes:
+        """The DAG's seconds in time units."""
+        # Seconds to integers: the compute and every send at once map to about _TIME_UNITS (fewer units when m is so
+        # large that (m − 1)·t_max would come near 2^62).
+        p, m = pipe.num_stages, pipe.num_microbatches
+        per_byte = 0.0 if math.isinf(pipe.bw_bytes_per_s) else 1.0 / pipe.bw_bytes_per_s
+        all_sends = 2 * ((p - 1) * pipe.latency_s + (sum(dag.out_bytes) + sum(dag.input_bytes)) * per_byte)
+        scale = _time_scale((sum(dag.time_s) + all_sends) * max(1.0, m / 2.0**16))
+        return _StageTimes(
+            time_q=[round(t * scale) for t in dag.time_s],
+            latency_q=round(pipe.latency_s * scale),
+            out_q=[round(b * per_byte * scale) for b in dag.out_bytes],
+            inp_q=[round(b * per_byte * scale) for b in dag.input_bytes],
+        )
+
+
+def _minimize_pipeline_time(sm: _StageModel, times: _StageTimes, pipe: _Pipeline) -> None:
+    """Add the memory limits, each stage's time below t_max and the objective Σ t_s + (m − 1)·t_max to the stage
+    model."""
+    model, n, p, m = sm.model, len(times.time_q), pipe.num_stages, pipe.num_microbatches
+    # t_max is the largest stage time, in time units.
+    t_max = model.new_int_var(0, int(_TIME_UNITS * 4), "t_max")
+
+    # Constraints: memory, and the stage times below t_max.
+    for mem, limit in zip(sm.mem_units, sm.limit_units):
+        if limit is not None:
+            model.add(mem <= limit)
+    boundary = [
+        times.latency_q
+        + sum(times.out_q[u] * row[s] for u, row in sm.crosses.items())
+        + sum(times.inp_q[k] * row[s] for k, row in sm.input_crosses.items())
+        for s in range(p - 1)
+    ]
+    stage_time = []
+    for s in range(p):
+        t = sum(times.time_q[v] * sm.on(v, s) for v in range(n))
+        t += boundary[s] if s < p - 1 else 0
+        t += boundary[s - 1] if s > 0 else 0
+        stage_time.append(t)
+        model.add(t <= t_max)
+
+    # Objective.
+    model.minimize(sum(stage_time) + (m - 1) * t_max)
+
+
 def assign_stages(
     dag: StageDag,
     *,
@@ -556,42 +611,13 @@ def assign_stages(
         raise PlanError(f"num_stages must be in [1, {n}] (the DAG has {n} nodes), got {p}")
     pipe = _pipeline(p, m, mem_limit_bytes, schedule, in_flight_per_stage, latency_s, bw_bytes_per_s)
     hint = _dp_hint(dag, pipe, schedule) if warm_start else None
-    # Seconds to integers: the compute and every send at once map to about _TIME_UNITS (fewer units when m is so
-    # large that (m − 1)·t_max would come near 2^62).
-    per_byte = 0.0 if math.isinf(bw_bytes_per_s) else 1.0 / bw_bytes_per_s
-    all_sends = 2 * ((p - 1) * latency_s + (sum(dag.out_bytes) + sum(dag.input_bytes)) * per_byte)
-    scale = _time_scale((sum(dag.time_s) + all_sends) * max(1.0, m / 2.0**16))
-    time_q = [round(t * scale) for t in dag.time_s]
-    latency_q = round(latency_s * scale)
-    out_q = [round(b * per_byte * scale) for b in dag.out_bytes]
-    inp_q = [round(b * per_byte * scale) for b in dag.input_bytes]
+    times = _StageTimes.of(dag, pipe)
 
     # Model, variables and the shared constraints (see _stage_model).
     sm = _stage_model(dag, pipe)
     model = sm.model
-    # t_max is the largest stage time, in time units.
-    t_max = model.new_int_var(0, int(_TIME_UNITS * 4), "t_max")
-
-    # Constraints: memory, and the stage times below t_max.
-    for mem, limit in zip(sm.mem_units, sm.limit_units):
-        if limit is not None:
-            model.add(mem <= limit)
-    boundary = [
-        latency_q
-        + sum(out_q[u] * row[s] for u, row in sm.crosses.items())
-        + sum(inp_q[k] * row[s] for k, row in sm.input_crosses.items())
-        for s in range(p - 1)
-    ]
-    stage_time = []
-    for s in range(p):
-        t = sum(time_q[v] * sm.on(v, s) for v in range(n))
-        t += boundary[s] if s < p - 1 else 0
-        t += boundary[s - 1] if s > 0 else 0
-        stage_time.append(t)
-        model.add(t <= t_max)
-
-    # Objective.
-    model.minimize(sum(stage_time) + (m - 1) * t_max)
+    # Constraints: memory, and the stage times below t_max; objective: the pipeline time.
+    _minimize_pipeline_time(sm, times, pipe)
     if hint is not None:
         _hint_stages(sm, dag, hint, p)
 
@@ -805,6 +831,89 @@ class DagReplay:
     recompute_s: float
 
 
+@dataclass
+class _Replay:
+    """What replay_dag has replayed so far: the live objects and their bytes, the peak, the time, the blocks run."""
+
+    dag: RematDag
+    succs: tuple[tuple[int, ...], ...]
+    live: dict[tuple[str, int], float] = field(default_factory=dict)
+    cur: float = 0.0
+    peak: float = 0.0
+    time_s: float = 0.0
+    recompute_s: float = 0.0
+    computed: set[int] = field(default_factory=set)
+    done: set[int] = field(default_factory=set)
+
+    def has_output(self, j: int) -> bool:
+        """Block j's output is live: stored (X) or held by its saved tensors (A)."""
+        return ("X", j) in self.live or ("A", j) in self.live
+
+    def add(self, key: tuple[str, int], size: float) -> None:
+        """Make an object live."""
+        if key in self.live:
+            raise ValueError(f"{key} is computed twice without being freed")
+        self.live[key] = size
+        self.cur += size
+
+    def drop(self, key: tuple[str, int]) -> None:
+        """Free a live object."""
+        self.cur -= self.live.pop(key)
+
+    def forward(self, op: Op) -> None:
+        """F(i, save|nosave): the forward's peak, then A(i) or X(i)."""
+        dag, i = self.dag, op[1]
+        missing = [j for j in dag.preds[i] if not self.has_output(j)]
+        if missing:
+            raise ValueError(f"forward of block {i} without the output of block {missing[0]}")
+        if op[2] not in ("save", "nosave"):
+            raise ValueError(f"unknown forward mode in {op!r}")
+        if i in self.computed:
+            self.recompute_s += dag.fwd_s[i]
+        self.computed.add(i)
+        self.time_s += dag.fwd_s[i]
+        if op[2] == "save":
+            self.peak = max(self.peak, self.cur + dag.fwd_peak_bytes[i])
+            self.add(("A", i), dag.kept_bytes[i])
+        else:
+            self.peak = max(self.peak, self.cur + dag.fwd_nosave_peak_bytes[i])
+            self.add(("X", i), dag.out_bytes[i])
+
+    def backward(self, i: int) -> None:
+        """B(i): the backward's peak; frees A(i) and G(i), leaves the predecessors' gradients."""
+        dag = self.dag
+        if ("A", i) not in self.live:
+            raise ValueError(f"backward of block {i} without its saved tensors")
+        missing = [j for j in dag.preds[i] if not self.has_output(j)]
+        if missing:
+            raise ValueError(f"backward of block {i} without the output of block {missing[0]}")
+        pending = [s for s in self.succs[i] if s not in self.done]
+        if pending:
+            raise ValueError(f"backward of block {i} before the backward of its successor {pending[0]}")
+        if i in self.done:
+            raise ValueError(f"backward of block {i} runs twice")
+        self.peak = max(self.peak, self.cur - dag.kept_bytes[i] - dag.grad_bytes[i] + dag.bwd_peak_bytes[i])
+        self.time_s += dag.bwd_s[i]
+        self.drop(("A", i))
+        if self.succs[i]:
+            self.drop(("G", i))
+        for j in dag.preds[i]:
+            if ("G", j) not in self.live:
+                self.add(("G", j), dag.grad_bytes[j])
+        self.done.add(i)
+
+    def free(self, i: int) -> None:
+        """free(i): drops X(i), unless a successor's saved tensors still hold it."""
+        if ("X", i) not in self.live:
+            raise ValueError(f"free of block {i}'s output, which is not stored")
+        holders = [s for s in self.succs[i] if ("A", s) in self.live]
+        if holders and ("A", i) not in self.live:
+            raise ValueError(
+                f"free of block {i}'s output while block {holders[0]}'s saved tensors hold it until its backward"
+            )
+        self.drop(("X", i))
+
+
 def replay_dag(dag: RematDag, ops: Sequence[Op]) -> DagReplay:
     """Replay a DAG schedule operation by operation; raise ValueError when an operation lacks what it needs.
 
@@ -824,82 +933,24 @@ def replay_dag(dag: RematDag, ops: Sequence[Op]) -> DagReplay:
     that drop a saved block's input and recompute it for the backward, which torch cannot run.
     """
     n = len(dag)
-    succs = dag.succs
-    live: dict[tuple[str, int], float] = {}
-    cur = peak = time_s = recompute_s = 0.0
-    computed: set[int] = set()
-    done: set[int] = set()
-
-    def has_output(j: int) -> bool:
-        return ("X", j) in live or ("A", j) in live
-
-    def add(key: tuple[str, int], size: float) -> None:
-        nonlocal cur
-        if key in live:
-            raise ValueError(f"{key} is computed twice without being freed")
-        live[key] = size
-        cur += size
-
-    def drop(key: tuple[str, int]) -> None:
-        nonlocal cur
-        cur -= live.pop(key)
-
+    state = _Replay(dag, dag.succs)
     for op in ops:
         kind, i = op[0], op[1]
         if not 0 <= i < n:
             raise ValueError(f"operation {op!r} names a block outside 0..{n - 1}")
         if kind == "F":
-            missing = [j for j in dag.preds[i] if not has_output(j)]
-            if missing:
-                raise ValueError(f"forward of block {i} without the output of block {missing[0]}")
-            if op[2] not in ("save", "nosave"):
-                raise ValueError(f"unknown forward mode in {op!r}")
-            if i in computed:
-                recompute_s += dag.fwd_s[i]
-            computed.add(i)
-            time_s += dag.fwd_s[i]
-            if op[2] == "save":
-                peak = max(peak, cur + dag.fwd_peak_bytes[i])
-                add(("A", i), dag.kept_bytes[i])
-            else:
-                peak = max(peak, cur + dag.fwd_nosave_peak_bytes[i])
-                add(("X", i), dag.out_bytes[i])
+            state.forward(op)
         elif kind == "B":
-            if ("A", i) not in live:
-                raise ValueError(f"backward of block {i} without its saved tensors")
-            missing = [j for j in dag.preds[i] if not has_output(j)]
-            if missing:
-                raise ValueError(f"backward of block {i} without the output of block {missing[0]}")
-            pending = [s for s in succs[i] if s not in done]
-            if pending:
-                raise ValueError(f"backward of block {i} before the backward of its successor {pending[0]}")
-            if i in done:
-                raise ValueError(f"backward of block {i} runs twice")
-            peak = max(peak, cur - dag.kept_bytes[i] - dag.grad_bytes[i] + dag.bwd_peak_bytes[i])
-            time_s += dag.bwd_s[i]
-            drop(("A", i))
-            if succs[i]:
-                drop(("G", i))
-            for j in dag.preds[i]:
-                if ("G", j) not in live:
-                    add(("G", j), dag.grad_bytes[j])
-            done.add(i)
+            state.backward(i)
         elif kind == "free":
-            if ("X", i) not in live:
-                raise ValueError(f"free of block {i}'s output, which is not stored")
-            holders = [s for s in succs[i] if ("A", s) in live]
-            if holders and ("A", i) not in live:
-                raise ValueError(
-                    f"free of block {i}'s output while block {holders[0]}'s saved tensors hold it until its backward"
-                )
-            drop(("X", i))
+            state.free(i)
         else:
             raise ValueError(f"unknown operation {op!r}")
-    if len(done) != n:
-        raise ValueError(f"the schedule never runs the backward of block {min(set(range(n)) - done)}")
-    if live:
-        raise ValueError(f"the schedule leaves {sorted(live)} live")
-    return DagReplay(time_s, peak, recompute_s)
+    if len(state.done) != n:
+        raise ValueError(f"the schedule never runs the backward of block {min(set(range(n)) - state.done)}")
+    if state.live:
+        raise ValueError(f"the schedule leaves {sorted(state.live)} live")
+    return DagReplay(state.time_s, state.peak, state.recompute_s)
 
 
 def chain_ops(ops: Sequence[Op]) -> list[Op]:
@@ -1031,6 +1082,278 @@ def _simple_schedules(dag: RematDag) -> list[tuple[str, _Pairs, _Pairs]]:
     return out
 
 
+@dataclass(frozen=True)
+class _FrameSchedule:
+    """A schedule in frames: the (frame, block) pairs of its saving and non-saving forwards and of the outputs stored
+    into each frame; `name` is the simple schedule it is ("no remat", "periodic(k)", ...), "" for the solver's."""
+
+    save: _Pairs
+    nosave: _Pairs
+    stored: _Pairs
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class _RematSizes:
+    """The sizes of the remat model in whole bytes (rounded up), and their gcd, the unit of every memory constraint."""
+
+    out: list[int]
+    kept: list[int]
+    fpeak: list[int]
+    npeak: list[int]
+    grad: list[int]
+    bpeak: list[int]
+    unit: int
+
+    @staticmethod
+    def of(dag: RematDag) -> _RematSizes:
+        """The sizes of a RematDag."""
+        succs = dag.succs
+        out = [math.ceil(x) for x in dag.out_bytes]
+        kept = [math.ceil(x) for x in dag.kept_bytes]
+        fpeak = [math.ceil(x) for x in dag.fwd_peak_bytes]
+        npeak = [math.ceil(x) for x in dag.fwd_nosave_peak_bytes]
+        grad = [math.ceil(x) for x in dag.grad_bytes]
+        # The backward's own term: bwd_peak less the output gradient, which is resident for an output block.
+        bpeak = [math.ceil(dag.bwd_peak_bytes[i] - (0.0 if succs[i] else dag.grad_bytes[i])) for i in range(len(dag))]
+        unit = _byte_unit([*out, *kept, *fpeak, *npeak, *grad, *bpeak])
+        return _RematSizes(out, kept, fpeak, npeak, grad, bpeak, unit)
+
+
+@dataclass
+class _RematModel:
+    """The CP-SAT model of remat_schedule as _remat_model builds it: the variables by family (see remat_schedule)
+    and the sums defined on them. A quantity that may be constant is a _Sum: a tuple of 0/1 variables and integers,
+    summed."""
+
+    dag: RematDag
+    fr: _Frames
+    succs: tuple[tuple[int, ...], ...]
+    size: _RematSizes
+    model: cp_model.CpModel
+    pairs: list[tuple[int, int]]  # (t, j) for every frame t and block j ≤ lim(t)
+    save: dict[tuple[int, int], Any]  # [t, j]
+    nosave: dict[tuple[int, int], Any]  # [t, j]
+    keep_a: dict[tuple[int, int], Any]  # [t, j] for j < t
+    keep_x: dict[tuple[int, int], Any]  # [t, j] for j < t
+    derived: list[tuple[Any, str, _Sum, _Sum]] = field(default_factory=list)  # (variable, "or" | "and", a, b)
+    read: dict[tuple[int, int, int], _Sum] = field(default_factory=dict)  # [t, k, j]
+    live: dict[tuple[int, int, int], _Sum] = field(default_factory=dict)  # [t, k, j]: the live_x variables made
+    memory: dict[tuple[int, int], _Expr] = field(default_factory=dict)  # [t, k] in units of size.unit bytes
+
+    def ka(self, t: int, j: int) -> _Sum:
+        """A(j) is live as frame t starts (nothing before block j's own frame)."""
+        return (self.keep_a[t, j],) if (t, j) in self.keep_a else ()
+
+    def kx(self, t: int, j: int) -> _Sum:
+        """X(j) is live as frame t starts (nothing before block j's own frame)."""
+        return (self.keep_x[t, j],) if (t, j) in self.keep_x else ()
+
+    def has(self, t: int, j: int) -> _Sum:
+        """Block j's output is available in frame t: kept, stored, or computed earlier in the frame."""
+        return (*self.ka(t, j), *self.kx(t, j), self.save[t, j], self.nosave[t, j])
+
+    def add_computations(self, persistent: bool) -> None:
+        """Add what each frame computes: its target, the inputs every forward and backward finds, A(j) from its
+        saving forward to B(j), and (persistent) the stored outputs that backward-phase recomputations pin."""
+        model, fr, dag, save, nosave = self.model, self.fr, self.dag, self.save, self.nosave
+        ka, kx, has = self.ka, self.kx, self.has
+        # Constraints: the computations.
+        for t, j in self.pairs:
+            model.add(sum(has(t, j)) <= 1)
+            if t + 1 < fr.count and j <= fr.lim(t + 1):
+                # A(j) persists until B(j) consumes it; X(j) persists only if it was live.
+                model.add(sum(ka(t + 1, j)) == sum(ka(t, j)) + save[t, j])
+                model.add(sum(kx(t + 1, j)) <= sum(kx(t, j)) + nosave[t, j])
+        for t in range(fr.count):
+            lim, target = fr.lim(t), fr.target(t)
+            if target is None:
+                model.add(save[t, t] + nosave[t, t] == 1)  # the frame's forward target runs
+            else:
+                model.add(sum(ka(t, target)) + save[t, target] == 1)  # A(target) is there for its backward
+                for j in dag.preds[target]:  # and so are its inputs
+                    model.add(sum(has(t, j)) == 1)
+            for k in range(lim + 1):
+                for j in dag.preds[k]:  # a forward finds its inputs
+                    model.add(save[t, k] + nosave[t, k] <= sum(has(t, j)))
+                if (t, k) in self.keep_a:
+                    for j in dag.preds[k]:  # a saved block's inputs stay (autograd holds them) until its backward
+                        model.add(self.keep_a[t, k] <= sum(ka(t, j)) + sum(kx(t, j)))
+        if persistent:  # a backward-phase recomputation that reads a stored output pins it until its own backward
+            for t, j in self.keep_x:
+                for s in self.succs[j] if t >= fr.n else ():
+                    for u in range(t + 1, fr.b_frame(s) + 1):
+                        model.add(self.keep_x[t, j] + nosave[t, s] - 1 <= self.keep_x[u, j])
+
+    def add_reads(self) -> None:
+        """Add read[t, k, j] (X(j) is still read at position ≥ k of frame t, or stored into frame t + 1), and let an
+        output be stored or computed without saving only when it is read afterwards."""
+        model, fr, dag, save, nosave = self.model, self.fr, self.dag, self.save, self.nosave
+        kx, read = self.kx, self.read
+        # Constraints: read[t, k, j] for k in j+1..lim+1, from the frame's end backwards.
+        for t, j in self.pairs:
+            lim, target = fr.lim(t), fr.target(t)
+            later: _Sum = (1,) if target is not None and j in dag.preds[target] else kx(t + 1, j)
+            read[t, lim + 1, j] = later
+            for k in range(lim, j, -1):
+                if j in dag.preds[k]:
+                    here: _Sum = (save[t, k], nosave[t, k])
+                    if _is_one(later):
+                        pass
+                    elif not later:
+                        later = here
+                    else:
+                        v = model.new_bool_var(f"read[{t},{k},{j}]")
+                        model.add(v >= sum(here))
+                        model.add(v >= sum(later))
+                        model.add(v <= sum(here) + sum(later))
+                        self.derived.append((v, "or", here, later))
+                        later = (v,)
+                read[t, k, j] = later
+            # Stored, or computed without saving, only when read afterwards (a forward frame's target runs anyway).
+            model.add(sum(kx(t, j)) + (nosave[t, j] if j != t else 0) <= sum(read[t, j + 1, j]))
+
+    def live_x(self, t: int, k: int, j: int) -> _Sum:
+        """X(j) is live during position k of frame t."""
+        if k <= j:
+            return self.kx(t, j)  # stored ones are read after position j (the constraint of add_reads)
+        made: _Sum = (*self.kx(t, j), self.nosave[t, j])
+        need = self.read[t, k, j]
+        if k == j + 1 or _is_one(need):
+            return made
+        if not need:
+            return ()
+        if (t, k, j) not in self.live:
+            v = self.model.new_bool_var(f"live_x[{t},{k},{j}]")
+            self.model.add(v <= sum(made))
+            self.model.add(v <= sum(need))
+            self.model.add(v >= sum(made) + sum(need) - 1)
+            self.derived.append((v, "and", made, need))
+            self.live[t, k, j] = (v,)
+        return self.live[t, k, j]
+
+    def add_memory(self, budget: int | None) -> None:
+        """Add memory[t, k], the memory at every position of every frame, and keep it within the budget (in units
+        of size.unit bytes; None: no limit)."""
+        fr, succs, save, nosave, ka, live_x = self.fr, self.succs, self.save, self.nosave, self.ka, self.live_x
+        out, kept, fpeak, npeak = self.size.out, self.size.kept, self.size.fpeak, self.size.npeak
+        grad, bpeak, unit, memory = self.size.grad, self.size.bpeak, self.size.unit, self.memory
+        # Constraints: memory[t, k] in byte units, k ≤ lim(t) block k's forward, lim(t) + 1 the frame's backward.
+        for t in range(fr.count):
+            lim, target = fr.lim(t), fr.target(t)
+            grads = sum(grad[j] for j in fr.live_grad[t]) // unit
+            for k in range(lim + 1):
+                mem = grads + sum(out[j] // unit * sum(live_x(t, k, j)) for j in range(lim + 1))
+                mem += sum(kept[j] // unit * sum(ka(t, j)) for j in range(lim + 1))
+                mem += sum(kept[j] // unit * save[t, j] for j in range(k))
+                memory[t, k] = mem + fpeak[k] // unit * save[t, k] + npeak[k] // unit * nosave[t, k]
+            if target is not None:
+                mem = grads - (grad[target] // unit if succs[target] else 0) + bpeak[target] // unit
+                mem += sum(out[j] // unit * sum(live_x(t, lim + 1, j)) for j in range(lim + 1))
+                mem += sum(kept[j] // unit * (sum(ka(t, j)) + save[t, j]) for j in range(lim + 1) if j != target)
+                memory[t, lim + 1] = mem
+        if budget is not None:
+            for mem in memory.values():
+                self.model.add(mem <= budget)
+
+    def add_hint(self, warm: _FrameSchedule) -> None:
+        """Hint every variable from a frame schedule: the derived ones (read, live_x) from their definitions."""
+        values: dict[int, int] = {}
+        for group, chosen in ((self.save, warm.save), (self.nosave, warm.nosave), (self.keep_x, warm.stored)):
+            for key, var in group.items():
+                values[var.index] = int(key in chosen)
+        for (t, j), var in self.keep_a.items():
+            values[var.index] = int(any((u, j) in warm.save for u in range(t)))
+
+        def value(terms: _Sum) -> int:
+            return sum(x if isinstance(x, int) else values[x.index] for x in terms)
+
+        for var, kind, a, b in self.derived:
+            values[var.index] = max(value(a), value(b)) if kind == "or" else min(value(a), value(b))
+        for group in (self.save, self.nosave, self.keep_a, self.keep_x):
+            for var in group.values():
+                self.model.add_hint(var, values[var.index])
+        for var, *_ in self.derived:
+            self.model.add_hint(var, values[var.index])
+
+    def solution(self, solver: cp_model.CpSolver) -> _FrameSchedule:
+        """The frame schedule the solver found."""
+        return _FrameSchedule(
+            save={key for key, var in self.save.items() if solver.boolean_value(var)},
+            nosave={key for key, var in self.nosave.items() if solver.boolean_value(var)},
+            stored={key for key, var in self.keep_x.items() if solver.boolean_value(var)},
+        )
+
+    def peak_bytes(self, solver: cp_model.CpSolver, got: _FrameSchedule) -> float:
+        """The model's memory at the worst operation that the solver's schedule runs."""
+        fr = self.fr
+        ran = [key for key in self.memory if key in got.save or key in got.nosave or key[1] == fr.lim(key[0]) + 1]
+        return float(max(solver.value(self.memory[key]) for key in ran) * self.size.unit)
+
+
+def _remat_model(dag: RematDag, fr: _Frames, budget_bytes: float, persistent: bool) -> _RematModel:
+    """Checkmate's model of remat_schedule: its variables, its constraints (the computations, the reads of each
+    output, the memory at every position within the budget) and its objective, the forward time."""
+    # Data: bytes rounded up (the budget down) in units of their gcd, seconds scaled by a power of two.
+    size = _RematSizes.of(dag)
+    budget = None if math.isinf(budget_bytes) else math.floor(budget_bytes) // size.unit
+    fwd_q = [round(x * _time_scale(fr.count * sum(dag.fwd_s))) for x in dag.fwd_s]
+
+    # Model.
+    model = cp_model.CpModel()
+    pairs = [(t, j) for t in range(fr.count) for j in range(fr.lim(t) + 1)]
+
+    # Variables. A quantity that may be constant is a _Sum: a tuple of 0/1 variables and integers, summed.
+    # save[t, j] / nosave[t, j]: block j's forward runs in frame t, saving (A(j)) or not (X(j)).
+    save = {(t, j): model.new_bool_var(f"save[{t},{j}]") for t, j in pairs}
+    nosave = {(t, j): model.new_bool_var(f"nosave[{t},{j}]") for t, j in pairs}
+    # keep_a[t, j] / keep_x[t, j]: A(j) / X(j) is live as frame t starts (only after block j's own frame).
+    keep_a = {(t, j): model.new_bool_var(f"keep_a[{t},{j}]") for t, j in pairs if j < t}
+    keep_x = {(t, j): model.new_bool_var(f"keep_x[{t},{j}]") for t, j in pairs if j < t}
+    # read[t, k, j] and live_x[t, k, j] are made with their constraints (add_reads, live_x); `derived` records each
+    # one's definition (an OR or an AND of two sums), in order, to complete the warm start.
+    rm = _RematModel(dag, fr, dag.succs, size, model, pairs, save, nosave, keep_a, keep_x)
+
+    # Constraints.
+    rm.add_computations(persistent)
+    rm.add_reads()
+    rm.add_memory(budget)
+
+    # Objective: the forward time, recomputation included.
+    model.minimize(sum(fwd_q[j] * (save[t, j] + nosave[t, j]) for t, j in pairs))
+    return rm
+
+
+def _read_schedule(
+    rm: _RematModel, solver: cp_model.CpSolver, status: Any, warm: _FrameSchedule | None, budget_bytes: float
+) -> RematSchedule:
+    """The solver's schedule as operations, with the ILP's own time and peak, or the warm start's, replayed, when the
+    time ran out before the solver reported a solution."""
+    dag, fr, n = rm.dag, rm.fr, len(rm.dag)
+    if status == cp_model.UNKNOWN and warm is not None:
+        got = warm
+        ops = _frame_ops(dag, fr, got.save, got.nosave, got.stored)
+        peak = replay_dag(dag, ops).peak_bytes
+    else:
+        got = rm.solution(solver)
+        ops = _frame_ops(dag, fr, got.save, got.nosave, got.stored)
+        peak = rm.peak_bytes(solver, got)
+    runs = [j for _, j in (*got.save, *got.nosave)]
+    count = tuple(runs.count(j) for j in range(n))
+    fwd = sum(dag.fwd_s[j] * count[j] for j in range(n))
+    return RematSchedule(
+        ops=tuple(ops),
+        time_s=fwd + sum(dag.bwd_s),
+        recompute_s=fwd - sum(dag.fwd_s),
+        peak_bytes=peak,
+        budget_bytes=budget_bytes,
+        status=_STATUS.get(status, "feasible"),
+        solve_time_s=solver.wall_time,
+        warm_start="" if warm is None else warm.name,
+        forward_count=count,
+    )
+
+
 def remat_schedule(
     dag: RematDag,
     *,
@@ -1083,209 +1406,39 @@ def remat_schedule(
     if not budget_bytes >= 0:
         raise PlanError(f"budget_bytes must be >= 0, got {budget_bytes}")
     fr = _Frames(dag)
-    succs = dag.succs
-    out = [math.ceil(x) for x in dag.out_bytes]
-    kept = [math.ceil(x) for x in dag.kept_bytes]
-    fpeak = [math.ceil(x) for x in dag.fwd_peak_bytes]
-    npeak = [math.ceil(x) for x in dag.fwd_nosave_peak_bytes]
-    grad = [math.ceil(x) for x in dag.grad_bytes]
-    # The backward's own term: bwd_peak less the output gradient, which is resident for an output block.
-    bpeak = [math.ceil(dag.bwd_peak_bytes[i] - (0.0 if succs[i] else dag.grad_bytes[i])) for i in range(n)]
-    unit = _byte_unit([*out, *kept, *fpeak, *npeak, *grad, *bpeak])
-    budget = None if math.isinf(budget_bytes) else math.floor(budget_bytes) // unit
-    fwd_q = [round(x * _time_scale(fr.count * sum(dag.fwd_s))) for x in dag.fwd_s]
     if max(need for need, _ in _op_lower_bounds(dag, fr)) > budget_bytes:
         raise InfeasibleError(_no_fit_message(dag, fr, budget_bytes))
-    hint = _best_simple(dag, fr, budget_bytes) if warm_start else None
+    warm = _best_simple(dag, fr, budget_bytes) if warm_start else None
 
-    # Model.
-    model = cp_model.CpModel()
-    pairs = [(t, j) for t in range(fr.count) for j in range(fr.lim(t) + 1)]
-
-    # Variables. A quantity that may be constant is a _Sum: a tuple of 0/1 variables and integers, summed.
-    # save[t, j] / nosave[t, j]: block j's forward runs in frame t, saving (A(j)) or not (X(j)).
-    save = {(t, j): model.new_bool_var(f"save[{t},{j}]") for t, j in pairs}
-    nosave = {(t, j): model.new_bool_var(f"nosave[{t},{j}]") for t, j in pairs}
-    # keep_a[t, j] / keep_x[t, j]: A(j) / X(j) is live as frame t starts (only after block j's own frame).
-    keep_a = {(t, j): model.new_bool_var(f"keep_a[{t},{j}]") for t, j in pairs if j < t}
-    keep_x = {(t, j): model.new_bool_var(f"keep_x[{t},{j}]") for t, j in pairs if j < t}
-    # read[t, k, j] and live_x[t, k, j] are made with their constraints below; `derived` records each one's
-    # definition (an OR or an AND of two sums), in order, to complete the warm start.
-    derived: list[tuple[Any, str, _Sum, _Sum]] = []
-
-    def ka(t: int, j: int) -> _Sum:
-        return (keep_a[t, j],) if (t, j) in keep_a else ()
-
-    def kx(t: int, j: int) -> _Sum:
-        return (keep_x[t, j],) if (t, j) in keep_x else ()
-
-    def has(t: int, j: int) -> _Sum:
-        """Block j's output is available in frame t: kept, stored, or computed earlier in the frame."""
-        return (*ka(t, j), *kx(t, j), save[t, j], nosave[t, j])
-
-    # Constraints: the computations.
-    for t, j in pairs:
-        model.add(sum(has(t, j)) <= 1)
-        if t + 1 < fr.count and j <= fr.lim(t + 1):
-            # A(j) persists until B(j) consumes it; X(j) persists only if it was live.
-            model.add(sum(ka(t + 1, j)) == sum(ka(t, j)) + save[t, j])
-            model.add(sum(kx(t + 1, j)) <= sum(kx(t, j)) + nosave[t, j])
-    for t in range(fr.count):
-        lim, target = fr.lim(t), fr.target(t)
-        if target is None:
-            model.add(save[t, t] + nosave[t, t] == 1)  # the frame's forward target runs
-        else:
-            model.add(sum(ka(t, target)) + save[t, target] == 1)  # A(target) is there for its backward
-            for j in dag.preds[target]:  # and so are its inputs
-                model.add(sum(has(t, j)) == 1)
-        for k in range(lim + 1):
-            for j in dag.preds[k]:  # a forward finds its inputs
-                model.add(save[t, k] + nosave[t, k] <= sum(has(t, j)))
-            if (t, k) in keep_a:
-                for j in dag.preds[k]:  # a saved block's inputs stay (autograd holds them) until its backward
-                    model.add(keep_a[t, k] <= sum(ka(t, j)) + sum(kx(t, j)))
-    if persistent:  # a backward-phase recomputation that reads a stored output pins it until its own backward
-        for t, j in keep_x:
-            for s in succs[j] if t >= n else ():
-                for u in range(t + 1, fr.b_frame(s) + 1):
-                    model.add(keep_x[t, j] + nosave[t, s] - 1 <= keep_x[u, j])
-
-    # Constraints: read[t, k, j] for k in j+1..lim+1, from the frame's end backwards.
-    read: dict[tuple[int, int, int], _Sum] = {}
-    for t, j in pairs:
-        lim, target = fr.lim(t), fr.target(t)
-        later: _Sum = (1,) if target is not None and j in dag.preds[target] else kx(t + 1, j)
-        read[t, lim + 1, j] = later
-        for k in range(lim, j, -1):
-            if j in dag.preds[k]:
-                here: _Sum = (save[t, k], nosave[t, k])
-                if _is_one(later):
-                    pass
-                elif not later:
-                    later = here
-                else:
-                    v = model.new_bool_var(f"read[{t},{k},{j}]")
-                    model.add(v >= sum(here))
-                    model.add(v >= sum(later))
-                    model.add(v <= sum(here) + sum(later))
-                    derived.append((v, "or", here, later))
-                    later = (v,)
-            read[t, k, j] = later
-        # Stored, or computed without saving, only when read afterwards (a forward frame's target runs anyway).
-        model.add(sum(kx(t, j)) + (nosave[t, j] if j != t else 0) <= sum(read[t, j + 1, j]))
-
-    live: dict[tuple[int, int, int], _Sum] = {}
-
-    def live_x(t: int, k: int, j: int) -> _Sum:
-        """X(j) is live during position k of frame t."""
-        if k <= j:
-            return kx(t, j)  # stored ones are read after position j (the constraint above)
-        made: _Sum = (*kx(t, j), nosave[t, j])
-        need = read[t, k, j]
-        if k == j + 1 or _is_one(need):
-            return made
-        if not need:
-            return ()
-        if (t, k, j) not in live:
-            v = model.new_bool_var(f"live_x[{t},{k},{j}]")
-            model.add(v <= sum(made))
-            model.add(v <= sum(need))
-            model.add(v >= sum(made) + sum(need) - 1)
-            derived.append((v, "and", made, need))
-            live[t, k, j] = (v,)
-        return live[t, k, j]
-
-    # Constraints: memory[t, k] in byte units, k ≤ lim(t) block k's forward, lim(t) + 1 the frame's backward.
-    memory: dict[tuple[int, int], _Expr] = {}
-    for t in range(fr.count):
-        lim, target = fr.lim(t), fr.target(t)
-        grads = sum(grad[j] for j in fr.live_grad[t]) // unit
-        for k in range(lim + 1):
-            mem = grads + sum(out[j] // unit * sum(live_x(t, k, j)) for j in range(lim + 1))
-            mem += sum(kept[j] // unit * sum(ka(t, j)) for j in range(lim + 1))
-            mem += sum(kept[j] // unit * save[t, j] for j in range(k))
-            memory[t, k] = mem + fpeak[k] // unit * save[t, k] + npeak[k] // unit * nosave[t, k]
-        if target is not None:
-            mem = grads - (grad[target] // unit if succs[target] else 0) + bpeak[target] // unit
-            mem += sum(out[j] // unit * sum(live_x(t, lim + 1, j)) for j in range(lim + 1))
-            mem += sum(kept[j] // unit * (sum(ka(t, j)) + save[t, j]) for j in range(lim + 1) if j != target)
-            memory[t, lim + 1] = mem
-    if budget is not None:
-        for mem in memory.values():
-            model.add(mem <= budget)
-
-    # Objective: the forward time, recomputation included.
-    model.minimize(sum(fwd_q[j] * (save[t, j] + nosave[t, j]) for t, j in pairs))
-    warm, hint_save, hint_nosave, hint_stored = "", set(), set(), set()
-    if hint is not None:
-        warm, hint_save, hint_nosave = hint
-        hint_stored = _least_storage(dag, fr, hint_save, hint_nosave)
-        values: dict[int, int] = {}
-        for group, chosen in ((save, hint_save), (nosave, hint_nosave), (keep_x, hint_stored)):
-            for key, var in group.items():
-                values[var.index] = int(key in chosen)
-        for (t, j), var in keep_a.items():
-            values[var.index] = int(any((u, j) in hint_save for u in range(t)))
-
-        def value(terms: _Sum) -> int:
-            return sum(x if isinstance(x, int) else values[x.index] for x in terms)
-
-        for var, kind, a, b in derived:
-            values[var.index] = max(value(a), value(b)) if kind == "or" else min(value(a), value(b))
-        for group in (save, nosave, keep_a, keep_x):
-            for var in group.values():
-                model.add_hint(var, values[var.index])
-        for var, *_ in derived:
-            model.add_hint(var, values[var.index])
+    # Model, variables, constraints and objective (see _remat_model), and the warm start.
+    rm = _remat_model(dag, fr, budget_bytes, persistent)
+    if warm is not None:
+        rm.add_hint(warm)
 
     # Solve.
     solver = _solver(time_limit_s, num_workers)
-    status = _solve(solver, model)
+    status = _solve(solver, rm.model)
 
     # Read the result into operations, with the ILP's own time and peak (or the warm start's, replayed, when the
     # time ran out before the solver reported a solution).
     if status == cp_model.INFEASIBLE:
         raise InfeasibleError(_no_fit_message(dag, fr, budget_bytes))
-    if status == cp_model.UNKNOWN and hint is None:
+    if status == cp_model.UNKNOWN and warm is None:
         raise PlanError(f"no schedule of the {n} blocks found within {time_limit_s} s; raise time_limit_s")
     if status not in _STATUS and status != cp_model.UNKNOWN:
-        raise RuntimeError(f"the remat model is invalid ({solver.status_name(status)}): {model.validate()}")
-    if status == cp_model.UNKNOWN:
-        got_save, got_nosave, got_stored = hint_save, hint_nosave, hint_stored
-    else:
-        got_save = {key for key, var in save.items() if solver.boolean_value(var)}
-        got_nosave = {key for key, var in nosave.items() if solver.boolean_value(var)}
-        got_stored = {key for key, var in keep_x.items() if solver.boolean_value(var)}
-    ops = _frame_ops(dag, fr, got_save, got_nosave, got_stored)
-    runs = [j for _, j in (*got_save, *got_nosave)]
-    count = tuple(runs.count(j) for j in range(n))
-    if status == cp_model.UNKNOWN:
-        peak = replay_dag(dag, ops).peak_bytes
-    else:
-        ran = [key for key in memory if key in got_save or key in got_nosave or key[1] == fr.lim(key[0]) + 1]
-        peak = float(max(solver.value(memory[key]) for key in ran) * unit)
-    fwd = sum(dag.fwd_s[j] * count[j] for j in range(n))
-    return RematSchedule(
-        ops=tuple(ops),
-        time_s=fwd + sum(dag.bwd_s),
-        recompute_s=fwd - sum(dag.fwd_s),
-        peak_bytes=peak,
-        budget_bytes=budget_bytes,
-        status=_STATUS.get(status, "feasible"),
-        solve_time_s=solver.wall_time,
-        warm_start=warm,
-        forward_count=count,
-    )
+        raise RuntimeError(f"the remat model is invalid ({solver.status_name(status)}): {rm.model.validate()}")
+    return _read_schedule(rm, solver, status, warm, budget_bytes)
 
 
-def _best_simple(dag: RematDag, fr: _Frames, budget_bytes: float) -> tuple[str, _Pairs, _Pairs] | None:
+def _best_simple(dag: RematDag, fr: _Frames, budget_bytes: float) -> _FrameSchedule | None:
     """The fastest simple schedule (no remat, periodic(k), checkpoint-all) whose peak fits, for the warm start."""
-    best: tuple[float, str, _Pairs, _Pairs] | None = None
+    best: tuple[float, _FrameSchedule] | None = None
     for name, save, nosave in _simple_schedules(dag):
-        got = replay_dag(dag, _frame_ops(dag, fr, save, nosave, _least_storage(dag, fr, save, nosave)))
+        simple = _FrameSchedule(save, nosave, _least_storage(dag, fr, save, nosave), name)
+        got = replay_dag(dag, _frame_ops(dag, fr, simple.save, simple.nosave, simple.stored))
         if got.peak_bytes <= budget_bytes and (best is None or got.time_s < best[0]):
-            best = (got.time_s, name, save, nosave)
-    return None if best is None else best[1:]
+            best = (got.time_s, simple)
+    return None if best is None else best[1]
 
 
 def _op_lower_bounds(dag: RematDag, fr: _Frames) -> list[tuple[float, str]]:

@@ -90,8 +90,8 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pyplan import _core
@@ -648,183 +648,218 @@ def replay_ops(
     n = len(chain)
     if param_grad_bytes and len(param_grad_bytes) != n:
         raise ValueError(f"param_grad_bytes has {len(param_grad_bytes)} entries, the chain has {n} blocks")
-    made_grads = peak_with_grads = 0.0
-    live: dict[tuple[str, int], float] = {}
-    values: dict[int, _Value] = {}  # the live value copies, by serial
-    held: dict[tuple[str, int], list[int]] = {}  # A or X → the serials of the values it holds
-    serials = itertools.count()
-    cur = peak = 0.0
-    time_s = recompute_s = transfer_s = 0.0
-    after_forward = 0.0
-    computed: set[int] = set()
-    segment_start: dict[int, int] = {}  # stored cut c → the first block of the segment that made it
-    # block i → the owned values at its input cut when its saving forward ran, its own outputs' copies, and
-    # whether that forward was a recomputation
-    at_forward: dict[int, tuple[list[int], list[int], bool]] = {}
-
-    def has_cut(c: int) -> bool:
-        return c == 0 or ("X", c) in live or ("A", c - 1) in live
-
-    def add(key: tuple[str, int], size: float) -> None:
-        nonlocal cur
-        if key in live:
-            raise ValueError(f"{key} is computed twice without being freed")
-        live[key] = size
-        cur += size
-
-    def drop(key: tuple[str, int]) -> None:
-        nonlocal cur
-        cur -= live.pop(key)
-        for s in held.pop(key, []):
-            drop_value(s)
-
-    def make(block: int, index: int, holder: tuple[str, int], recomputed: bool, *, owned: bool = True) -> int:
-        nonlocal cur
-        serial = next(serials)
-        b, last = chain.out_values[block][index]
-        since = holder[1] if holder[0] == "X" else block
-        savers = chain.out_savers[block][index]
-        values[serial] = _Value(block, index, b, last, savers, since, recomputed, holder, owned)
-        held.setdefault(holder, []).append(serial)
-        cur += b
-        return serial
-
-    def drop_value(serial: int) -> None:
-        nonlocal cur
-        v = values.pop(serial, None)
-        if v is not None:
-            cur -= v.bytes
-
-    def owned_at(cut: int) -> list[int]:
-        return [s for s, v in values.items() if v.owned and v.block < cut <= v.last]
-
-    def dead(v: _Value, i: int) -> bool:
-        """Whether value v is dead during block i's backward: saved by none of its savers up to block i, and not
-        an output of the chain held by the caller (a first pass's)."""
-        return not v.saved_by(v.block, i) and (v.last < n or v.recomputed)
-
-    def tau(i: int) -> float:
-        return (chain.kept_bytes[i] - chain.out_bytes[i]) / offload_bw_bytes_per_s
-
+    state = _Replaying(chain, ops, offload_bw_bytes_per_s, tuple(param_grad_bytes))
     for k, op in enumerate(ops):
         if forward_ops is not None and k == forward_ops:
-            after_forward = cur
-        kind, i = op[0], op[1]
+            state.after_forward = state.cur
+        kind = op[0]
         if kind == "F":
-            if not has_cut(i):
-                raise ValueError(f"forward of block {i} without the values of cut {i}")
-            save = op[2]
-            t = _op_s(chain, op)
-            again = i in computed
-            if again:
-                recompute_s += t
-            computed.add(i)
-            time_s += t
-            if save == "nosave":
-                peak = max(peak, cur + chain.fwd_nosave_peak_bytes[i])
-                peak_with_grads = max(peak_with_grads, cur + chain.fwd_nosave_peak_bytes[i] + made_grads)
-                # Inside a segment (its input is freed right after), the segment's values live on.
-                inside = k + 1 < len(ops) and ops[k + 1] == ("free", i) and ("X", i) in live
-                start = segment_start[i] if inside else i
-                if not inside:
-                    for s in owned_at(i):  # the checkpoint holds its input until its backward is done
-                        values[s].owned = False
-                segment_start[i + 1] = start
-                add(("X", i + 1), 0.0)
-                kept_out = chain.selective_holds[i] if op[-1] == "holds" and chain.selective_holds else ()
-                for j in range(start, i + 1):
-                    for x, (_, last) in enumerate(chain.out_values[j]):
-                        if last >= i + 1:
-                            serial = make(j, x, ("X", i + 1), again)
-                            if j == i and x < len(kept_out) and kept_out[x]:
-                                values[serial].owned = False  # no reader frees it: the checkpoint holds it
-                continue
-            peak = max(peak, cur + chain.fwd_peak_bytes[i])
-            peak_with_grads = max(peak_with_grads, cur + chain.fwd_peak_bytes[i] + made_grads)
-            older = owned_at(i)
-            for s in older:  # the values whose last reader this is, saved by none of their readers, die
-                v = values[s]
-                if v.last == i and not v.saved_by(v.block, i):
-                    drop_value(s)
-            older = [s for s in older if s in values]
-            if save == "offload":
-                exposed = max(0.0, tau(i) - t)
-                time_s += exposed
-                transfer_s += exposed
-                for s in owned_at(i + 1):  # an offloaded block's output waits whole: the run of owned values ends
-                    values[s].owned = False
-                add(("X", i + 1), chain.out_bytes[i])
-                segment_start[i + 1] = i
-                live[("H", i)] = 0.0
-                at_forward[i] = (older, [], again)
-            else:
-                add(("A", i), chain.kept_bytes[i] - chain.out_bytes[i])
-                own = [make(i, x, ("A", i), again) for x in range(len(chain.out_values[i]))]
-                at_forward[i] = (older, own, again)
+            state.forward(k, op)
         elif kind == "prefetch":
-            if ("H", i) not in live:
-                raise ValueError(f"prefetch of block {i}, which was not offloaded")
-            del live[("H", i)]
-            nxt = ops[k + 1] if k + 1 < len(ops) else None
-            overlap = chain.bwd_s[nxt[1]] if nxt is not None and nxt[0] == "B" and nxt[1] != i else 0.0
-            exposed = max(0.0, tau(i) - overlap)
-            time_s += exposed
-            transfer_s += exposed
-            drop(("X", i + 1))
-            add(("A", i), chain.kept_bytes[i] - chain.out_bytes[i])
-            older, _, again = at_forward[i]
-            own = [make(i, x, ("A", i), again, owned=False) for x in range(len(chain.out_values[i]))]
-            at_forward[i] = (older, own, again)
+            state.prefetch(k, op[1])
         elif kind == "B":
-            ran = ("A", i) in live
-            if chain.saves[i] and not ran:
-                raise ValueError(f"backward of block {i} without its saved tensors")
-            if ran and not has_cut(i):
-                raise ValueError(f"backward of block {i} without the values of cut {i}")
-            if i < n - 1 and ("G", i + 1) not in live:
-                raise ValueError(f"backward of block {i} before the gradient of cut {i + 1}")
-            older, own, _ = at_forward.pop(i, ([], [], False)) if ran else ([], [], False)
-            for s in older + own:  # what nobody holds any more by now: saved by none of its readers so far
-                if s in values and dead(values[s], i):
-                    drop_value(s)
-            # bwd_peak counts every output held; those dead now are not (a block that never ran: a recomputation
-            # stopped before it, all its outputs).
-            if ran:
-                copies = [values[s] for s in own if s in values]
-                gone = sum(b for x, (b, _) in enumerate(chain.out_values[i]) if all(v.index != x for v in copies))
-                held_now = live[("A", i)] + sum(v.bytes for v in copies)
-            else:
-                gone, held_now = chain.out_bytes[i], 0.0
-            at_peak = cur - held_now - chain.grad_bytes[i + 1] + chain.bwd_peak_bytes[i] - gone
-            peak = max(peak, at_peak)
-            if param_grad_bytes:
-                made_grads += param_grad_bytes[i]
-            peak_with_grads = max(peak_with_grads, at_peak + made_grads)
-            time_s += chain.bwd_s[i]
-            if ran:
-                drop(("A", i))
-            if i < n - 1:
-                drop(("G", i + 1))
-            if i > 0:
-                add(("G", i), chain.grad_bytes[i])
+            state.backward(op[1])
         elif kind == "cache":
-            add(("S", i), _cached_bytes(chain, i, op[2]))
+            state.add(("S", op[1]), _cached_bytes(chain, op[1], op[2]))
         elif kind == "uncache":
-            drop(("S", i))
+            state.drop(("S", op[1]))
         elif kind == "free":
-            if ("X", i) not in live:
-                raise ValueError(f"free of cut {i}, which is not stored")
-            if i < n and ("A", i) in live:
-                raise ValueError(f"free of cut {i} while block {i}'s saved tensors (which hold it) are live")
-            drop(("X", i))
+            state.free(op[1])
         else:
             raise ValueError(f"unknown operation {op!r}")
     if forward_ops is not None and forward_ops >= len(ops):
-        after_forward = cur
-    done = {key for key in live if key[0] != "X" or key[1] != 0}
-    if done or values:
+        state.after_forward = state.cur
+    done = {key for key in state.live if key[0] != "X" or key[1] != 0}
+    if done or state.values:
         raise ValueError(f"the schedule leaves {sorted(done)} live")
-    return Replay(time_s, peak, recompute_s, transfer_s, after_forward, peak_with_grads)
+    return Replay(
+        state.time_s, state.peak, state.recompute_s, state.transfer_s, state.after_forward, state.peak_with_grads
+    )
+
+
+@dataclass
+class _Replaying:
+    """The state of a replay (`replay_ops`): what is live and its bytes, the value copies, the clock and peaks."""
+
+    chain: RematChain
+    ops: Sequence[Op]
+    offload_bw_bytes_per_s: float
+    param_grad_bytes: tuple[float, ...]
+    live: dict[tuple[str, int], float] = field(default_factory=dict)
+    values: dict[int, _Value] = field(default_factory=dict)  # the live value copies, by serial
+    held: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # A or X → the serials of its values
+    serials: Iterator[int] = field(default_factory=itertools.count)
+    cur: float = 0.0
+    peak: float = 0.0
+    made_grads: float = 0.0
+    peak_with_grads: float = 0.0
+    time_s: float = 0.0
+    recompute_s: float = 0.0
+    transfer_s: float = 0.0
+    after_forward: float = 0.0
+    computed: set[int] = field(default_factory=set)
+    segment_start: dict[int, int] = field(default_factory=dict)  # stored cut c → the first block of its segment
+    # block i → the owned values at its input cut when its saving forward ran, its own outputs' copies, and
+    # whether that forward was a recomputation
+    at_forward: dict[int, tuple[list[int], list[int], bool]] = field(default_factory=dict)
+
+    def has_cut(self, c: int) -> bool:
+        return c == 0 or ("X", c) in self.live or ("A", c - 1) in self.live
+
+    def add(self, key: tuple[str, int], size: float) -> None:
+        if key in self.live:
+            raise ValueError(f"{key} is computed twice without being freed")
+        self.live[key] = size
+        self.cur += size
+
+    def drop(self, key: tuple[str, int]) -> None:
+        self.cur -= self.live.pop(key)
+        for s in self.held.pop(key, []):
+            self.drop_value(s)
+
+    def make(self, block: int, index: int, holder: tuple[str, int], recomputed: bool, *, owned: bool = True) -> int:
+        serial = next(self.serials)
+        b, last = self.chain.out_values[block][index]
+        since = holder[1] if holder[0] == "X" else block
+        savers = self.chain.out_savers[block][index]
+        self.values[serial] = _Value(block, index, b, last, savers, since, recomputed, holder, owned)
+        self.held.setdefault(holder, []).append(serial)
+        self.cur += b
+        return serial
+
+    def drop_value(self, serial: int) -> None:
+        v = self.values.pop(serial, None)
+        if v is not None:
+            self.cur -= v.bytes
+
+    def owned_at(self, cut: int) -> list[int]:
+        return [s for s, v in self.values.items() if v.owned and v.block < cut <= v.last]
+
+    def dead(self, v: _Value, i: int) -> bool:
+        """Whether value v is dead during block i's backward: saved by none of its savers up to block i, and not
+        an output of the chain held by the caller (a first pass's)."""
+        return not v.saved_by(v.block, i) and (v.last < len(self.chain) or v.recomputed)
+
+    def tau(self, i: int) -> float:
+        return (self.chain.kept_bytes[i] - self.chain.out_bytes[i]) / self.offload_bw_bytes_per_s
+
+    def forward(self, k: int, op: Op) -> None:
+        """Block op[1]'s forward, saving ("save"), offloading ("offload") or not ("nosave")."""
+        chain, i, save = self.chain, op[1], op[2]
+        if not self.has_cut(i):
+            raise ValueError(f"forward of block {i} without the values of cut {i}")
+        t = _op_s(chain, op)
+        again = i in self.computed
+        if again:
+            self.recompute_s += t
+        self.computed.add(i)
+        self.time_s += t
+        if save == "nosave":
+            self._nosave(k, op, again)
+            return
+        self.peak = max(self.peak, self.cur + chain.fwd_peak_bytes[i])
+        self.peak_with_grads = max(self.peak_with_grads, self.cur + chain.fwd_peak_bytes[i] + self.made_grads)
+        older = self.owned_at(i)
+        for s in older:  # the values whose last reader this is, saved by none of their readers, die
+            v = self.values[s]
+            if v.last == i and not v.saved_by(v.block, i):
+                self.drop_value(s)
+        older = [s for s in older if s in self.values]
+        if save == "offload":
+            exposed = max(0.0, self.tau(i) - t)
+            self.time_s += exposed
+            self.transfer_s += exposed
+            for s in self.owned_at(i + 1):  # an offloaded block's output waits whole: the run of owned values ends
+                self.values[s].owned = False
+            self.add(("X", i + 1), chain.out_bytes[i])
+            self.segment_start[i + 1] = i
+            self.live[("H", i)] = 0.0
+            self.at_forward[i] = (older, [], again)
+        else:
+            self.add(("A", i), chain.kept_bytes[i] - chain.out_bytes[i])
+            own = [self.make(i, x, ("A", i), again) for x in range(len(chain.out_values[i]))]
+            self.at_forward[i] = (older, own, again)
+
+    def _nosave(self, k: int, op: Op, again: bool) -> None:
+        """A forward that saves nothing: its outputs stored at the next cut, with those of its segment."""
+        chain, ops, i = self.chain, self.ops, op[1]
+        self.peak = max(self.peak, self.cur + chain.fwd_nosave_peak_bytes[i])
+        self.peak_with_grads = max(self.peak_with_grads, self.cur + chain.fwd_nosave_peak_bytes[i] + self.made_grads)
+        # Inside a segment (its input is freed right after), the segment's values live on.
+        inside = k + 1 < len(ops) and ops[k + 1] == ("free", i) and ("X", i) in self.live
+        start = self.segment_start[i] if inside else i
+        if not inside:
+            for s in self.owned_at(i):  # the checkpoint holds its input until its backward is done
+                self.values[s].owned = False
+        self.segment_start[i + 1] = start
+        self.add(("X", i + 1), 0.0)
+        kept_out = chain.selective_holds[i] if op[-1] == "holds" and chain.selective_holds else ()
+        for j in range(start, i + 1):
+            for x, (_, last) in enumerate(chain.out_values[j]):
+                if last >= i + 1:
+                    serial = self.make(j, x, ("X", i + 1), again)
+                    if j == i and x < len(kept_out) and kept_out[x]:
+                        self.values[serial].owned = False  # no reader frees it: the checkpoint holds it
+
+    def prefetch(self, k: int, i: int) -> None:
+        """Block i's saved tensors back from the host, overlapping the next backward if there is one."""
+        if ("H", i) not in self.live:
+            raise ValueError(f"prefetch of block {i}, which was not offloaded")
+        del self.live[("H", i)]
+        nxt = self.ops[k + 1] if k + 1 < len(self.ops) else None
+        overlap = self.chain.bwd_s[nxt[1]] if nxt is not None and nxt[0] == "B" and nxt[1] != i else 0.0
+        exposed = max(0.0, self.tau(i) - overlap)
+        self.time_s += exposed
+        self.transfer_s += exposed
+        self.drop(("X", i + 1))
+        self.add(("A", i), self.chain.kept_bytes[i] - self.chain.out_bytes[i])
+        older, _, again = self.at_forward[i]
+        own = [self.make(i, x, ("A", i), again, owned=False) for x in range(len(self.chain.out_values[i]))]
+        self.at_forward[i] = (older, own, again)
+
+    def backward(self, i: int) -> None:
+        """Block i's backward: at its peak every output still held, then its saved tensors and the gradient of
+        its output cut freed, the gradient of its input cut made."""
+        chain, n = self.chain, len(self.chain)
+        ran = ("A", i) in self.live
+        if chain.saves[i] and not ran:
+            raise ValueError(f"backward of block {i} without its saved tensors")
+        if ran and not self.has_cut(i):
+            raise ValueError(f"backward of block {i} without the values of cut {i}")
+        if i < n - 1 and ("G", i + 1) not in self.live:
+            raise ValueError(f"backward of block {i} before the gradient of cut {i + 1}")
+        older, own, _ = self.at_forward.pop(i, ([], [], False)) if ran else ([], [], False)
+        for s in older + own:  # what nobody holds any more by now: saved by none of its readers so far
+            if s in self.values and self.dead(self.values[s], i):
+                self.drop_value(s)
+        # bwd_peak counts every output held; those dead now are not (a block that never ran: a recomputation
+        # stopped before it, all its outputs).
+        if ran:
+            copies = [self.values[s] for s in own if s in self.values]
+            gone = sum(b for x, (b, _) in enumerate(chain.out_values[i]) if all(v.index != x for v in copies))
+            held_now = self.live[("A", i)] + sum(v.bytes for v in copies)
+        else:
+            gone, held_now = chain.out_bytes[i], 0.0
+        at_peak = self.cur - held_now - chain.grad_bytes[i + 1] + chain.bwd_peak_bytes[i] - gone
+        self.peak = max(self.peak, at_peak)
+        if self.param_grad_bytes:
+            self.made_grads += self.param_grad_bytes[i]
+        self.peak_with_grads = max(self.peak_with_grads, at_peak + self.made_grads)
+        self.time_s += chain.bwd_s[i]
+        if ran:
+            self.drop(("A", i))
+        if i < n - 1:
+            self.drop(("G", i + 1))
+        if i > 0:
+            self.add(("G", i), chain.grad_bytes[i])
+
+    def free(self, i: int) -> None:
+        """The stored values of cut i freed (a segment's input, once its recomputation has its own)."""
+        if ("X", i) not in self.live:
+            raise ValueError(f"free of cut {i}, which is not stored")
+        if i < len(self.chain) and ("A", i) in self.live:
+            raise ValueError(f"free of cut {i} while block {i}'s saved tensors (which hold it) are live")
+        self.drop(("X", i))
 
 
 @dataclass(frozen=True)

@@ -135,7 +135,8 @@ def test_dp_equals_brute_force_on_longer_chains(n: int) -> None:
 
 
 def checkpoint_sets(n: int) -> list[tuple[RematItem, ...]]:
-    """One-level plans (checkpoint_sequential generalized): kept blocks and checkpointed segments, no nesting."""
+    """One-level plans (checkpoint_sequential generalized): kept blocks and checkpointed segments, no nesting, the
+    last block kept (as checkpoint_sequential and the DP's Checkpoint(s..k−1), k ≤ t, keep it: pyplan/remat.h)."""
     out = []
     # Each boundary between blocks: 0 same segment, 1 new segment; each segment kept or checkpointed.
     for cuts in itertools.product((0, 1), repeat=n - 1):
@@ -144,6 +145,8 @@ def checkpoint_sets(n: int) -> list[tuple[RematItem, ...]]:
         for kinds in itertools.product((0, 1), repeat=len(segments)):
             if any(k == 0 and b - a > 1 for k, (a, b) in zip(kinds, segments)):
                 continue  # a kept segment of several blocks is the same plan as single kept blocks
+            if kinds[-1] == 1:
+                continue  # the last segment checkpointed
             items: list[RematItem] = []
             for k, (a, b) in zip(kinds, segments):
                 items.append(Keep(a) if k == 0 else Checkpoint(no_remat(a, b)))
