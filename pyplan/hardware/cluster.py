@@ -422,6 +422,8 @@ def _make_group(
     currency: str | None,
     instance: str | Instance | None,
 ) -> NodeGroup:
+    """One node group from `Cluster.from_catalog`'s arguments or a cluster file's keys; `what` prefixes every
+    error."""
     gpus = _positive_int(gpus, "gpus", what)
     nodes = _positive_int(nodes, "nodes", what)
     gpus_per_node = _positive_int(gpus_per_node, "gpus_per_node", what)
@@ -432,6 +434,38 @@ def _make_group(
     inst = get_instance(instance) if isinstance(instance, str) else instance
 
     # The device of one rank, and how many a node (an instance) holds.
+    gpu, per_node_fixed = _rank_device(what, gpu, inst, gpus_per_node)
+    if per_node_fixed is not None:
+        gpus_per_node = per_node_fixed
+    nodes, gpus_per_node = _node_shape(
+        what, gpu=gpu, inst=inst, gpus=gpus, nodes=nodes, gpus_per_node=gpus_per_node, per_node_fixed=per_node_fixed
+    )
+    intra, inter = _links(gpu, inst, gpus_per_node, intra_link=intra_link, inter_link=inter_link)
+    price_per_gpu_hour, currency = _price_per_gpu_hour(
+        what,
+        inst=inst,
+        gpus_per_node=gpus_per_node,
+        price_per_gpu_hour=price_per_gpu_hour,
+        price_per_node_hour=price_per_node_hour,
+        currency=currency,
+    )
+    return NodeGroup(
+        gpu=gpu,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        intra_link=get_link(intra) if isinstance(intra, str) else intra,
+        inter_link=get_link(inter) if isinstance(inter, str) else inter,
+        price_per_gpu_hour=price_per_gpu_hour,
+        currency=currency,
+        instance=inst.name if inst is not None else None,
+    )
+
+
+def _rank_device(
+    what: str, gpu: GPU | None, inst: Instance | None, gpus_per_node: int | None
+) -> tuple[GPU, int | None]:
+    """The device of one rank (an instance's GPU, or the slice of one it sells) and the GPUs per node the instance
+    fixes (None without an instance); raises where `gpu` or `gpus_per_node` disagree with the instance."""
     per_node_fixed: int | None = None
     if inst is not None:
         base = get_gpu(inst.gpu)
@@ -453,11 +487,23 @@ def _make_group(
             raise PlanError(
                 f"{what}: 'gpus_per_node' is {gpus_per_node} but instance {inst.name} has {inst.gpus_label} GPUs"
             )
-        gpus_per_node = per_node_fixed
     if gpu is None:
         raise PlanError(f"{what}: give 'gpu' (a catalog GPU name) or 'instance'")
+    return gpu, per_node_fixed
 
-    # Node count and size.
+
+def _node_shape(
+    what: str,
+    *,
+    gpu: GPU,
+    inst: Instance | None,
+    gpus: int | None,
+    nodes: int | None,
+    gpus_per_node: int | None,
+    per_node_fixed: int | None,
+) -> tuple[int, int]:
+    """(nodes, GPUs per node) from any two of `gpus`, `nodes` and `gpus_per_node`, or from fewer with the
+    defaults: one GPU (or one instance), up to 8 catalog GPUs a node, all of "local"'s processes on one node."""
     if nodes is not None and gpus is not None:
         if gpus_per_node is None:
             if gpus % nodes:
@@ -480,16 +526,38 @@ def _make_group(
             raise PlanError(f"{what}: 'gpus' ({gpus}) must be a multiple of {unit} ({gpus_per_node})")
         nodes = gpus // gpus_per_node
     assert gpus_per_node is not None
+    return nodes, gpus_per_node
 
-    # Links.
+
+def _links(
+    gpu: GPU,
+    inst: Instance | None,
+    gpus_per_node: int,
+    *,
+    intra_link: str | Link | None,
+    inter_link: str | Link | None,
+) -> tuple[str | Link, str | Link]:
+    """The links inside a node and to other nodes, as given or else the defaults: the GPU's (or the fallbacks)
+    inside a node; between nodes, the instance's, else the GPU's, else the fallback."""
     intra = intra_link if intra_link is not None else (gpu.default_intra_link or _FALLBACK_INTRA)
     inter: str | Link | None = inter_link
     if inter is None and inst is not None:
         inter = inst.inter_link or _instance_network_link(inst, gpus_per_node)
     if inter is None:
         inter = gpu.default_inter_link or _FALLBACK_INTER
+    return intra, inter
 
-    # Price per GPU-hour.
+
+def _price_per_gpu_hour(
+    what: str,
+    *,
+    inst: Instance | None,
+    gpus_per_node: int,
+    price_per_gpu_hour: float | None,
+    price_per_node_hour: float | None,
+    currency: str | None,
+) -> tuple[float | None, str | None]:
+    """(price per GPU-hour, currency): as given per GPU or per node, or the instance's; both None for no price."""
     if price_per_gpu_hour is not None and price_per_node_hour is not None:
         raise PlanError(f"{what}: give 'price_per_gpu_hour' or 'price_per_node_hour', not both")
     if price_per_node_hour is not None:
@@ -506,14 +574,4 @@ def _make_group(
         currency = inst.currency
     if currency is not None:
         check_currency(currency, f"{what}: 'currency'")
-
-    return NodeGroup(
-        gpu=gpu,
-        nodes=nodes,
-        gpus_per_node=gpus_per_node,
-        intra_link=get_link(intra) if isinstance(intra, str) else intra,
-        inter_link=get_link(inter) if isinstance(inter, str) else inter,
-        price_per_gpu_hour=price_per_gpu_hour,
-        currency=currency,
-        instance=inst.name if inst is not None else None,
-    )
+    return price_per_gpu_hour, currency

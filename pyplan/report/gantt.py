@@ -135,6 +135,10 @@ _WIDTH_IN = 13.0
 # tab20's dark/light pairs, less its grey (pair 7), which sends, idle time, sync and the optimizer use;
 # more stages than pairs take their colours from the turbo map instead.
 _HUES = (0, 1, 2, 3, 4, 5, 6, 8, 9)
+# Each stage's (dark, light) colours, by stage.
+_Palette = list[tuple[Any, Any]]
+# The parts after the pipeline, each (name, seconds, face colour, hatch).
+_Tail = list[tuple[str, float, str, str | None]]
 
 
 def _draw_box(ax: Axes, x: float, w: float, y: float, *, linewidth: float = 0.4, **style: Any) -> None:
@@ -147,33 +151,54 @@ def gantt_figure(tl: Timeline, *, title: str | None = None) -> Figure:
     """The chart: a row per rank, a box per compute action (stage colour; forward light, backward dark,
     weight-gradient hatched) with its micro-batch number, send strips under the boxes, idle gaps left grey, and
     the gradient sync and optimizer step after the pipeline."""
-    sim = tl.simulation
-    p = tl.num_ranks
-    fig = new_figure(_WIDTH_IN, 1.6 + 0.55 * p, what="the Gantt chart")
-    from matplotlib import colormaps
-    from matplotlib.patches import Patch, Rectangle
-
+    fig = new_figure(_WIDTH_IN, 1.6 + 0.55 * tl.num_ranks, what="the Gantt chart")
     ax = fig.add_subplot()
     scale, unit = time_unit(tl.iteration_s)
-    total = tl.iteration_s * scale
-    cmap = colormaps["tab20"]
-    axes_in = _WIDTH_IN - 1.8
-    num_stages = len(tl.stage_rank)
+    palette = _stage_colours(len(tl.stage_rank))
+    tail = _tail_parts(tl)
+    _draw_compute(ax, tl, palette, scale)
+    _draw_sends(ax, tl, scale)
+    _draw_tail(ax, tl, tail, scale)
+    _label_axes(ax, tl, scale, unit, title)
+    _legend(fig, tl, palette, tail)
+    return fig
 
-    def colours(stage: int) -> tuple[Any, Any]:
-        """(dark, light) of a stage: tab20's pairs for a few stages, else a spread of turbo and its tint."""
-        if num_stages <= len(_HUES):
-            return cmap(2 * _HUES[stage]), cmap(2 * _HUES[stage] + 1)
+
+def _stage_colours(num_stages: int) -> _Palette:
+    """(dark, light) of each stage: tab20's pairs for a few stages, else a spread of turbo and its tint."""
+    from matplotlib import colormaps
+
+    if num_stages <= len(_HUES):
+        cmap = colormaps["tab20"]
+        return [(cmap(2 * _HUES[stage]), cmap(2 * _HUES[stage] + 1)) for stage in range(num_stages)]
+    colours: _Palette = []
+    for stage in range(num_stages):
         hue = colormaps["turbo"](0.05 + 0.9 * stage / (num_stages - 1))[:3]
-        return tuple(0.75 * c for c in hue), tuple(0.4 * c + 0.6 for c in hue)
+        colours.append((tuple(0.75 * c for c in hue), tuple(0.4 * c + 0.6 for c in hue)))
+    return colours
 
+
+def _tail_parts(tl: Timeline) -> _Tail:
+    """What every rank does after the pipeline, in order: (name, seconds, face colour, hatch)."""
+    return [("sync", tl.exposed_comm_s, "#bbbbbb", "xx"), ("optimizer", tl.optimizer_s, "#666666", None)]
+
+
+def _draw_compute(ax: Axes, tl: Timeline, palette: _Palette, scale: float) -> None:
+    """Each rank's row grey up to the makespan (idle), then a box per compute action with its micro-batch number
+    where the box is wide enough."""
+    from matplotlib.patches import Rectangle
+
+    sim = tl.simulation
+    p = tl.num_ranks
+    total = tl.iteration_s * scale
+    axes_in = _WIDTH_IN - 1.8
     for r in range(p):
         ax.add_patch(
             Rectangle((0, r + _BOX[0]), sim.makespan_s * scale, _BOX[1], facecolor="#eeeeee", edgecolor="none")
         )
     edge = 0.4 if len(sim.events) <= 64 * p else 0.1  # thin outlines where boxes are narrow
     for e in sim.events:
-        dark, light = colours(e.stage)
+        dark, light = palette[e.stage]
         x, w = e.start_s * scale, (e.end_s - e.start_s) * scale
         face = light if e.op == "F" else dark
         hatch = "////" if e.op == "W" else None
@@ -189,6 +214,12 @@ def gantt_figure(tl: Timeline, *, title: str | None = None) -> Figure:
                 fontsize=7,
                 color="black" if e.op == "F" else "white",
             )
+
+
+def _draw_sends(ax: Axes, tl: Timeline, scale: float) -> None:
+    """A strip under the boxes for each send, from when it leaves its rank to when it has arrived."""
+    from matplotlib.patches import Rectangle
+
     for s in tl.sends:
         ax.add_patch(
             Rectangle(
@@ -201,14 +232,25 @@ def gantt_figure(tl: Timeline, *, title: str | None = None) -> Figure:
                 gid=f"send-{s.op}-r{s.rank}-s{s.stage}-m{s.microbatch}",
             )
         )
-    tail = [("sync", tl.exposed_comm_s, "#bbbbbb", "xx"), ("optimizer", tl.optimizer_s, "#666666", None)]
-    start = sim.makespan_s
+
+
+def _draw_tail(ax: Axes, tl: Timeline, tail: _Tail, scale: float) -> None:
+    """The gradient sync and the optimizer step, one after the other on every rank after the makespan."""
+    start = tl.simulation.makespan_s
     for name, seconds, face, hatch in tail:
         if seconds <= 0:
             continue
-        for r in range(p):
+        for r in range(tl.num_ranks):
             _draw_box(ax, start * scale, seconds * scale, r, facecolor=face, hatch=hatch, gid=f"{name}-r{r}")
         start += seconds
+
+
+def _label_axes(ax: Axes, tl: Timeline, scale: float, unit: str, title: str | None) -> None:
+    """Each rank's idle share at the right and its stages at the left, the time axis, and the title (by default
+    the schedule, its shape and its times)."""
+    sim = tl.simulation
+    p = tl.num_ranks
+    total = tl.iteration_s * scale
     for r in range(p):
         share = sim.idle_s[r] / sim.makespan_s if sim.makespan_s > 0 else 0.0
         ax.text(1.005, r, f"idle {fmt_fraction(share)}", transform=ax.get_yaxis_transform(), fontsize=8, va="center")
@@ -230,14 +272,21 @@ def gantt_figure(tl: Timeline, *, title: str | None = None) -> Figure:
         )
     ax.set_title(title, fontsize=10)
 
+
+def _legend(fig: Figure, tl: Timeline, palette: _Palette, tail: _Tail) -> None:
+    """The legend under the chart: the stages' colours (the first and last only, for many stages), what the
+    shades, strips and grey mean, and the weight gradient and tail when the chart has them."""
+    from matplotlib.patches import Patch
+
+    num_stages = len(tl.stage_rank)
     shown = range(num_stages) if num_stages <= 2 * len(_HUES) else (0, num_stages - 1)
-    handles = [Patch(facecolor=colours(s)[0], edgecolor="black", linewidth=0.4, label=f"stage {s}") for s in shown]
+    handles = [Patch(facecolor=palette[s][0], edgecolor="black", linewidth=0.4, label=f"stage {s}") for s in shown]
     handles += [
         Patch(facecolor="white", edgecolor="black", linewidth=0.4, label="forward: light, backward: dark"),
         Patch(facecolor="#555555", alpha=0.6, label="send"),
         Patch(facecolor="#eeeeee", label="idle"),
     ]
-    if any(e.op == "W" and e.end_s > e.start_s for e in sim.events):
+    if any(e.op == "W" and e.end_s > e.start_s for e in tl.simulation.events):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="////", label="weight gradient"))
     handles += [
         Patch(facecolor=face, edgecolor="black", linewidth=0.4, hatch=hatch, label=name)
@@ -245,7 +294,6 @@ def gantt_figure(tl: Timeline, *, title: str | None = None) -> Figure:
         if seconds > 0
     ]
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 8), fontsize=8, frameon=False)
-    return fig
 
 
 def write_gantt(plan: Plan, path: str | Path, *, title: str | None = None) -> Timeline:

@@ -13,7 +13,7 @@ from rich.text import Text
 
 from pyplan.emit.planfile import PlanFile
 from pyplan.hardware.cluster import Cluster
-from pyplan.plan import Plan, StagePlan
+from pyplan.plan import Plan, Prediction, StagePlan
 from pyplan.solve.schedules import stage_placement
 from pyplan.units import fmt_bytes, fmt_seconds
 
@@ -99,12 +99,40 @@ def show_data(document: PlanFile) -> dict[str, Any]:
     most state.
     """
     plan, cluster, workload = document.plan, document.cluster, document.workload
-    lay, pred = plan.layout, plan.predicted
-    gpu = cluster.gpu
+    lay = plan.layout
     capacity = _memory_per_gpu(cluster)
     ranks = _stage_ranks(plan)
     sends = boundary_send_s(plan.stages)
-    stages = [
+    stages = _stages_data(plan, ranks)
+    memory = _memory_data(plan, ranks, capacity)
+    per_param = workload.bytes_per_param()
+    return {
+        "model": document.model,
+        "cluster": _cluster_data(cluster, capacity),
+        "workload": workload.to_json(),
+        "bytes_per_param": {
+            "param": per_param.param_bytes,
+            "grad": per_param.grad_bytes,
+            "optimizer": per_param.optimizer_bytes,
+        },
+        "layout": {
+            **lay.to_json(),
+            "num_gpus": lay.num_gpus,
+            "num_stages": lay.num_stages,
+            "global_batch": lay.global_batch,
+        },
+        "stages": stages,
+        "boundary_send_s": sends,
+        "memory": memory,
+        "time": _time_data(plan.predicted),
+        "cost": _cost_data(document),
+    }
+
+
+def _stages_data(plan: Plan, ranks: Sequence[int]) -> list[dict[str, Any]]:
+    """One entry per stage: its rank, blocks, times per micro-batch, rematerialization plan and memory."""
+    lay = plan.layout
+    return [
         {
             "stage": s,
             "rank": ranks[s],
@@ -128,8 +156,12 @@ def show_data(document: PlanFile) -> dict[str, Any]:
         }
         for s, st in enumerate(plan.stages)
     ]
-    memory = []
-    for r in range(lay.pp):
+
+
+def _memory_data(plan: Plan, ranks: Sequence[int], capacity: float) -> list[dict[str, Any]]:
+    """One entry per pipeline rank: the stages it holds and their memory against the GPU's `capacity`."""
+    memory: list[dict[str, Any]] = []
+    for r in range(plan.layout.pp):
         held = [s for s in range(len(plan.stages)) if ranks[s] == r]
         used = sum(plan.stages[s].memory_bytes for s in held)
         memory.append(
@@ -143,56 +175,52 @@ def show_data(document: PlanFile) -> dict[str, Any]:
                 "fraction": used / capacity if capacity else None,
             }
         )
-    per_param = workload.bytes_per_param()
+    return memory
+
+
+def _cluster_data(cluster: Cluster, capacity: float) -> dict[str, Any]:
+    """The GPU, how many and how they sit in nodes, the memory per GPU and the price of the first node group."""
     group = cluster.groups[0]
+    return {
+        "gpu": cluster.gpu.name,
+        "gpus": cluster.gpus,
+        "gpus_per_node": cluster.gpus_per_node,
+        "memory_bytes": capacity,
+        "price_per_gpu_hour": group.price_per_gpu_hour,
+        "currency": group.currency,
+    }
+
+
+def _time_data(pred: Prediction) -> dict[str, Any]:
+    """One iteration's time split into its parts (see `show_data`), with the pipeline's figures behind them."""
+    return {
+        "iteration_s": pred.iteration_s,
+        "compute_s": pred.pipeline_s * (1.0 - pred.bubble_fraction) - pred.recompute_s,
+        "recompute_s": pred.recompute_s,
+        "bubble_s": pred.pipeline_s * pred.bubble_fraction,
+        "exposed_comm_s": pred.exposed_comm_s,
+        "optimizer_s": pred.optimizer_s,
+        "pipeline_s": pred.pipeline_s,
+        "bubble_fraction": pred.bubble_fraction,
+        "samples_per_s": pred.samples_per_s,
+        "peak_memory_bytes": pred.peak_memory_bytes,
+    }
+
+
+def _cost_data(document: PlanFile) -> dict[str, Any]:
+    """The cost per iteration, per million samples and per epoch; the amounts are None for an unpriced plan."""
+    plan, workload = document.plan, document.workload
+    lay, pred = plan.layout, plan.predicted
     priced = bool(pred.currency)
     iterations = math.ceil(workload.dataset_samples / workload.global_batch) if workload.dataset_samples else None
     return {
-        "model": document.model,
-        "cluster": {
-            "gpu": gpu.name,
-            "gpus": cluster.gpus,
-            "gpus_per_node": cluster.gpus_per_node,
-            "memory_bytes": capacity,
-            "price_per_gpu_hour": group.price_per_gpu_hour,
-            "currency": group.currency,
-        },
-        "workload": workload.to_json(),
-        "bytes_per_param": {
-            "param": per_param.param_bytes,
-            "grad": per_param.grad_bytes,
-            "optimizer": per_param.optimizer_bytes,
-        },
-        "layout": {
-            **lay.to_json(),
-            "num_gpus": lay.num_gpus,
-            "num_stages": lay.num_stages,
-            "global_batch": lay.global_batch,
-        },
-        "stages": stages,
-        "boundary_send_s": sends,
-        "memory": memory,
-        "time": {
-            "iteration_s": pred.iteration_s,
-            "compute_s": pred.pipeline_s * (1.0 - pred.bubble_fraction) - pred.recompute_s,
-            "recompute_s": pred.recompute_s,
-            "bubble_s": pred.pipeline_s * pred.bubble_fraction,
-            "exposed_comm_s": pred.exposed_comm_s,
-            "optimizer_s": pred.optimizer_s,
-            "pipeline_s": pred.pipeline_s,
-            "bubble_fraction": pred.bubble_fraction,
-            "samples_per_s": pred.samples_per_s,
-            "peak_memory_bytes": pred.peak_memory_bytes,
-        },
-        "cost": {
-            "currency": pred.currency or None,
-            "price_per_gpu_hour": group.price_per_gpu_hour,
-            "gpus": lay.num_gpus,
-            "per_iteration": pred.cost_per_iteration if priced else None,
-            "per_million_samples": pred.cost_per_iteration * 1e6 / lay.global_batch if priced else None,
-            "iterations_per_epoch": iterations,
-            "per_epoch": pred.cost_per_epoch if priced else None,
-        },
+        "currency": pred.currency or None,
+        "price_per_gpu_hour": document.cluster.groups[0].price_per_gpu_hour,
+        "gpus": lay.num_gpus,
+        "per_iteration": pred.cost_per_iteration if priced else None,
+        "per_million_samples": pred.cost_per_iteration * 1e6 / lay.global_batch if priced else None,
+        "iterations_per_epoch": iterations,
+        "per_epoch": pred.cost_per_epoch if priced else None,
     }
 
 
