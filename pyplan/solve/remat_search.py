@@ -371,26 +371,11 @@ def refine_plan(
         rank_held = sum(resident[x] + plan.stages[x].buffer_bytes for x in rank_stages)
         budget = (gpu_mem_bytes - rank_state - rank_held) / len(rank_stages)
         blocks = [_without(mems[k], {i for j, i in outputs[s] if j == k}) for k in range(lo, hi)]
-        chain = RematChain(
-            fwd_s=tuple(f_all[lo:hi]),
-            bwd_s=tuple(g_all[lo:hi]),
-            kept_bytes=tuple(m.kept_bytes * scale for m in blocks),
-            out_bytes=tuple(m.out_bytes * scale for m in blocks),
-            fwd_peak_bytes=tuple(m.fwd_peak_bytes * scale for m in blocks),
-            fwd_nosave_peak_bytes=tuple(m.fwd_nosave_peak_bytes * scale for m in blocks),
-            bwd_peak_bytes=tuple(m.bwd_peak_bytes * scale for m in blocks),
-            grad_bytes=tuple(grads[lo : hi + 1]),
-            out_values=tuple(tuple((b * scale, min(last, hi) - lo) for b, last, _ in m.out_values) for m in blocks),
-            out_savers=tuple(
-                tuple(tuple(q - lo for q in savers if q < hi) for _, _, savers in m.out_values) for m in blocks
-            ),
-            saves=tuple(m.saves for m in blocks),
+        chain = replace(
+            _stage_chain(blocks, f_all[lo:hi], g_all[lo:hi], grads[lo : hi + 1], lo, hi, scale),
             checkpoint_s=checkpoint_s,
             checkpoint_block_s=tuple(checkpoint_block_s[lo:hi]),
             checkpoint_forward_share=checkpoint_forward_share,
-            selective_kept_bytes=tuple(m.selective_kept_bytes * scale for m in blocks),
-            selective_recompute_s=tuple(m.selective_share * f for m, f in zip(blocks, f_all[lo:hi])),
-            selective_holds=tuple(m.selective_holds for m in blocks),
         )
         # One replica (no DDP buckets), one stage per rank (GPipe, 1F1B), every forward before the first backward.
         fresh = lay.dp == 1 and lay.stages_per_rank == 1 and st.in_flight == lay.num_microbatches
@@ -410,31 +395,55 @@ def refine_plan(
             return None
         remat.append(None if got.plan == no_remat(0, hi - lo) else StageRemat(tuple(positions[lo : hi + 1]), got.plan))
         messages = float(host.get("message_s", 0.0)) * (tensors[lo] + tensors[hi])
-        # The checkpoints' first passes run in the forward: what they cost there is the forward's.
-        ahead = checkpoint_forward_s(chain, got.plan)
-        fwd = sum(chain.fwd_s) + ahead + float(host.get("stage_forward_s", 0.0)) + messages
-        bwd = got.time_s - sum(chain.fwd_s) - ahead + float(host.get("stage_backward_s", 0.0)) + messages
-        activation = got.activation_bytes + again + resident[s]
         sends = send_s(cuts[lo]) * (lo > 0) + send_s(cuts[hi]) * (hi < len(cuts) - 1)
-        stages.append(
-            replace(
-                st,
-                forward_s=fwd,
-                backward_s=bwd,
-                time_s=fwd + bwd + sends,
-                activation_bytes=activation,
-                memory_bytes=max(
-                    st.state_bytes + activation + st.buffer_bytes - got.unmade_grad_bytes,
-                    in_step[s],
-                ),
-                unmade_grad_bytes=got.unmade_grad_bytes,
-                optimizer_step_bytes=step[s],
-                recompute_s=got.recompute_s,
-                checkpoint_s=checkpoint_cost_s(chain, got.plan),
-                checkpoint_forward_s=ahead,
-                transfer_s=got.transfer_s,
-            )
-        )
+        held = _Held(again + resident[s], in_step[s], step[s])
+        stages.append(_stage_plan(st, chain, got, held, host, messages, sends))
+    return _with_stages(plan, stages, remat, send_s, cuts, stage_sync_s, host, ranks)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What a stage holds beside its replayed blocks: in the pipeline (`beside`: its inputs and outputs in flight,
+    outputs recomputed again), in the optimizer step (`in_step`, of which `step` the step's temporaries)."""
+
+    beside: float
+    in_step: float
+    step: float
+
+
+def _stage_plan(
+    st: StagePlan, chain: RematChain, got: StageChoice, held: _Held, host: Mapping[str, float | bool], messages: float,
+    sends: float,
+) -> StagePlan:  # fmt: skip
+    """The stage with the times and memory of its remat plan `got`, its host costs and boundary sends."""
+    # The checkpoints' first passes run in the forward: what they cost there is the forward's.
+    ahead = checkpoint_forward_s(chain, got.plan)
+    fwd = sum(chain.fwd_s) + ahead + float(host.get("stage_forward_s", 0.0)) + messages
+    bwd = got.time_s - sum(chain.fwd_s) - ahead + float(host.get("stage_backward_s", 0.0)) + messages
+    activation = got.activation_bytes + held.beside
+    return replace(
+        st,
+        forward_s=fwd,
+        backward_s=bwd,
+        time_s=fwd + bwd + sends,
+        activation_bytes=activation,
+        memory_bytes=max(st.state_bytes + activation + st.buffer_bytes - got.unmade_grad_bytes, held.in_step),
+        unmade_grad_bytes=got.unmade_grad_bytes,
+        optimizer_step_bytes=held.step,
+        recompute_s=got.recompute_s,
+        checkpoint_s=checkpoint_cost_s(chain, got.plan),
+        checkpoint_forward_s=ahead,
+        transfer_s=got.transfer_s,
+    )
+
+
+def _with_stages(
+    plan: Plan, stages: list[StagePlan], remat: list[StageRemat | None], send_s: Callable[[float], float],
+    cuts: list[float], stage_sync_s: Sequence[float], host: Mapping[str, float | bool], ranks: dict[int, list[int]],
+) -> Plan:  # fmt: skip
+    """`plan` with its refined stages and remat plans: the schedule simulated again over the stages' times, the
+    data-parallel sync exposed beyond each stage's backward (or after the pipeline on a CPU), the peak per rank."""
+    lay = plan.layout
     boundaries = [send_s(cuts[st.last_block + 1]) for st in stages[:-1]]
     sim = simulate(
         lay.schedule,
@@ -467,6 +476,32 @@ def refine_plan(
     )
     layout = replace(lay, remat=tuple(remat) if any(r is not None for r in remat) else ())
     return replace(plan, layout=layout, stages=tuple(stages), predicted=predicted)
+
+
+def _stage_chain(
+    blocks: Sequence[BlockMemory], fwd_s: Sequence[float], bwd_s: Sequence[float], grads: Sequence[float], lo: int,
+    hi: int, scale: float,
+) -> RematChain:  # fmt: skip
+    """The RematChain of a stage over blocks [lo, hi), the blocks' memory at the micro-batch scaled to the
+    precision, values and savers beyond the stage cut at its end."""
+    return RematChain(
+        fwd_s=tuple(fwd_s),
+        bwd_s=tuple(bwd_s),
+        kept_bytes=tuple(m.kept_bytes * scale for m in blocks),
+        out_bytes=tuple(m.out_bytes * scale for m in blocks),
+        fwd_peak_bytes=tuple(m.fwd_peak_bytes * scale for m in blocks),
+        fwd_nosave_peak_bytes=tuple(m.fwd_nosave_peak_bytes * scale for m in blocks),
+        bwd_peak_bytes=tuple(m.bwd_peak_bytes * scale for m in blocks),
+        grad_bytes=tuple(grads),
+        out_values=tuple(tuple((b * scale, min(last, hi) - lo) for b, last, _ in m.out_values) for m in blocks),
+        out_savers=tuple(
+            tuple(tuple(q - lo for q in savers if q < hi) for _, _, savers in m.out_values) for m in blocks
+        ),
+        saves=tuple(m.saves for m in blocks),
+        selective_kept_bytes=tuple(m.selective_kept_bytes * scale for m in blocks),
+        selective_recompute_s=tuple(m.selective_share * f for m, f in zip(blocks, fwd_s)),
+        selective_holds=tuple(m.selective_holds for m in blocks),
+    )
 
 
 def _stage_grads(params: StageParams, lo: int, hi: int) -> list[float]:
