@@ -241,12 +241,34 @@ def _measure_block(
     for p in params:
         p.grad = None
 
+    nosave_peak, out_values = _nosave_forward(mod, args, first, lasts)
+    out_bytes = sum(size for size, _, _ in out_values)
+    selective_kept, holds, recorded = _selective_forward(mod, args, first)
+    if len(holds) != len(out_values):
+        raise RuntimeError(f"selective checkpointing changed the block's outputs ({len(holds)}, not {len(out_values)})")
+    memory = BlockMemory(
+        kept,
+        out_bytes,
+        fwd_peak,
+        max(nosave_peak, out_bytes),
+        bwd_peak,
+        out_values,
+        selective_kept_bytes=selective_kept,
+        selective_share=_selective_share(recorded, roofline),
+        selective_holds=holds,
+    )
+    return memory, made, _saved_by(mod, args, first), sum(size for _, size in groups)
+
+
+def _nosave_forward(
+    mod: fx.GraphModule, args: Sequence[Any], first: bool, lasts: Iterable[int]
+) -> tuple[int, tuple[tuple[int, int, tuple[int, ...]], ...]]:
+    """A non-saving forward's peak, and the outputs it leaves, value by value with the last cut each is live at:
+    new storages only (a value passed through, or a view of an input, is held by whoever made it)."""
     leaves = leaf_inputs(args, first=first)
     with LiveMemory() as mem, torch.autograd.graph.saved_tensors_hooks(_discard, _never_unpacked):
         out = mod(*leaves)
         nosave_peak = mem.peak_bytes
-    # The outputs a non-saving forward leaves, value by value with the last cut each is live at: new storages
-    # only (a value passed through, or a view of an input, is held by whoever made it).
     before = {storage_key(t) for t in tensor_leaves(list(leaves))}
     values: dict[Any, list[int]] = {}
     for t, last in zip(tensor_leaves(out), lasts):
@@ -255,11 +277,15 @@ def _measure_block(
             size_last = values.setdefault(key, [t.untyped_storage().nbytes(), last])
             size_last[1] = max(size_last[1], last)
     del out
-    out_values = tuple((size, last, ()) for size, last in values.values())
-    out_bytes = sum(size for size, _, _ in out_values)
+    return nosave_peak, tuple((size, last, ()) for size, last in values.values())
 
-    # Selective checkpointing: what the forward leaves (its outputs and the outputs of the ops it saves; the
-    # checkpoint holds the block's inputs, made before), and which ops its recomputation runs again.
+
+def _selective_forward(
+    mod: fx.GraphModule, args: Sequence[Any], first: bool
+) -> tuple[int, tuple[bool, ...], list[Any]]:
+    """Selective checkpointing: what the forward leaves (its outputs and the outputs of the ops it saves; the
+    checkpoint holds the block's inputs, made before), whether it holds each new output, and the ops it ran (its
+    recomputation runs again those it does not save)."""
     leaves = leaf_inputs(args, first=first)
     before = {storage_key(t) for t in tensor_leaves(list(leaves))}
     recorder = OpRecorder()
@@ -271,20 +297,7 @@ def _measure_block(
         del out
         holds = tuple(mem.holds(k) for k in keys)
         del graph
-    if len(holds) != len(out_values):
-        raise RuntimeError(f"selective checkpointing changed the block's outputs ({len(holds)}, not {len(out_values)})")
-    memory = BlockMemory(
-        kept,
-        out_bytes,
-        fwd_peak,
-        max(nosave_peak, out_bytes),
-        bwd_peak,
-        out_values,
-        selective_kept_bytes=selective_kept,
-        selective_share=_selective_share(recorder.ops, roofline),
-        selective_holds=holds,
-    )
-    return memory, made, _saved_by(mod, args, first), sum(size for _, size in groups)
+    return selective_kept, holds, list(recorder.ops)
 
 
 def _read_inputs(mod: fx.GraphModule) -> set[int]:
