@@ -63,6 +63,8 @@ DAG_WORKERS = 2
 # At most this many pipeline configurations (the best ranked first) get a solve, so a search adds at most
 # DAG_SOLVES x DAG_TIME_LIMIT_S seconds of CP-SAT.
 DAG_SOLVES = 3
+
+
 @dataclass(frozen=True)
 class NodeProfile:
     """Analytic figures of every operation of a chain (in `chain.order`) at one micro-batch size.
@@ -344,43 +346,14 @@ def _evaluate(
         raise PlanError(f"the assignment uses {len(figures.stage_time_s)} stages, the configuration has {p}")
     send = [latency_s + x / bw for x in figures.boundary_bytes]
     messages = [0.0, *_crossing_values(nc.dag, stage_of_node, p), 0.0]  # [p + 1]: values sent at each boundary
-    grad_bytes = costs.workload.bytes_per_param().grad_bytes
     overlapped = bool(costs.host.get("sync_overlaps_backward", True))
     stages: list[StagePlan] = []
     exposed = optimizer = 0.0
     for s in range(p):
-        members = figures.stage_nodes(s)
-        # Steps 3 and 8: the stage's operations, and the host's per-stage and per-message work.
-        messages_s = costs.host_s("message_s") * (messages[s] + messages[s + 1])
-        f = sum(nc.fwd_s[v] for v in members) + costs.host_s("stage_forward_s") + messages_s
-        g = sum(nc.bwd_s[v] for v in members) + costs.host_s("stage_backward_s") + messages_s
-        state, act = figures.stage_state_bytes[s], figures.stage_act_bytes[s]
-        # Step 9: torch's receive buffers, one per micro-batch for the input (those in flight counted with the
-        # activations) and for the output's gradient; the last input gradient; the first stage's whole batch; 1F1B's
-        # last warm-up send (partition.h's held_input_cuts, simulate.h's warmup_send_held).
-        n = figures.stage_in_flight[s]
-        into = _core.held_input_cuts(m, n, s) * (figures.boundary_bytes[s - 1] if s > 0 else sum(nc.dag.input_bytes))
-        outputs = m + warmup_send_held(c.schedule, m, p, s)
-        buffer = into + (outputs * figures.boundary_bytes[s] if s < p - 1 else 0.0)
-        # Steps 5 and 6: the stage's gradient sync, overlapped with its backward or not; the optimizer step.
-        params = sum(nc.params[v] for v in members)
-        sync = costs.allreduce_s(params * grad_bytes) if c.dp > 1 and c.zero_stage < 3 else 0.0
-        exposed = max(exposed, sync - g if overlapped else sync)
-        optimizer = max(optimizer, costs.optimizer_s(state, params, sum(nc.param_tensors[v] for v in members)))
-        stages.append(
-            StagePlan(
-                first_block=min(nc.block[v] for v in members),
-                last_block=max(nc.block[v] for v in members),
-                memory_bytes=state + act + buffer,
-                state_bytes=state,
-                activation_bytes=act,
-                time_s=f + g + (send[s] if s < p - 1 else 0.0) + (send[s - 1] if s > 0 else 0.0),
-                in_flight=n,
-                forward_s=f,
-                backward_s=g,
-                buffer_bytes=buffer,
-            )
-        )
+        stage, sync, step = _stage_plan(nc, costs, figures, s, send, messages)
+        exposed = max(exposed, sync - stage.backward_s if overlapped else sync)
+        optimizer = max(optimizer, step)
+        stages.append(stage)
     # Step 4: the schedule's makespan.
     sim = simulate(
         c.schedule,
@@ -411,6 +384,51 @@ def _evaluate(
     )
     value = iteration if objective == "time" else cost if objective == "cost" else cost + weight * iteration
     return _Evaluation(tuple(stages), predicted, value)
+
+
+def _stage_plan(
+    nc: _NodeCosts,
+    costs: StageCosts,
+    figures: StageAssignment,
+    s: int,
+    send: Sequence[float],
+    messages: Sequence[float],
+) -> tuple[StagePlan, float, float]:
+    """Stage s of an assignment as the stage model counts it, with its gradient sync's seconds and its optimizer
+    step's (`figures`: ilp.evaluate_stages's boundary bytes, stage times, state and in-flight activations)."""
+    c = costs.config
+    p, m = c.pp, c.num_microbatches
+    members = figures.stage_nodes(s)
+    # Steps 3 and 8: the stage's operations, and the host's per-stage and per-message work.
+    messages_s = costs.host_s("message_s") * (messages[s] + messages[s + 1])
+    f = sum(nc.fwd_s[v] for v in members) + costs.host_s("stage_forward_s") + messages_s
+    g = sum(nc.bwd_s[v] for v in members) + costs.host_s("stage_backward_s") + messages_s
+    state, act = figures.stage_state_bytes[s], figures.stage_act_bytes[s]
+    # Step 9: torch's receive buffers, one per micro-batch for the input (those in flight counted with the
+    # activations) and for the output's gradient; the last input gradient; the first stage's whole batch; 1F1B's
+    # last warm-up send (partition.h's held_input_cuts, simulate.h's warmup_send_held).
+    n = figures.stage_in_flight[s]
+    into = _core.held_input_cuts(m, n, s) * (figures.boundary_bytes[s - 1] if s > 0 else sum(nc.dag.input_bytes))
+    outputs = m + warmup_send_held(c.schedule, m, p, s)
+    buffer = into + (outputs * figures.boundary_bytes[s] if s < p - 1 else 0.0)
+    # Steps 5 and 6: the stage's gradient sync, overlapped with its backward or not; the optimizer step.
+    params = sum(nc.params[v] for v in members)
+    grad_bytes = costs.workload.bytes_per_param().grad_bytes
+    sync = costs.allreduce_s(params * grad_bytes) if c.dp > 1 and c.zero_stage < 3 else 0.0
+    step = costs.optimizer_s(state, params, sum(nc.param_tensors[v] for v in members))
+    stage = StagePlan(
+        first_block=min(nc.block[v] for v in members),
+        last_block=max(nc.block[v] for v in members),
+        memory_bytes=state + act + buffer,
+        state_bytes=state,
+        activation_bytes=act,
+        time_s=f + g + (send[s] if s < p - 1 else 0.0) + (send[s - 1] if s > 0 else 0.0),
+        in_flight=n,
+        forward_s=f,
+        backward_s=g,
+        buffer_bytes=buffer,
+    )
+    return stage, sync, step
 
 
 def _crossing_values(dag: StageDag, stage_of_node: Sequence[int], p: int) -> list[float]:
