@@ -89,7 +89,6 @@ decisions (each search, model x remat policy, and each model over both policies)
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import faulthandler
 import gc
@@ -107,6 +106,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import argument_parser, new_table, target_line, write_json
 
 LR = 1e-3
 MESHES = ((2, 1), (1, 2))
@@ -899,7 +901,7 @@ def _worker(job_path: str, out_path: str) -> None:
     every: list[Any] = [None] * world
     dist.all_gather_object(every, profiles)
     if rank == 0:
-        Path(out_path).write_text(json.dumps({"results": results, "profiles": [t for r in every for t in r]}))
+        write_json(out_path, {"results": results, "profiles": [t for r in every for t in r]})
     dist.barrier()
     dist.destroy_process_group()
     # Meshes sometimes abort the process at exit after a clean shutdown (TORCH_FACTS.md); exit at once.
@@ -917,7 +919,7 @@ def _plan_worker(job_path: str, out_path: str) -> None:
         )
         if job["calibration"] is None:
             shutil.copyfile(used, job["store"])
-    Path(out_path).write_text(json.dumps([asdict(p) for p in planned]))
+    write_json(out_path, [asdict(p) for p in planned])
 
 
 def plan_one_device(
@@ -1217,23 +1219,22 @@ def summarize(
 
 def print_report(rows: Sequence[Row], summary: Summary, *, header: str) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     from pyplan.units import fmt_bytes
 
     console = Console(width=200)
-
-    def config_columns(table: Table) -> None:
-        for col in ("model", "dp x pp", "schedule", "b x m", "remat"):
-            table.add_column(col, justify="right" if col in ("dp x pp", "b x m") else "left")
+    # A configuration's columns, the same in the time and memory tables; its names and choices left-justified.
+    config = ("model", "dp x pp", "schedule", "b x m", "remat")
+    config_left = ("model", "schedule", "remat")
 
     def config_cells(c: Config) -> list[str]:
         return [c.model, f"{c.dp}x{c.pp}", c.schedule, f"{c.micro_batch_size}x{c.num_microbatches}", c.remat]
 
-    times = Table(title=f"Iteration time, predicted against measured; {header}")
-    config_columns(times)
-    for col in ("predicted", "measured", "error", "all steps", "quiet steps", "other cores"):
-        times.add_column(col, justify="right")
+    times = new_table(
+        f"Iteration time, predicted against measured; {header}",
+        (*config, "predicted", "measured", "error", "all steps", "quiet steps", "other cores"),
+        left=config_left,
+    )
     for r in rows:
         times.add_row(
             *config_cells(r.config),
@@ -1246,10 +1247,11 @@ def print_report(rows: Sequence[Row], summary: Summary, *, header: str) -> None:
         )
     console.print(times)
 
-    memory = Table(title="Peak memory of the fullest rank (weights, gradients, AdamW state, activations, buffers)")
-    config_columns(memory)
-    for col in ("predicted", "measured", "error", "act. predicted", "act. measured", "plan - measured per rank"):
-        memory.add_column(col, justify="right")
+    memory = new_table(
+        "Peak memory of the fullest rank (weights, gradients, AdamW state, activations, buffers)",
+        (*config, "predicted", "measured", "error", "act. predicted", "act. measured", "plan - measured per rank"),
+        left=config_left,
+    )
     for r in rows:
         memory.add_row(
             *config_cells(r.config),
@@ -1262,17 +1264,20 @@ def print_report(rows: Sequence[Row], summary: Summary, *, header: str) -> None:
         )
     console.print(memory)
 
-    diag = Table(title="Diagnosis: measured minus predicted iteration time by term, % of the measured time")
-    diag.add_column("configuration")
-    diag.add_column("T err", justify="right")
-    diag.add_column("terms")
+    diag = new_table(
+        "Diagnosis: measured minus predicted iteration time by term, % of the measured time",
+        ("configuration", "T err", "terms"),
+        left=("configuration", "terms"),
+    )
     for r in rows:
         diag.add_row(r.config.label, f"{r.time_error:+.1%}", r.terms.describe(r.measured_s, r.time_error))
     console.print(diag)
 
-    ranks = Table(title=f"Recommendations (right: the plan ranked first is within {WITHIN:.0%} of the fastest)")
-    for col in ("decision", "ranked first", "measured fastest", "slower by", "right"):
-        ranks.add_column(col, justify="right" if col == "slower by" else "left")
+    ranks = new_table(
+        f"Recommendations (right: the plan ranked first is within {WITHIN:.0%} of the fastest)",
+        ("decision", "ranked first", "measured fastest", "slower by", "right"),
+        left=("decision", "ranked first", "measured fastest", "right"),
+    )
     for d in summary.decisions:
         ranks.add_row(d.group, d.chosen, d.fastest, f"{d.slower_by:+.1%}", "yes" if d.right else "NO")
     console.print(ranks)
@@ -1296,7 +1301,7 @@ def print_report(rows: Sequence[Row], summary: Summary, *, header: str) -> None:
             )
         )
     for name, met in summary.targets.items():
-        console.print(f"target {name}: {'met' if met else 'MISSED'}")
+        console.print(target_line(name, met))
 
 
 def run(
@@ -1377,7 +1382,7 @@ def _gpu_name() -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     models = sorted({c.model for _, _, cases in MATRICES.values() for c in cases})
     parser.add_argument("--models", nargs="+", choices=models, help="default: all of each matrix")
     parser.add_argument(
@@ -1467,7 +1472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report[name] = {"rows": [asdict(r) for r in rows], "summary": asdict(summary)}
         met = met and all(summary.targets.values())
     if args.json:
-        Path(args.json).write_text(json.dumps({"matrices": report}))
+        write_json(args.json, {"matrices": report})
     return 0 if met else 1
 
 

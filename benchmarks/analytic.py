@@ -15,8 +15,6 @@ import cProfile
 import json
 import os
 import pstats
-import resource
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -33,14 +31,13 @@ from pyplan.profile.flops import block_flops
 from pyplan.profile.memory import saved_bytes
 from pyplan.units import fmt_bytes, fmt_count, fmt_seconds
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import argument_parser, machine, new_table, peak_rss_bytes, run_child, target_line
+
 MODELS = ("gpt2-xl", "llama-7b-style", "llama-70b-style")
 TARGET_MODEL, TARGET_S, TARGET_RSS_BYTES = "llama-70b-style", 60.0, 2e9
 STEPS = ("build", "trace", "linearize", "flops", "saved", "roofline")
 SIZES = (1, 2)
-
-
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
 
 
 def profile_model(name: str, gpu_name: str) -> dict[str, Any]:
@@ -48,7 +45,7 @@ def profile_model(name: str, gpu_name: str) -> dict[str, Any]:
     gpu = get_gpu(gpu_name)
     device = Roofline(gpu.peak_flops_per_s, gpu.hbm_bw_bytes_per_s)
     spec = load_model(f"zoo:{name}")
-    rss_start = _peak_rss_bytes()
+    rss_start = peak_rss_bytes()
     wall: dict[str, float] = {}
     cpu: dict[str, float] = {}
 
@@ -84,24 +81,24 @@ def profile_model(name: str, gpu_name: str) -> dict[str, Any]:
         "wall_s": wall,
         "cpu_s": cpu,
         "rss_start_bytes": rss_start,
-        "peak_rss_bytes": _peak_rss_bytes(),
+        "peak_rss_bytes": peak_rss_bytes(),
     }
 
 
 def _child(name: str, gpu: str) -> dict[str, Any]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--one", name, "--gpu", gpu]
-    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    done = run_child(__file__, "--one", name, "--gpu", gpu, check=True)
     return json.loads(done.stdout)
 
 
 def _table(rows: list[dict[str, Any]], gpu: str) -> Table:
-    table = Table(
-        title=f"Analytic profiling on the meta device ({os.cpu_count()} cores, torch {torch.__version__})",
+    table = new_table(
+        f"Analytic profiling on the meta device ({machine()})",
+        ("model", "params", "blocks", *STEPS, "total (CPU)", "peak RSS", "fwd/bwd FLOP", "saved", "fwd/bwd"),
+        left=("model",),
         caption=f"seconds of wall time per step; figures per sample (micro-batch 1); times predicted on {gpu} in "
         "bf16; peak RSS of the model's own process, after imports in brackets",
+        no_wrap=True,
     )
-    for col in ("model", "params", "blocks", *STEPS, "total (CPU)", "peak RSS", "fwd/bwd FLOP", "saved", "fwd/bwd"):
-        table.add_column(col, justify="left" if col == "model" else "right", no_wrap=True)
     for r in rows:
         table.add_row(
             r["model"],
@@ -128,7 +125,7 @@ def _cprofile(name: str, gpu: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--gpu", default="a100-80g", help="catalog GPU whose roofline times are predicted")
     parser.add_argument("--models", nargs="+", default=list(MODELS), metavar="NAME", help="zoo models to run")
     parser.add_argument("--cprofile", metavar="NAME", help="profile this zoo model with cProfile instead")
@@ -149,11 +146,9 @@ def main() -> int:
         return 0
     total = sum(target["wall_s"].values())
     ok = total < TARGET_S and target["peak_rss_bytes"] < TARGET_RSS_BYTES
-    print(
-        f"target {TARGET_MODEL} in < {TARGET_S:.0f} s and < {TARGET_RSS_BYTES / 1e9:.0f} GB RSS: "
-        f"{'met' if ok else 'MISSED'} ({total:.1f} s wall, {sum(target['cpu_s'].values()):.1f} s CPU, "
-        f"{target['peak_rss_bytes'] / 1e9:.2f} GB)"
-    )
+    what = f"{TARGET_MODEL} in < {TARGET_S:.0f} s and < {TARGET_RSS_BYTES / 1e9:.0f} GB RSS"
+    cpu_s = sum(target["cpu_s"].values())
+    print(target_line(what, ok, f"{total:.1f} s wall, {cpu_s:.1f} s CPU, {target['peak_rss_bytes'] / 1e9:.2f} GB"))
     return 0 if ok else 1
 
 

@@ -48,6 +48,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import argument_parser, write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ("env", "calibrate", "gpu_tests", "profile", "accuracy")
 # Each check's own limit, in seconds; the run as a whole stays within --budget-s.
@@ -106,10 +109,8 @@ CATALOG = (("H200", "h200"), ("H100 PCIe", "h100-pcie"), ("H100", "h100-sxm"), (
 
 
 def _write(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON atomically, so a check killed mid-write leaves the previous version."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    tmp.replace(path)
+    """Write a check's result file atomically, so a check killed mid-write leaves the previous version."""
+    write_json(path, data, indent=1, default=str)
 
 
 def _error(exc: BaseException) -> str:
@@ -673,7 +674,7 @@ def summary_lines(out: Path) -> Iterator[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("out", type=Path, help="folder for the result files (created)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the dry run, tiny models")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="the whole run's time limit")

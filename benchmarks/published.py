@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -37,6 +36,8 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import argument_parser, last_json, new_table, run_child, verdict, write_json
+
 # The full-size Hugging Face configurations of benchmarks/real_models.py, reused where a run's model matches.
 from real_models import CASES
 
@@ -398,14 +399,16 @@ def _note(run: Run, got: dict[str, Any] | None, notes: Footnotes) -> str:
 def throughput_table(rows: list[tuple[Run, dict[str, Any] | None]]) -> tuple[Table, Footnotes, list[float], bool]:
     """Table 1, its footnotes, the ratios of the rows in the statistics, and whether each of those rows is feasible
     in pyplan."""
-    table = Table(
-        title="pyplan vs published training throughput (bf16 mixed, AdamW; analytic profile on the meta device)",
+    columns = ("model", "params pyplan\n(published)", "GPUs", "parallel config",
+               "published tok/s/GPU\nMFU (from tok/s)", "published\nmemory", "pyplan\ntok/s/GPU", "pyplan\nmemory",
+               "ratio", "note")  # fmt: skip
+    table = new_table(
+        "pyplan vs published training throughput (bf16 mixed, AdamW; analytic profile on the meta device)",
+        columns,
+        left=columns,
         show_lines=True,
+        overflow="fold",
     )
-    for col in ("model", "params pyplan\n(published)", "GPUs", "parallel config",
-                "published tok/s/GPU\nMFU (from tok/s)", "published\nmemory", "pyplan\ntok/s/GPU", "pyplan\nmemory",
-                "ratio", "note"):  # fmt: skip
-        table.add_column(col, overflow="fold")
     notes = Footnotes()
     ratios: list[float] = []
     feasible = True
@@ -500,14 +503,16 @@ def state_table() -> tuple[Table, Footnotes, list[dict[str, Any]], bool]:
         state_case("llama-2-7b", "Llama 2 7B (6.7B)"),
         StateCase("ZeRO Fig. 1 7.5B", 7_500_000_000, None, "Rajbhandari et al. 2020, Figure 1 (no architecture)"),
     )
-    table = Table(
-        title=f"Model-state bytes per GPU, GB = 1e9 B (pyplan: bf16 mixed AdamW, {p}+{g}+{k} B/param; DeepSpeed's "
-        "estimators without offload; Ψ parameters, N GPUs, L the largest layer's parameters)"
+    columns = ("model Ψ (L)", "N", "ZeRO", "pyplan\nB/param", "pyplan\nGB", "DeepSpeed\nB/param",
+               "DeepSpeed\nGB", "pyplan\n/ DS", "pyplan fed\nDS B/param GB", "same conv.\nratio",
+               "DS largest-\nlayer GB", "check w/o the\nterm (1 %)", "note")  # fmt: skip
+    table = new_table(
+        f"Model-state bytes per GPU, GB = 1e9 B (pyplan: bf16 mixed AdamW, {p}+{g}+{k} B/param; DeepSpeed's "
+        "estimators without offload; Ψ parameters, N GPUs, L the largest layer's parameters)",
+        columns,
+        left=columns,
+        overflow="fold",
     )
-    for col in ("model Ψ (L)", "N", "ZeRO", "pyplan\nB/param", "pyplan\nGB", "DeepSpeed\nB/param",
-                "DeepSpeed\nGB", "pyplan\n/ DS", "pyplan fed\nDS B/param GB", "same conv.\nratio",
-                "DS largest-\nlayer GB", "check w/o the\nterm (1 %)", "note"):  # fmt: skip
-        table.add_column(col, overflow="fold")
     notes = Footnotes()
     rows: list[dict[str, Any]] = []
     ok = True
@@ -574,7 +579,7 @@ def state_table() -> tuple[Table, Footnotes, list[dict[str, Any]], bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--cases", nargs="+", choices=list(BY_NAME), metavar="NAME",
                         help=f"runs to plan (default: all): {', '.join(BY_NAME)}")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="also write every row here")
@@ -592,13 +597,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((run, None))
             continue
         t0 = time.perf_counter()
-        done = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--one", run.name], capture_output=True, text=True, timeout=1800
-        )
+        done = run_child(__file__, "--one", run.name, timeout_s=1800)
         if done.returncode != 0:
             got = {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
         else:
-            got = json.loads(done.stdout.strip().splitlines()[-1])
+            got = last_json(done.stdout)
         got["wall_s"] = time.perf_counter() - t0
         rows.append((run, got))
         print(f"{run.name}: {got.get('status', 'error')} in {got['wall_s']:.0f} s", file=sys.stderr)
@@ -616,8 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     for what, value, target in (("median", median, TARGET_MEDIAN), ("worst", worst, TARGET_WORST)):
         shown = "n/a" if value is None else f"{value:.1%}"
         met = value is not None and value <= target
-        print(f"  {what} |predicted/published - 1| = {shown} (target <= {target:.0%}): {'met' if met else 'MISSED'}")
-    print(f"  every published configuration feasible in pyplan: {'met' if feasible else 'MISSED'}")
+        print(f"  {what} |predicted/published - 1| = {shown} (target <= {target:.0%}): {verdict(met)}")
+    print(f"  every published configuration feasible in pyplan: {verdict(feasible)}")
     state, state_notes, state_rows, state_ok = state_table()
     console.print(state)
     state_notes.print(console)
@@ -626,20 +629,18 @@ def main(argv: list[str] | None = None) -> int:
         "estimate_zero2_model_states_mem_needs, deepspeed/runtime/zero/stage3.py (at 007cca6a) "
         "estimate_zero3_model_states_mem_needs; Rajbhandari et al. 2020, ZeRO, Figure 1"
     )
-    print(f"pyplan on DeepSpeed's bytes per parameter within 1 % (largest-layer term aside): "
-          f"{'met' if state_ok else 'MISSED'}")  # fmt: skip
+    print(f"pyplan on DeepSpeed's bytes per parameter within 1 % (largest-layer term aside): {verdict(state_ok)}")
     print(f"run time {time.perf_counter() - t_start:.0f} s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "throughput": [{"run": asdict(run), "pyplan": got} for run, got in rows],
-                    "statistics": {"median": median, "worst": worst, "feasible": feasible, "rows": len(errors)},
-                    "model_state": state_rows,
-                },
-                f,
-                indent=1,
-            )
+        write_json(
+            args.json,
+            {
+                "throughput": [{"run": asdict(run), "pyplan": got} for run, got in rows],
+                "statistics": {"median": median, "worst": worst, "feasible": feasible, "rows": len(errors)},
+                "model_state": state_rows,
+            },
+            indent=1,
+        )
     return 0
 
 

@@ -11,17 +11,17 @@ Llama-2-7B configuration under 20 s; peak resident memory under 2 GB for the 70B
 
 from __future__ import annotations
 
-import argparse
 import json
-import resource
-import subprocess
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import argument_parser, last_json, new_table, peak_rss_bytes, run_child, verdict, write_json
 
 
 @dataclass(frozen=True)
@@ -138,12 +138,12 @@ def measure(case: Case) -> dict[str, Any]:
         "build_s": build_s,
         "capture_s": capture_s,
         "plans": plans,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": peak_rss_bytes(),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argument_parser(__doc__)
     parser.add_argument("--models", nargs="+", choices=[c.name for c in CASES], help="default: all")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
@@ -151,17 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     for case in CASES:
         if args.models and case.name not in args.models:
             continue
-        done = subprocess.run(
-            [sys.executable, __file__, "--one", case.name], capture_output=True, text=True, timeout=1800
-        )
+        done = run_child(__file__, "--one", case.name, timeout_s=1800)
         if done.returncode != 0:
             rows.append({"case": asdict(case), "error": done.stderr.strip().splitlines()[-1]})
         else:
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    table = Table(title="Full-size configurations on the meta device, A100-80GB (bf16 mixed, AdamW, remat auto)")
-    for col in ("model", "params (published)", "blocks", "capture s", *(f"plan {g} s" for g in GPUS), "RSS GB",
-                "plan for 64"):  # fmt: skip
-        table.add_column(col)
+            rows.append(last_json(done.stdout))
+    columns = ("model", "params (published)", "blocks", "capture s", *(f"plan {g} s" for g in GPUS), "RSS GB",
+               "plan for 64")  # fmt: skip
+    table = new_table(
+        "Full-size configurations on the meta device, A100-80GB (bf16 mixed, AdamW, remat auto)", columns, left=columns
+    )
     met = True
     for r in rows:
         case = r["case"]
@@ -188,10 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     Console(width=180, emoji=False).print(table)
     print(f"targets: plans <= {TARGET_PLAN_S:.0f} s, Llama-2-7B capture <= {TARGET_CAPTURE_S:.0f} s, 70B RSS <= "
-          f"{TARGET_RSS_BYTES / 1e9:.0f} GB, parameter counts as published: {'met' if met else 'MISSED'}")  # fmt: skip
+          f"{TARGET_RSS_BYTES / 1e9:.0f} GB, parameter counts as published: {verdict(met)}")  # fmt: skip
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f)
+        write_json(args.json, rows)
     return 0 if met else 1
 
 

@@ -13,13 +13,13 @@ means no segment count of checkpoint_sequential fits that budget.
 
 from __future__ import annotations
 
+import functools
+import os
 import random
-import statistics
-import time
+import sys
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from pyplan import zoo
 from pyplan.api import chain_for
@@ -29,6 +29,9 @@ from pyplan.profile.remat import remat_bytes
 from pyplan.remat_plan import no_remat, periodic
 from pyplan.solve.remat import RematChain, min_budget, replay, solve
 from pyplan.units import fmt_bytes
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import new_table, timed
 
 MODELS = (("resnet152", 32), ("gpt2-xl", 4))
 STEPS = 8
@@ -61,9 +64,10 @@ def best_periodic(chain: RematChain, budget: float) -> tuple[int, float] | None:
 
 
 def compare(console: Console) -> None:
-    table = Table(title="Predicted recompute overhead: pyplan's optimal plan vs checkpoint_sequential's best")
-    for col in ("model", "blocks", "budget", "pyplan", "peak", "checkpoint_seq.", "segments", "better by"):
-        table.add_column(col, justify="right")
+    table = new_table(
+        "Predicted recompute overhead: pyplan's optimal plan vs checkpoint_sequential's best",
+        ("model", "blocks", "budget", "pyplan", "peak", "checkpoint_seq.", "segments", "better by"),
+    )
     for name, batch in MODELS:
         chain = model_chain(f"{name}", batch)
         n = len(chain)
@@ -124,20 +128,18 @@ def _savers(rng: random.Random, i: int, n: int) -> tuple[int, ...]:
 
 
 def speed(console: Console) -> None:
-    table = Table(title="Remat DP solve time (median of 5)")
-    for col in ("blocks", "slots", "offload", "solve", "target"):
-        table.add_column(col, justify="right")
+    table = new_table("Remat DP solve time (median of 5)", ("blocks", "slots", "offload", "solve", "target"))
     for n, slots, offload in ((50, 500, False), (100, 500, False), (200, 500, False), (200, 500, True)):
         chain = random_chain(n)
         least = min_budget(chain)
         top = replay(chain, no_remat(0, n)).peak_bytes
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            solve(chain, (least + top) / 2, slots=slots, offload_bw_bytes_per_s=25e9 if offload else None)
-            times.append(time.perf_counter() - t)
-        table.add_row(str(n), str(slots), "yes" if offload else "no", f"{statistics.median(times) * 1e3:.0f} ms",
-                      "< 1 s" if n == 200 else "")
+        bw = 25e9 if offload else None
+        _, seconds = timed(
+            functools.partial(solve, chain, (least + top) / 2, slots=slots, offload_bw_bytes_per_s=bw), 5
+        )
+        table.add_row(
+            str(n), str(slots), "yes" if offload else "no", f"{seconds * 1e3:.0f} ms", "< 1 s" if n == 200 else ""
+        )
     console.print(table)
 
 

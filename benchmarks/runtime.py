@@ -18,6 +18,9 @@ import tempfile
 import time
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import new_table, target_line, write_json
+
 MODELS = ("gpt-tiny", "resnet-tiny")
 SCHEDULES = ("GPipe", "1F1B")
 WARMUP, STEPS, MICRO, M = 3, 15, 4, 4
@@ -98,8 +101,7 @@ def _worker(out_path: str) -> None:
             medians = {k: statistics.median(v) for k, v in times.items()}
             rows.append({"model": name, "schedule": schedule, **medians})
     if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(rows, f)
+        write_json(out_path, rows)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
@@ -107,7 +109,6 @@ def _worker(out_path: str) -> None:
 
 def main() -> int:
     from rich.console import Console
-    from rich.table import Table
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
@@ -120,11 +121,11 @@ def main() -> int:
         )
         with open(out) as f:
             rows = json.load(f)
-    table = Table(
-        title=f"runtime overhead, 2 ranks x 1 thread, pp=2, {M} micro-batches of {MICRO}, median of {STEPS} steps"
+    table = new_table(
+        f"runtime overhead, 2 ranks x 1 thread, pp=2, {M} micro-batches of {MICRO}, median of {STEPS} steps",
+        ("model", "schedule", "hand-written", "pyplan", "overhead"),
+        left=("model", "schedule"),
     )
-    for col in ("model", "schedule", "hand-written", "pyplan", "overhead"):
-        table.add_column(col, justify="left" if col in ("model", "schedule") else "right")
     worst = 0.0
     for r in rows:
         overhead = r["pyplan_s"] / r["hand_s"] - 1
@@ -138,7 +139,7 @@ def main() -> int:
         )
     Console(width=120).print(table)
     met = worst < 0.05
-    print(f"target overhead < 5 %: {'met' if met else 'MISSED'} (worst {worst:+.1%})")
+    print(target_line("overhead < 5 %", met, f"worst {worst:+.1%}"))
     return 0 if met else 1
 
 

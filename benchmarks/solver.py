@@ -22,9 +22,9 @@ table gives the C++ core alone, on exactly the arrays `pyplan.api.search` hands 
 from __future__ import annotations
 
 import math
+import os
 import random
-import resource
-import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -40,6 +40,9 @@ from pyplan.graph.chain import Chain as ProfiledChain
 from pyplan.graph.layergraph import Piecewise
 from pyplan.hardware.cluster import Cluster
 from pyplan.plan import Workload
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import new_table, peak_rss_bytes, timed
 
 SEQ, HIDDEN, BYTES = 2048, 8192, 2
 FLOPS = 0.4e15
@@ -93,15 +96,6 @@ def search(chain: Chain, num_gpus: int, global_batch: int, **space: object) -> _
     )
 
 
-def timed(fn: Callable[[], object], repeat: int = 3) -> tuple[object, float]:
-    times, out = [], None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return out, statistics.median(times)
-
-
 def python_partition(
     time_s: list[float], state: list[float], act: list[float], cut: list[float], p: int, m: int, limit: float
 ) -> float:
@@ -138,11 +132,11 @@ def python_partition(
 
 def main() -> None:
     console = Console(width=170)
-    table = Table(
-        title="pyplan solver: the plan search (top-5, time objective unless noted; median of 3 runs, 1 for the largest)"
+    table = new_table(
+        "pyplan solver: the plan search (top-5, time objective unless noted; median of 3 runs, 1 for the largest)",
+        ("case", "L", "N", "b sizes", "candidates", "evaluated", "partitions", "best plan", "time"),
+        left=("case", "best plan"),
     )
-    for col in ("case", "L", "N", "b sizes", "candidates", "evaluated", "partitions", "best plan", "time"):
-        table.add_column(col, justify="right" if col not in ("case", "best plan") else "left")
 
     def row(case: str, chain: Chain, num_gpus: int, batch: int, target_s: float | None = None, **space: object):
         repeat = 1 if len(chain.fwd_s) * num_gpus > 100_000 else 3
@@ -181,9 +175,10 @@ def main() -> None:
         row("growth in micro-batch sizes", mid, 64, 512, micro_batch_sizes=sizes)
     console.print(table)
 
-    scale = Table(title="stage partition of the 1,000-block chain (b=1, ZeRO-2 over d=1024/p, inter-node link, 80 GB)")
-    for col in ("p", "m", "schedule", "objective", "time", "pipeline time", "bottleneck"):
-        scale.add_column(col, justify="right")
+    scale = new_table(
+        "stage partition of the 1,000-block chain (b=1, ZeRO-2 over d=1024/p, inter-node link, 80 GB)",
+        ("p", "m", "schedule", "objective", "time", "pipeline time", "bottleneck"),
+    )
     for p, m, schedule in ((32, 64, "1F1B"), (64, 32, "1F1B"), (128, 16, "GPipe"), (256, 8, "1F1B")):
         for objective in ("pipeline_time", "bottleneck"):
             scale.add_row(*partition_at_scale(big, p, m, schedule, objective))
@@ -191,9 +186,10 @@ def main() -> None:
 
     console.print(random_chains_table())
 
-    speed = Table(title="stage partition: C++ core against a plain Python DP of the same algorithm (1F1B, m=8)")
-    for col in ("L", "p", "python", "c++", "speedup", "same optimum"):
-        speed.add_column(col, justify="right")
+    speed = new_table(
+        "stage partition: C++ core against a plain Python DP of the same algorithm (1F1B, m=8)",
+        ("L", "p", "python", "c++", "speedup", "same optimum"),
+    )
     for num_blocks, p in ((24, 4), (48, 4), (48, 8), (96, 8)):
         speed.add_row(*partition_speed(num_blocks, p))
     console.print(speed)
@@ -257,7 +253,7 @@ def partition_speed(num_blocks: int, p: int, m: int = 8) -> tuple[str, ...]:
         )
 
     py_best, py_s = timed(in_python, 1)
-    cc, cc_s = timed(in_cpp)
+    cc, cc_s = timed(in_cpp, 3)
     same = math.isclose(cc.pipeline_time_s, py_best, rel_tol=1e-9) if cc.feasible else py_best == math.inf
     return str(num_blocks), str(p), f"{py_s * 1e3:.1f} ms", f"{cc_s * 1e3:.3f} ms", f"{py_s / cc_s:.0f}x", str(same)
 
@@ -314,7 +310,7 @@ def core_arguments(search_api: Callable[[], object]) -> tuple[tuple, dict]:
 
 
 def peak_rss() -> str:
-    return f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB"
+    return f"{peak_rss_bytes() / 2**30:.2f} GB"
 
 
 def random_chain_row(num_blocks: int, num_gpus: int = 1024, seed: int = 0) -> tuple[str, ...]:
@@ -362,20 +358,19 @@ def random_chain_row(num_blocks: int, num_gpus: int = 1024, seed: int = 0) -> tu
 
 
 def random_chains_table() -> Table:
-    table = Table(
-        title="random heterogeneous chains through the Python API (seed 0; 1,024 A100-80GB, B=2048, bf16, batch "
-        "table of 7 sizes, d*p <= N as the API searches; target 1 s; one run each)"
+    columns = ("L", "N", "profile", "candidates", "evaluated", "core", "core vs 1 s", "api.search", "api vs 1 s",
+               "peak RSS", "best plan")  # fmt: skip
+    table = new_table(
+        "random heterogeneous chains through the Python API (seed 0; 1,024 A100-80GB, B=2048, bf16, batch "
+        "table of 7 sizes, d*p <= N as the API searches; target 1 s; one run each)",
+        columns,
+        left=("best plan", "core vs 1 s", "api vs 1 s"),
+        caption="Why missed: with d*p <= N (allow_fewer_gpus, the API's default) the core enumerates every p up to "
+        "min(N/d, L), so the candidates grow with L, and each one the cheap bounds keep costs O(S*L) in the "
+        "tighter bound and a partition: about L^2 in all (the GPT-like target row above enumerates d*p = N only).",
     )
-    for col in ("L", "N", "profile", "candidates", "evaluated", "core", "core vs 1 s", "api.search", "api vs 1 s",
-                "peak RSS", "best plan"):  # fmt: skip
-        table.add_column(col, justify="left" if col in ("best plan", "core vs 1 s", "api vs 1 s") else "right")
     for num_blocks in (100, 400, 1000):
         table.add_row(*random_chain_row(num_blocks))
-    table.caption = (
-        "Why missed: with d*p <= N (allow_fewer_gpus, the API's default) the core enumerates every p up to "
-        "min(N/d, L), so the candidates grow with L, and each one the cheap bounds keep costs O(S*L) in the "
-        "tighter bound and a partition: about L^2 in all (the GPT-like target row above enumerates d*p = N only)."
-    )
     return table
 
 

@@ -12,19 +12,18 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing
 import os
-import resource
 import sys
-import time
-from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 import pyplan
 from pyplan.zoo.transformer import GPT, GPTConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import machine, new_table, peak_rss_bytes, target_line, timed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,26 +40,16 @@ class Row:
     peak_rss_gb: float
 
 
-def _timed(fn: Callable[[], object]) -> tuple[object, float]:
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
-
-
-def _peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # ru_maxrss is in kB on Linux
-
-
 def run(name: str, spec: pyplan.ModelSpec, *, meta: bool, batch_size: int) -> Row:
     if meta:
         with torch.device("meta"):
             model = spec.build()
     else:
         model = spec.build()
-    graph, t_trace = _timed(lambda: pyplan.trace(model, spec.example_inputs, batch_size=batch_size))
-    chain, t_lin = _timed(lambda: pyplan.linearize(graph))
+    graph, t_trace = timed(lambda: pyplan.trace(model, spec.example_inputs, batch_size=batch_size))
+    chain, t_lin = timed(lambda: pyplan.linearize(graph))
     sizes = (batch_size, 2 * batch_size)
-    profiled, t_prof = _timed(lambda: pyplan.profile(chain, spec.example_inputs, measure=not meta, batch_sizes=sizes))
+    profiled, t_prof = timed(lambda: pyplan.profile(chain, spec.example_inputs, measure=not meta, batch_sizes=sizes))
     return Row(
         name,
         "meta (FLOPs, bytes)" if meta else "measured (1 thread)",
@@ -69,7 +58,7 @@ def run(name: str, spec: pyplan.ModelSpec, *, meta: bool, batch_size: int) -> Ro
         t_trace,
         t_lin,
         t_prof,
-        _peak_rss_gb(),
+        peak_rss_bytes() / 1.024e9,  # ru_maxrss's kB / 1e6, as this table has always counted
     )
 
 
@@ -79,7 +68,6 @@ def _hf_row(name: str, ref: str) -> Row:
 
 def hf_rows() -> list[Row]:
     """The full-size Hugging Face configurations, each in a fresh process."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from real_models import CASES
 
     rows = []
@@ -114,19 +102,11 @@ def main() -> int:
     hf = hf_rows() if importlib.util.find_spec("transformers") is not None else []
     rows += hf
 
-    table = Table(title=f"trace / linearize / profile wall time ({os.cpu_count()} cores, torch {torch.__version__})")
-    for col in (
-        "model",
-        "mode",
-        "params",
-        "blocks",
-        "trace s",
-        "linearize s",
-        "trace+lin s",
-        "profile s",
-        "peak RSS GB",
-    ):
-        table.add_column(col, justify="left" if col in ("model", "mode") else "right")
+    table = new_table(
+        f"trace / linearize / profile wall time ({machine()})",
+        ("model", "mode", "params", "blocks", "trace s", "linearize s", "trace+lin s", "profile s", "peak RSS GB"),
+        left=("model", "mode"),
+    )
     for r in rows:
         table.add_row(
             r.name,
@@ -143,25 +123,23 @@ def main() -> int:
     xl = next(r for r in rows if "gpt2-xl" in r.name)
     ok_time = xl.trace_s + xl.linearize_s < 5.0
     ok_big = big_row.params >= 1e10 and big_row.peak_rss_gb < 8.0
+    print(target_line("trace+linearize of 48-layer GPT-2 < 5 s", ok_time, f"{xl.trace_s + xl.linearize_s:.2f} s"))
     print(
-        f"target trace+linearize of 48-layer GPT-2 < 5 s: {'met' if ok_time else 'MISSED'} "
-        f"({xl.trace_s + xl.linearize_s:.2f} s)"
-    )
-    print(
-        f"target 1e10-parameter model profiled on meta without its weights: {'met' if ok_big else 'MISSED'} "
-        f"({big_row.params:.3g} parameters, peak RSS {big_row.peak_rss_gb:.2f} GB, "
-        f"weights would take {big_row.params * 4 / 1e9:.0f} GB)"
+        target_line(
+            "1e10-parameter model profiled on meta without its weights",
+            ok_big,
+            f"{big_row.params:.3g} parameters, peak RSS {big_row.peak_rss_gb:.2f} GB, "
+            f"weights would take {big_row.params * 4 / 1e9:.0f} GB",
+        )
     )
     ok = ok_time and ok_big
     if hf:
         llama = next(r for r in hf if r.name == "hf llama-2-7b")
         huge = next(r for r in hf if r.name == "hf llama-2-70b")
         ok_llama, ok_huge = llama.trace_s + llama.linearize_s < 20.0, huge.peak_rss_gb < 2.0
-        print(
-            f"target capture+linearize of Llama-2-7B < 20 s: {'met' if ok_llama else 'MISSED'} "
-            f"({llama.trace_s + llama.linearize_s:.2f} s)"
-        )
-        print(f"target Llama-2-70B peak RSS < 2 GB: {'met' if ok_huge else 'MISSED'} ({huge.peak_rss_gb:.2f} GB)")
+        capture_s = llama.trace_s + llama.linearize_s
+        print(target_line("capture+linearize of Llama-2-7B < 20 s", ok_llama, f"{capture_s:.2f} s"))
+        print(target_line("Llama-2-70B peak RSS < 2 GB", ok_huge, f"{huge.peak_rss_gb:.2f} GB"))
         ok = ok and ok_llama and ok_huge
     else:
         print("transformers is not installed: the Hugging Face configurations are left out")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,9 @@ import torch
 from rich.table import Table
 
 from pyplan.report.console import make_console
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import new_table, run_child
 
 SIZES = (8, 32, 128, 512, 1024)
 GPU = "a100-80g"
@@ -60,22 +62,21 @@ def run_once(cache_dir: str, jobs: int, global_batch: int, models: list[str]) ->
 
 
 def _child(cache_dir: str, jobs: int, global_batch: int, models: list[str]) -> dict[str, Any]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--one", cache_dir, "--jobs", str(jobs)]
-    cmd += ["--global-batch", str(global_batch), "--models", ",".join(models)]
+    args = ["--one", cache_dir, "--jobs", str(jobs), "--global-batch", str(global_batch), "--models", ",".join(models)]
     start = time.perf_counter()
-    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    done = run_child(__file__, *args, check=True)
     return {**json.loads(done.stdout), "wall_s": time.perf_counter() - start}
 
 
 def _table(rows: list[tuple[str, dict[str, Any]]], jobs: int, global_batch: int) -> Table:
-    table = Table(
-        title=f"Planning the zoo for {', '.join(map(str, SIZES))} x {GPU} ({os.cpu_count()} cores, {jobs} jobs, "
+    table = new_table(
+        f"Planning the zoo for {', '.join(map(str, SIZES))} x {GPU} ({os.cpu_count()} cores, {jobs} jobs, "
         f"global batch {global_batch}, torch {torch.__version__})",
+        ("cache", "models", "pairs", "outcomes", "profiles", "wall s", "sweep s", "CPU s", "target", "slowest"),
+        left=("cache", "outcomes", "slowest"),
         caption="wall: the whole command (Python start, imports, workers); sweep: planning alone; CPU: the tasks' "
         "CPU time in the workers; slowest: a model's profile and searches in its worker, seconds",
     )
-    for col in ("cache", "models", "pairs", "outcomes", "profiles", "wall s", "sweep s", "CPU s", "target", "slowest"):
-        table.add_column(col, justify="left" if col in ("cache", "outcomes", "slowest") else "right")
     for cache, r in rows:
         target = TARGETS_S[cache]
         table.add_row(

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import (
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from torch.utils.flop_counter import conv_flop_count, flop_registry, shape_wrapper
 
 __all__ = [
@@ -161,7 +162,6 @@ SELECTIVE_SAVE_NAMES = frozenset(op.overloadpacket.__name__ for op in SELECTIVE_
 
 def selective_contexts() -> tuple[Any, Any]:
     """The `context_fn` of `torch.utils.checkpoint.checkpoint` that runs selective checkpointing."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     return create_selective_checkpoint_contexts(list(SELECTIVE_SAVE_OPS))
 

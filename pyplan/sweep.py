@@ -520,7 +520,7 @@ def _labelled(clusters: Iterable[Cluster] | Mapping[str, Cluster]) -> tuple[tupl
 
 def _frame(records: list[Record]) -> Any:
     try:
-        import pandas as pd
+        import pandas as pd  # optional: pandas, only for results as a DataFrame
     except ImportError:
         raise PlanError("as_frame=True needs pandas: pip install pandas (or take the records)") from None
     return pd.DataFrame.from_records(records, columns=list(COLUMN_NAMES))
@@ -605,7 +605,7 @@ class ResultsFile:
             raise PlanError(f"--out {self.path}: the name must end in {', '.join(self.SUFFIXES)}")
         if self.format == ".parquet":
             try:
-                import pyarrow  # noqa: F401
+                import pyarrow  # noqa: F401  (optional: pyarrow, only for Parquet results)
             except ImportError:
                 raise PlanError("writing .parquet needs pyarrow: pip install pyarrow (or use .csv)") from None
         self.dropped = 0
@@ -625,7 +625,7 @@ class ResultsFile:
             except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
                 raise PlanError(f"{what} cannot be read ({exc}); delete it or write to another file") from None
         else:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # optional: pyarrow (as above)
 
             try:
                 data = pq.read_table(self.path).to_pylist()
@@ -695,8 +695,8 @@ class ResultsFile:
 
 
 def _parquet_bytes(records: Sequence[Record]) -> bytes:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # optional: pyarrow (as above)
+    import pyarrow.parquet as pq  # optional: pyarrow (as above)
 
     kinds = {str: pa.string(), int: pa.int64(), float: pa.float64()}
     schema = pa.schema([(name, kinds[kind]) for name, kind in COLUMNS])

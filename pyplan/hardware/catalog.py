@@ -714,7 +714,7 @@ def _cpu_name() -> str:
 
 def _detect_local() -> GPU:
     """This machine's device as detected, with no performance figures."""
-    import torch
+    import torch  # torch only to detect this machine: the catalog itself is read without it
 
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)

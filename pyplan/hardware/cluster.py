@@ -335,7 +335,7 @@ def _parse(text: str, suffix: str, what: str) -> Any:
         except tomllib.TOMLDecodeError as exc:
             raise PlanError(f"{what}: not valid TOML: {exc}") from None
     try:
-        import yaml
+        import yaml  # optional: PyYAML, only for a YAML cluster file
     except ImportError:
         raise PlanError(
             f"{what}: reading YAML needs PyYAML (pip install pyyaml); or write the file as .json or .toml"

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch.multiprocessing as mp
+
 from pyplan.errors import PlanError
 
 
@@ -21,7 +23,6 @@ def run_two(
     `what`. With `done_if_written`, a process that dies after rank 0 wrote its file (atomically) is not an error:
     gloo's threads now and then abort a process as it exits (SIGABRT, "terminate called without an active
     exception")."""
-    import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="pyplan-") as tmp:
         out = os.path.join(tmp, "out.json")

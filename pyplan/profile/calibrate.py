@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
@@ -559,7 +560,6 @@ def _p2p_stream(rank: int, buf: torch.Tensor, trips: int, device: torch.device, 
     """One-way times of `trips` round trips in an unbroken stream, as a pipeline passes activations and gradients:
     rank 0 computes for `burst_s`, sends and receives; rank 1 receives, computes for `burst_s` and sends back.
     Each trip less rank 1's compute, halved; on rank 0 (rank 1 returns [])."""
-    import torch.distributed as dist
 
     spans, computed = [], []
     for _ in range(trips):
@@ -591,7 +591,6 @@ def _link_worker(
 ) -> None:
     """One of the two processes: ping-pong and all-reduce at each size, in `passes` passes over the sizes; rank 0
     writes each pass's medians to `out`."""
-    import torch.distributed as dist
 
     torch.set_num_threads(threads)
     cuda = backend == "nccl"
@@ -622,7 +621,6 @@ def _link_pass(
     rank: int, sizes: list[int], quick: bool, device: torch.device, cuda: bool
 ) -> tuple[list[float], list[float]]:
     """One pass of ping-pongs and all-reduces over the sizes: each size's median (rank 0's p2p)."""
-    import torch.distributed as dist
 
     p2p: list[float] = []
     allreduce: list[float] = []

@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pyplan.errors import PlanError
@@ -210,7 +211,6 @@ def _cpu_s(fn: Callable[[], object], reps: int) -> float:
 
 def _messages(rank: int, reps: int) -> float:
     """CPU seconds a rank spends per message sent or received (a 4-byte tensor, as the schedules post them)."""
-    import torch.distributed as dist
 
     buf = torch.zeros(1)
     peer = 1 - rank
@@ -298,7 +298,6 @@ def _runtime(reps: int, microbatches: tuple[int, int]) -> dict[str, float]:
 
 
 def _host_worker(rank: int, out: str, init: str, quick: bool) -> None:
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)

@@ -22,7 +22,7 @@ def new_figure(width_in: float, height_in: float, *, what: str) -> Figure:
 
     `what` names the picture in the error raised when matplotlib is missing.
     """
-    try:
+    try:  # optional: matplotlib (pip install 'pyplan[plot]'), only for pictures
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:

@@ -142,7 +142,7 @@ _Tail = list[tuple[str, float, str, str | None]]
 
 
 def _draw_box(ax: Axes, x: float, w: float, y: float, *, linewidth: float = 0.4, **style: Any) -> None:
-    from matplotlib.patches import Rectangle
+    from matplotlib.patches import Rectangle  # optional: matplotlib, only for pictures
 
     ax.add_patch(Rectangle((x, y + _BOX[0]), w, _BOX[1], linewidth=linewidth, edgecolor="black", **style))
 
@@ -166,7 +166,7 @@ def gantt_figure(tl: Timeline, *, title: str | None = None) -> Figure:
 
 def _stage_colours(num_stages: int) -> _Palette:
     """(dark, light) of each stage: tab20's pairs for a few stages, else a spread of turbo and its tint."""
-    from matplotlib import colormaps
+    from matplotlib import colormaps  # optional: matplotlib, only for pictures
 
     if num_stages <= len(_HUES):
         cmap = colormaps["tab20"]
@@ -186,7 +186,7 @@ def _tail_parts(tl: Timeline) -> _Tail:
 def _draw_compute(ax: Axes, tl: Timeline, palette: _Palette, scale: float) -> None:
     """Each rank's row grey up to the makespan (idle), then a box per compute action with its micro-batch number
     where the box is wide enough."""
-    from matplotlib.patches import Rectangle
+    from matplotlib.patches import Rectangle  # optional: matplotlib, only for pictures
 
     sim = tl.simulation
     p = tl.num_ranks
@@ -218,7 +218,7 @@ def _draw_compute(ax: Axes, tl: Timeline, palette: _Palette, scale: float) -> No
 
 def _draw_sends(ax: Axes, tl: Timeline, scale: float) -> None:
     """A strip under the boxes for each send, from when it leaves its rank to when it has arrived."""
-    from matplotlib.patches import Rectangle
+    from matplotlib.patches import Rectangle  # optional: matplotlib, only for pictures
 
     for s in tl.sends:
         ax.add_patch(
@@ -276,7 +276,7 @@ def _label_axes(ax: Axes, tl: Timeline, scale: float, unit: str, title: str | No
 def _legend(fig: Figure, tl: Timeline, palette: _Palette, tail: _Tail) -> None:
     """The legend under the chart: the stages' colours (the first and last only, for many stages), what the
     shades, strips and grey mean, and the weight gradient and tail when the chart has them."""
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch  # optional: matplotlib, only for pictures
 
     num_stages = len(tl.stage_rank)
     shown = range(num_stages) if num_stages <= 2 * len(_HUES) else (0, num_stages - 1)

@@ -28,6 +28,7 @@ import contextlib
 import os
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["pin_rank"]
 
@@ -40,7 +41,6 @@ def _local_rank_and_size() -> tuple[int, int] | None:
     global rank and world size of a process group small enough to be one machine's."""
     if "LOCAL_RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
         return int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         size = dist.get_world_size()
