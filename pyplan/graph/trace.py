@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.export import Dim, export
 
 from pyplan._torch import is_meta_module, plain_codegen, run_without_compute, tree_flatten, tree_map_only
 from pyplan.errors import TraceError
@@ -256,8 +257,6 @@ def _export(model: nn.Module, call: Call) -> fx.GraphModule:
     model's own tensors (shared, ties kept), one placeholder per input tensor in `inputs_at` order, and the
     output's tensors flattened (one tensor returned as itself, several as a tuple). The batch size is read off an
     input (`aten.sym_size.int(input, 0)`), which `trace` marks static so that each piece reads it off its own."""
-    from torch.export import Dim, export  # the capture of models torch.fx cannot trace
-
     args, kwargs = call
     batch = Dim("batch", min=1)
     try:

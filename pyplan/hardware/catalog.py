@@ -17,6 +17,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import torch
+
 from pyplan.errors import PlanError
 
 __all__ = [
@@ -714,8 +716,6 @@ def _cpu_name() -> str:
 
 def _detect_local() -> GPU:
     """This machine's device as detected, with no performance figures."""
-    import torch  # torch only to detect this machine: the catalog itself is read without it
-
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return GPU(

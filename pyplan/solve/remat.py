@@ -90,7 +90,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -907,6 +907,25 @@ def min_budget(chain: RematChain, *, offload: bool = False, max_depth: int | Non
     return _core.remat_min_peak(*_arrays(chain), offload=offload, max_depth=-1 if max_depth is None else max_depth)
 
 
+def _no_worse_than_baselines(
+    chain: RematChain, plan: RematPlan, rep: Replay, max_depth: int | None, fits: Callable[[Replay], bool]
+) -> tuple[RematPlan, Replay]:
+    """`plan`, or a faster plan everyone has that fits (keep all, checkpoint_sequential's segment counts,
+    checkpoint every block): slots round every size up, so a plan that fits in bytes may not fit in slots."""
+    n = len(chain)
+    checkpoints = max_depth is None or max_depth >= 1
+    # checkpoint_sequential's plan depends on the segment size alone: one segment count per size.
+    counts = {-(-n // k): k for k in range(n, 0, -1)}.values() if checkpoints else ()
+    others = (full_remat(0, n), *(periodic(0, n, k) for k in counts)) if checkpoints else ()
+    for other in (no_remat(0, n), *others):
+        if _time_s(chain, other) >= rep.time_s:
+            continue  # no faster: its memory does not matter
+        got = replay(chain, other)
+        if fits(got):
+            plan, rep = other, got
+    return plan, rep
+
+
 def solve(
     chain: RematChain,
     budget_bytes: float,
@@ -967,19 +986,7 @@ def solve(
     plan = _plan_of_steps(r.plan, 0)
     rep = replay(chain, plan, offload_bw_bytes_per_s=bw if bw > 0 else math.inf)
     if baselines:
-        # Slots round every size up: a plan that fits in bytes may not fit in slots. Never return worse than
-        # the plans everyone has (keep all, checkpoint_sequential's segment counts, checkpoint every block).
-        n = len(chain)
-        checkpoints = max_depth is None or max_depth >= 1
-        # checkpoint_sequential's plan depends on the segment size alone: one segment count per size.
-        counts = {-(-n // k): k for k in range(n, 0, -1)}.values() if checkpoints else ()
-        others = (full_remat(0, n), *(periodic(0, n, k) for k in counts)) if checkpoints else ()
-        for other in (no_remat(0, n), *others):
-            if _time_s(chain, other) >= rep.time_s:
-                continue  # no faster: its memory does not matter
-            got = replay(chain, other)
-            if fits(got):
-                plan, rep = other, got
+        plan, rep = _no_worse_than_baselines(chain, plan, rep, max_depth, fits)
     return RematResult(
         plan=plan.shifted(first_block) if first_block else plan,
         time_s=rep.time_s,

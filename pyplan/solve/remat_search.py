@@ -355,13 +355,7 @@ def refine_plan(
     ]
     stages: list[StagePlan] = []
     remat: list[StageRemat | None] = []
-    # The optimizer step holds the state, the buffers, the inputs of the micro-batches in flight (the caller's
-    # batch on the first stage, torch's receive buffers on the others) and the step's temporaries.
-    step = _step_bytes(plan, params, tied_copy_numel) if params is not None else [0.0] * len(plan.stages)
-    in_step = [
-        st.state_bytes + st.buffer_bytes + st.in_flight * cuts[st.first_block] + step[s]
-        for s, st in enumerate(plan.stages)
-    ]
+    step, in_step = _optimizer_step(plan, params, tied_copy_numel, cuts)
     if any(sum(in_step[x] for x in xs) > gpu_mem_bytes for xs in ranks.values()):
         return None
     for s, st in enumerate(plan.stages):
@@ -476,6 +470,20 @@ def _with_stages(
     )
     layout = replace(lay, remat=tuple(remat) if any(r is not None for r in remat) else ())
     return replace(plan, layout=layout, stages=tuple(stages), predicted=predicted)
+
+
+def _optimizer_step(
+    plan: Plan, params: StageParams | None, tied_copy_numel: Sequence[float], cuts: Sequence[float]
+) -> tuple[list[float], list[float]]:
+    """Per stage, the optimizer step's temporaries, and all it holds: the state, the buffers, the inputs of the
+    micro-batches in flight (the caller's batch on the first stage, torch's receive buffers on the others) and the
+    temporaries."""
+    step = _step_bytes(plan, params, tied_copy_numel) if params is not None else [0.0] * len(plan.stages)
+    in_step = [
+        st.state_bytes + st.buffer_bytes + st.in_flight * cuts[st.first_block] + step[s]
+        for s, st in enumerate(plan.stages)
+    ]
+    return step, in_step
 
 
 def _stage_chain(
