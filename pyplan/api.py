@@ -219,18 +219,11 @@ def search(
         # (A model that returns its own loss computes it in its last block, which the profile timed already.)
         chain = add_loss(chain, model, examples, cluster, workload, loss, target)
     space = _Space.of(chain, cluster, workload, objective, memory_fraction)
-    pins = {
-        "micro_batch_sizes": list(micro_batch_sizes),
-        "data_parallel": list(data_parallel),
-        "pipeline_ranks": list(pipeline_ranks),
-        "num_microbatches": list(num_microbatches),
-        "schedules": list(schedules),
-        "zero_stages": list(zero_stages),
-        "placements": list(placements),
-        "allow_fewer_gpus": allow_fewer_gpus,
-        "objective": objective,
-        "weight": weight,
-    }
+    # The candidate space as the C++ search takes it: the pins, and what ranks the candidates.
+    pins = dict(micro_batch_sizes=list(micro_batch_sizes), data_parallel=list(data_parallel),
+                pipeline_ranks=list(pipeline_ranks), num_microbatches=list(num_microbatches), schedules=list(schedules),
+                zero_stages=list(zero_stages), placements=list(placements), allow_fewer_gpus=allow_fewer_gpus,
+                objective=objective, weight=weight)  # fmt: skip
     refiner = _Refiner.of(space, model, examples, remat, offload, offload_bw_bytes_per_s)
     wide = max(4 * top_k, 20)
     say("searching")
@@ -247,15 +240,8 @@ def search(
         dag = refiner.operation_level([*plain.top, *plain.pareto], examples, objective, weight)
         if dag:
             top, pareto = _rank([*top, *dag], objective, weight)[:top_k], _frontier([*pareto, *dag])
-    return PlanSearch(
-        best=top[0],
-        alternatives=tuple(top[1:]),
-        pareto=tuple(pareto),
-        candidates=sum(r.num_candidates for r in found),
-        evaluated=sum(r.num_evaluated for r in found),
-        chain=chain,
-        profiled_on=profiled_on,
-    )
+    candidates, evaluated = sum(r.num_candidates for r in found), sum(r.num_evaluated for r in found)
+    return PlanSearch(top[0], tuple(top[1:]), tuple(pareto), candidates, evaluated, chain, profiled_on)
 
 
 def _check_options(
