@@ -108,7 +108,7 @@ void bind_search(py::module_& m) {
            const py::dict& host, std::vector<double> time_sizes, std::vector<double> fwd_points_s,
            std::vector<double> bwd_points_s, bool zero3_single_stage,
            const std::vector<std::int64_t>& data_parallel, const std::vector<std::int64_t>& pipeline_ranks,
-           const std::vector<std::int64_t>& num_microbatches) {
+           const std::vector<std::int64_t>& num_microbatches, const std::vector<std::int64_t>& fixed_cuts) {
             pyplan::ProfiledChain chain{std::move(fwd_alpha_s),     std::move(fwd_beta_s),
                                               std::move(bwd_alpha_s),     std::move(bwd_beta_s),
                                               std::move(act_per_sample_bytes), std::move(act_fixed_bytes),
@@ -149,6 +149,7 @@ void bind_search(py::module_& m) {
             space.data_parallel = to_ints(data_parallel, "data_parallel", 1, kIntMax);
             space.pipeline_ranks = to_ints(pipeline_ranks, "pipeline_ranks", 1, kIntMax);
             space.num_microbatches = to_ints(num_microbatches, "num_microbatches", 1, kIntMax);
+            space.fixed_cuts = to_ints(fixed_cuts, "fixed_cuts", 0, kIntMax);
             space.schedules.clear();
             for (const auto& name : schedules) space.schedules.push_back(to_schedule(name));
             space.zero_stages = to_ints(zero_stages, "zero_stages", 0, 3);
@@ -180,7 +181,7 @@ void bind_search(py::module_& m) {
         py::arg("time_sizes") = std::vector<double>{}, py::arg("fwd_points_s") = std::vector<double>{},
         py::arg("bwd_points_s") = std::vector<double>{}, py::arg("zero3_single_stage") = false,
         py::arg("data_parallel") = std::vector<std::int64_t>{}, py::arg("pipeline_ranks") = std::vector<std::int64_t>{},
-        py::arg("num_microbatches") = std::vector<std::int64_t>{},
+        py::arg("num_microbatches") = std::vector<std::int64_t>{}, py::arg("fixed_cuts") = std::vector<std::int64_t>{},
         "Searches data parallelism x pipeline stages x micro-batch size x schedule x ZeRO stage x placement\n"
         "for a chain profiled as t(b) = alpha*b + beta per block, or, with time_sizes (K ascending sizes), as\n"
         "the line between the neighbouring points fwd/bwd_points_s[i*K + k] (see cpp/include/pyplan/search.h for the\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -181,6 +182,7 @@ def search(
     data_parallel: Sequence[int] = (),
     pipeline_ranks: Sequence[int] = (),
     num_microbatches: Sequence[int] = (),
+    stage_cuts: Sequence[int] = (),
     progress: Callable[[str], None] | None = None,
 ) -> PlanSearch:
     """Every way to train `model` on `cluster` that fits, ranked by `objective`.
@@ -196,7 +198,9 @@ def search(
     is left out. `stage_dag` also assigns stages operation by operation to the pipelines
     whose chain is too coarse to balance (pyplan/solve/dag_search.py). `data_parallel`, `pipeline_ranks`,
     `num_microbatches` (gradient-accumulation steps), like `micro_batch_sizes`, `schedules` and `zero_stages`,
-    restrict the search to the values given (empty: any): pins, for "what does this configuration cost".
+    restrict the search to the values given (empty: any): pins, for "what does this configuration cost";
+    `stage_cuts` pins the partition, the blocks (numbered from 0, as `pyplan inspect` lists them) at which stages
+    2, 3, ... start, so that only pipelines of that many stages are planned, cut there.
     `progress(step)` is told each step as it starts: "tracing and profiling", "searching", "refining",
     "assigning operations to stages".
 
@@ -209,12 +213,13 @@ def search(
     examples = Examples(example_inputs)
     _check_options(objective, remat, offload, memory_fraction, zero_stages, schedules,
                    data_parallel=data_parallel, pipeline_ranks=pipeline_ranks, num_microbatches=num_microbatches,
-                   micro_batch_sizes=micro_batch_sizes)  # fmt: skip
+                   micro_batch_sizes=micro_batch_sizes, stage_cuts=stage_cuts)  # fmt: skip
     profiled_on = "given chain"
     if chain is None:
         say("tracing and profiling")
         chain, profiled_on = chain_for(model, examples, cluster, workload, leaf_modules=leaf_modules)
     chain, micro_batch_sizes = _trainable(chain, micro_batch_sizes, workload)
+    fixed_cuts = _fixed_cuts(stage_cuts, len(chain.blocks))
     if loss is not None and chain.loss is None and not chain.graph.returns_loss:
         # (A model that returns its own loss computes it in its last block, which the profile timed already.)
         chain = add_loss(chain, model, examples, cluster, workload, loss, target)
@@ -223,7 +228,7 @@ def search(
     pins = dict(micro_batch_sizes=list(micro_batch_sizes), data_parallel=list(data_parallel),
                 pipeline_ranks=list(pipeline_ranks), num_microbatches=list(num_microbatches), schedules=list(schedules),
                 zero_stages=list(zero_stages), placements=list(placements), allow_fewer_gpus=allow_fewer_gpus,
-                objective=objective, weight=weight)  # fmt: skip
+                objective=objective, weight=weight, fixed_cuts=fixed_cuts)  # fmt: skip
     refiner = _Refiner.of(space, model, examples, remat, offload, offload_bw_bytes_per_s)
     wide = max(4 * top_k, 20)
     say("searching")
@@ -235,7 +240,7 @@ def search(
         raise InfeasibleError(_infeasible(plain, relaxed, remat))
     top, pareto = _rank(every, objective, weight)[:top_k], _frontier(every)
     found = [r for r in (plain, *relaxed) if r is not None]
-    if stage_dag and plain is not None and plain.feasible:
+    if stage_dag and not fixed_cuts and plain is not None and plain.feasible:
         say("assigning operations to stages")
         dag = refiner.operation_level([*plain.top, *plain.pareto], examples, objective, weight)
         if dag:
@@ -257,6 +262,9 @@ def _check_options(
     for name, values in pins.items():
         if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in values):
             raise PlanError(f"{name} takes whole numbers of at least 1, got {list(values)}")
+    cuts = list(pins.get("stage_cuts", ()))
+    if any(a >= b for a, b in itertools.pairwise(cuts)):
+        raise PlanError(f"stage_cuts must rise, got {cuts}: the blocks at which stages 2, 3, ... start")
     if remat not in REMAT_MODES:
         raise PlanError(f"unknown remat mode '{remat}'; choose one of {', '.join(REMAT_MODES)}")
     if offload not in OFFLOAD_MODES:
@@ -289,6 +297,18 @@ def _trainable(chain: Chain, micro_batch_sizes: Sequence[int], workload: Workloa
             f"one value per channel below), none of {list(micro_batch_sizes)} is"
         )
     return chain, allowed
+
+
+def _fixed_cuts(stage_cuts: Sequence[int], num_blocks: int) -> list[int]:
+    """The pinned partition as the C++ search takes it, from 0 to the last block; empty when not pinned."""
+    if not stage_cuts:
+        return []
+    if stage_cuts[-1] >= num_blocks:
+        raise PlanError(
+            f"stage_cuts {list(stage_cuts)} go past the model's {num_blocks} blocks (numbered 0-{num_blocks - 1}; "
+            "`pyplan inspect` lists them)"
+        )
+    return [0, *stage_cuts, num_blocks]
 
 
 def _infeasible(plain: Any, relaxed: Sequence[Any], remat: str) -> str:

@@ -78,6 +78,14 @@ def test_pins_restrict_the_search_to_what_they_name(gpt_tiny: tuple) -> None:
         assert all(matches(p) for p in (found.best, *found.alternatives)), pins
         same = min((p for p in plans if matches(p)), key=lambda p: p.predicted.iteration_s)
         assert found.best.predicted.iteration_s == pytest.approx(same.predicted.iteration_s), pins
+    # A pinned partition: stages start at blocks 4 and 9, whatever the search would choose.
+    positions = (0, chain.cuts[4].position, chain.cuts[9].position, chain.cuts[-1].position)
+    found = search(model, spec.example_inputs, cluster, workload, chain=chain, top_k=3, stage_cuts=(4, 9))
+    assert all(p.layout.cut_positions == positions for p in (found.best, *found.alternatives))
+    assert found.best.predicted.iteration_s >= everything.best.predicted.iteration_s
+    for cuts, message in (((9, 4), "stage_cuts must rise"), ((4, 99), "go past the model's"), ((0,), "at least 1")):
+        with pytest.raises(PlanError, match=message):
+            search(model, spec.example_inputs, cluster, workload, chain=chain, stage_cuts=cuts)
         assert found.best.predicted.iteration_s >= everything.best.predicted.iteration_s
     with pytest.raises(PlanError, match="pipeline_ranks takes whole numbers"):
         search(model, spec.example_inputs, cluster, workload, chain=chain, pipeline_ranks=(0,))
@@ -166,6 +174,11 @@ def test_cli_pins(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().err.strip() == "error: --dp 3 x --pp 2 needs 6 GPUs; --gpus offers 4"
     assert main([*base, "--ga", "0"]) == 2
     assert "--ga takes a whole number of at least 1" in capsys.readouterr().err
+    assert main([*base, "--cuts", "4,9", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["pins"] == {"stage_cuts": [4, 9]} and data["plan"]["pp"] * data["plan"]["stages_per_rank"] == 3
+    assert main([*base, "--cuts", "4;9"]) == 2
+    assert "--cuts takes block numbers separated by commas" in capsys.readouterr().err
 
 
 def test_the_answer_does_not_depend_on_what_is_shown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

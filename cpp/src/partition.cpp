@@ -218,6 +218,15 @@ void validate(const Chain& chain, const PartitionOptions& options) {
         if (kept[s] < 0) fail("extra_output_cuts[" + std::to_string(s) + "] must be >= 0, got " +
                               std::to_string(kept[s]));
     }
+    const std::vector<int>& fixed = options.fixed_cuts;
+    if (!fixed.empty()) {
+        bool ordered = fixed.size() == static_cast<std::size_t>(p) + 1 && fixed.front() == 0 &&
+                       fixed.back() == chain.num_blocks();
+        for (std::size_t k = 1; ordered && k < fixed.size(); ++k) ordered = fixed[k - 1] < fixed[k];
+        if (!ordered) {
+            fail("fixed_cuts must be p+1 = " + std::to_string(p + 1) + " increasing cuts from 0 to " + blocks);
+        }
+    }
 }
 
 // Cost of sending across cut c between two stages; nothing at the chain's ends.
@@ -504,9 +513,31 @@ int held_input_cuts(int num_microbatches, int in_flight, int stage) {
     return stage > 0 ? extra_input_cuts(num_microbatches, in_flight) : num_microbatches - in_flight;
 }
 
+// The given partition when every stage fits; else infeasible, naming the stage that overflows most.
+PartitionResult fixed_partition(const Problem& problem, const std::vector<int>& cuts) {
+    const int p = problem.num_stages();
+    PartitionResult result;
+    double worst = 0.0;
+    for (int s = 0; s < p; ++s) {
+        const StageLimit& stage = problem.stages[s];
+        const double need = problem.need_bytes(cuts[s], cuts[s + 1], stage);
+        if (need - stage.limit_bytes > worst) {
+            worst = need - stage.limit_bytes;
+            result.overflow = {s, cuts[s], cuts[s + 1], stage.in_flight, need, stage.limit_bytes};
+        }
+    }
+    if (worst <= 0.0) return describe(problem, cuts);
+    const Overflow& o = result.overflow;
+    result.reason = "the given partition does not fit in memory: stage " + std::to_string(o.stage) + " (blocks " +
+                    std::to_string(o.begin_cut) + "-" + std::to_string(o.end_cut - 1) + ") needs " +
+                    format_bytes(o.need_bytes) + ", limit " + format_bytes(o.limit_bytes);
+    return result;
+}
+
 PartitionResult partition(const Chain& chain, const PartitionOptions& options) {
     validate(chain, options);
     const Problem problem = build_problem(chain, options);
+    if (!options.fixed_cuts.empty()) return fixed_partition(problem, options.fixed_cuts);
     const int p = problem.num_stages();
     const int L = problem.num_blocks;
     const int m = problem.num_microbatches;

@@ -120,6 +120,12 @@ void validate(const ProfiledChain& c, const Hardware& hw, const SearchSpace& spa
             if (x < 1) fail(std::string(what) + " must be >= 1, got " + std::to_string(x));
         }
     }
+    const std::vector<int>& cuts = space.fixed_cuts;
+    if (!cuts.empty()) {
+        bool ordered = cuts.size() >= 2 && cuts.front() == 0 && cuts.back() == static_cast<int>(L);
+        for (std::size_t k = 1; ordered && k < cuts.size(); ++k) ordered = cuts[k - 1] < cuts[k];
+        if (!ordered) fail("fixed_cuts must rise from 0 to the chain's " + std::to_string(L) + " blocks");
+    }
     if (space.schedules.empty()) fail("no schedule to search");
     for (Schedule s : space.schedules) {
         if (s != Schedule::GPipe && s != Schedule::OneFOneB && s != Schedule::Interleaved1F1B &&
@@ -335,6 +341,7 @@ std::vector<Config> Searcher::enumerate() {
         for (Schedule schedule : space_.schedules) {
             const int v = stages_per_rank_of(schedule);
             if (p * v > L_ || (v > 1 && p < 2) || !torch_rejection(schedule, p, m, v).empty()) continue;
+            if (!space_.fixed_cuts.empty() && static_cast<std::size_t>(p * v) + 1 != space_.fixed_cuts.size()) continue;
             if (static_cast<long long>(p) * v > kMaxStageMicrobatches / m) {  // S·m > the cap, without the product
                 ++too_long_;
                 continue;
@@ -385,6 +392,10 @@ std::vector<Config> Searcher::enumerate() {
              (space_.pipeline_ranks.empty() ? std::string("any") : join(space_.pipeline_ranks)) +
              ") and micro-batch counts (" +
              (space_.num_microbatches.empty() ? std::string("any") : join(space_.num_microbatches)) + ")");
+    }
+    if (configs.empty() && !space_.fixed_cuts.empty()) {
+        fail("no configuration has " + std::to_string(space_.fixed_cuts.size() - 1) +
+             " stages, as the pinned cuts make");
     }
     return configs;
 }
@@ -737,6 +748,7 @@ const PartitionResult& Searcher::cached_partition(const Config& c, const Layout&
     options.mem_limit_bytes.assign(options.num_stages, hw_.gpu_mem_bytes);
     options.link = lay.pipeline_inter ? hw_.inter : hw_.intra;
     options.receive_buffers = true;
+    options.fixed_cuts = space_.fixed_cuts;
     ++result_.num_partitions;
     return partitions_.emplace(key, partition(chain, options)).first->second;
 }

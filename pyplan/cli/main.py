@@ -141,7 +141,16 @@ def _pins(args: argparse.Namespace) -> dict[str, tuple[Any, ...]]:
             raise PlanError(f"{flag} takes a whole number of at least 1, got {value}")
     if args.dp is not None and args.pp is not None and args.gpus is not None and args.dp * args.pp > args.gpus:
         raise PlanError(f"--dp {args.dp} x --pp {args.pp} needs {args.dp * args.pp} GPUs; --gpus offers {args.gpus}")
-    return {k: (v,) for k, v in given.items() if v is not None}
+    pins = {k: (v,) for k, v in given.items() if v is not None}
+    if args.cuts is not None:
+        try:
+            pins["stage_cuts"] = tuple(int(x) for x in args.cuts.split(","))
+        except ValueError:
+            raise PlanError(
+                f"--cuts takes block numbers separated by commas (the blocks where stages 2, 3, ... start, as "
+                f"`pyplan inspect` numbers them), got '{args.cuts}'"
+            ) from None
+    return pins
 
 
 def _versus_best(pinned: Plan, best: Plan) -> str:
@@ -423,6 +432,11 @@ def _add_plan_parser(sub: Any) -> None:
     pins.add_argument("--ga", type=int, metavar="M", help="gradient-accumulation steps (micro-batches per step)")
     pins.add_argument("--schedule", choices=("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"), help="pipeline schedule")
     pins.add_argument("--zero", type=int, choices=ZERO_STAGES, help="ZeRO stage")
+    pins.add_argument(
+        "--cuts",
+        metavar="I,J,...",
+        help="the partition: the blocks where stages 2, 3, ... start (numbered as `pyplan inspect` lists them)",
+    )
     p.add_argument("--out", help="write the best plan to this plan.json")
     p.add_argument("--emit", metavar="TRAIN_PY", help="write a torchrun training script for the best plan")
     p.add_argument("--pareto", metavar="FILE", help="draw predicted time against cost of the plans (.png or .svg)")

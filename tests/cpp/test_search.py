@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import asdict, replace
+from typing import Any
 
 import pytest
 
@@ -139,14 +140,36 @@ def _instance(seed: int) -> tuple[ProfiledChain, Hardware, Space]:
 
 @pytest.mark.parametrize("seed", range(150))
 def test_search_equals_brute_force(seed: int) -> None:
+    _equals_brute_force(*_instance(seed))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_pinned_partition_equals_brute_force_over_that_partition(seed: int) -> None:
+    """With fixed_cuts, only configurations of that many stages, cut there: the brute force's best of them."""
     chain, hw, space = _instance(seed)
+    rng = random.Random(10_000 + seed)
+    num_blocks = len(chain.fwd_alpha_s)
+    stages = rng.randint(1, min(num_blocks, 4))
+    cuts = (0, *sorted(rng.sample(range(1, num_blocks), stages - 1)), num_blocks)
+    space = replace(space, fixed_cuts=cuts)
+    if not search_brute_force(chain, hw, space).num_candidates:
+        with pytest.raises(ValueError, match=f"no configuration has {stages} stages|is not d·b·m"):
+            _search(chain, hw, space)
+        return
+    result = _equals_brute_force(chain, hw, space)
+    if result is not None and result.feasible:
+        assert all(tuple(c.cuts) == cuts for c in result.top)
+
+
+def _equals_brute_force(chain: ProfiledChain, hw: Hardware, space: Space) -> Any:
+    """The search's result, checked against the brute force on the same instance."""
     try:
         result = _search(chain, hw, space, top_k=4)
     except ValueError as error:
         # Only a batch no d·b·m divides is an error here; the brute force finds no configuration then.
         assert "is not d·b·m" in str(error)
         assert not search_brute_force(chain, hw, space).feasible
-        return
+        return None
     brute = search_brute_force(chain, hw, space)
     assert result.num_candidates == brute.num_candidates
     assert result.num_evaluated + result.num_pruned == result.num_candidates
@@ -172,6 +195,7 @@ def test_search_equals_brute_force(seed: int) -> None:
     assert len(got) == len(frontier)
     for (t, c), (bt, bc) in zip(got, frontier):
         assert _close(t, bt) and _close(c, bc)
+    return result
 
 
 def _small() -> tuple[ProfiledChain, Hardware, Space]:

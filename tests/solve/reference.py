@@ -223,8 +223,10 @@ def partition_brute_force(
     in_flight_per_stage: Sequence[int] = (),
     receive_buffers: bool = False,
     extra_output_cuts: Sequence[int] = (),
+    only: Sequence[int] = (),
 ) -> BruteForce:
-    """Evaluates every split of the L blocks into num_stages non-empty contiguous stages."""
+    """Evaluates every split of the L blocks into num_stages non-empty contiguous stages (or only the split `only`,
+    given as its p + 1 cuts)."""
     num_blocks = len(fwd_time_s)
     candidates = [
         evaluate_partition(
@@ -243,7 +245,9 @@ def partition_brute_force(
             receive_buffers=receive_buffers,
             extra_output_cuts=extra_output_cuts,
         )
-        for inner in itertools.combinations(range(1, num_blocks), num_stages - 1)
+        for inner in (
+            [tuple(only[1:-1])] if only else itertools.combinations(range(1, num_blocks), num_stages - 1)
+        )
     ]
     fitting = [e for e in candidates if e.fits]
     return BruteForce(

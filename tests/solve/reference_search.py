@@ -93,6 +93,7 @@ class Space:
     zero3_single_stage: bool = False
     objective: str = "time"
     weight: float = 0.0
+    fixed_cuts: Sequence[int] = ()  # the partition, from 0 to L: only configurations of that many stages
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,8 @@ def _configurations(num_blocks: int, hw: Hardware, space: Space) -> list[_Config
                 m = per_replica // b
                 for schedule in space.schedules:
                     v = _STAGES_PER_RANK[schedule]
+                    if space.fixed_cuts and p * v + 1 != len(space.fixed_cuts):
+                        continue
                     if p * v > num_blocks or (v > 1 and p < 2) or reference_rejects(schedule, p, m, v):
                         continue
                     zeros = [0] if d == 1 else space.zero_stages
@@ -246,6 +249,7 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> P
         in_flight_per_stage=in_flight,
         receive_buffers=True,
         extra_output_cuts=kept,
+        only=space.fixed_cuts,
     )
     if found.best_pipeline_time is None:
         # Two stages per rank: the stage limits are necessary only, the need a lower bound (search.cpp).

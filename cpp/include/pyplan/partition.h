@@ -115,6 +115,8 @@ struct PartitionOptions {
     // [p] output-sized tensors stage s holds beyond its output gradients' buffers (with receive_buffers): what the
     // schedule keeps of its sends (simulate.h's warmup_send_held). Empty: none.
     std::vector<int> extra_output_cuts;
+    // [p+1] a partition to evaluate instead of searching one: 0 = cuts[0] < ... < cuts[p] = L. Empty: search.
+    std::vector<int> fixed_cuts;
 };
 
 // The stage that overflows least when nothing fits: blocks [begin_cut, end_cut) as stage `stage`.

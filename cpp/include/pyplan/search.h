@@ -166,6 +166,8 @@ struct SearchSpace {
     std::vector<int> data_parallel;       // allowed d; empty: any (pins a what-if)
     std::vector<int> pipeline_ranks;      // allowed p; empty: any
     std::vector<int> num_microbatches;    // allowed m (gradient-accumulation steps); empty: any
+    // The stage boundaries, 0 = c_0 < ... < c_S = L: only candidates of S = p·v stages, cut there. Empty: any.
+    std::vector<int> fixed_cuts;
     std::vector<Schedule> schedules = {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B,
                                        Schedule::LoopedBFS};
     std::vector<int> zero_stages = {0, 1, 2, 3};
