@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from pyplan.emit.planfile import read_plan_file
@@ -34,17 +35,16 @@ def show(args: argparse.Namespace) -> int:
     written = []
     if args.gantt:
         write_gantt(document.plan, args.gantt)
-        written.append(f"Gantt chart written to {args.gantt}")
+        written.append(args.gantt)
     if args.report:
         write_html_report(document, args.report)
-        written.append(f"report written to {args.report}")
+        written.append(args.report)
     if args.json:
         print(json.dumps(data, indent=2))
-        return 0
-    console = make_console()
-    render_show(data, console)
-    for line in written:
-        console.print(line)
+    else:
+        render_show(data, make_console())
+    for path in written:  # on stderr beside --json, whose stdout is the JSON alone (as `pyplan plan`)
+        print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

@@ -828,7 +828,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
 def _render(cal: Calibration, path: Path, console: Console) -> None:
     threads = f", {cal.threads} thread(s)" if cal.threads else ""
     console.print(f"[bold]{cal.device}[/bold] ({cal.device_type}{threads}), measured in {cal.elapsed_s:.1f} s")
-    console.print(f"written to {path}")
+    console.print(f"wrote {path}")
 
     t = Table(title="Roofs", caption="spread: (max - min) / median over the rounds")
     t.add_column("figure")
