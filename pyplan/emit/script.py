@@ -43,8 +43,10 @@ Run it with one process per GPU:
               saying which; also init_process_group's timeout (default 600)
 
 Each step rank 0 prints the replicas' mean loss, the slowest rank's step time, samples/s (tokens/s for a model of
-token ids) and the largest peak memory of any rank (on a GPU; the process's peak RSS on a CPU), each beside the
-plan's prediction; at the end, the median step after the first against the prediction.
+token ids) and the largest peak memory of any rank, each beside the plan's prediction; at the end, the median step
+after the warm-up against the prediction. Memory is what the plan counts: on a GPU the most the CUDA allocator held;
+on a CPU the live tensor bytes of a steady step (the second), counted by pyplan's LiveMemory from the first step on,
+with the rank's parameters and batch: the two counted steps run slower and are left out of the median.
 """
 
 import argparse
@@ -52,7 +54,6 @@ import importlib.util
 import inspect
 import json
 import os
-import resource
 import sys
 import time
 from datetime import timedelta
@@ -64,6 +65,7 @@ from pyplan.emit.planfile import plan_file_from_json, read_plan_file
 from pyplan.errors import PlanError
 from pyplan.graph.trace import input_tensors
 from pyplan.load import load_model
+from pyplan.profile.live import LiveMemory
 from pyplan.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from pyplan.runtime.heartbeat import Heartbeat
 from pyplan.runtime.optim import LR_DECAYS, lr_factor
@@ -81,12 +83,37 @@ def reduce(figures, op, device):
     return out.cpu()
 
 
-def peak_memory_bytes(device):
-    """This rank's peak memory: the most the CUDA allocator held, or on a CPU the process's peak resident set (the
-    interpreter and torch's libraries included, so above the plan's figure, which counts tensors)."""
-    if device.type == "cuda":
-        return float(torch.cuda.max_memory_allocated(device))
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+class CpuMemory:
+    """A CPU rank's memory as the plan counts it: the live tensor bytes of its first two steps (LiveMemory), the
+    peak of the second, which holds what the first left (optimizer state, buffers, gradients), plus what was made
+    before them: the rank's parameters and, on the first stage, the replica's batch."""
+
+    def __init__(self, trainer):
+        params = {{id(p): p for m in trainer.modules for p in m.parameters()}}.values()
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]  # ZeRO-3: this rank's shards
+        self.before = sum(t.numel() * t.element_size() for t in local)
+        self.live = LiveMemory().__enter__()
+        self.marks = []
+        self.peak = 0.0
+
+    @property
+    def counting(self):
+        return self.live is not None
+
+    def after_step(self, batch_bytes, last):
+        """The peak so far (of the second step once it has run); the count ends after the second or last step."""
+        self.marks.append(self.live.mark())
+        since = self.live.peak_bytes_since(*self.marks[-2:]) if len(self.marks) == 2 else self.live.peak_bytes
+        self.peak = float(self.before + batch_bytes + since)
+        if len(self.marks) == 2 or last:
+            self.live.__exit__(None, None, None)
+            self.live = None
+
+
+def memory_pair(measured, planned):
+    """Measured and planned bytes in one unit: GiB, or MiB when both are below a GiB."""
+    unit, scale = ("GiB", 2**30) if max(measured, planned) >= 2**30 else ("MiB", 2**20)
+    return f"{{measured / scale:.2f}} {{unit}} (plan {{planned / scale:.2f}})"
 
 
 def throughput(tensors, global_batch, step_s):
@@ -189,6 +216,8 @@ def train(args):
         batches, shared = synthetic_batches(spec, workload.global_batch), False
     predicted = document.plan.predicted
     times = []
+    memory = None if cuda else CpuMemory(trainer)
+    warmup = 1 if cuda else min(2, args.steps - start)  # steps left out of the median
     for step in range(start, args.steps):
         inputs, target = next(batches)
         if shared:  # this replica's share, as loaded
@@ -207,10 +236,17 @@ def train(args):
         if cuda:
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - began
+        if cuda:
+            peak_bytes = float(torch.cuda.max_memory_allocated(device))
+        else:
+            if memory.counting:
+                held = sum(t[take].numel() * t.element_size() for t in tensors) if trainer.has_first else 0
+                memory.after_step(held, step == args.steps - 1)
+            peak_bytes = memory.peak
         # Every rank's figures to rank 0, which alone reports: the replicas' mean loss (the last stages hold the
         # losses), the slowest rank's step and its peak memory.
         total = torch.stack(losses).sum().item() if losses else 0.0
-        figures = torch.tensor([total, float(len(losses)), elapsed, peak_memory_bytes(device)], dtype=torch.float64)
+        figures = torch.tensor([total, float(len(losses)), elapsed, peak_bytes], dtype=torch.float64)
         summed = reduce(figures, dist.ReduceOp.SUM, device)
         largest = reduce(figures, dist.ReduceOp.MAX, device)
         step_s, peak = largest[2].item(), largest[3].item()
@@ -222,17 +258,16 @@ def train(args):
                 f"step {{step}} loss {{loss:.6f}} {{norm}}time {{step_s * 1e3:.1f}} ms "
                 f"(plan {{predicted.iteration_s * 1e3:.1f}}) "
                 f"{{throughput(tensors, workload.global_batch, step_s)}} "
-                f"{{'peak memory' if cuda else 'peak RSS'}} {{peak / 2**30:.2f}} GiB "
-                f"(plan {{predicted.peak_memory_bytes / 2**30:.2f}})",
+                f"peak memory {{memory_pair(peak, predicted.peak_memory_bytes)}}",
                 flush=True,
             )
         done = step + 1
         if args.checkpoint and (done == args.steps or args.checkpoint_every and done % args.checkpoint_every == 0):
             save_checkpoint(trainer, done, args.checkpoint, args.keep_checkpoints)
-    if dist.get_rank() == 0 and len(times) > 1 and predicted.iteration_s > 0:
-        steady = sorted(times[1:])[len(times[1:]) // 2]  # the median step after the first (warm-up)
+    if dist.get_rank() == 0 and len(times) > warmup and predicted.iteration_s > 0:
+        steady = sorted(times[warmup:])[len(times[warmup:]) // 2]  # the median step after the warm-up
         print(
-            f"median step {{steady * 1e3:.1f}} ms over steps {{start + 1}}..{{start + len(times) - 1}}: "
+            f"median step {{steady * 1e3:.1f}} ms over steps {{start + warmup}}..{{start + len(times) - 1}}: "
             f"{{(steady / predicted.iteration_s - 1) * 100:+.1f}} % against the plan's "
             f"{{predicted.iteration_s * 1e3:.1f}} ms",
             flush=True,
