@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from pyplan import _core
 from pyplan._files import check_writable, write_atomic
 from pyplan._version import __version__
 from pyplan.api import memory_per_process, search
+from pyplan.cli.calibrate import add_calibrate_parser
 from pyplan.cli.hardware import add_hardware_parser
 from pyplan.cli.show import add_show_parser
 from pyplan.cli.zoo import add_zoo_parser
@@ -33,8 +33,7 @@ from pyplan.load import load_model
 from pyplan.model_state import OPTIMIZERS, PRECISIONS
 from pyplan.plan import ZERO_STAGES, Plan, Workload
 from pyplan.profile import TimingOptions, local_device, profile
-from pyplan.profile.calibrate import add_calibrate_parser
-from pyplan.report.console import make_console
+from pyplan.report.console import make_console, spinner
 from pyplan.report.html import write_html_report
 from pyplan.report.inspect import inspect_data, render_inspect
 from pyplan.report.pareto import parse_weights, write_pareto
@@ -74,12 +73,15 @@ def _inspect(args: argparse.Namespace) -> int:
             model = spec.build()
     else:
         model = spec.build()
-    graph = trace(model, spec.example_inputs, leaf_modules=args.leaf, batch_size=args.batch_size)
-    chain = linearize(graph, min_blocks=args.min_blocks, max_blocks=args.max_blocks)
     if args.corun < 0:
         raise PlanError(f"--corun must be 0 or more, got {args.corun}")
     options = TimingOptions(warmup=args.warmup, repeats=args.repeats, threads=args.threads, corun=args.corun)
-    chain = profile(chain, spec.example_inputs, measure=not args.analytic, options=options)
+    with spinner(f"inspecting {args.model}") as say:
+        say("tracing")
+        graph = trace(model, spec.example_inputs, leaf_modules=args.leaf, batch_size=args.batch_size)
+        chain = linearize(graph, min_blocks=args.min_blocks, max_blocks=args.max_blocks)
+        say("profiling")
+        chain = profile(chain, spec.example_inputs, measure=not args.analytic, options=options)
     data = inspect_data(
         chain,
         model=spec.name,
@@ -181,17 +183,6 @@ def _portable(ref: str) -> str:
     return os.path.abspath(path) + colon + func
 
 
-@contextlib.contextmanager
-def _progress(label: str) -> Iterator[Callable[[str], None]]:
-    """A spinner on the terminal naming the step under way (tracing and profiling, searching, refining); nothing
-    where stderr is not a terminal."""
-    if not sys.stderr.isatty():
-        yield lambda step: None
-        return
-    with make_console(stderr=True).status(label) as status:
-        yield lambda step: status.update(f"{label}: {step}")
-
-
 def _plan(args: argparse.Namespace) -> int:
     """`pyplan plan`: check the outputs, search once for the answer (and again for more rows or pictures, and
     without the pins), write what was asked, print the table or JSON."""
@@ -236,7 +227,7 @@ def _plan(args: argparse.Namespace) -> int:
     pins = _pins(args)
     # The answer comes from one search whatever is shown: the best of the plans refined from the core's first
     # candidates. More rows (--top) or the pictures refine more candidates, in a second search on the same profile.
-    with _progress(f"planning {args.model}") as say:
+    with spinner(f"planning {args.model}") as say:
 
         def searched(**extra: Any) -> Any:
             return search(model, spec.example_inputs, cluster, workload, **options, progress=say, **extra)

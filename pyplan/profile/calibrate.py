@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,13 +38,13 @@ __all__ = [
     "LinkMeasurement",
     "MatmulPeak",
     "OpSample",
-    "add_calibrate_parser",
     "calibrate",
     "class_efficiency",
     "fit_alpha_beta",
     "fit_op",
     "measure_link",
     "op_efficiency",
+    "render_calibration",
     "write_calibration",
 ]
 
@@ -778,54 +776,8 @@ def write_calibration(calibration: Calibration, path: str | Path | None = None) 
 
 # --- Command line -----------------------------------------------------------------------------------------
 
-_EXAMPLES = """examples:
-  pyplan calibrate                       # about a minute; writes the local calibration file
-  pyplan calibrate --quick               # about 15 s on a 2-core CPU, smaller sizes and fewer repeats
-  pyplan calibrate --threads 2 --json    # CPU processes of 2 threads each; print the data
-  pyplan hardware show local             # the figures the catalog now gives the `local` GPU and link
-
-On a CPU with one thread, times are the thread's CPU time, so other processes' load does not inflate them.
-"""
-
-
-def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add `calibrate` to the `pyplan` subcommands; returns its parser."""
-    parser = subparsers.add_parser(
-        "calibrate",
-        help="measure this machine's device and local link; the `local` GPU and link use the figures",
-        description="Measure, on the local device (CUDA if present, else the CPU with a fixed thread count): "
-        "matmul FLOP/s per dtype, memory bandwidth, the launch cost of an op, the achieved efficiency of "
-        "representative ops per op class, and point-to-point and all-reduce latency and bandwidth between two "
-        "local processes (gloo on CPU, NCCL between two GPUs). Writes the calibration file that the catalog's "
-        "`local` GPU and link, and the analytic roofline, read.",
-        epilog=_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--out", metavar="FILE", help=f"write here instead of {local_calibration_path()}")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads per process (default 1)")
-    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (about 15 s)")
-    parser.add_argument("--no-link", action="store_true", help="skip the two-process link measurement")
-    parser.add_argument("--json", action="store_true", help="print the calibration file's data instead of tables")
-    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    parser.set_defaults(func=calibrate_command)
-    return parser
-
-
-def calibrate_command(args: argparse.Namespace) -> int:
-    """`pyplan calibrate`: measure, write the file, print what was measured."""
-    options = CalibrationOptions(threads=args.threads, quick=args.quick, link=not args.no_link)
-    result = calibrate(options)
-    path = write_calibration(result, args.out)
-    if args.json:
-        print(json.dumps({"path": str(path), **result.to_json()}, indent=2))
-    else:
-        _render(result, path, Console())
-    for line in result.unstable():
-        print(line, file=sys.stderr)
-    return 0
-
-
-def _render(cal: Calibration, path: Path, console: Console) -> None:
+def render_calibration(cal: Calibration, path: Path, console: Console) -> None:
+    """The calibration's figures as tables, and the file written."""
     threads = f", {cal.threads} thread(s)" if cal.threads else ""
     console.print(f"[bold]{cal.device}[/bold] ({cal.device_type}{threads}), measured in {cal.elapsed_s:.1f} s")
     console.print(f"wrote {path}")

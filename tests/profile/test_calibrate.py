@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pyplan.api import search
+from pyplan.cli.calibrate import add_calibrate_parser
 from pyplan.errors import PlanError
 from pyplan.hardware.catalog import (
     get_gpu,
@@ -32,7 +33,6 @@ from pyplan.profile.calibrate import (
     LinkMeasurement,
     MatmulPeak,
     OpSample,
-    add_calibrate_parser,
     class_efficiency,
     fit_alpha_beta,
     fit_op,
