@@ -204,10 +204,8 @@ def search(
     `progress(step)` is told each step as it starts: "tracing and profiling", "searching", "refining",
     "assigning operations to stages".
 
-    The steps: check the options; capture and profile the model once (`chain_for`); set out the candidate space
-    for the C++ search (`_Space`); search it, with every block's activations kept and, with `remat`, relaxed by
-    recomputation; refine each candidate found with the exact replay of its stages (`_Refiner`); rank; and for
-    pipelines whose chain is too coarse, assign stages operation by operation.
+    The steps: check the options, capture and profile once (`chain_for`), search the space (`_Space`), refine each
+    candidate (`_Refiner`), rank, and assign operations to the stages of pipelines too coarse to balance.
     """
     say = progress or (lambda step: None)
     examples = Examples(example_inputs)

@@ -328,13 +328,10 @@ def refine_plan(
     `checkpoint_block_s` what each block adds to a checkpoint it is inside (empty: nothing), and
     `checkpoint_forward_share` the share of those costs paid in the forward pass (the rest in the backward).
 
-    With `params`, a stage's memory is the larger of two moments. In the pipeline: on one data-parallel replica
-    (no DDP buckets) zero_grad frees the gradients every step, and a stage whose every micro-batch runs its forward
-    before its first backward peaks before most are made again (`unmade_grad_bytes`; a tied parameter's gradient
-    is made at the backward of the last block of the stage that reads it). In the optimizer step: the state, the
-    buffers and the step's temporaries (`optimizer_step_bytes`), which matter where activations are small; over the
-    stage's parameters and, per stage, `tied_copy_numel` (the elements of the tied copies it keeps, as
-    pyplan.solve.tied.tied_copies charges them; empty: none)."""
+    With `params`, a stage's memory is the larger of two moments: in the pipeline, where one replica's stage that
+    runs every forward before its first backward peaks before most gradients are made again (`_stage_grads`), and
+    in the optimizer step (`_optimizer_step`, with `tied_copy_numel` the elements of the tied copies each stage
+    keeps, as pyplan.solve.tied.tied_copies charges them; empty: none)."""
     host = host or {}
     tensors = list(cut_tensors) or [0.0] * len(cut_bytes(1))
     tensors[0] = tensors[-1] = 0.0
@@ -360,6 +357,7 @@ def refine_plan(
         return None
     for s, st in enumerate(plan.stages):
         lo, hi = st.first_block, st.last_block + 1
+        # The stage's share of its rank's memory beside the state and what the rank's stages hold.
         rank_stages = ranks[stage_rank[s]]
         rank_state = sum(plan.stages[x].state_bytes for x in rank_stages)
         rank_held = sum(resident[x] + plan.stages[x].buffer_bytes for x in rank_stages)
@@ -373,15 +371,10 @@ def refine_plan(
         )
         # One replica (no DDP buckets), one stage per rank (GPipe, 1F1B), every forward before the first backward.
         fresh = lay.dp == 1 and lay.stages_per_rank == 1 and st.in_flight == lay.num_microbatches
-        got = stage_remat(
-            chain,
-            budget,
-            st.in_flight,
-            mode=mode,
-            offload_bw_bytes_per_s=offload_bw_bytes_per_s,
-            fresh_grad_bytes=_stage_grads(params, lo, hi) if params is not None and fresh else (),
-            segments=[(max(a, lo) - lo, min(z, hi) - lo) for a, z in segments if a < hi and z > lo],
-        )
+        fresh_grads = _stage_grads(params, lo, hi) if params is not None and fresh else ()
+        units = [(max(a, lo) - lo, min(z, hi) - lo) for a, z in segments if a < hi and z > lo]
+        got = stage_remat(chain, budget, st.in_flight, mode=mode, offload_bw_bytes_per_s=offload_bw_bytes_per_s,
+                          fresh_grad_bytes=fresh_grads, segments=units)  # fmt: skip
         if got is None:
             return None
         again = scale * _recomputed_outputs(got.plan, lo, mems, outputs[s])
@@ -475,9 +468,9 @@ def _with_stages(
 def _optimizer_step(
     plan: Plan, params: StageParams | None, tied_copy_numel: Sequence[float], cuts: Sequence[float]
 ) -> tuple[list[float], list[float]]:
-    """Per stage, the optimizer step's temporaries, and all it holds: the state, the buffers, the inputs of the
-    micro-batches in flight (the caller's batch on the first stage, torch's receive buffers on the others) and the
-    temporaries."""
+    """Per stage, the optimizer step's temporaries (`optimizer_step_bytes`), and all it holds: the state, the
+    buffers, the inputs of the micro-batches in flight (the caller's batch on the first stage, torch's receive
+    buffers on the others) and the temporaries; it matters where activations are small."""
     step = _step_bytes(plan, params, tied_copy_numel) if params is not None else [0.0] * len(plan.stages)
     in_step = [
         st.state_bytes + st.buffer_bytes + st.in_flight * cuts[st.first_block] + step[s]
@@ -514,7 +507,10 @@ def _stage_chain(
 
 def _stage_grads(params: StageParams, lo: int, hi: int) -> list[float]:
     """The parameter gradient bytes each block of a stage over blocks [lo, hi) makes in its backward: its own, with
-    each tied parameter the stage reads made at its last reader there (counted in its first reader by the chain)."""
+    each tied parameter the stage reads made at its last reader there (counted in its first reader by the chain).
+    On one data-parallel replica (no DDP buckets) zero_grad frees the gradients every step, so a stage whose every
+    micro-batch runs its forward before its first backward peaks before most are made again
+    (`unmade_grad_bytes`)."""
     out = [n * params.grad_bytes for n in params.numel[lo:hi]]
     for blocks, numel in params.tied:
         readers = [k for k in blocks if lo <= k < hi]
