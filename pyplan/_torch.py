@@ -28,6 +28,7 @@ __all__ = [
     "run_without_compute",
     "storage_key",
     "tensor_leaves",
+    "torch_threads",
     "tree_flatten",
     "tree_map_only",
 ]
@@ -208,3 +209,14 @@ def plain_codegen(graph: torch.fx.Graph) -> None:
     """Make `graph` take its placeholders positionally and return its output as is: an exported graph's code
     flattens and unflattens the model's own argument and output structure (pytree), which pyplan's pieces do not use."""
     graph._codegen = torch.fx.graph.CodeGen()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` inside, as they were after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -418,20 +418,27 @@ PartitionResult describe(const Problem& problem, const std::vector<int>& cuts) {
     return result;
 }
 
+// The stage of `cuts` whose need exceeds its limit the most (the first such stage on a tie).
+Overflow worst_stage(const Problem& problem, const std::vector<int>& cuts) {
+    Overflow worst;
+    double most = -kInf;
+    for (int s = 0; s < problem.num_stages(); ++s) {
+        const StageLimit& stage = problem.stages[s];
+        const double need = problem.need_bytes(cuts[s], cuts[s + 1], stage);
+        if (need - stage.limit_bytes > most) {
+            most = need - stage.limit_bytes;
+            worst = {s, cuts[s], cuts[s + 1], stage.in_flight, need, stage.limit_bytes};
+        }
+    }
+    return worst;
+}
+
 PartitionResult infeasible(const Problem& problem) {
     const int p = problem.num_stages();
     const DpTable h = least_overflow_table(problem);
     const std::vector<int> cuts = backtrack(h, p, problem.num_blocks);
     PartitionResult result;
-    double worst = -kInf;
-    for (int s = 0; s < p; ++s) {
-        const StageLimit& stage = problem.stages[s];
-        const double need = problem.need_bytes(cuts[s], cuts[s + 1], stage);
-        if (need - stage.limit_bytes > worst) {
-            worst = need - stage.limit_bytes;
-            result.overflow = {s, cuts[s], cuts[s + 1], stage.in_flight, need, stage.limit_bytes};
-        }
-    }
+    result.overflow = worst_stage(problem, cuts);
     const Overflow& o = result.overflow;
     const std::string blocks = o.end_cut - o.begin_cut == 1
                                    ? "block " + std::to_string(o.begin_cut)
@@ -515,18 +522,9 @@ int held_input_cuts(int num_microbatches, int in_flight, int stage) {
 
 // The given partition when every stage fits; else infeasible, naming the stage that overflows most.
 PartitionResult fixed_partition(const Problem& problem, const std::vector<int>& cuts) {
-    const int p = problem.num_stages();
     PartitionResult result;
-    double worst = 0.0;
-    for (int s = 0; s < p; ++s) {
-        const StageLimit& stage = problem.stages[s];
-        const double need = problem.need_bytes(cuts[s], cuts[s + 1], stage);
-        if (need - stage.limit_bytes > worst) {
-            worst = need - stage.limit_bytes;
-            result.overflow = {s, cuts[s], cuts[s + 1], stage.in_flight, need, stage.limit_bytes};
-        }
-    }
-    if (worst <= 0.0) return describe(problem, cuts);
+    result.overflow = worst_stage(problem, cuts);
+    if (result.overflow.overflow_bytes() <= 0.0) return describe(problem, cuts);
     const Overflow& o = result.overflow;
     result.reason = "the given partition does not fit in memory: stage " + std::to_string(o.stage) + " (blocks " +
                     std::to_string(o.begin_cut) + "-" + std::to_string(o.end_cut - 1) + ") needs " +

@@ -21,7 +21,7 @@ from rich.table import Table
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pyplan._files import write_atomic
-from pyplan._torch import OpRecorder
+from pyplan._torch import OpRecorder, torch_threads
 from pyplan.errors import PlanError
 from pyplan.hardware.catalog import _detect_local, local_calibration_path
 from pyplan.profile._procs import run_two
@@ -288,16 +288,6 @@ def op_efficiency(samples: Sequence[OpSample], launch_s: float) -> dict[str, OpE
 
 
 # --- Timing -----------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _sync(device: torch.device) -> None:
@@ -727,7 +717,7 @@ def calibrate(options: CalibrationOptions | None = None) -> Calibration:
     start = time.perf_counter()
     detected = _detect_local()
     device = torch.device("cuda") if detected.device_type == "cuda" else torch.device("cpu")
-    with _threads(options.threads), torch.random.fork_rng(devices=[]):
+    with torch_threads(options.threads), torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         peaks, copy_bw, add_bw, launch, samples, spreads = _measure(_Clock(device, options.threads), options.quick)
     per_class = class_efficiency(samples, launch)
@@ -775,6 +765,7 @@ def write_calibration(calibration: Calibration, path: str | Path | None = None) 
 
 
 # --- Command line -----------------------------------------------------------------------------------------
+
 
 def render_calibration(cal: Calibration, path: Path, console: Console) -> None:
     """The calibration's figures as tables, and the file written."""

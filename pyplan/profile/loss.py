@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from pyplan._torch import OpRecorder, storage_key
+from pyplan._torch import OpRecorder, storage_key, torch_threads
 from pyplan.graph.chain import Chain, LossCost
 from pyplan.graph.layergraph import Affine, Piecewise
 from pyplan.profile.analytic import OpCost, Roofline, op_class
@@ -29,7 +29,6 @@ from pyplan.profile.measure import (
     _Clock,
     _companions,
     _overhead,
-    _threads,
     _time_block,
     local_device,
 )
@@ -120,7 +119,7 @@ def loss_cost(
     options = options or TimingOptions()
     chain.graph.module.to(device)
     fwd, bwd = [], []
-    with _threads(options.threads), torch.enable_grad():
+    with torch_threads(options.threads), torch.enable_grad():
         clock = _Clock(device, options.threads)
         overhead = _overhead(device, clock)
         for b in sizes:

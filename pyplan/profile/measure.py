@@ -73,7 +73,7 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
-from pyplan._torch import tensor_leaves
+from pyplan._torch import tensor_leaves, torch_threads
 from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import Piecewise
 from pyplan.graph.trace import ExampleInputs, inputs_at
@@ -103,16 +103,6 @@ class TimingOptions:
 def local_device() -> torch.device:
     """The device measured mode uses: CUDA when present, else the CPU."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class _Clock:
@@ -438,7 +428,7 @@ def block_times(
     if device.type == "cpu":
         keep_freed_memory()  # as the runtime's CPU ranks run: no page faults on memory a step freed
     chain.graph.module.to(device)
-    with _threads(options.threads), torch.enable_grad():
+    with torch_threads(options.threads), torch.enable_grad():
         if device.type == "cpu":
             per_size = _cpu_times(chain, example_inputs, sizes, options)
         else:
@@ -473,7 +463,7 @@ def checkpoint_call_s(device: torch.device | None = None, opts: TimingOptions | 
     device = device or local_device()
     opts = opts or TimingOptions()
     x = torch.randn(8, device=device)
-    with _threads(opts.threads):
+    with torch_threads(opts.threads):
         clock = _Clock(device, opts.threads)
         plain = _time_block(_Ops(1), (x,), clock, 5, 51, first=False)
         wrapped = _time_block(_Checkpointed(_Ops(1)), (x,), clock, 5, 51, first=False)
@@ -513,7 +503,7 @@ def checkpoint_costs(
     # A difference of two similar times: more repeats than a block's own timing.
     options = replace(options, repeats=max(options.repeats, 11))
     chain.graph.module.to(device)
-    with _threads(options.threads), torch.enable_grad():
+    with torch_threads(options.threads), torch.enable_grad():
         mods = block_modules(chain)
         args = block_inputs(mods, [t.to(device) for t in inputs_at(example_inputs, batch_size)])
         clock = _Clock(device, options.threads)
