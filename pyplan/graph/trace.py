@@ -25,6 +25,7 @@ __all__ = [
     "Examples",
     "LeafSpec",
     "call_at",
+    "graph_of",
     "input_tensors",
     "inputs_at",
     "is_batch_size",
@@ -380,10 +381,17 @@ def trace(
     _check_leaves(model, leaves)
     if batch_size is None:
         batch_size = 2 if callable(example_inputs) else _flat_tensors(_as_call(example_inputs))[0].shape[0]
-    b1, b2 = batch_size, 2 * batch_size
-    gm = _capture(model, example_inputs, leaves, b1)
-
+    gm = _capture(model, example_inputs, leaves, batch_size)
     simplify_attention_masks(gm)
+    return graph_of(gm, example_inputs, batch_size, tuple(x if isinstance(x, str) else x.__name__ for x in leaves))
+
+
+def graph_of(
+    gm: fx.GraphModule, example_inputs: ExampleInputs, batch_size: int, leaf_modules: tuple[str, ...] = ()
+) -> LayerGraph:
+    """The LayerGraph of a captured GraphModule: every node's outputs recorded at `batch_size` and at twice that.
+    Also serves a GraphModule rewritten after capture (pyplan/graph/tensor_parallel.py's local shards)."""
+    b1, b2 = batch_size, 2 * batch_size
     try:
         r1 = _record(gm, inputs_at(example_inputs, b1))
         r2 = _record(gm, inputs_at(example_inputs, b2))
@@ -425,5 +433,4 @@ def trace(
                 static=n.name in static,
             )
         )
-    names = tuple(x if isinstance(x, str) else x.__name__ for x in leaves)
-    return LayerGraph(nodes=nodes, batch_size=b1, module=gm, leaf_modules=names)
+    return LayerGraph(nodes=nodes, batch_size=b1, module=gm, leaf_modules=leaf_modules)

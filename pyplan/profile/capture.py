@@ -16,6 +16,7 @@ from pyplan._torch import is_meta_module
 from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
 from pyplan.graph.linearize import linearize
+from pyplan.graph.tensor_parallel import TpPlan
 from pyplan.graph.trace import ExampleInputs, Examples, LeafSpec, trace
 from pyplan.hardware.catalog import GPU, LOCAL
 from pyplan.hardware.cluster import Cluster
@@ -27,6 +28,7 @@ from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, meas
 from pyplan.profile.loss import LossCost, LossFn, TargetFn, loss_cost, with_loss
 from pyplan.profile.measure import TimingOptions, local_device
 from pyplan.profile.remat import remat_bytes
+from pyplan.profile.tensor_parallel import collective_bytes, collective_times, local_chain
 
 __all__ = ["add_loss", "chain_for", "is_local", "pricing", "timing_options"]
 
@@ -193,6 +195,34 @@ class _Target:
         if attention is not None and attention.chosen:
             how = f"{how}, attention {', '.join(sorted(attention.chosen))}"
         return replace(profiled, memory=memory), how
+
+
+def chain_at_degree(
+    chain: Chain,
+    plan: TpPlan,
+    degree: int,
+    example_inputs: ExampleInputs,
+    cluster: Cluster,
+    workload: Workload,
+) -> Chain:
+    """`chain` (chain_for's, before its loss) as one rank of tensor-parallel degree `degree` runs it on the
+    cluster's catalog GPU: every block profiled on the rank's shards, its times with the collectives of the split
+    layers on the link inside a node (pyplan/profile/tensor_parallel.py)."""
+    target = _Target.of(chain.graph.module, cluster, workload)
+    if target.roofline is None:
+        raise PlanError("tensor parallelism is planned on a catalog GPU's analytic profile; give --gpu NAME")
+    if degree == 1:
+        return chain
+    examples = Examples(example_inputs)
+    profiled, _ = target.profile(local_chain(chain, plan, degree, examples), examples)
+    latency_s, bw = cluster.groups[0].intra_link.collective
+    scale = 0.5 if workload.precision != "fp32" else 1.0  # as api's activation scale: traced fp32, kept 16-bit
+    times = collective_times(collective_bytes(chain, plan, degree), degree, latency_s, bw, scale)
+    blocks = [
+        replace(b, fwd_time_s=b.fwd_time_s + f, bwd_time_s=b.bwd_time_s + g)
+        for b, (f, g) in zip(profiled.blocks, times, strict=True)
+    ]
+    return replace(profiled, blocks=blocks)
 
 
 def add_loss(

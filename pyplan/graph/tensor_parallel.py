@@ -1,0 +1,746 @@
+"""Tensor-parallel plans derived from a captured graph: Megatron's column-parallel / row-parallel regions.
+
+Implements the layer splitting of Shoeybi et al. 2019 ("Megatron-LM", §3): a column-parallel Linear (each rank
+computes a slice of the output features), the operations between (element-wise, reshapes, attention over a slice
+of the heads), a row-parallel Linear (each rank reads the same slice of the input features; the outputs are
+summed by an all-reduce). In pyplan such a *region* is found, not written: starting from a Linear, the sharded
+dimension is followed through the graph node by node (`_through`), Linears that must join (K and V beside Q) are
+pulled in, and the region stands only if every value it produces ends in the input features of a Linear. A model
+whose blocks show no such pattern keeps them replicated. Besides regions: the token embedding split over the
+vocabulary (torch's RowwiseParallel on nn.Embedding) and the output layer split over its outputs and gathered
+(ColwiseParallel with replicated output), torchtitan's plan for Llama.
+
+Glossary (torchtitan's): a *style* is what parallelize_module applies to one module (`ColwiseParallel`,
+`RowwiseParallel`); *degree* t is the number of ranks a layer is split over; a value is *sharded* along one
+dimension (each rank holds 1/t of it, contiguous) or *replicated*.
+
+`local_module(graph, plan, t, rank)` rewrites the GraphModule for one rank: each split weight replaced by that
+rank's shard and every size argument that names a sharded dimension made to infer it (-1), so the graph runs on
+the rank's slices. The profile prices a degree by running this graph (the split matmuls at their real shapes).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from pyplan.errors import PlanError
+from pyplan.graph.layergraph import LayerGraph
+
+__all__ = [
+    "STYLES",
+    "Embedding",
+    "OutputLayer",
+    "Region",
+    "TpPlan",
+    "derive_tp_plan",
+    "local_module",
+    "read_tp_plan",
+]
+
+# torchtitan's vocabulary of styles (torch.distributed.tensor.parallel), what a --tp-plan file may name.
+STYLES = ("ColwiseParallel", "RowwiseParallel", "SequenceParallel")
+
+# Operations that act on each element (or each element's row) without mixing positions across the sharded
+# dimension, by normalized name (`_name`): the output is sharded where the sharded inputs are, once shapes are
+# aligned from the right; a replicated operand must broadcast along it (size 1 or absent).
+_ELEMENTWISE = frozenset({
+    "abs", "add", "alias", "bfloat16", "clamp", "clone", "contiguous", "detach", "div", "dropout", "erf", "exp",
+    "float", "gelu", "half", "iadd", "imul", "log", "masked_fill", "mul", "native_dropout", "neg", "pow", "relu",
+    "relu_", "rsqrt", "sigmoid", "silu", "sqrt", "sub", "tanh", "to", "truediv", "type_as", "where", "_to_copy",
+    "Dropout", "GELU", "SiLU", "ReLU", "Tanh", "Sigmoid", "Identity",
+})  # fmt: skip
+# Size-taking operations whose size argument for the sharded dimension becomes -1 (infer) on a rank.
+_RESHAPES = frozenset({"view", "reshape", "_unsafe_view"})
+
+
+class _NotSplit(Exception):
+    """A region cannot stand: the reason, for `TpPlan.replicated`."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """One Megatron region: `columns` column-parallel Linears (module names), `rows` row-parallel ones.
+
+    `sharded` maps every graph node the region computes to the dimension its value is sharded along (a tuple of
+    them for a split); `sizes` are the global sizes of every sharded dimension met (feature and head counts): a
+    degree t splits the region only if it divides each. `parts` maps a column Linear whose output is split into
+    equal pieces along the sharded dimension (a fused QKV) to their number: each rank takes the same slice of every
+    piece. `inputs` are the replicated values the column Linears read (each one all-reduce of its gradient in
+    backward), `outputs` the row Linears' nodes (each one all-reduce in forward); `edits` the nodes whose size
+    arguments a rank rewrites (node, argument index, or -1 for a fused split)."""
+
+    columns: tuple[str, ...]
+    rows: tuple[str, ...]
+    sharded: Mapping[str, Any]
+    sizes: tuple[int, ...]
+    parts: Mapping[str, int]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    edits: tuple[tuple[str, int], ...]
+
+    def splits_at(self, t: int) -> bool:
+        return all(s % t == 0 for s in self.sizes)
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """A token embedding split over its vocabulary: each rank looks up its rows, an all-reduce sums the output."""
+
+    module: str
+    node: str
+    vocab: int
+
+    def splits_at(self, t: int) -> bool:
+        return self.vocab % t == 0
+
+
+@dataclass(frozen=True)
+class OutputLayer:
+    """A Linear whose output leaves the model (the logits): split over its outputs, then all-gathered."""
+
+    module: str
+    node: str
+    input: str
+    out_features: int
+
+    def splits_at(self, t: int) -> bool:
+        return self.out_features % t == 0
+
+
+@dataclass(frozen=True)
+class TpPlan:
+    """What splits under tensor parallelism, and why the rest does not (`replicated`: Linear module -> reason)."""
+
+    regions: tuple[Region, ...] = ()
+    embeddings: tuple[Embedding, ...] = ()
+    output_layers: tuple[OutputLayer, ...] = ()
+    replicated: Mapping[str, str] = field(default_factory=dict)
+
+    def styles(self, t: int) -> dict[str, str]:
+        """The parallelize_module plan at degree t: module name -> style, torchtitan's names."""
+        out: dict[str, str] = {}
+        for r in self.regions:
+            if r.splits_at(t):
+                out.update(dict.fromkeys(r.columns, "ColwiseParallel"))
+                out.update(dict.fromkeys(r.rows, "RowwiseParallel"))
+        out.update({e.module: "RowwiseParallel" for e in self.embeddings if e.splits_at(t)})
+        out.update({o.module: "ColwiseParallel" for o in self.output_layers if o.splits_at(t)})
+        return out
+
+    def degrees(self, most: int = 8) -> tuple[int, ...]:
+        """Every degree up to `most` that splits at least one layer (1 always)."""
+        return tuple(t for t in range(1, most + 1) if t == 1 or self.styles(t))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "regions": [
+                {"columns": list(r.columns), "rows": list(r.rows), "sizes": list(r.sizes), "parts": dict(r.parts)}
+                for r in self.regions
+            ],
+            "embeddings": [{"module": e.module, "vocab": e.vocab} for e in self.embeddings],
+            "output_layers": [{"module": o.module, "out_features": o.out_features} for o in self.output_layers],
+            "replicated": dict(self.replicated),
+        }
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading the graph
+
+
+def _name(n: fx.Node, gm: fx.GraphModule) -> str:
+    """An operation's name whatever the capture: `view` for aten.view.default, Tensor.view and torch.view alike;
+    a module call by its class."""
+    if n.op == "call_module":
+        return type(gm.get_submodule(str(n.target))).__name__
+    if n.op == "call_method":
+        return str(n.target)
+    if n.op == "call_function":
+        if n.target is operator.getitem:
+            return "getitem"
+        return getattr(n.target, "__name__", str(n.target)).split(".")[0]
+    return n.op
+
+
+def _arg(n: fx.Node, index: int, key: str, default: Any = None) -> Any:
+    if len(n.args) > index:
+        return n.args[index]
+    return n.kwargs.get(key, default)
+
+
+@dataclass(frozen=True)
+class _Linear:
+    module: str
+    node: str
+    input: fx.Node
+    weight: nn.Parameter | torch.Tensor
+    in_features: int
+    out_features: int
+
+
+class _Reader:
+    """The captured graph with what the analysis asks of it: shapes, Linears, users, static values."""
+
+    def __init__(self, graph: LayerGraph) -> None:
+        self.layer = graph
+        self.gm = graph.module
+        self.nodes = {n.name: n for n in self.gm.graph.nodes}
+        self.linears: dict[str, _Linear] = {}
+        self.embeddings: dict[str, tuple[str, int]] = {}
+        for n in self.gm.graph.nodes:
+            found = self._linear(n)
+            if found is not None:
+                self.linears[n.name] = found
+            emb = self._embedding(n)
+            if emb is not None:
+                self.embeddings[n.name] = emb
+
+    def shape(self, n: fx.Node) -> tuple[int, ...] | None:
+        info = self.layer.node(n.name)
+        return tuple(info.outputs[0].shape) if info.is_tensor and info.outputs else None
+
+    def static(self, n: fx.Node) -> bool:
+        return self.layer.node(n.name).static
+
+    def _attr(self, n: Any) -> Any:
+        if not isinstance(n, fx.Node) or n.op != "get_attr":
+            return None
+        obj: Any = self.gm
+        for part in str(n.target).split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def _linear(self, n: fx.Node) -> _Linear | None:
+        if n.op == "call_module":
+            mod = self.gm.get_submodule(str(n.target))
+            if type(mod) is nn.Linear and n.args and isinstance(n.args[0], fx.Node):
+                return _Linear(str(n.target), n.name, n.args[0], mod.weight, mod.in_features, mod.out_features)
+            return None
+        if n.op == "call_function" and _name(n, self.gm) == "linear" and isinstance(n.args[0], fx.Node):
+            weight = self._attr(_arg(n, 1, "weight"))
+            if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                module = str(_arg(n, 1, "weight").target).rpartition(".")[0]
+                return _Linear(module, n.name, n.args[0], weight, weight.shape[1], weight.shape[0])
+        return None
+
+    def _embedding(self, n: fx.Node) -> tuple[str, int] | None:
+        if n.op == "call_module":
+            mod = self.gm.get_submodule(str(n.target))
+            if type(mod) is nn.Embedding and mod.padding_idx is None and mod.max_norm is None:
+                return str(n.target), mod.num_embeddings
+            return None
+        if n.op == "call_function" and _name(n, self.gm) == "embedding":
+            weight = self._attr(n.args[0])
+            if isinstance(weight, torch.Tensor) and weight.dim() == 2 and len(n.args) <= 2:
+                return str(n.args[0].target).rpartition(".")[0], weight.shape[0]
+        return None
+
+    def tensor_inputs(self, n: fx.Node) -> list[fx.Node]:
+        return [a for a in n.all_input_nodes if self.layer.node(a.name).outputs]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Following a sharded dimension through one operation
+
+
+def _dim(d: Any, ndim: int) -> int:
+    if not isinstance(d, int):
+        raise _NotSplit(f"a dimension given as {d!r}")
+    return d + ndim if d < 0 else d
+
+
+def _sizes(n: fx.Node) -> tuple[list[Any], int]:
+    """The size arguments of view/reshape/expand and the index of the first of them in n.args (a list argument:
+    -1 - its index)."""
+    if len(n.args) == 2 and isinstance(n.args[1], (list, tuple)):
+        return list(n.args[1]), -2
+    return list(n.args[1:]), 1
+
+
+def _reshaped_dim(before: Sequence[int], after: Sequence[int], d: int) -> int:
+    """The output dimension a reshape of `before` into `after` shards when the input is sharded along d: the
+    outermost output dimension (of size > 1) of the group of dimensions with equal products that holds d, d being
+    the outermost input dimension of size > 1 in its group (so contiguous slices stay contiguous)."""
+    i = j = 0
+    while i < len(before) or j < len(after):
+        gi, gj, pi, pj = [i], [j], before[i] if i < len(before) else 1, after[j] if j < len(after) else 1
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj:
+                pi *= before[i]
+                gi.append(i)
+                i += 1
+            else:
+                pj *= after[j]
+                gj.append(j)
+                j += 1
+        if d in gi:
+            if any(before[k] > 1 for k in gi if k < d):
+                raise _NotSplit("a reshape merges the sharded dimension under an outer one")
+            return next(k for k in gj if k < len(after) and after[k] > 1)
+    raise _NotSplit("a reshape the analysis cannot follow")
+
+
+def _through(r: _Reader, n: fx.Node, dims: Mapping[str, Any]) -> tuple[Any, int | None, tuple[int, ...]]:
+    """How the sharding of n's inputs (`dims`: node -> dimension) carries through n: (the output's sharded
+    dimension, or a tuple of them for a split; the index of a size argument a rank rewrites, or None; the global
+    sizes of the sharded dimensions met). Raises _NotSplit where it does not."""
+    name = _name(n, r.gm)
+    ins = r.tensor_inputs(n)
+    sharded = [a for a in ins if a.name in dims]
+    out = r.shape(n)
+    first = sharded[0]
+    d = dims[first.name]
+    if not isinstance(d, int):
+        raise _NotSplit(f"'{n.name}' reads a split's pieces whole")
+    src = r.shape(first)
+    if src is None:
+        raise _NotSplit(f"'{first.name}' is not one tensor")
+    if name == "getitem":
+        raise _NotSplit(f"'{n.name}' indexes a sharded tensor")
+    if name in _ELEMENTWISE or (n.op == "call_module" and name in _ELEMENTWISE):
+        if out is None:
+            raise _NotSplit(f"'{n.name}' returns no tensor")
+        at = d + len(out) - len(src)
+        for a in ins:
+            shape = r.shape(a) or ()
+            k = at - (len(out) - len(shape))
+            if a.name in dims:
+                if dims[a.name] != k:
+                    raise _NotSplit(f"'{n.name}' combines values sharded along different dimensions")
+            elif 0 <= k < len(shape) and shape[k] != 1:
+                raise _NotSplit(f"'{n.name}' combines a sharded value with a whole one ('{a.name}')")
+        return at, None, (out[at],)
+    if name in ("transpose", "swapaxes"):
+        a, b = _dim(_arg(n, 1, "dim0"), len(src)), _dim(_arg(n, 2, "dim1"), len(src))
+        return {a: b, b: a}.get(d, d), None, ()
+    if name == "permute":
+        order = _sizes(n)[0]
+        return [_dim(x, len(src)) for x in order].index(d), None, ()
+    if name == "unsqueeze":
+        k = _dim(_arg(n, 1, "dim"), len(src) + 1)
+        return d + (k <= d), None, ()
+    if name in ("softmax", "_softmax", "log_softmax", "_log_softmax"):
+        if _dim(_arg(n, 1, "dim"), len(src)) == d:
+            raise _NotSplit(f"'{n.name}' normalizes along the sharded dimension")
+        return d, None, ()
+    if name in _RESHAPES or name == "expand":
+        assert out is not None
+        sizes, at = _sizes(n)
+        k = _reshaped_dim(src, out, d) if name in _RESHAPES else d + len(out) - len(src)
+        if name in _RESHAPES and any(isinstance(s, int) and s == -1 for i, s in enumerate(sizes) if i != k):
+            raise _NotSplit(f"'{n.name}' infers another dimension (-1)")
+        if isinstance(sizes[k], int) and sizes[k] == -1:
+            return k, None, (out[k],)
+        return k, (-2 - k if at < 0 else 1 + k), (out[k],)
+    if name in ("split", "chunk", "split_with_sizes"):
+        k = _dim(_arg(n, 2, "dim", 0), len(src))
+        pieces = len(r.layer.node(n.name).outputs)
+        if k == d:
+            if first.name not in r.linears or src[d] % pieces:
+                raise _NotSplit(f"'{n.name}' splits the sharded dimension other than a Linear's fused outputs")
+            if name == "split_with_sizes" and len(set(_arg(n, 1, "split_sizes"))) != 1:
+                raise _NotSplit(f"'{n.name}' splits into unequal pieces")
+            return (d,) * pieces, -1, (src[d] // pieces,)
+        return (d,) * pieces, None, ()
+    if name in ("slice", "narrow"):
+        if _dim(_arg(n, 1, "dim", 0), len(src)) == d and out != src:
+            raise _NotSplit(f"'{n.name}' slices the sharded dimension")
+        return d, None, ()
+    if name == "cat":
+        k = _dim(_arg(n, 1, "dim", 0), len(src))
+        if k == d or len(sharded) != len(ins):
+            raise _NotSplit(f"'{n.name}' concatenates along the sharded dimension or with whole values")
+        return d, None, ()
+    if name == "scaled_dot_product_attention":
+        heads = len(src) - 3
+        if len(src) != 4 or any(dims.get(a.name) != heads for a in (n.args[:3])):
+            raise _NotSplit(f"'{n.name}' has query, key and value not all sharded along their heads")
+        mask = _arg(n, 3, "attn_mask")
+        if isinstance(mask, fx.Node) and (r.shape(mask) or (1,) * 4)[-3:][0] != 1 and mask.name not in dims:
+            raise _NotSplit(f"'{n.name}' has a mask per head")
+        return heads, None, tuple(r.shape(a)[heads] for a in n.args[:3])  # type: ignore[index]
+    if name in ("matmul", "bmm"):
+        if len(sharded) != 2 or d >= len(src) - 2 or dims[ins[1].name] != d:
+            raise _NotSplit(f"'{n.name}' multiplies along the sharded dimension")
+        return d, None, ()
+    if name == "_assert_tensor_metadata" and n.kwargs.get("size") is None:
+        return None, None, ()
+    raise _NotSplit(f"'{n.name}' ({name}) is not an operation tensor parallelism follows")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Growing regions
+
+
+def _region(r: _Reader, seed: str) -> Region:
+    """The region that `seed` (a Linear's node) opens, grown until it closes, or _NotSplit."""
+    entries = {seed}
+    while True:
+        pulled = _follow(r, entries)
+        if isinstance(pulled, Region):
+            return pulled
+        entries |= pulled
+
+
+def _follow(r: _Reader, entries: set[str]) -> Region | set[str]:
+    """Propagate from the column Linears `entries`: the region, or more Linears it needs as columns."""
+    dims: dict[str, Any] = {e: len(r.shape(r.nodes[e]) or (0,)) - 1 for e in entries}
+    sizes: list[int] = []
+    for e in entries:
+        sizes.append(r.linears[e].out_features)
+    rows: dict[str, _Linear] = {}
+    edits: list[tuple[str, int]] = []
+    parts: dict[str, int] = {}
+    pending = list(entries)
+    waiting: set[str] = set()
+    while pending:
+        value = r.nodes[pending.pop()]
+        for user in value.users:
+            if user.name in dims or user.name in rows:
+                continue
+            lin = r.linears.get(user.name)
+            if lin is not None and lin.input is value:
+                if dims[value.name] != len(r.shape(value) or ()) - 1:
+                    raise _NotSplit(f"'{lin.module}' reads a value sharded along other than its features")
+                rows[user.name] = lin
+                sizes.append(lin.in_features)
+                continue
+            if user.op == "output":
+                raise _NotSplit(f"'{value.name}' leaves the model sharded")
+            if _name(user, r.gm) == "getitem" and isinstance(dims[value.name], tuple):
+                dims[user.name] = dims[value.name][user.args[1]]
+                pending.append(user.name)
+                continue
+            missing = [a for a in r.tensor_inputs(user) if a.name not in dims and _needs_shard(r, user, a, dims)]
+            if missing:
+                more = _columns_behind(r, missing) - entries
+                if more:
+                    return more
+                waiting.add(user.name)  # its other inputs are on their way from these columns
+                continue
+            out, edit, met = _through(r, user, dims)
+            sizes.extend(met)
+            if edit is not None:
+                edits.append((user.name, edit))
+                if edit == -1:
+                    parts[r.linears[value.name].module] = len(dims_tuple(out))
+            if out is None:
+                continue
+            dims[user.name] = out
+            pending.append(user.name)
+    stuck = sorted(waiting - set(dims))
+    if stuck:
+        raise _NotSplit(f"'{stuck[0]}' mixes a sharded value with a whole one")
+    if not rows:
+        raise _NotSplit("its values never reach a Linear's input features")
+    inputs = tuple(dict.fromkeys(r.linears[e].input.name for e in sorted(entries)))
+    return Region(
+        columns=tuple(r.linears[e].module for e in sorted(entries, key=list(r.nodes).index)),
+        rows=tuple(lin.module for lin in sorted(rows.values(), key=lambda x: list(r.nodes).index(x.node))),
+        sharded=dims,
+        sizes=tuple(sorted(set(sizes))),
+        parts=parts,
+        inputs=inputs,
+        outputs=tuple(sorted(rows, key=list(r.nodes).index)),
+        edits=tuple(edits),
+    )
+
+
+def dims_tuple(value: Any) -> tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _needs_shard(r: _Reader, user: fx.Node, a: fx.Node, dims: Mapping[str, Any]) -> bool:
+    """Whether input `a` of `user` must be sharded too (it is whole along the dimension the sharded inputs are
+    sharded along, where an operation that pairs them element by element, or attention, needs it sharded)."""
+    name = _name(user, r.gm)
+    if name == "scaled_dot_product_attention":
+        return a in user.args[:3]
+    if name in ("matmul", "bmm", "cat"):
+        return True
+    if name not in _ELEMENTWISE or r.static(a):
+        return False
+    out, shape = r.shape(user), r.shape(a)
+    sharded = next(x for x in r.tensor_inputs(user) if x.name in dims)
+    src = r.shape(sharded)
+    if out is None or shape is None or src is None or not isinstance(dims[sharded.name], int):
+        return False
+    k = dims[sharded.name] + len(out) - len(src) - (len(out) - len(shape))
+    return 0 <= k < len(shape) and shape[k] != 1
+
+
+def _columns_behind(r: _Reader, missing: list[fx.Node]) -> set[str]:
+    """The Linears whose outputs the `missing` values come from, through operations that keep positions; a value
+    that comes from elsewhere (the residual stream, an input) ends the region."""
+    found: set[str] = set()
+    stack, seen = list(missing), set()
+    while stack:
+        v = stack.pop()
+        if v.name in seen:
+            continue
+        seen.add(v.name)
+        if v.name in r.linears:
+            found.add(v.name)
+            continue
+        sources = [a for a in r.tensor_inputs(v) if not r.static(a)]
+        if _name(v, r.gm) in _ELEMENTWISE:  # operands that broadcast along the sharded dimension need not be
+            sources = [a for a in sources if r.shape(a) == r.shape(v)]
+        if v.op in ("placeholder", "get_attr") or not sources or len(seen) > 200:
+            raise _NotSplit(f"'{v.name}' must be sharded but comes from no Linear")
+        stack.extend(sources)
+    return found
+
+
+def derive_tp_plan(graph: LayerGraph) -> TpPlan:
+    """The tensor-parallel plan of a captured model: every Megatron region, the vocabulary-parallel embeddings and
+    the output layers; each Linear that joins none, with the reason."""
+    r = _Reader(graph)
+    regions: list[Region] = []
+    taken: set[str] = set()
+    replicated: dict[str, str] = {}
+    for name, lin in r.linears.items():
+        if name in taken:
+            continue
+        try:
+            region = _region(r, name)
+        except _NotSplit as why:
+            replicated[lin.module] = str(why)
+            continue
+        regions.append(region)
+        taken |= {n for n in region.sharded if n in r.linears} | set(region.outputs)
+        for module in region.columns + region.rows:
+            replicated.pop(module, None)
+    outputs = [
+        OutputLayer(lin.module, name, lin.input.name, lin.out_features)
+        for name, lin in r.linears.items()
+        if name not in taken and _leaves_model(r, r.nodes[name])
+    ]
+    for o in outputs:
+        replicated.pop(o.module, None)
+    # Token embeddings only: a table looked up by positions (computed, not read from an input) stays whole.
+    embeddings = [
+        Embedding(module, name, vocab)
+        for name, (module, vocab) in r.embeddings.items()
+        if _ids(r.nodes[name]).op == "placeholder"
+    ]
+    plan = TpPlan(tuple(regions), tuple(embeddings), tuple(outputs), replicated)
+    return _untie(r, plan)
+
+
+def _ids(n: fx.Node) -> fx.Node:
+    """The indices an embedding looks up."""
+    return n.args[0] if n.op == "call_module" else n.args[1]
+
+
+def _leaves_model(r: _Reader, n: fx.Node) -> bool:
+    """Whether n's value is (a reshape or element-wise image of) an output of the model."""
+    for user in n.users:
+        if user.op == "output":
+            continue
+        if _name(user, r.gm) not in _RESHAPES | {"contiguous", "to", "float", "_to_copy", "slice"}:
+            return False
+        if not _leaves_model(r, user):
+            return False
+    return bool(n.users)
+
+
+def _untie(r: _Reader, plan: TpPlan) -> TpPlan:
+    """A weight shared by several layers (tied embeddings) splits only if every one of them splits it alike: the
+    embedding over its rows (the vocabulary) and the output layer over its outputs (the vocabulary again) do;
+    otherwise every layer that shares it stays whole."""
+    how: dict[int, set[Any]] = {}
+    for e in plan.embeddings:
+        how.setdefault(id(_weight_of(r, e.node)), set()).add(("rows", 1, e.vocab))
+    for o in plan.output_layers:
+        how.setdefault(id(r.linears[o.node].weight), set()).add(("rows", 1, o.out_features))
+    split: set[str] = {o.node for o in plan.output_layers}
+    for g in plan.regions:
+        for node in (n for n in g.sharded if n in r.linears):
+            lin = r.linears[node]
+            how.setdefault(id(lin.weight), set()).add(("rows", g.parts.get(lin.module, 1), g.sizes))
+            split.add(node)
+        for node in g.outputs:
+            how.setdefault(id(r.linears[node].weight), set()).add(("columns", g.sizes))
+            split.add(node)
+    for node, lin in r.linears.items():
+        if node not in split and id(lin.weight) in how:
+            how[id(lin.weight)].add("whole")
+    bad = {w for w, ways in how.items() if len(ways) > 1}
+    if not bad:
+        return plan
+    shared = "shares its weight with a layer split otherwise (tied weights)"
+    regions = [g for g in plan.regions if not any(id(r.linears[n].weight) in bad for n in (*g.outputs, *g.sharded)
+                                                   if n in r.linears)]  # fmt: skip
+    embeddings = [e for e in plan.embeddings if id(_weight_of(r, e.node)) not in bad]
+    outputs = [o for o in plan.output_layers if id(r.linears[o.node].weight) not in bad]
+    replicated = dict(plan.replicated)
+    for g in set(plan.regions) - set(regions):
+        replicated.update(dict.fromkeys(g.columns + g.rows, shared))
+    replicated.update({x.module: shared for x in (*plan.embeddings, *plan.output_layers)
+                       if x not in embeddings and x not in outputs})  # fmt: skip
+    return TpPlan(tuple(regions), tuple(embeddings), tuple(outputs), replicated)
+
+
+def _weight_of(r: _Reader, node: str) -> torch.Tensor:
+    n = r.nodes[node]
+    if n.op == "call_module":
+        return r.gm.get_submodule(str(n.target)).weight
+    return r._attr(n.args[0])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One rank's graph
+
+
+def _shard(t: torch.Tensor, dim: int, degree: int, rank: int, parts: int = 1) -> torch.Tensor:
+    """Rank `rank`'s slice of `t` along `dim`: of each of `parts` equal pieces, the rank-th of `degree` slices."""
+    pieces = t.chunk(parts, dim) if parts > 1 else (t,)
+    return torch.cat([p.chunk(degree, dim)[rank] for p in pieces], dim) if parts > 1 else pieces[0].chunk(
+        degree, dim
+    )[rank]
+
+
+def _replace_weight(
+    gm: fx.GraphModule,
+    n: fx.Node,
+    new: Callable[[torch.Tensor, str], torch.Tensor],
+    made: dict[int, nn.Parameter],
+) -> None:
+    """Give the layer called at n new weights (and bias): `new(tensor, 'weight' | 'bias')`, once per original
+    tensor (`made`, by its id), so tied weights stay one parameter."""
+
+    def shard(old: torch.Tensor, key: str) -> nn.Parameter:
+        if id(old) not in made:
+            made[id(old)] = nn.Parameter(new(old.detach(), key), old.requires_grad)
+        return made[id(old)]
+
+    if n.op == "call_module":
+        old = gm.get_submodule(str(n.target))
+        mod = copy.copy(old)
+        mod._parameters = dict(old._parameters)
+        for key in ("weight", "bias"):
+            if old._parameters.get(key) is not None:
+                mod._parameters[key] = shard(old._parameters[key], key)
+        if isinstance(mod, nn.Linear):
+            mod.out_features, mod.in_features = mod.weight.shape
+        elif isinstance(mod, nn.Embedding):
+            mod.num_embeddings = mod.weight.shape[0]
+        parent, _, leaf = str(n.target).rpartition(".")
+        setattr(gm.get_submodule(parent), leaf, mod)
+        return
+    for key, arg in zip(("weight", "bias"), n.args[1:3] if n.args[0].op != "get_attr" else n.args[:1]):
+        if isinstance(arg, fx.Node) and arg.op == "get_attr":
+            parent, _, leaf = str(arg.target).rpartition(".")
+            owner = gm.get_submodule(parent)
+            setattr(owner, leaf, shard(getattr(owner, leaf), key))
+
+
+def local_module(graph: LayerGraph, plan: TpPlan, degree: int, rank: int = 0) -> fx.GraphModule:
+    """Rank `rank`'s GraphModule at tensor-parallel degree `degree`: the split layers hold the rank's shards (column
+    Linears a slice of their outputs, of each fused piece; row Linears a slice of their inputs and the whole bias,
+    which only one rank should add — `bias_rank`; embeddings a slice of the vocabulary; output layers a slice of
+    their outputs), and the size arguments of sharded dimensions infer them. The collectives are not in it: the
+    runtime's styles add them, the profile prices them (pyplan/profile/tensor_parallel.py). The original graph and
+    model are untouched."""
+    gm = fx.GraphModule(graph.module, copy.deepcopy(graph.module.graph))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    r = _Reader(graph)
+    made: dict[int, nn.Parameter] = {}
+    for region in plan.regions:
+        if not region.splits_at(degree):
+            continue
+        for name, lin in r.linears.items():
+            if lin.module in region.columns:
+                parts = region.parts.get(lin.module, 1)
+                _replace_weight(gm, nodes[name], lambda t, key, p=parts: _shard(t, 0, degree, rank, p), made)
+            elif lin.module in region.rows:
+                _replace_weight(
+                    gm, nodes[name], lambda t, key: _shard(t, 1, degree, rank) if key == "weight" else t, made
+                )
+        for node, index in region.edits:
+            _edit(nodes[node], index, len(graph.node(node).outputs))
+    for e in plan.embeddings:
+        if e.splits_at(degree):
+            _replace_weight(gm, nodes[e.node], lambda t, key: _shard(t, 0, degree, rank), made)
+    for o in plan.output_layers:
+        if o.splits_at(degree):
+            _replace_weight(gm, nodes[o.node], lambda t, key: _shard(t, 0, degree, rank), made)
+    gm.recompile()
+    return gm
+
+
+def _edit(n: fx.Node, index: int, pieces: int) -> None:
+    """Make the size argument at `index` (-2 - i: item i of the list argument) infer its dimension; index -1: the
+    split of a fused Linear's output into `pieces` equal pieces becomes a chunk into as many (each piece is 1/t
+    of its global size on a rank)."""
+    if index == -1:
+        dim = _arg(n, 2, "dim", 0)
+        if n.op == "call_method":
+            n.target = "chunk"
+        else:
+            n.target = torch.ops.aten.chunk.default if isinstance(n.target, torch._ops.OpOverload) else torch.chunk
+        n.args, n.kwargs = (n.args[0], pieces), {"dim": dim}
+        return
+    args = list(n.args)
+    if index >= 0:
+        args[index] = -1
+    else:
+        sizes = list(args[1])
+        sizes[-2 - index] = -1
+        args[1] = tuple(sizes) if isinstance(args[1], tuple) else sizes
+    n.args = tuple(args)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A plan written by the user
+
+
+def read_tp_plan(path: str | Path, graph: LayerGraph) -> dict[str, str]:
+    """A --tp-plan file: a JSON object of module name -> style (torchtitan's names). Checked against the model:
+    every module exists and the style fits it (a Linear takes ColwiseParallel or RowwiseParallel, an Embedding
+    RowwiseParallel, a norm SequenceParallel). Raises PlanError naming the problem."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise PlanError(f"cannot read the TP plan {path}: {exc.strerror or exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PlanError(f"the TP plan {path} is not JSON: {exc}") from None
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        raise PlanError(f"the TP plan {path} must be a JSON object of module name -> style, e.g. "
+                        '{"layers.0.mlp.fc1": "ColwiseParallel"}')  # fmt: skip
+    kinds = _module_kinds(graph)
+    for module, style in data.items():
+        if style not in STYLES:
+            raise PlanError(f"TP plan: unknown style '{style}' for '{module}'; choose one of {', '.join(STYLES)}")
+        if module not in kinds:
+            close = [m for m in kinds if m.endswith(module.rpartition(".")[2])][:3]
+            hint = f"; close: {', '.join(close)}" if close else ""
+            raise PlanError(f"TP plan: the model has no module '{module}'{hint}")
+        fits = {"linear": ("ColwiseParallel", "RowwiseParallel"), "embedding": ("RowwiseParallel",),
+                "norm": ("SequenceParallel",)}.get(kinds[module], ())  # fmt: skip
+        if style not in fits:
+            takes = "it takes " + " or ".join(fits) if fits else "only Linear, Embedding and norm modules split"
+            raise PlanError(f"TP plan: {style} does not fit '{module}' (a {kinds[module]}); {takes}")
+    return dict(data)
+
+
+def _module_kinds(graph: LayerGraph) -> dict[str, str]:
+    """Every module the captured graph calls, by name: 'linear', 'embedding', 'norm' or 'other'."""
+    r = _Reader(graph)
+    kinds = {lin.module: "linear" for lin in r.linears.values()}
+    kinds.update({module: "embedding" for module, _ in r.embeddings.values()})
+    for n in graph.nodes:
+        path = n.module_path
+        if path and path not in kinds:
+            leaf = path.rpartition(".")[2].lower()
+            kinds[path] = "norm" if "norm" in leaf or leaf.startswith("ln") else "other"
+    return kinds

@@ -1,0 +1,158 @@
+"""Tensor-parallel plans derived from captured graphs: Megatron's regions found in a GPT (fx, fused QKV), a
+Llama (torch.export, rotary, SwiGLU, grouped-query attention) and a BERT; what stays whole and why; one rank's
+graph at each degree; a user's --tp-plan checked against the model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pyplan.errors import PlanError
+from pyplan.graph.tensor_parallel import derive_tp_plan, local_module, read_tp_plan
+from pyplan.graph.trace import Examples, graph_of, trace
+from pyplan.load import load_model
+
+PLAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "plain.py")
+LLAMA = "hf:llama:hidden_size=64,intermediate_size=96,num_hidden_layers=2,num_attention_heads=4," \
+        "num_key_value_heads=2,vocab_size=100,seq_len=8"  # fmt: skip
+BERT = "hf:bert:hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,vocab_size=100," \
+       "seq_len=8"  # fmt: skip
+
+
+def _graph(ref: str):
+    spec = load_model(ref)
+    examples = Examples(spec.example_inputs)
+    return trace(spec.build(), examples, batch_size=2), examples
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return _graph("zoo:gpt-tiny")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _graph(LLAMA)
+
+
+def test_a_gpt_splits_attention_over_heads_and_the_mlp_over_its_features(gpt) -> None:
+    graph, _ = gpt
+    plan = derive_tp_plan(graph)
+    by_column = {r.columns: r for r in plan.regions}
+    attn = by_column[("transformer.h.0.attn.c_attn",)]
+    assert attn.rows == ("transformer.h.0.attn.c_proj",)
+    assert attn.parts == {"transformer.h.0.attn.c_attn": 3}  # Q, K and V in one Linear: a slice of each
+    assert 4 in attn.sizes  # the heads: a degree must divide them
+    mlp = by_column[("transformer.h.0.mlp.c_fc",)]
+    assert mlp.rows == ("transformer.h.0.mlp.c_proj",)
+    assert len(plan.regions) == 4
+    # The token embedding and the output layer share their weight and split it alike (over the vocabulary); the
+    # position embedding, looked up by computed positions, stays whole.
+    assert [e.module for e in plan.embeddings] == ["transformer.wte"]
+    assert [o.module for o in plan.output_layers] == ["lm_head"]
+    assert plan.styles(2)["transformer.h.1.attn.c_attn"] == "ColwiseParallel"
+    assert plan.styles(2)["transformer.h.1.mlp.c_proj"] == "RowwiseParallel"
+    assert plan.styles(2)["transformer.wte"] == "RowwiseParallel"
+    # 8 does not divide 4 heads: the attention stays whole there, the MLP (256 features) splits.
+    assert "transformer.h.0.attn.c_attn" not in plan.styles(8)
+    assert "transformer.h.0.mlp.c_fc" in plan.styles(8)
+    assert plan.degrees(8) == (1, 2, 4, 8)
+
+
+def test_a_llama_pulls_key_and_value_into_the_query_region_and_splits_kv_heads(llama) -> None:
+    graph, _ = llama
+    plan = derive_tp_plan(graph)
+    regions = {r.rows: r for r in plan.regions}
+    attn = regions[("model.layers.0.self_attn.o_proj",)]
+    assert set(attn.columns) == {f"model.layers.0.self_attn.{x}_proj" for x in "qkv"}
+    assert attn.splits_at(2) and not attn.splits_at(4)  # 2 KV heads
+    mlp = regions[("model.layers.0.mlp.down_proj",)]
+    assert set(mlp.columns) == {"model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"}
+    assert mlp.splits_at(4) and not mlp.splits_at(5)  # 96 features
+    assert len(attn.inputs) == 1 and len(mlp.inputs) == 1  # one all-reduce of the input's gradient each
+    assert [e.module for e in plan.embeddings] == ["model.embed_tokens"]
+    assert [o.module for o in plan.output_layers] == ["lm_head"]
+
+
+def test_a_bert_splits_its_self_attention_and_intermediate_layers() -> None:
+    graph, _ = _graph(BERT)
+    plan = derive_tp_plan(graph)
+    columns = {c for r in plan.regions for c in r.columns}
+    rows = {c for r in plan.regions for c in r.rows}
+    assert {f"bert.encoder.layer.1.attention.self.{x}" for x in ("query", "key", "value")} <= columns
+    assert "bert.encoder.layer.1.attention.output.dense" in rows
+    assert "bert.encoder.layer.1.intermediate.dense" in columns and "bert.encoder.layer.1.output.dense" in rows
+
+
+def test_what_has_no_megatron_pattern_stays_whole_with_the_reason() -> None:
+    """nn.TransformerEncoder's attention projects Q, K and V with one packed weight and unflattens it: not
+    followed, so it stays whole; its feed-forward layers split."""
+    graph, _ = _graph(f"{PLAIN}:transformer_encoder")
+    plan = derive_tp_plan(graph)
+    assert [r.columns for r in plan.regions] == [("layers.0.linear1",), ("layers.1.linear1",)]
+    assert "unflatten" in plan.replicated["layers.0.self_attn"]
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_one_ranks_graph_holds_its_shards_and_runs_on_them(gpt, degree: int) -> None:
+    graph, examples = gpt
+    plan = derive_tp_plan(graph)
+    full = dict(graph.module.named_parameters())
+    for rank in range(degree):
+        gm = local_module(graph, plan, degree, rank)
+        local = dict(gm.named_parameters())
+        assert set(local) == set(full)
+        # a slice of each of Q, K and V (rows of c_attn: [Q; K; V]), the rank's own
+        q, k, v = full["transformer.h.0.attn.c_attn.weight"].detach().chunk(3)
+        want = torch.cat([x.chunk(degree)[rank] for x in (q, k, v)])
+        assert torch.equal(local["transformer.h.0.attn.c_attn.weight"], want)
+        proj = full["transformer.h.0.attn.c_proj.weight"]
+        assert torch.equal(local["transformer.h.0.attn.c_proj.weight"], proj.chunk(degree, 1)[rank])
+        assert torch.equal(local["transformer.h.0.attn.c_proj.bias"], full["transformer.h.0.attn.c_proj.bias"])
+        assert local["transformer.wte.weight"].shape == (256 // degree, 64)
+        assert local["transformer.wpe.weight"].shape == full["transformer.wpe.weight"].shape
+        shapes = {n.name: n.outputs[0].shape for n in graph_of(gm, examples, 2).nodes if n.outputs}
+        assert shapes["scaled_dot_product_attention"] == (2, 4 // degree, 32, 16)
+        assert shapes["lm_head"] == (2, 32, 256 // degree)  # gathered by the style, not in the graph
+    # The original is untouched.
+    assert graph.module.get_submodule("transformer.h.0.attn.c_attn").weight.shape == (192, 64)
+
+
+def test_a_rank_of_the_llama_reshapes_its_heads_itself(llama) -> None:
+    graph, examples = llama
+    gm = local_module(graph, derive_tp_plan(graph), 2)
+    shapes = {n.name: n.outputs[0].shape for n in graph_of(gm, examples, 2).nodes if n.outputs}
+    assert shapes["scaled_dot_product_attention"] == (2, 2, 8, 16)  # 4 heads / 2, key and value repeated 2x
+    assert shapes["linear_6"] == (2, 8, 64)  # down_proj: partial sums of the whole hidden size
+
+
+def test_a_tp_plan_file_is_checked_against_the_model(gpt, tmp_path: Path) -> None:
+    graph, _ = gpt
+    path = tmp_path / "tp.json"
+
+    def read(data: object) -> dict[str, str]:
+        path.write_text(json.dumps(data))
+        return read_tp_plan(path, graph)
+
+    good = {"transformer.h.0.mlp.c_fc": "ColwiseParallel", "transformer.h.0.mlp.c_proj": "RowwiseParallel",
+            "transformer.wte": "RowwiseParallel", "transformer.h.0.ln_2": "SequenceParallel"}  # fmt: skip
+    assert read(good) == good
+    with pytest.raises(PlanError, match=r"^TP plan: the model has no module 'transformer.h.0.mlp.fc'"):
+        read({"transformer.h.0.mlp.fc": "ColwiseParallel"})
+    with pytest.raises(PlanError, match=r"unknown style 'Colwise' for '[a-z0-9_.]+'; choose one of ColwiseParallel"):
+        read({"transformer.h.0.mlp.c_fc": "Colwise"})
+    with pytest.raises(PlanError, match=r"SequenceParallel does not fit 'transformer.h.0.mlp.c_fc' \(a linear\)"):
+        read({"transformer.h.0.mlp.c_fc": "SequenceParallel"})
+    with pytest.raises(PlanError, match=r"ColwiseParallel does not fit 'transformer.wte' \(a embedding\)"):
+        read({"transformer.wte": "ColwiseParallel"})
+    with pytest.raises(PlanError, match=r"must be a JSON object of module name -> style"):
+        read(["transformer.wte"])
+    path.write_text("{")
+    with pytest.raises(PlanError, match=r"is not JSON"):
+        read_tp_plan(path, graph)
+    with pytest.raises(PlanError, match=r"cannot read the TP plan"):
+        read_tp_plan(tmp_path / "missing.json", graph)

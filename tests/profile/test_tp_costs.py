@@ -1,0 +1,111 @@
+"""A transformer layer as one tensor-parallel rank runs it, against Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models"), Table 2's "tensor parallel" row, sbh·(10 + 24/t) without
+the s² terms (fused attention), and the matmul FLOPs divided by t; the collectives against their closed forms."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import pyplan
+from pyplan import _core
+from pyplan.api import chain_for
+from pyplan.graph.layergraph import Affine
+from pyplan.graph.tensor_parallel import derive_tp_plan
+from pyplan.hardware import Cluster, Link
+from pyplan.plan import Workload
+from pyplan.profile.capture import chain_at_degree
+from pyplan.profile.tensor_parallel import TpCollectives, collective_bytes, collective_times
+from pyplan.zoo.transformer import GPT, GPTConfig, Llama, LlamaConfig
+
+
+def _setup(build, seq: int, vocab: int):
+    spec = pyplan.ModelSpec(name="m", build=build, example_inputs=lambda b: (torch.randint(0, vocab, (b, seq)),))
+    with torch.device("meta"):
+        model = spec.build()
+    cluster, workload = Cluster.from_catalog("a100-80g", 8), Workload(global_batch=8, precision="bf16-mixed")
+    chain, _ = chain_for(model, spec.example_inputs, cluster, workload)
+    plan = derive_tp_plan(chain.graph)
+    return lambda t: chain_at_degree(chain, plan, t, spec.example_inputs, cluster, workload), chain, plan, cluster
+
+
+def _layer(chain: pyplan.Chain, prefix: str) -> tuple[float, float, float, float, float]:
+    blocks = [b for b in chain.blocks if b.name.startswith(prefix)]
+    return (
+        sum(b.saved_bytes.per_sample for b in blocks),
+        sum(b.flops_fwd.per_sample for b in blocks),
+        sum(b.flops_bwd.per_sample for b in blocks),
+        sum(b.fwd_time_s.per_sample for b in blocks),
+        sum(b.param_numel for b in blocks),
+    )
+
+
+@pytest.mark.parametrize("seq", [1024, 4096])
+def test_a_gpt_layer_on_one_rank_saves_what_korthikanti_counts_for_tensor_parallelism(seq: int) -> None:
+    """Whole on every rank: the two LayerNorms' inputs, the QKV and MLP inputs (4 tensors of s·h) and the two
+    dropout masks; split: Q, K, V, the attention output, the 4h GELU input and output (12 tensors), and the
+    kernel's log-sum-exp. In fp32, the profile's tensors: 4·4·sh + 12·4·sh/t + 2·sh + 4·a·s/t + the LayerNorms'
+    statistics 2·2·4·s, which is Table 2's sbh(10 + 24/t) at 2 bytes. FLOPs: (24·s·h² + 4·s²·h)/t forward,
+    (48·s·h² + 10·s²·h)/t backward."""
+    h, a = 1024, 16
+    at, _, _, _ = _setup(lambda: GPT(GPTConfig(n_layer=2, n_head=a, n_embd=h, n_ctx=seq, vocab_size=512)), seq, 512)
+    params_1 = _layer(at(1), "transformer.h.0")[4]
+    for t in (1, 2, 4, 8):
+        saved, fwd, bwd, _, params = _layer(at(t), "transformer.h.0")
+        assert saved == 4 * 4 * seq * h + 12 * 4 * seq * h / t + 2 * seq * h + 4 * a * seq / t + 2 * 2 * 4 * seq
+        assert fwd == (24 * seq * h * h + 4 * seq * seq * h) / t
+        assert bwd == (48 * seq * h * h + 10 * seq * seq * h) / t
+        # of 12h² + 13h, whole on every rank: the row Linears' biases (2h) and the LayerNorms (4h)
+        assert params == (params_1 - 6 * h) / t + 6 * h
+
+
+def test_a_llama_layer_splits_linearly_in_the_degree() -> None:
+    """Rotary embeddings, SwiGLU, 8 KV heads of 32: everything a rank saves is a whole part plus a part split t
+    ways, so three degrees lie on one line in 1/t; the FLOPs are all matmuls, divided by t."""
+    seq, h, heads, kv_heads, f = 1024, 1024, 32, 8, 2816
+    cfg = LlamaConfig(dim=h, n_layers=2, n_heads=heads, n_kv_heads=kv_heads, ffn_dim=f, vocab_size=512,
+                      max_seq_len=seq)  # fmt: skip
+    at, _, _, _ = _setup(lambda: Llama(cfg), seq, 512)
+    layers = {t: _layer(at(t), "layers.0") for t in (1, 2, 4, 8)}
+    whole = 2 * layers[2][0] - layers[1][0]  # saved(t) = whole + split / t
+    split = layers[1][0] - whole
+    assert split > 0 and whole > 0
+    for t in (4, 8):
+        assert layers[t][0] == pytest.approx(whole + split / t, rel=1e-12)
+        assert layers[t][1] == layers[1][1] / t and layers[t][2] == layers[1][2] / t
+
+
+def test_the_collectives_are_the_regions_all_reduces_on_the_link_inside_a_node() -> None:
+    """Per layer: forward, an all-reduce of each row Linear's output (attention, MLP); backward, one of each
+    region's input gradient; each 2(t−1)(lat + S/(t·bw)) for S = s·h bytes at 16 bits, added to the block's
+    time (the same profile over a link that costs nothing is the computation alone)."""
+    seq, h, t = 1024, 1024, 4
+    at, chain, plan, cluster = _setup(
+        lambda: GPT(GPTConfig(n_layer=2, n_head=16, n_embd=h, n_ctx=seq, vocab_size=512)), seq, 512
+    )
+    traffic = collective_bytes(chain, plan, t)
+    layer = [i for i, b in enumerate(chain.blocks) if b.name.startswith("transformer.h.0")]
+    assert sum(traffic[i].fwd_all_reduce.per_sample for i in layer) == 2 * 4 * seq * h  # traced in fp32
+    assert sum(traffic[i].bwd_all_reduce.per_sample for i in layer) == 2 * 4 * seq * h
+    last = next(i for i, b in enumerate(chain.blocks) if "lm_head" in b.nodes)
+    assert traffic[last].fwd_all_gather.per_sample == 4 * seq * 512  # the logits
+    assert all(c == TpCollectives(Affine(), Affine(), Affine()) for c in collective_bytes(chain, plan, 1))
+
+    lat, bw = cluster.groups[0].intra_link.collective
+    times = collective_times(traffic, t, lat, bw, scale=0.5)
+    for i in layer:
+        size = traffic[i].fwd_all_reduce
+        if size.per_sample:
+            want = _core.ring_allreduce_time_s(0.5 * size(3), t, latency_s=lat, bw_bytes_per_s=bw)
+            assert times[i][0](3) == pytest.approx(want, rel=1e-12)
+    group = cluster.groups[0]
+    free = replace(group, intra_link=Link(name="free", latency_s=0.0, bw_bytes_per_s=1e30))
+    workload = Workload(global_batch=8, precision="bf16-mixed")
+    inputs = lambda b: (torch.randint(0, 512, (b, seq)),)  # noqa: E731
+    alone = chain_at_degree(chain, plan, t, inputs, replace(cluster, groups=(free,)), workload)
+    priced = at(t)
+    for i, (a, p) in enumerate(zip(alone.blocks, priced.blocks, strict=True)):
+        assert p.fwd_time_s(3) == pytest.approx(a.fwd_time_s(3) + times[i][0](3), rel=1e-9, abs=1e-15)
+        assert p.bwd_time_s(3) == pytest.approx(a.bwd_time_s(3) + times[i][1](3), rel=1e-9, abs=1e-15)
