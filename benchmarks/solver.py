@@ -96,6 +96,44 @@ def search(chain: Chain, num_gpus: int, global_batch: int, **space: object) -> _
     )
 
 
+def at_degree(chain: Chain, t: int) -> Chain:
+    """The GPT-like chain as one rank of tensor-parallel degree t runs it: every weight and the matmul time split
+    t ways, two all-reduces of the s·h activations (16-bit) per block in forward and two in backward on the
+    link inside a node (ring, 2(t−1)(lat + S/(t·bw))), saved bytes sbh·(10 + 24/t) of the 34·sbh (Korthikanti et
+    al. 2022, Table 2), the boundary tensors whole."""
+    if t == 1:
+        return chain
+    ring = 2 * (t - 1) / (t * HARDWARE["intra_bw_bytes_per_s"])
+    lat = 2 * (t - 1) * HARDWARE["intra_latency_s"]
+    comm = 2 * ring * SEQ * HIDDEN * BYTES
+    fwd = [a / t + comm for a in chain.fwd_s]
+    bwd = [a / t + comm for a in chain.bwd_s]
+    beta = [b + 2 * lat for b in chain.arrays[1]]
+    act = [a * (10 + 24 / t) / 34 for a in chain.act_bytes]
+    params = [x / t for x in chain.arrays[6]]
+    arrays = (fwd, beta, bwd, beta, act, chain.arrays[5], params, chain.arrays[7], chain.arrays[8])
+    return Chain(arrays, fwd, bwd, act, [16 * x for x in params], chain.cut_bytes)
+
+
+def search_degrees(
+    chain: Chain, num_gpus: int, global_batch: int, degrees: tuple[int, ...]
+) -> tuple[int, _core.SearchResult, int, int]:
+    """What `pyplan.search(tensor_parallel=degrees)` asks of the core: one search per degree, the tensor-parallel
+    group of t GPUs in place of each GPU (N/t of them, 8/t per node, t times the price). Returns the best plan's
+    degree and search, and the candidates and evaluations of all of them."""
+    best, candidates, evaluated = None, 0, 0
+    for t in degrees:
+        hw = {**HARDWARE, "price_per_gpu_s": HARDWARE["price_per_gpu_s"] * t}
+        result = _core.search(*at_degree(chain, t).arrays, num_gpus=num_gpus // t, gpus_per_node=8 // t,
+                              global_batch=global_batch, param_bytes=2.0, grad_bytes=2.0, optim_bytes=12.0,
+                              **hw)  # fmt: skip
+        candidates, evaluated = candidates + result.num_candidates, evaluated + result.num_evaluated
+        if result.feasible and (best is None or result.best.iteration_s < best[1].best.iteration_s):
+            best = (t, result)
+    assert best is not None, "no degree fits"
+    return best[0], best[1], candidates, evaluated
+
+
 def python_partition(
     time_s: list[float], state: list[float], act: list[float], cut: list[float], p: int, m: int, limit: float
 ) -> float:
@@ -174,6 +212,7 @@ def main() -> None:
     for sizes in ([1], [1, 2], [1, 2, 4], [1, 2, 4, 8], [1, 2, 4, 8, 16, 32]):
         row("growth in micro-batch sizes", mid, 64, 512, micro_batch_sizes=sizes)
     console.print(table)
+    console.print(tensor_parallel_table(big, mid))
 
     scale = new_table(
         "stage partition of the 1,000-block chain (b=1, ZeRO-2 over d=1024/p, inter-node link, 80 GB)",
@@ -193,6 +232,33 @@ def main() -> None:
     for num_blocks, p in ((24, 4), (48, 4), (48, 8), (96, 8)):
         speed.add_row(*partition_speed(num_blocks, p))
     console.print(speed)
+
+
+def tensor_parallel_table(big: Chain, mid: Chain) -> Table:
+    """The target cases with tensor parallelism: the searches of every degree 1, 2, 4, 8 together."""
+    table = new_table(
+        "with tensor parallelism: one search per degree t in 1, 2, 4, 8 (as pyplan.search(tensor_parallel=...)), "
+        "every schedule and ZeRO stage; median of 3 runs, 1 for the largest",
+        ("L", "N", "candidates", "evaluated", "best plan", "time", "target"),
+        left=("best plan",),
+    )
+    for chain, num_gpus, batch, target_s in ((mid, 64, 512, 0.1), (big, 1024, 2048, 2.0)):
+        repeat = 1 if len(chain.fwd_s) * num_gpus > 100_000 else 3
+        (t, result, candidates, evaluated), seconds = timed(
+            lambda c=chain, n=num_gpus, b=batch: search_degrees(c, n, b, (1, 2, 4, 8)), repeat
+        )
+        b = result.best
+        table.add_row(
+            str(len(chain.fwd_s)),
+            str(num_gpus),
+            str(candidates),
+            str(evaluated),
+            f"dp={b.dp} tp={t} pp={b.pp} b={b.micro_batch_size} m={b.num_microbatches} {b.schedule} "
+            f"ZeRO-{b.zero_stage} {b.iteration_s:.3g} s",
+            f"{seconds * 1e3:.1f} ms",
+            f"{target_s:g} s: {'ok' if seconds < target_s else 'MISSED'}",
+        )
+    return table
 
 
 def partition_at_scale(chain: Chain, p: int, m: int, schedule: str, objective: str) -> tuple[str, ...]:

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -17,6 +17,7 @@ from pyplan._torch import is_meta_module
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.graph.chain import Block, Chain
 from pyplan.graph.layergraph import Piecewise
+from pyplan.graph.tensor_parallel import TpPlan, derive_tp_plan, restrict_tp_plan
 from pyplan.graph.trace import ExampleInputs, Examples, LeafSpec
 from pyplan.hardware.catalog import GPU, Link
 from pyplan.hardware.cluster import Cluster, NodeGroup
@@ -33,9 +34,9 @@ from pyplan.plan import (
     StagePlan,
     Workload,
 )
-from pyplan.profile.capture import add_loss, chain_for, is_local, pricing
+from pyplan.profile.capture import add_loss, chain_at_degree, chain_for, is_local, pricing
 from pyplan.profile.host import local_host_costs
-from pyplan.profile.loss import LossFn, TargetFn, remat_with_loss
+from pyplan.profile.loss import LossFn, TargetFn, remat_with_loss, with_loss
 from pyplan.profile.measure import CheckpointCosts, checkpoint_call_s, checkpoint_costs
 from pyplan.profile.nodes import node_profile
 from pyplan.profile.remat import remat_bytes
@@ -183,6 +184,8 @@ def search(
     pipeline_ranks: Sequence[int] = (),
     num_microbatches: Sequence[int] = (),
     stage_cuts: Sequence[int] = (),
+    tensor_parallel: Sequence[int] = (1,),
+    tp_plan: Mapping[str, str] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> PlanSearch:
     """Every way to train `model` on `cluster` that fits, ranked by `objective`.
@@ -201,8 +204,13 @@ def search(
     restrict the search to the values given (empty: any): pins, for "what does this configuration cost";
     `stage_cuts` pins the partition, the blocks (numbered from 0, as `pyplan inspect` lists them) at which stages
     2, 3, ... start, so that only pipelines of that many stages are planned, cut there.
+    `tensor_parallel` lists the degrees of tensor parallelism to plan (1: none; each must divide the GPUs of a
+    node, where the split layers stay): each layer split as the plan derived from the model's graph says
+    (pyplan/graph/tensor_parallel.py), or as much of it as `tp_plan` (module name -> style) names, priced on the
+    catalog GPU's analytic profile at that degree (pyplan/profile/tensor_parallel.py); ZeRO-3 is not combined
+    with it yet.
     `progress(step)` is told each step as it starts: "tracing and profiling", "searching", "refining",
-    "assigning operations to stages".
+    "assigning operations to stages", "tensor parallelism t".
 
     The steps: check the options, capture and profile once (`chain_for`), search the space (`_Space`), refine each
     candidate (`_Refiner`), rank, and assign operations to the stages of pipelines too coarse to balance.
@@ -211,40 +219,129 @@ def search(
     examples = Examples(example_inputs)
     _check_options(objective, remat, offload, memory_fraction, zero_stages, schedules,
                    data_parallel=data_parallel, pipeline_ranks=pipeline_ranks, num_microbatches=num_microbatches,
-                   micro_batch_sizes=micro_batch_sizes, stage_cuts=stage_cuts)  # fmt: skip
+                   micro_batch_sizes=micro_batch_sizes, stage_cuts=stage_cuts,
+                   tensor_parallel=tensor_parallel)  # fmt: skip
     profiled_on = "given chain"
     if chain is None:
         say("tracing and profiling")
         chain, profiled_on = chain_for(model, examples, cluster, workload, leaf_modules=leaf_modules)
     chain, micro_batch_sizes = _trainable(chain, micro_batch_sizes, workload)
     fixed_cuts = _fixed_cuts(stage_cuts, len(chain.blocks))
+    bare = chain
     if loss is not None and chain.loss is None and not chain.graph.returns_loss:
         # (A model that returns its own loss computes it in its last block, which the profile timed already.)
         chain = add_loss(chain, model, examples, cluster, workload, loss, target)
-    space = _Space.of(chain, cluster, workload, objective, memory_fraction)
     # The candidate space as the C++ search takes it: the pins, and what ranks the candidates.
     pins = dict(micro_batch_sizes=list(micro_batch_sizes), data_parallel=list(data_parallel),
                 pipeline_ranks=list(pipeline_ranks), num_microbatches=list(num_microbatches), schedules=list(schedules),
                 zero_stages=list(zero_stages), placements=list(placements), allow_fewer_gpus=allow_fewer_gpus,
                 objective=objective, weight=weight, fixed_cuts=fixed_cuts)  # fmt: skip
-    refiner = _Refiner.of(space, model, examples, remat, offload, offload_bw_bytes_per_s)
-    wide = max(4 * top_k, 20)
-    say("searching")
-    plain = space.run(pins, wide) if remat in ("none", "auto") else None
-    relaxed = [space.run(pins, wide, refiner.profile, share) for share in RELAXED_SHARES] if remat != "none" else []
-    say("refining")
-    every = (refiner.refined([plain], "none") if plain is not None else []) + refiner.refined(relaxed, remat)
+    how = _How(model, examples, workload, objective, memory_fraction, pins, max(4 * top_k, 20), remat, offload,
+               offload_bw_bytes_per_s)  # fmt: skip
+    every: list[Plan] = []
+    runs: list[tuple[Any, list[Any]]] = []  # each search's plain and relaxed results
+    refiner = None
+    if 1 in tensor_parallel:
+        say("searching")
+        every, plain, relaxed, refiner = how.plans(chain, cluster, say)
+        runs.append((plain, relaxed))
+    for degree, chain_t, cluster_t, styles in _tensor_parallel(bare, chain, tensor_parallel, tp_plan, how, cluster):
+        say(f"tensor parallelism {degree}")
+        found_t, plain_t, relaxed_t, _ = how.plans(chain_t, cluster_t, lambda step: None, no_zero3=True)
+        every += [replace(p, layout=replace(p.layout, tp=degree, tp_plan=styles)) for p in found_t]
+        runs.append((plain_t, relaxed_t))
+    plain, relaxed = runs[0]
     if not every:
         raise InfeasibleError(_infeasible(plain, relaxed, remat))
     top, pareto = _rank(every, objective, weight)[:top_k], _frontier(every)
-    found = [r for r in (plain, *relaxed) if r is not None]
-    if stage_dag and not fixed_cuts and plain is not None and plain.feasible:
+    found = [r for p, rs in runs for r in (p, *rs) if r is not None]
+    if stage_dag and not fixed_cuts and refiner is not None and plain is not None and plain.feasible:
         say("assigning operations to stages")
         dag = refiner.operation_level([*plain.top, *plain.pareto], examples, objective, weight)
         if dag:
             top, pareto = _rank([*top, *dag], objective, weight)[:top_k], _frontier([*pareto, *dag])
     candidates, evaluated = sum(r.num_candidates for r in found), sum(r.num_evaluated for r in found)
     return PlanSearch(top[0], tuple(top[1:]), tuple(pareto), candidates, evaluated, chain, profiled_on)
+
+
+@dataclass(frozen=True)
+class _How:
+    """What every search of one call shares, whatever chain and cluster it searches (one per degree of tensor
+    parallelism): the model, the workload, the objective, the pins and the remat options."""
+
+    model: nn.Module
+    examples: Examples
+    workload: Workload
+    objective: str
+    memory_fraction: float
+    pins: dict[str, Any]
+    wide: int
+    remat: str
+    offload: str
+    offload_bw_bytes_per_s: float
+
+    def plans(
+        self, chain: Chain, cluster: Cluster, say: Callable[[str], None], *, no_zero3: bool = False
+    ) -> tuple[list[Plan], Any, list[Any], _Refiner]:
+        """The refined plans of `chain` on `cluster` that fit, with the C++ searches' results and the refiner."""
+        space = _Space.of(chain, cluster, self.workload, self.objective, self.memory_fraction)
+        pins = self.pins
+        if no_zero3:
+            pins = {**pins, "zero_stages": [z for z in pins["zero_stages"] or ZERO_STAGES if z != 3]}
+        refiner = _Refiner.of(space, self.model, self.examples, self.remat, self.offload, self.offload_bw_bytes_per_s)
+        plain = space.run(pins, self.wide) if self.remat in ("none", "auto") else None
+        relaxed = (
+            [space.run(pins, self.wide, refiner.profile, share) for share in RELAXED_SHARES]
+            if self.remat != "none"
+            else []
+        )
+        say("refining")
+        every = (refiner.refined([plain], "none") if plain is not None else []) + refiner.refined(relaxed, self.remat)
+        return every, plain, relaxed, refiner
+
+
+def _tensor_parallel(
+    bare: Chain,
+    chain: Chain,
+    degrees: Sequence[int],
+    styles: Mapping[str, str] | None,
+    how: _How,
+    cluster: Cluster,
+) -> Iterator[tuple[int, Chain, Cluster, dict[str, str]]]:
+    """Each degree above 1 that splits a layer: the chain one rank of it runs (with the loss of `chain`, on the
+    gathered output, as one process runs it), the cluster as the search sees it (a tensor-parallel group of t GPUs
+    in place of each GPU: t times the price, g/t of them per node), and the styles the runtime applies."""
+    wanted = [t for t in degrees if t > 1]
+    if not wanted:
+        return
+    for t in wanted:
+        cluster.tensor_parallel_groups(t)  # one line for a degree the nodes cannot hold
+    if is_local(cluster.gpu) and not is_meta_module(how.model):
+        raise PlanError("tensor parallelism is planned on a catalog GPU's analytic profile; give --gpu NAME")
+    plan = derive_tp_plan(bare.graph)
+    if styles is not None:
+        plan = restrict_tp_plan(plan, styles, bare.graph)
+    for t in wanted:
+        if not plan.styles(t):
+            if len(degrees) == 1:
+                raise PlanError(f"tensor parallelism {t} splits no layer of the model: {_no_split(plan, t)}")
+            continue
+        chain_t = chain_at_degree(bare, plan, t, how.examples, cluster, how.workload)
+        if chain.loss is not None:
+            chain_t = with_loss(chain_t, chain.loss)
+        yield t, chain_t, cluster.tensor_parallel_groups(t), plan.styles(t)
+
+
+def _no_split(plan: TpPlan, t: int) -> str:
+    """Why degree t splits nothing, in a clause."""
+    for r in plan.regions:
+        bad = [s for s in r.sizes if s % t]
+        if bad:
+            return f"{t} does not divide {bad[0]} (heads or features of '{r.columns[0]}')"
+    for x in (*plan.embeddings, *plan.output_layers):
+        return f"{t} does not divide the {getattr(x, 'vocab', None) or x.out_features} rows of '{x.module}'"
+    first = next(iter(plan.replicated.items()), None)
+    return f"no layer follows Megatron's pattern ({first[0]}: {first[1]})" if first else "it has no Linear layers"
 
 
 def _check_options(

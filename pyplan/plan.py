@@ -9,6 +9,7 @@ from typing import Any
 from pyplan import _core
 from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
+from pyplan.graph.tensor_parallel import STYLES as TP_STYLES
 from pyplan.model_state import OPTIMIZERS, PRECISIONS, ModelState, model_state_bytes
 from pyplan.remat_plan import RematPlan
 
@@ -197,6 +198,9 @@ class Layout:
     pipeline's ranks next to each other (inside a node when they fit), "dp-inner" the replicas of a stage.
     `cut_positions` are the stage boundaries as positions in the traced graph's node order (see `Cut`),
     pp · stages_per_rank + 1 of them from 0 to the end, so a runtime re-traces the model and cuts it there.
+    `tp` GPUs of one node split each layer (tensor parallelism, inside a node; rank order keeps a tensor-parallel
+    group contiguous), as `tp_plan` says: module name -> torchtitan's style (`ColwiseParallel`, `RowwiseParallel`),
+    pyplan/graph/tensor_parallel.py. GPUs used: dp · tp · pp.
     `remat`, when not empty, has one entry per stage: its rematerialization plan, or None to keep everything.
     `stage_of_node`, when not empty, gives the stage of every operation of the traced graph (fx node name →
     stage) for stages that are not contiguous in the traced order (pyplan/solve/dag_search.py): stages never
@@ -217,6 +221,8 @@ class Layout:
     remat: tuple[StageRemat | None, ...] = ()
     # Left out of the hash (a dict is not hashable; layouts that differ only here hash alike, compare unequal).
     stage_of_node: dict[str, int] = field(default_factory=dict, hash=False)
+    tp: int = 1
+    tp_plan: dict[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if self.dp < 1 or self.pp < 1 or self.micro_batch_size < 1 or self.num_microbatches < 1:
@@ -224,6 +230,12 @@ class Layout:
                 f"dp, pp, micro_batch_size and num_microbatches must be positive, got {self.dp}, {self.pp}, "
                 f"{self.micro_batch_size}, {self.num_microbatches}"
             )
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise PlanError(f"tp must be a positive whole number, got {self.tp!r}")
+        if (self.tp > 1) != bool(self.tp_plan):
+            raise PlanError(f"a layout with tp {self.tp} needs {'a' if self.tp > 1 else 'no'} tp_plan")
+        if not all(isinstance(k, str) and v in TP_STYLES for k, v in self.tp_plan.items()):
+            raise PlanError(f"tp_plan maps module names to {', '.join(TP_STYLES)}")
         if self.schedule not in _core.SCHEDULES:
             raise PlanError(f"unknown schedule {self.schedule!r} (known: {', '.join(_core.SCHEDULES)})")
         if self.zero_stage == 2:
@@ -267,7 +279,7 @@ class Layout:
 
     @property
     def num_gpus(self) -> int:
-        return self.dp * self.pp
+        return self.dp * self.tp * self.pp
 
     @property
     def num_stages(self) -> int:
@@ -283,6 +295,8 @@ class Layout:
         data["remat"] = [None if r is None else r.to_json() for r in self.remat]
         if not self.stage_of_node:
             del data["stage_of_node"]  # a plan of contiguous stages reads as it did before the field existed
+        if self.tp == 1:
+            del data["tp"], data["tp_plan"]  # likewise a plan without tensor parallelism
         return data
 
     @staticmethod
@@ -299,6 +313,10 @@ class Layout:
                 f"layout.stage_of_node: expected an object of node name to stage, got {type(stage_of_node).__name__}"
             )
         known["stage_of_node"] = dict(stage_of_node)
+        tp_plan = known.get("tp_plan") or {}
+        if not isinstance(tp_plan, dict):
+            raise PlanError(f"layout.tp_plan: expected an object of module name to style, got {type(tp_plan).__name__}")
+        known["tp_plan"] = dict(tp_plan)
         return Layout(**known)
 
 

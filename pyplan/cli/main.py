@@ -27,6 +27,7 @@ from pyplan.emit.planfile import PlanFile, read_plan_file, write_plan_file
 from pyplan.emit.script import write_script
 from pyplan.errors import PlanError
 from pyplan.graph.linearize import linearize
+from pyplan.graph.tensor_parallel import read_tp_plan
 from pyplan.graph.trace import trace
 from pyplan.hardware.cluster import Cluster
 from pyplan.load import load_model
@@ -155,11 +156,35 @@ def _pins(args: argparse.Namespace) -> dict[str, tuple[Any, ...]]:
     return pins
 
 
+def _tensor_parallel(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
+    """The search's tensor-parallel options from --tp and --tp-plan."""
+    g = cluster.gpus_per_node
+    text = args.tp.strip()
+    if text == "auto":
+        degrees: tuple[int, ...] = tuple(t for t in range(1, min(8, g) + 1) if g % t == 0)
+    else:
+        try:
+            degrees = tuple(int(x) for x in text.split(","))
+        except ValueError:
+            raise PlanError(
+                f"--tp takes auto, a degree or degrees separated by commas (e.g. 1,2,4), got '{text}'"
+            ) from None
+        if any(t < 1 for t in degrees):
+            raise PlanError(f"--tp takes degrees of at least 1, got '{text}'")
+    found: dict[str, Any] = {"tensor_parallel": degrees}
+    if args.tp_plan is not None:
+        if degrees == (1,):
+            raise PlanError("--tp-plan says how layers split under tensor parallelism: add --tp auto or --tp DEGREE")
+        found["tp_plan"] = read_tp_plan(args.tp_plan)
+    return found
+
+
 def _versus_best(pinned: Plan, best: Plan) -> str:
     """One line: how far the pinned plan is from the best plan without pins, in the objective's terms."""
     lay = best.layout
     what = (
-        f"dp={lay.dp} pp={lay.pp} b={lay.micro_batch_size} GA={lay.num_microbatches} {lay.schedule} "
+        f"dp={lay.dp} {f'tp={lay.tp} ' if lay.tp > 1 else ''}pp={lay.pp} b={lay.micro_batch_size} "
+        f"GA={lay.num_microbatches} {lay.schedule} "
         f"ZeRO-{lay.zero_stage}"
     )
     a, b = pinned.predicted.iteration_s, best.predicted.iteration_s
@@ -171,7 +196,8 @@ def _versus_best(pinned: Plan, best: Plan) -> str:
 
 def _key_of(p: Plan) -> tuple[Any, ...]:
     lay = p.layout
-    return (lay.dp, lay.pp, lay.micro_batch_size, lay.num_microbatches, lay.schedule, lay.zero_stage, lay.placement)
+    return (lay.dp, lay.tp, lay.pp, lay.micro_batch_size, lay.num_microbatches, lay.schedule, lay.zero_stage,
+            lay.placement)  # fmt: skip
 
 
 def _portable(ref: str) -> str:
@@ -225,6 +251,7 @@ def _plan(args: argparse.Namespace) -> int:
         target=spec.target,
     )
     pins = _pins(args)
+    options.update(_tensor_parallel(args, cluster))
     # The answer comes from one search whatever is shown: the best of the plans refined from the core's first
     # candidates. More rows (--top) or the pictures refine more candidates, in a second search on the same profile.
     with spinner(f"planning {args.model}") as say:
@@ -423,6 +450,19 @@ def _add_plan_parser(sub: Any) -> None:
     pins.add_argument("--ga", type=int, metavar="M", help="gradient-accumulation steps (micro-batches per step)")
     pins.add_argument("--schedule", choices=("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"), help="pipeline schedule")
     pins.add_argument("--zero", type=int, choices=ZERO_STAGES, help="ZeRO stage")
+    p.add_argument(
+        "--tp",
+        default="1",
+        metavar="auto|T[,T...]",
+        help="tensor parallelism inside a node: 1 (none, default), degrees to try, or auto (every degree up to 8 "
+        "that divides the GPUs per node); the split follows the model's graph (Megatron's column/row pattern)",
+    )
+    p.add_argument(
+        "--tp-plan",
+        metavar="FILE",
+        help="JSON of module name -> ColwiseParallel | RowwiseParallel: split only these (they must follow the "
+        "model's pattern)",
+    )
     pins.add_argument(
         "--cuts",
         metavar="I,J,...",

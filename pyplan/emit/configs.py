@@ -57,7 +57,7 @@ def _torchtitan(doc: PlanFile, starts: Sequence[str]) -> tuple[str, Notes]:
         "[parallelism]",
         f"data_parallel_replicate_degree = {replicate}",
         f"data_parallel_shard_degree = {shard}",
-        "tensor_parallel_degree = 1",
+        f"tensor_parallel_degree = {lay.tp}",
         f"pipeline_parallel_degree = {lay.pp}",
     ]
     if lay.pp > 1:
@@ -66,6 +66,8 @@ def _torchtitan(doc: PlanFile, starts: Sequence[str]) -> tuple[str, Notes]:
             f"pipeline_parallel_microbatch_size = {lay.micro_batch_size}",
             "pipeline_parallel_split_points = [" + ", ".join(json.dumps(s) for s in starts) + "]",
         ]
+    if lay.tp > 1:
+        notes.append(f"torchtitan splits its own models with its own TP plan; pyplan's: {_styles(lay)}")
     kind = _remat_kind(lay)
     if kind == "mixed":
         notes.append(
@@ -89,6 +91,12 @@ def _torchtitan(doc: PlanFile, starts: Sequence[str]) -> tuple[str, Notes]:
     return "\n".join(lines) + "\n", notes
 
 
+def _styles(lay: Layout) -> str:
+    """The layout's TP plan in a line: how many modules of each style."""
+    counts = {s: sum(1 for v in lay.tp_plan.values() if v == s) for s in sorted(set(lay.tp_plan.values()))}
+    return ", ".join(f"{n} {s}" for s, n in counts.items())
+
+
 def _deepspeed(doc: PlanFile, starts: Sequence[str]) -> tuple[str, Notes]:
     lay, notes = doc.plan.layout, []
     config: dict[str, object] = {
@@ -101,6 +109,9 @@ def _deepspeed(doc: PlanFile, starts: Sequence[str]) -> tuple[str, Notes]:
         config["bf16"] = {"enabled": True}
     elif doc.workload.precision == "fp16-mixed":
         config["fp16"] = {"enabled": True}
+    if lay.tp > 1:
+        notes.append(f"tensor parallelism {lay.tp} is not a DeepSpeed config setting (Megatron-DeepSpeed takes "
+                     "--tensor-model-parallel-size)")  # fmt: skip
     if lay.pp > 1:
         notes.append(
             f"pipeline stages are set in code, not in the config: PipelineModule(layers, num_stages={lay.pp}) with "
@@ -116,7 +127,7 @@ def _deepspeed(doc: PlanFile, starts: Sequence[str]) -> tuple[str, Notes]:
 def _megatron(doc: PlanFile, starts: Sequence[str]) -> tuple[str, Notes]:
     lay, notes = doc.plan.layout, []
     flags = [
-        "--tensor-model-parallel-size 1",
+        f"--tensor-model-parallel-size {lay.tp}",
         f"--pipeline-model-parallel-size {lay.pp}",
         f"--micro-batch-size {lay.micro_batch_size}",
         f"--global-batch-size {doc.workload.global_batch}",

@@ -127,7 +127,13 @@ def _check_consistent(document: PlanFile, path: str) -> None:
             f"{workload.global_batch}; fix one of them or plan again"
         )
     if layout.num_gpus > document.cluster.gpus:
+        tp = f" x tp {layout.tp}" if layout.tp > 1 else ""
         raise PlanError(
-            f"{path}: the layout needs dp {layout.dp} x pp {layout.pp} = {layout.num_gpus} GPUs, the cluster has "
+            f"{path}: the layout needs dp {layout.dp}{tp} x pp {layout.pp} = {layout.num_gpus} GPUs, the cluster has "
             f"{document.cluster.gpus}; plan again for this cluster"
+        )
+    if layout.tp > 1 and document.cluster.gpus_per_node % layout.tp:
+        raise PlanError(
+            f"{path}: tensor parallelism {layout.tp} must divide the cluster's {document.cluster.gpus_per_node} GPUs "
+            "per node"
         )

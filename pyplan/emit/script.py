@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pyplan._files import write_atomic
 from pyplan.emit.planfile import PlanFile
+from pyplan.errors import PlanError
 
 __all__ = ["render_script", "write_script"]
 
@@ -336,6 +337,11 @@ def render_script(document: PlanFile, name: str = "train.py") -> str:
     plan itself as JSON in a raw string literal, which JSON text cannot end (every quote inside a JSON string is
     escaped, and JSON has no three quotes in a row), and numbers formatted from ints."""
     layout, cluster = document.plan.layout, document.cluster
+    if layout.tp > 1:
+        raise PlanError(
+            f"the plan splits layers over {layout.tp} GPUs (tensor parallelism), which pyplan's training script does "
+            "not run yet; plan with --tp 1 for a script, or emit a torchtitan or Megatron config (--format)"
+        )
     summary = _docstring_text(
         f"{document.model}, dp {layout.dp} x pp {layout.pp}, {layout.schedule}, micro-batch "
         f"{layout.micro_batch_size} x {layout.num_microbatches}, ZeRO-{layout.zero_stage}"

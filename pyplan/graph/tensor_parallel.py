@@ -44,6 +44,8 @@ __all__ = [
     "derive_tp_plan",
     "local_module",
     "read_tp_plan",
+    "restrict_tp_plan",
+    "shard_sizes",
 ]
 
 # torchtitan's vocabulary of styles (torch.distributed.tensor.parallel), what a --tp-plan file may name.
@@ -646,11 +648,10 @@ def _replace_weight(
 
 def local_module(graph: LayerGraph, plan: TpPlan, degree: int, rank: int = 0) -> fx.GraphModule:
     """Rank `rank`'s GraphModule at tensor-parallel degree `degree`: the split layers hold the rank's shards (column
-    Linears a slice of their outputs, of each fused piece; row Linears a slice of their inputs and the whole bias,
-    which only one rank should add — `bias_rank`; embeddings a slice of the vocabulary; output layers a slice of
-    their outputs), and the size arguments of sharded dimensions infer them. The collectives are not in it: the
-    runtime's styles add them, the profile prices them (pyplan/profile/tensor_parallel.py). The original graph and
-    model are untouched."""
+    Linears a slice of their outputs, of each fused piece; row Linears a slice of their inputs and the whole bias;
+    embeddings a slice of the vocabulary; output layers a slice of their outputs), and the size arguments of
+    sharded dimensions infer them (`shard_sizes`). The collectives are not in it: the runtime's styles add them,
+    the profile prices them (pyplan/profile/tensor_parallel.py). The original graph and model are untouched."""
     gm = fx.GraphModule(graph.module, copy.deepcopy(graph.module.graph))
     nodes = {n.name: n for n in gm.graph.nodes}
     r = _Reader(graph)
@@ -666,16 +667,26 @@ def local_module(graph: LayerGraph, plan: TpPlan, degree: int, rank: int = 0) ->
                 _replace_weight(
                     gm, nodes[name], lambda t, key: _shard(t, 1, degree, rank) if key == "weight" else t, made
                 )
-        for node, index in region.edits:
-            _edit(nodes[node], index, len(graph.node(node).outputs))
     for e in plan.embeddings:
         if e.splits_at(degree):
             _replace_weight(gm, nodes[e.node], lambda t, key: _shard(t, 0, degree, rank), made)
     for o in plan.output_layers:
         if o.splits_at(degree):
             _replace_weight(gm, nodes[o.node], lambda t, key: _shard(t, 0, degree, rank), made)
-    gm.recompile()
+    shard_sizes(gm, graph, plan, degree)
     return gm
+
+
+def shard_sizes(gm: fx.GraphModule, graph: LayerGraph, plan: TpPlan, degree: int) -> None:
+    """Rewrite `gm` (the captured GraphModule of `graph`, or a copy with the same node names) in place so that it
+    runs on one rank's slices at `degree`: every size argument that names a sharded dimension infers it (-1), and a
+    fused Linear's output splits into its pieces whatever their size (a chunk). Weights are not touched."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for region in plan.regions:
+        if region.splits_at(degree):
+            for node, index in region.edits:
+                _edit(nodes[node], index, len(graph.node(node).outputs))
+    gm.recompile()
 
 
 def _edit(n: fx.Node, index: int, pieces: int) -> None:
@@ -704,10 +715,9 @@ def _edit(n: fx.Node, index: int, pieces: int) -> None:
 # A plan written by the user
 
 
-def read_tp_plan(path: str | Path, graph: LayerGraph) -> dict[str, str]:
-    """A --tp-plan file: a JSON object of module name -> style (torchtitan's names). Checked against the model:
-    every module exists and the style fits it (a Linear takes ColwiseParallel or RowwiseParallel, an Embedding
-    RowwiseParallel, a norm SequenceParallel). Raises PlanError naming the problem."""
+def read_tp_plan(path: str | Path) -> dict[str, str]:
+    """A --tp-plan file: a JSON object of module name -> style (torchtitan's names, `STYLES`). Raises PlanError
+    naming the problem; `restrict_tp_plan` checks it against the model."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
@@ -717,10 +727,17 @@ def read_tp_plan(path: str | Path, graph: LayerGraph) -> dict[str, str]:
     if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
         raise PlanError(f"the TP plan {path} must be a JSON object of module name -> style, e.g. "
                         '{"layers.0.mlp.fc1": "ColwiseParallel"}')  # fmt: skip
-    kinds = _module_kinds(graph)
     for module, style in data.items():
         if style not in STYLES:
             raise PlanError(f"TP plan: unknown style '{style}' for '{module}'; choose one of {', '.join(STYLES)}")
+    return dict(data)
+
+
+def _check_styles(styles: Mapping[str, str], graph: LayerGraph) -> None:
+    """Every module of `styles` exists in the model and its style fits it (a Linear takes ColwiseParallel or
+    RowwiseParallel, an Embedding RowwiseParallel, a norm SequenceParallel)."""
+    kinds = _module_kinds(graph)
+    for module, style in styles.items():
         if module not in kinds:
             close = [m for m in kinds if m.endswith(module.rpartition(".")[2])][:3]
             hint = f"; close: {', '.join(close)}" if close else ""
@@ -730,7 +747,6 @@ def read_tp_plan(path: str | Path, graph: LayerGraph) -> dict[str, str]:
         if style not in fits:
             takes = "it takes " + " or ".join(fits) if fits else "only Linear, Embedding and norm modules split"
             raise PlanError(f"TP plan: {style} does not fit '{module}' (a {kinds[module]}); {takes}")
-    return dict(data)
 
 
 def _module_kinds(graph: LayerGraph) -> dict[str, str]:
@@ -744,3 +760,36 @@ def _module_kinds(graph: LayerGraph) -> dict[str, str]:
             leaf = path.rpartition(".")[2].lower()
             kinds[path] = "norm" if "norm" in leaf or leaf.startswith("ln") else "other"
     return kinds
+
+
+def restrict_tp_plan(plan: TpPlan, styles: Mapping[str, str], graph: LayerGraph) -> TpPlan:
+    """`plan` (derived from `graph`) cut down to what a user's `styles` (read_tp_plan's) ask for: a region splits
+    when all its column Linears are given ColwiseParallel and all its row Linears RowwiseParallel, an embedding
+    when given RowwiseParallel, an output layer ColwiseParallel. A module the model lacks, a style that does not fit
+    it, or a split pyplan cannot follow: PlanError naming the module and the reason."""
+    _check_styles(styles, graph)
+    expected: dict[str, str] = {}
+    for r in plan.regions:
+        expected.update(dict.fromkeys(r.columns, "ColwiseParallel"))
+        expected.update(dict.fromkeys(r.rows, "RowwiseParallel"))
+    expected.update({e.module: "RowwiseParallel" for e in plan.embeddings})
+    expected.update({o.module: "ColwiseParallel" for o in plan.output_layers})
+    for module, style in styles.items():
+        if style == "SequenceParallel":
+            raise PlanError(f"TP plan: sequence parallelism ('{module}') is not planned yet; leave it out")
+        if module not in expected:
+            why = plan.replicated.get(module, "it is not a Linear or Embedding on the model's main path")
+            raise PlanError(f"TP plan: pyplan cannot split '{module}': {why}")
+        if style != expected[module]:
+            raise PlanError(f"TP plan: '{module}' splits as {expected[module]} in the model's graph, not {style}")
+    for r in plan.regions:
+        named = [m for m in r.columns + r.rows if m in styles]
+        if named and len(named) < len(r.columns + r.rows):
+            missing = next(m for m in r.columns + r.rows if m not in styles)
+            raise PlanError(f"TP plan: '{named[0]}' splits only with '{missing}' ({expected[missing]}); name both")
+    return TpPlan(
+        tuple(r for r in plan.regions if r.columns[0] in styles),
+        tuple(e for e in plan.embeddings if e.module in styles),
+        tuple(o for o in plan.output_layers if o.module in styles),
+        {m: why for m, why in plan.replicated.items()},
+    )

@@ -7,7 +7,7 @@ import json
 import math
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +212,22 @@ class Cluster:
         """Tensor-parallel degrees whose groups tile every node (divisors of the common node size)."""
         common = math.gcd(*(g.gpus_per_node for g in self.groups))
         return tuple(t for t in range(1, common + 1) if common % t == 0)
+
+    def tensor_parallel_groups(self, degree: int) -> Cluster:
+        """The cluster as a search over tensor-parallel groups sees it: each group of `degree` consecutive GPUs of a
+        node (they split every layer) in place of one GPU, so gpus_per_node / degree of them per node, at `degree`
+        times the price. A group's pipeline sends and data-parallel collectives are its GPUs' own, side by side on
+        their own links (per GPU, as the catalog's figures are), so the links stay as they are."""
+        if len(self.groups) != 1:
+            raise PlanError("tensor parallelism is planned on a cluster of one node group")
+        group = self.groups[0]
+        if degree < 1 or group.gpus_per_node % degree:
+            raise PlanError(
+                f"tensor parallelism {degree} must divide the {group.gpus_per_node} GPUs of a node (its layers stay "
+                "inside a node)"
+            )
+        price = None if group.price_per_gpu_hour is None else group.price_per_gpu_hour * degree
+        return Cluster((replace(group, gpus_per_node=group.gpus_per_node // degree, price_per_gpu_hour=price),))
 
     # --- Price -----------------------------------------------------------------------------------------------
 

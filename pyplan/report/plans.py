@@ -57,6 +57,7 @@ def _columns(plans: Sequence[Plan], *, short_names: bool, fold_v: bool) -> list[
         _Column("#", ["best" if i == 0 else str(i) for i in range(len(plans))]),
         _Column("GPUs", [str(x.num_gpus) for x in lays]),
         _Column("dp", [str(x.dp) for x in lays]),
+        _Column("tp", [str(x.tp) for x in lays]),
         _Column("pp", pp),
         _Column("v", [str(x.stages_per_rank) for x in lays]),
         _Column("micro-batch", [str(x.micro_batch_size) for x in lays]),
@@ -72,6 +73,8 @@ def _columns(plans: Sequence[Plan], *, short_names: bool, fold_v: bool) -> list[
     ]
     if fold_v:
         columns = [c for c in columns if c.name != "v"]
+    if all(x.tp == 1 for x in lays):
+        columns = [c for c in columns if c.name != "tp"]
     if all(c == "-" for c in columns[-1].cells):
         columns.pop()  # no prices: no cost column
     return columns

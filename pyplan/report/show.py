@@ -260,6 +260,11 @@ STAGE_COLUMNS = (
 )
 
 
+def tp_text(lay: dict[str, Any]) -> str:
+    """'tp T x ' for a layout with tensor parallelism, else ''."""
+    return f"tp {lay['tp']} x " if lay.get("tp", 1) > 1 else ""
+
+
 def summary_rows(data: dict[str, Any]) -> list[tuple[str, str]]:
     """What the plan is, as (name, value) lines: model, GPUs, layout, batch, schedule."""
     lay, cl, w = data["layout"], data["cluster"], data["workload"]
@@ -268,7 +273,7 @@ def summary_rows(data: dict[str, Any]) -> list[tuple[str, str]]:
         ("GPUs", f"{lay['num_gpus']} of {cl['gpus']} x {cl['gpu']} ({cl['gpus_per_node']} per node)"),
         (
             "layout",
-            f"dp {lay['dp']} x pp {lay['pp']}, {lay['stages_per_rank']} stage(s) per rank, "
+            f"dp {lay['dp']} x {tp_text(lay)}pp {lay['pp']}, {lay['stages_per_rank']} stage(s) per rank, "
             f"placement {lay['placement']}",
         ),
         (

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pyplan.errors import PlanError
-from pyplan.graph.tensor_parallel import derive_tp_plan, local_module, read_tp_plan
+from pyplan.graph.tensor_parallel import TpPlan, derive_tp_plan, local_module, read_tp_plan, restrict_tp_plan
 from pyplan.graph.trace import Examples, graph_of, trace
 from pyplan.load import load_model
 
@@ -132,27 +132,35 @@ def test_a_rank_of_the_llama_reshapes_its_heads_itself(llama) -> None:
 
 def test_a_tp_plan_file_is_checked_against_the_model(gpt, tmp_path: Path) -> None:
     graph, _ = gpt
+    plan = derive_tp_plan(graph)
     path = tmp_path / "tp.json"
 
-    def read(data: object) -> dict[str, str]:
+    def use(data: object) -> TpPlan:
         path.write_text(json.dumps(data))
-        return read_tp_plan(path, graph)
+        return restrict_tp_plan(plan, read_tp_plan(path), graph)
 
-    good = {"transformer.h.0.mlp.c_fc": "ColwiseParallel", "transformer.h.0.mlp.c_proj": "RowwiseParallel",
-            "transformer.wte": "RowwiseParallel", "transformer.h.0.ln_2": "SequenceParallel"}  # fmt: skip
-    assert read(good) == good
+    mlp = {"transformer.h.0.mlp.c_fc": "ColwiseParallel", "transformer.h.0.mlp.c_proj": "RowwiseParallel"}
+    got = use({**mlp, "transformer.wte": "RowwiseParallel", "lm_head": "ColwiseParallel"})
+    assert [r.columns for r in got.regions] == [("transformer.h.0.mlp.c_fc",)]
+    assert set(got.styles(2)) == {*mlp, "transformer.wte", "lm_head"}
     with pytest.raises(PlanError, match=r"^TP plan: the model has no module 'transformer.h.0.mlp.fc'"):
-        read({"transformer.h.0.mlp.fc": "ColwiseParallel"})
+        use({"transformer.h.0.mlp.fc": "ColwiseParallel"})
     with pytest.raises(PlanError, match=r"unknown style 'Colwise' for '[a-z0-9_.]+'; choose one of ColwiseParallel"):
-        read({"transformer.h.0.mlp.c_fc": "Colwise"})
+        use({"transformer.h.0.mlp.c_fc": "Colwise"})
     with pytest.raises(PlanError, match=r"SequenceParallel does not fit 'transformer.h.0.mlp.c_fc' \(a linear\)"):
-        read({"transformer.h.0.mlp.c_fc": "SequenceParallel"})
+        use({"transformer.h.0.mlp.c_fc": "SequenceParallel"})
     with pytest.raises(PlanError, match=r"ColwiseParallel does not fit 'transformer.wte' \(a embedding\)"):
-        read({"transformer.wte": "ColwiseParallel"})
+        use({"transformer.wte": "ColwiseParallel"})
+    with pytest.raises(PlanError, match=r"'transformer.h.0.mlp.c_fc' splits as ColwiseParallel .*, not Rowwise"):
+        use({"transformer.h.0.mlp.c_fc": "RowwiseParallel"})
+    with pytest.raises(PlanError, match=r"'transformer.h.0.mlp.c_fc' splits only with 'transformer.h.0.mlp.c_proj'"):
+        use({"transformer.h.0.mlp.c_fc": "ColwiseParallel"})
+    with pytest.raises(PlanError, match=r"sequence parallelism \('transformer.h.0.ln_2'\) is not planned yet"):
+        use({"transformer.h.0.ln_2": "SequenceParallel"})
     with pytest.raises(PlanError, match=r"must be a JSON object of module name -> style"):
-        read(["transformer.wte"])
+        use(["transformer.wte"])
     path.write_text("{")
     with pytest.raises(PlanError, match=r"is not JSON"):
-        read_tp_plan(path, graph)
+        read_tp_plan(path)
     with pytest.raises(PlanError, match=r"cannot read the TP plan"):
-        read_tp_plan(tmp_path / "missing.json", graph)
+        read_tp_plan(tmp_path / "missing.json")

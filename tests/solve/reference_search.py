@@ -8,6 +8,7 @@ partition of the chain: per configuration it keeps the partition with the least 
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -121,22 +122,25 @@ class Outcome:
     num_candidates: int
 
 
-def _gpu(placement: str, d: int, p: int, k: int, r: int) -> int:
-    return k * p + r if placement == "pp-inner" else r * d + k
+def _gpu(placement: str, d: int, p: int, k: int, r: int, tp: int = 1) -> int:
+    """The first GPU of replica k's pipeline rank r; with tensor parallelism its tp GPUs follow it."""
+    return (k * p + r if placement == "pp-inner" else r * d + k) * tp
 
 
-def _pipeline_inter(d: int, p: int, v: int, g: int, placement: str) -> bool:
+def _pipeline_inter(d: int, p: int, v: int, g: int, placement: str, tp: int = 1) -> bool:
     pairs = [(r, r + 1) for r in range(p - 1)] + ([(p - 1, 0)] if v > 1 and p > 1 else [])
-    return any(_gpu(placement, d, p, k, a) // g != _gpu(placement, d, p, k, b) // g for k in range(d) for a, b in pairs)
+    node = functools.partial(_gpu, placement, d, p, tp=tp)
+    return any(node(k, a) // g != node(k, b) // g for k in range(d) for a, b in pairs)
 
 
-def _dp_shape(d: int, p: int, g: int, placement: str) -> tuple[int, int]:
-    """(g', n'): the same g' members of every dp group in each of n' nodes, else a flat ring (1, d)."""
+def _dp_shape(d: int, p: int, g: int, placement: str, tp: int = 1) -> tuple[int, int]:
+    """(g', n'): the same g' members of every dp group in each of n' nodes, else a flat ring (1, d). With tensor
+    parallelism, the group of each tp index (their nodes are alike)."""
     counts = set()
     for r in range(p):
         per_node: dict[int, int] = {}
         for k in range(d):
-            node = _gpu(placement, d, p, k, r) // g
+            node = _gpu(placement, d, p, k, r, tp) // g
             per_node[node] = per_node.get(node, 0) + 1
         counts |= set(per_node.values())
     if len(counts) == 1:
@@ -157,9 +161,10 @@ class _Config:
     placement: str
 
 
-def _configurations(num_blocks: int, hw: Hardware, space: Space) -> list[_Config]:
-    """Every (d, p, b, m, schedule, ZeRO stage, placement) of search.h's enumeration, deduplicated alike."""
-    n, batch = hw.num_gpus, space.global_batch
+def _configurations(num_blocks: int, hw: Hardware, space: Space, tp: int = 1) -> list[_Config]:
+    """Every (d, p, b, m, schedule, ZeRO stage, placement) of search.h's enumeration, deduplicated alike; with
+    tensor parallelism d·p groups of tp GPUs."""
+    n, batch = hw.num_gpus // tp, space.global_batch
     out = []
     for d in range(1, n + 1):
         for p in range(1, n // d + 1):
@@ -191,13 +196,14 @@ class Bound:
     bytes: float
 
 
-def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> Planned | float | Bound:
-    """The planned configuration, or the memory its fullest GPU would need when it does not fit."""
+def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config, tp: int = 1) -> Planned | float | Bound:
+    """The planned configuration, or the memory its fullest GPU would need when it does not fit. With tensor
+    parallelism `chain` is what one of the tp GPUs of each group runs, and every one of them pays."""
     num_blocks = len(chain.fwd_alpha_s)
     param_b, grad_b, optim_b = space.bytes_per_param
-    inter = c.p > 1 and _pipeline_inter(c.d, c.p, c.v, hw.gpus_per_node, c.placement)
+    inter = c.p > 1 and _pipeline_inter(c.d, c.p, c.v, hw.gpus_per_node, c.placement, tp)
     link = hw.inter if inter else hw.intra
-    shape = _dp_shape(c.d, c.p, hw.gpus_per_node, c.placement)
+    shape = _dp_shape(c.d, c.p, hw.gpus_per_node, c.placement, tp)
 
     intra_c, inter_c = hw.intra_collective or hw.intra, hw.inter_collective or hw.inter
     host = hw.host
@@ -313,15 +319,16 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config) -> P
 
     optimizer = max(optimizer_s(r) for r in range(c.p))
     t = sim.makespan_s + exposed + optimizer + host.step_s
-    cost = c.d * c.p * hw.price_per_gpu_s * t
+    cost = c.d * c.p * tp * hw.price_per_gpu_s * t
     objective = {"time": t, "cost": cost, "weighted": cost + space.weight * t}[space.objective]
     return Planned(c.d, c.p, c.b, c.m, c.schedule, c.zero, c.placement, cuts, t, cost, max(rank_mem), objective)
 
 
-def search_brute_force(chain: ProfiledChain, hw: Hardware, space: Space) -> Outcome:
-    """Every configuration with the closed-form-best of every contiguous partition, simulated."""
-    configs = _configurations(len(chain.fwd_alpha_s), hw, space)
-    results = [_evaluate(chain, hw, space, c) for c in configs]
+def search_brute_force(chain: ProfiledChain, hw: Hardware, space: Space, tp: int = 1) -> Outcome:
+    """Every configuration with the closed-form-best of every contiguous partition, simulated; with `tp`, on
+    groups of tp consecutive GPUs (inside a node), each running `chain` (one tensor-parallel rank's blocks)."""
+    configs = _configurations(len(chain.fwd_alpha_s), hw, space, tp)
+    results = [_evaluate(chain, hw, space, c, tp) for c in configs]
     feasible = [r for r in results if isinstance(r, Planned)]
     needs = [r for r in results if isinstance(r, float)]
     bounds = [r.bytes for r in results if isinstance(r, Bound)]

@@ -1,0 +1,124 @@
+"""Plans with tensor parallelism: the search over degrees is the best of each degree's search, a degree that splits
+nothing is one line, and a tp layout reaches plan.json, `pyplan show` and the config emitters (the training script
+refuses it, in one line, until the runtime runs it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import pyplan
+from pyplan.api import search
+from pyplan.cli.main import main
+from pyplan.errors import PlanError
+from pyplan.hardware import Cluster
+from pyplan.load import load_model
+from pyplan.plan import Layout, Workload
+
+CLUSTER = Cluster.from_catalog("a100-80g", 8)
+WORKLOAD = Workload(global_batch=16, precision="bf16-mixed")
+
+
+def _gpt():
+    spec = load_model("zoo:gpt-tiny")
+    with torch.device("meta"):
+        return spec, spec.build()
+
+
+def _objective(p: pyplan.Plan) -> tuple[float, int, float]:
+    return (p.predicted.iteration_s, p.layout.num_gpus, p.predicted.peak_memory_bytes)
+
+
+def test_the_search_over_degrees_is_the_best_of_each_degree() -> None:
+    spec, model = _gpt()
+    kw = dict(loss=spec.loss, target=spec.target, stage_dag=False, top_k=4)
+    every = search(model, spec.example_inputs, CLUSTER, WORKLOAD, tensor_parallel=(1, 2, 4), **kw)
+    alone = {
+        t: search(model, spec.example_inputs, CLUSTER, WORKLOAD, tensor_parallel=(t,), chain=every.chain, **kw)
+        for t in (1, 2, 4)
+    }
+    for t, found in alone.items():
+        assert {p.layout.tp for p in (found.best, *found.alternatives)} == {t}
+        if t > 1:
+            assert found.best.layout.tp_plan and set(found.best.layout.tp_plan.values()) == {
+                "ColwiseParallel",
+                "RowwiseParallel",
+            }
+    merged = sorted(
+        (p for f in alone.values() for p in (f.best, *f.alternatives)), key=_objective
+    )  # the tie-break of `search` after the objective: fewer GPUs, less memory
+    got = [every.best, *every.alternatives]
+    assert [_objective(p) for p in got] == [_objective(p) for p in merged[: len(got)]]
+    assert every.candidates == sum(f.candidates for f in alone.values())
+    # Split layers hold less on each GPU: the same layout with tp 2 keeps the split weights' halves (all of
+    # gpt-tiny's but its LayerNorms, row biases and position embedding).
+    pins = dict(data_parallel=(4,), pipeline_ranks=(1,), zero_stages=(0,), **kw)
+    one, two = (
+        search(model, spec.example_inputs, CLUSTER, WORKLOAD, tensor_parallel=(t,), chain=every.chain, **pins).best
+        for t in (1, 2)
+    )
+    assert (one.layout.num_gpus, two.layout.num_gpus) == (4, 8)
+    assert 0.5 < two.stages[0].state_bytes / one.stages[0].state_bytes < 0.55
+
+
+def test_a_degree_that_splits_nothing_is_one_line() -> None:
+    spec = pyplan.ModelSpec(
+        name="odd",
+        build=lambda: nn.Sequential(nn.Linear(6, 9), nn.ReLU(), nn.Linear(9, 6)),
+        example_inputs=lambda b: (torch.randn(b, 6),),
+    )
+    with torch.device("meta"):
+        model = spec.build()
+    with pytest.raises(PlanError, match=r"^tensor parallelism 2 splits no layer of the model: 2 does not divide 9"):
+        search(model, spec.example_inputs, CLUSTER, WORKLOAD, tensor_parallel=(2,))
+    with pytest.raises(PlanError, match=r"^tensor parallelism 3 must divide the 8 GPUs of a node"):
+        search(model, spec.example_inputs, CLUSTER, WORKLOAD, tensor_parallel=(1, 3))
+    with pytest.raises(PlanError, match=r"tensor_parallel takes whole numbers of at least 1"):
+        search(model, spec.example_inputs, CLUSTER, WORKLOAD, tensor_parallel=(0,))
+    with pytest.raises(PlanError, match=r"analytic profile; give --gpu NAME"):
+        search(spec.build(), spec.example_inputs, Cluster.from_catalog("local", 2), Workload(global_batch=4),
+               tensor_parallel=(2,))  # fmt: skip
+
+
+def test_a_tp_layout_is_checked_and_read_back() -> None:
+    base = dict(dp=1, pp=1, micro_batch_size=1, num_microbatches=1, schedule="1F1B", cut_positions=(0, 5))
+    layout = Layout(**base, tp=2, tp_plan={"fc1": "ColwiseParallel", "fc2": "RowwiseParallel"})
+    assert layout.num_gpus == 2
+    assert Layout.from_json(json.loads(json.dumps(layout.to_json()))) == layout
+    assert "tp" not in Layout(**base).to_json()  # a plan without tensor parallelism reads as before
+    with pytest.raises(PlanError, match=r"a layout with tp 2 needs a tp_plan"):
+        Layout(**base, tp=2)
+    with pytest.raises(PlanError, match=r"tp_plan maps module names to ColwiseParallel"):
+        Layout(**base, tp=2, tp_plan={"fc1": "Colwise"})
+    with pytest.raises(PlanError, match=r"tp must be a positive whole number"):
+        Layout(**base, tp=0)
+
+
+def test_the_cli_plans_shows_and_emits_a_tp_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = tmp_path / "plan.json"
+    argv = ["plan", "zoo:gpt-tiny", "--gpu", "a100-80g", "--gpus", "8", "--global-batch", "16",
+            "--precision", "bf16-mixed", "--tp", "2", "--dp", "4", "--top", "1", "--out", str(plan)]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert " tp " in out.splitlines()[2] or "┃ tp ┃" in out
+    layout = json.loads(plan.read_text())["plan"]
+    assert (layout["dp"], layout["tp"]) == (4, 2)
+    assert main(["show", str(plan)]) == 0
+    assert "dp 4 x tp 2 x pp 1" in capsys.readouterr().out
+    assert main(["emit", str(plan), "--format", "megatron"]) == 0
+    assert "--tensor-model-parallel-size 2" in capsys.readouterr().out
+    assert main(["emit", str(plan), "--format", "torchtitan"]) == 0
+    assert "tensor_parallel_degree = 2" in capsys.readouterr().out
+    assert main(["emit", str(plan), "-o", str(tmp_path / "train.py")]) == 2
+    assert "does not run yet" in capsys.readouterr().err
+    assert not (tmp_path / "train.py").exists()
+    assert main(["plan", "zoo:gpt-tiny", "--gpu", "a100-80g", "--gpus", "8", "--tp", "two"]) == 2
+    assert "--tp takes auto, a degree or degrees" in capsys.readouterr().err
+    (tmp_path / "tp.json").write_text('{"transformer.h.0.mlp.c_fc": "ColwiseParallel"}')
+    argv = ["plan", "zoo:gpt-tiny", "--gpu", "a100-80g", "--gpus", "8", "--tp-plan", str(tmp_path / "tp.json")]
+    assert main(argv) == 2
+    assert "add --tp auto or --tp DEGREE" in capsys.readouterr().err
