@@ -1,10 +1,10 @@
 """Solve time of the plan search and of the stage partition; prints a table.
 
-Run: `python benchmarks/solver.py`. Targets: a 1,000-block chain for 1,024
-GPUs (8 per node) with every schedule and ZeRO stage in under 1 s; a 100-block chain for 64 GPUs in under
-50 ms; the same two with tensor parallelism (one search per degree 1, 2, 4, 8) under 2 s and 100 ms. Also: how solve time grows with L, N and the number of micro-batch sizes, one partition of the
-1,000-block chain as that search makes it, and the C++ partition against a straightforward Python
-implementation of the same exact DP.
+Run: `python benchmarks/solver.py`. Targets: a 1,000-block chain for 1,024 GPUs (8 per node) with every schedule
+and ZeRO stage in under 1 s; a 100-block chain for 64 GPUs in under 50 ms; the same two with tensor parallelism
+(one search per degree 1, 2, 4, 8) under 2 s and 100 ms. Also: how solve time grows with L, N and the number of
+micro-batch sizes, one partition of the 1,000-block chain as that search makes it, and the C++ partition against a
+straightforward Python implementation of the same exact DP.
 
 The chains are GPT-like: block i of ~100e9/L parameters with ±25 % variation, sequence 2048, hidden 8192,
 timed at 40 % of 1 PFLOP/s; the cluster has 80 GB GPUs, NVLink-class 300 GB/s inside a node and 25 GB/s

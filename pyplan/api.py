@@ -16,7 +16,7 @@ from pyplan import _core
 from pyplan._torch import is_meta_module
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.graph.chain import Block, Chain
-from pyplan.graph.layergraph import Piecewise
+from pyplan.graph.layergraph import Affine, Piecewise
 from pyplan.graph.tensor_parallel import TpPlan, derive_tp_plan, restrict_tp_plan
 from pyplan.graph.trace import ExampleInputs, Examples, LeafSpec
 from pyplan.hardware.catalog import GPU, Link
@@ -34,7 +34,7 @@ from pyplan.plan import (
     StagePlan,
     Workload,
 )
-from pyplan.profile.capture import add_loss, chain_at_degree, chain_for, is_local, pricing
+from pyplan.profile.capture import add_loss, chain_at_degree, chain_for, is_local, pricing, tp_comm_times
 from pyplan.profile.host import local_host_costs
 from pyplan.profile.loss import LossFn, TargetFn, remat_with_loss, with_loss
 from pyplan.profile.measure import CheckpointCosts, checkpoint_call_s, checkpoint_costs
@@ -245,10 +245,11 @@ def search(
         say("searching")
         every, plain, relaxed, refiner = how.plans(chain, cluster, say)
         runs.append((plain, relaxed))
-    for degree, chain_t, cluster_t, styles in _tensor_parallel(bare, chain, tensor_parallel, tp_plan, how, cluster):
+    for degree, chain_t, cluster_t, styles, comm in _tensor_parallel(bare, chain, tensor_parallel, tp_plan, how,
+                                                                     cluster):  # fmt: skip
         say(f"tensor parallelism {degree}")
         found_t, plain_t, relaxed_t, _ = how.plans(chain_t, cluster_t, lambda step: None, no_zero3=True)
-        every += [replace(p, layout=replace(p.layout, tp=degree, tp_plan=styles)) for p in found_t]
+        every += [_with_tp(p, degree, styles, comm) for p in found_t]
         runs.append((plain_t, relaxed_t))
     plain, relaxed = runs[0]
     if not every:
@@ -307,10 +308,11 @@ def _tensor_parallel(
     styles: Mapping[str, str] | None,
     how: _How,
     cluster: Cluster,
-) -> Iterator[tuple[int, Chain, Cluster, dict[str, str]]]:
+) -> Iterator[tuple[int, Chain, Cluster, dict[str, str], list[tuple[Affine, Affine]]]]:
     """Each degree above 1 that splits a layer: the chain one rank of it runs (with the loss of `chain`, on the
     gathered output, as one process runs it), the cluster as the search sees it (a tensor-parallel group of t GPUs
-    in place of each GPU: t times the price, g/t of them per node), and the styles the runtime applies."""
+    in place of each GPU: t times the price, g/t of them per node), the styles the runtime applies, and each
+    block's collectives (forward, backward seconds)."""
     wanted = [t for t in degrees if t > 1]
     if not wanted:
         return
@@ -329,7 +331,21 @@ def _tensor_parallel(
         chain_t = chain_at_degree(bare, plan, t, how.examples, cluster, how.workload)
         if chain.loss is not None:
             chain_t = with_loss(chain_t, chain.loss)
-        yield t, chain_t, cluster.tensor_parallel_groups(t), plan.styles(t)
+        comm = tp_comm_times(bare, plan, t, cluster, how.workload)
+        yield t, chain_t, cluster.tensor_parallel_groups(t), plan.styles(t), comm
+
+
+def _with_tp(p: Plan, degree: int, styles: dict[str, str], comm: Sequence[tuple[Affine, Affine]]) -> Plan:
+    """A plan of the search at `degree` as what it is: its layout's tp and styles, each stage's collectives per
+    micro-batch, the busiest stage's per iteration."""
+    b, lay = p.layout.micro_batch_size, p.layout
+    stages = tuple(
+        replace(st, tp_comm_s=sum(comm[i][0](b) + comm[i][1](b) for i in range(st.first_block, st.last_block + 1)))
+        for st in p.stages
+    )
+    busiest = max(stages, key=lambda st: st.time_s)
+    predicted = replace(p.predicted, tp_comm_s=lay.num_microbatches * busiest.tp_comm_s)
+    return replace(p, layout=replace(lay, tp=degree, tp_plan=styles), stages=stages, predicted=predicted)
 
 
 def _no_split(plan: TpPlan, t: int) -> str:

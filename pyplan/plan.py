@@ -111,6 +111,8 @@ class StagePlan:
     `transfer_s` per micro-batch, less `checkpoint_forward_s`. Of `recompute_s`, `checkpoint_s` is what the
     checkpoints cost beyond running blocks again (their calls, torch's hooks on saved tensors), and
     `checkpoint_forward_s` the part of that paid in their first, non-saving pass, which `forward_s` includes.
+    With tensor parallelism `tp_comm_s` is the split layers' collectives per micro-batch, forward and backward,
+    which `forward_s` and `backward_s` include.
     """
 
     first_block: int
@@ -129,6 +131,7 @@ class StagePlan:
     buffer_bytes: float = 0.0  # receive buffers, the last input gradient, the batch, a kept send (in memory_bytes)
     unmade_grad_bytes: float = 0.0  # gradients of state_bytes not yet made at the peak (taken off memory_bytes)
     optimizer_step_bytes: float = 0.0  # the optimizer step's temporaries beside state and buffers (see memory_bytes)
+    tp_comm_s: float = 0.0  # tensor parallelism's collectives per micro-batch (in forward_s and backward_s)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -182,6 +185,7 @@ class Prediction:
     cost_per_epoch: float | None = None
     recompute_s: float = 0.0  # recomputation and exposed offload transfers on the busiest stage, per iteration
     host_step_s: float = 0.0  # the runtime's per-step host cost (zero_grad, schedule set-up), in iteration_s
+    tp_comm_s: float = 0.0  # tensor parallelism's collectives on the busiest stage, per iteration (in pipeline_s)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -108,7 +108,13 @@ def test_the_cli_plans_shows_and_emits_a_tp_plan(tmp_path: Path, capsys: pytest.
     layout = json.loads(plan.read_text())["plan"]
     assert (layout["dp"], layout["tp"]) == (4, 2)
     assert main(["show", str(plan)]) == 0
-    assert "dp 4 x tp 2 x pp 1" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "dp 4 x tp 2 x pp 1" in shown and "tensor-parallel communication" in shown
+    assert main(["show", str(plan), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    stage = data["stages"][0]
+    assert 0 < stage["tp_comm_s"] < stage["forward_s"] + stage["backward_s"]
+    assert data["time"]["tp_comm_s"] == pytest.approx(layout["num_microbatches"] * stage["tp_comm_s"])
     assert main(["emit", str(plan), "--format", "megatron"]) == 0
     assert "--tensor-model-parallel-size 2" in capsys.readouterr().out
     assert main(["emit", str(plan), "--format", "torchtitan"]) == 0

@@ -15,6 +15,7 @@ from torch import nn
 from pyplan._torch import is_meta_module
 from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
+from pyplan.graph.layergraph import Affine
 from pyplan.graph.linearize import linearize
 from pyplan.graph.tensor_parallel import TpPlan
 from pyplan.graph.trace import ExampleInputs, Examples, LeafSpec, trace
@@ -215,14 +216,22 @@ def chain_at_degree(
         return chain
     examples = Examples(example_inputs)
     profiled, _ = target.profile(local_chain(chain, plan, degree, examples), examples)
-    latency_s, bw = cluster.groups[0].intra_link.collective
-    scale = 0.5 if workload.precision != "fp32" else 1.0  # as api's activation scale: traced fp32, kept 16-bit
-    times = collective_times(collective_bytes(chain, plan, degree), degree, latency_s, bw, scale)
+    times = tp_comm_times(chain, plan, degree, cluster, workload)
     blocks = [
         replace(b, fwd_time_s=b.fwd_time_s + f, bwd_time_s=b.bwd_time_s + g)
         for b, (f, g) in zip(profiled.blocks, times, strict=True)
     ]
     return replace(profiled, blocks=blocks)
+
+
+def tp_comm_times(
+    chain: Chain, plan: TpPlan, degree: int, cluster: Cluster, workload: Workload
+) -> list[tuple[Affine, Affine]]:
+    """Each block's tensor-parallel collectives at `degree`, forward and backward seconds as `α·b + β`, on the link
+    inside a node (pyplan/profile/tensor_parallel.py)."""
+    latency_s, bw = cluster.groups[0].intra_link.collective
+    scale = 0.5 if workload.precision != "fp32" else 1.0  # as api's activation scale: traced fp32, kept 16-bit
+    return collective_times(collective_bytes(chain, plan, degree), degree, latency_s, bw, scale)
 
 
 def add_loss(

@@ -92,8 +92,9 @@ def show_data(document: PlanFile) -> dict[str, Any]:
 
     Memory is per GPU of one pipeline (every data-parallel replica holds the same) against the GPU's whole
     memory (for `local` on a CPU, its share of the machine's). The time breakdown splits one iteration,
-    `iteration_s = compute_s + recompute_s + bubble_s + exposed_comm_s + optimizer_s`: compute (with
-    recompute, the busiest stage's recomputation and exposed offload transfers) and bubble are the pipeline's
+    `iteration_s = compute_s + recompute_s + tp_comm_s + bubble_s + exposed_comm_s + optimizer_s`: compute (with
+    recompute, the busiest stage's recomputation and exposed offload transfers, and tp_comm_s, its tensor-parallel
+    collectives) and bubble are the pipeline's
     makespan shared out by the predicted bubble fraction (the bubble includes waiting for sends), exposed
     communication is the gradient sync not hidden behind the backward, optimizer the step of the GPU with the
     most state.
@@ -146,6 +147,7 @@ def _stages_data(plan: Plan, ranks: Sequence[int]) -> list[dict[str, Any]]:
             "time_s": st.time_s,
             "in_flight": st.in_flight,
             "recompute_s": st.recompute_s + st.transfer_s,
+            "tp_comm_s": st.tp_comm_s,
             "remat": lay.remat[s].plan.describe() if lay.remat and lay.remat[s] is not None else None,
             "state_bytes": st.state_bytes,
             "activation_bytes": st.activation_bytes,
@@ -195,8 +197,9 @@ def _time_data(pred: Prediction) -> dict[str, Any]:
     """One iteration's time split into its parts (see `show_data`), with the pipeline's figures behind them."""
     return {
         "iteration_s": pred.iteration_s,
-        "compute_s": pred.pipeline_s * (1.0 - pred.bubble_fraction) - pred.recompute_s,
+        "compute_s": pred.pipeline_s * (1.0 - pred.bubble_fraction) - pred.recompute_s - pred.tp_comm_s,
         "recompute_s": pred.recompute_s,
+        "tp_comm_s": pred.tp_comm_s,
         "bubble_s": pred.pipeline_s * pred.bubble_fraction,
         "exposed_comm_s": pred.exposed_comm_s,
         "optimizer_s": pred.optimizer_s,
@@ -383,6 +386,7 @@ def time_rows(data: dict[str, Any]) -> list[tuple[str, float]]:
     return [
         ("compute", t["compute_s"]),
         ("recompute", t["recompute_s"]),
+        *([("tensor-parallel communication", t["tp_comm_s"])] if t["tp_comm_s"] else []),
         ("pipeline bubble", t["bubble_s"]),
         ("exposed communication", t["exposed_comm_s"]),
         ("optimizer", t["optimizer_s"]),
