@@ -14,10 +14,12 @@ from torch import nn
 import pyplan
 from pyplan.api import search
 from pyplan.cli.main import main
+from pyplan.emit.planfile import read_plan_file
 from pyplan.errors import PlanError
 from pyplan.hardware import Cluster
 from pyplan.load import load_model
 from pyplan.plan import Layout, Workload
+from pyplan.report.gantt import timeline
 
 CLUSTER = Cluster.from_catalog("a100-80g", 8)
 WORKLOAD = Workload(global_batch=16, precision="bf16-mixed")
@@ -115,6 +117,8 @@ def test_the_cli_plans_shows_and_emits_a_tp_plan(tmp_path: Path, capsys: pytest.
     stage = data["stages"][0]
     assert 0 < stage["tp_comm_s"] < stage["forward_s"] + stage["backward_s"]
     assert data["time"]["tp_comm_s"] == pytest.approx(layout["num_microbatches"] * stage["tp_comm_s"])
+    shares = timeline(read_plan_file(str(plan)).plan).tp_comm_share  # the Gantt chart's marks
+    assert shares == pytest.approx((stage["tp_comm_s"] / (stage["forward_s"] + stage["backward_s"]),))
     assert main(["emit", str(plan), "--format", "megatron"]) == 0
     assert "--tensor-model-parallel-size 2" in capsys.readouterr().out
     assert main(["emit", str(plan), "--format", "torchtitan"]) == 0

@@ -54,6 +54,8 @@ class Timeline:
     exposed_comm_s: float
     optimizer_s: float
     predicted_pipeline_s: float
+    # Per stage, the share of its forward and backward spent in tensor parallelism's collectives (0 without).
+    tp_comm_share: tuple[float, ...] = ()
 
     @property
     def events(self) -> tuple[Event, ...]:
@@ -78,6 +80,7 @@ class Timeline:
             "optimizer_s": self.optimizer_s,
             "events": [e._asdict() for e in sim.events],
             "sends": [vars(s) for s in self.sends],
+            "tp_comm_share": list(self.tp_comm_share),
         }
 
 
@@ -120,6 +123,7 @@ def timeline(plan: Plan) -> Timeline:
         exposed_comm_s=plan.predicted.exposed_comm_s,
         optimizer_s=plan.predicted.optimizer_s,
         predicted_pipeline_s=plan.predicted.pipeline_s,
+        tp_comm_share=tuple(s.tp_comm_s / (s.forward_s + s.backward_s) if s.tp_comm_s else 0.0 for s in stages),
     )
 
 
@@ -131,6 +135,7 @@ def event_gid(e: Event) -> str:
 # Row geometry, in row units around the row's centre y = rank (the axis is inverted: larger y is lower).
 _BOX = (-0.36, 0.62)  # compute boxes: offset of the top, height
 _SEND = (0.30, 0.10)  # the send strip under the boxes
+_TP = (-0.36, 0.12)  # the strip along a box's top: its share of tensor-parallel collectives
 _WIDTH_IN = 13.0
 # tab20's dark/light pairs, less its grey (pair 7), which sends, idle time, sync and the optimizer use;
 # more stages than pairs take their colours from the turbo map instead.
@@ -203,6 +208,10 @@ def _draw_compute(ax: Axes, tl: Timeline, palette: _Palette, scale: float) -> No
         face = light if e.op == "F" else dark
         hatch = "////" if e.op == "W" else None
         _draw_box(ax, x, w, e.rank, facecolor=face, hatch=hatch, linewidth=edge, gid=event_gid(e))
+        share = tl.tp_comm_share[e.stage] if tl.tp_comm_share and e.op != "W" else 0.0
+        if share > 0:  # the collectives interleave with the split layers' compute: shown as the box's share
+            ax.add_patch(Rectangle((x + w * (1 - share), e.rank + _TP[0]), w * share, _TP[1], facecolor="black",
+                                   edgecolor="none", gid=f"tp-{event_gid(e)}"))  # fmt: skip
         label = str(e.microbatch)
         if total > 0 and w / total * axes_in >= 0.05 + 0.065 * len(label):
             ax.text(
@@ -286,6 +295,8 @@ def _legend(fig: Figure, tl: Timeline, palette: _Palette, tail: _Tail) -> None:
         Patch(facecolor="#555555", alpha=0.6, label="send"),
         Patch(facecolor="#eeeeee", label="idle"),
     ]
+    if any(tl.tp_comm_share):
+        handles.append(Patch(facecolor="black", label="tensor-parallel collectives (share of the box)"))
     if any(e.op == "W" and e.end_s > e.start_s for e in tl.simulation.events):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="////", label="weight gradient"))
     handles += [
