@@ -27,6 +27,7 @@ __all__ = [
     "plain_codegen",
     "run_without_compute",
     "storage_key",
+    "strided_shard",
     "tensor_leaves",
     "torch_threads",
     "tree_flatten",
@@ -220,3 +221,12 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def strided_shard(dim: int, parts: int) -> Any:
+    """A DTensor placement that gives each rank the rank-th slice of each of `parts` equal pieces along `dim` (a
+    fused QKV's weight split over its heads). torch 2.13 has no public placement for it: `_StridedShard`
+    (torch.distributed.tensor.placement_types) is private."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=parts)

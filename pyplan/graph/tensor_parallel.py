@@ -576,6 +576,18 @@ def _untie(r: _Reader, plan: TpPlan) -> TpPlan:
     for node, lin in r.linears.items():
         if node not in split and id(lin.weight) in how:
             how[id(lin.weight)].add("whole")
+    # Any other reader of such a weight (an embedding with a padding index, which `_embedding` does not take, an
+    # operation on the weight itself) reads it whole.
+    splitting = split | {e.node for e in plan.embeddings}
+    for n in r.gm.graph.nodes:
+        held: list[Any] = []
+        if n.op == "get_attr" and any(u.name not in splitting for u in n.users):
+            held = [r._attr(n)]
+        elif n.op == "call_module" and n.name not in splitting:
+            held = list(r.gm.get_submodule(str(n.target)).parameters())
+        for w in held:
+            if id(w) in how:
+                how[id(w)].add("whole")
     bad = {w for w, ways in how.items() if len(ways) > 1}
     if not bad:
         return plan
@@ -585,7 +597,7 @@ def _untie(r: _Reader, plan: TpPlan) -> TpPlan:
     embeddings = [e for e in plan.embeddings if id(_weight_of(r, e.node)) not in bad]
     outputs = [o for o in plan.output_layers if id(r.linears[o.node].weight) not in bad]
     replicated = dict(plan.replicated)
-    for g in set(plan.regions) - set(regions):
+    for g in (g for g in plan.regions if g not in regions):  # regions hold dicts: not hashable
         replicated.update(dict.fromkeys(g.columns + g.rows, shared))
     replicated.update({x.module: shared for x in (*plan.embeddings, *plan.output_layers)
                        if x not in embeddings and x not in outputs})  # fmt: skip

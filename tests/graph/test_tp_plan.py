@@ -86,6 +86,9 @@ def test_a_bert_splits_its_self_attention_and_intermediate_layers() -> None:
     assert {f"bert.encoder.layer.1.attention.self.{x}" for x in ("query", "key", "value")} <= columns
     assert "bert.encoder.layer.1.attention.output.dense" in rows
     assert "bert.encoder.layer.1.intermediate.dense" in columns and "bert.encoder.layer.1.output.dense" in rows
+    # The decoder shares its weight with the word embedding, which a padding index keeps whole: both stay whole.
+    assert not plan.output_layers and not plan.embeddings
+    assert "tied" in plan.replicated["cls.predictions.decoder"]
 
 
 def test_what_has_no_megatron_pattern_stays_whole_with_the_reason() -> None:

@@ -1,0 +1,462 @@
+"""Tensor parallelism at run time: a captured GraphModule split over one DeviceMesh axis with DTensor's styles.
+
+`apply_tensor_parallel(graph, plan, mesh)` turns the captured module of `graph` into the module one rank of the
+tensor-parallel axis runs (Shoeybi et al. 2019, torchtitan's `parallelize_llama` on a captured graph):
+
+1. `shard_sizes` rewrites the size arguments of sharded dimensions, so the graph runs on a rank's slices;
+2. every Linear and Embedding the plan splits becomes a module call: torch.export captures `aten.linear` on
+   `get_attr` weights, and a style works only through the forward hooks of a module the graph calls. The new
+   `nn.Linear` / `nn.Embedding` holds the very Parameter objects at the qualified name they had, so parameter
+   names stay the model's;
+3. `parallelize_module` applies torchtitan's styles with local outputs (plain tensors flow through the graph):
+   column Linears `ColwiseParallel`, a fused QKV column (`Region.parts`) its `_FusedColwise` (each rank holds the
+   rank-th slice of each of Q, K and V, and `full_tensor()` of the weight and of its gradient is the model's own
+   layout), row Linears `RowwiseParallel`, the token embedding `RowwiseParallel(input_layouts=Replicate())` (split
+   over the vocabulary), the output layer `ColwiseParallel(output_layouts=Replicate())`;
+4. tied weights, which parallelize_module unties, are tied again: the model keeps one parameter;
+5. every parameter left whole (norms, position embeddings, layers the plan keeps whole) becomes a `Replicate`
+   DTensor on the mesh, read as its local tensor by the graph (`_read_locally`): the optimizer, gradient clipping
+   and a checkpoint see DTensors only (torch's foreach/fused optimizers and `clip_grad_norm_` refuse a mix of
+   DTensor and plain tensors), and no op runs on DTensors outside the split layers;
+6. the random state is made equal on every rank of the axis (`sync_rng_state`): dropout in the replicated parts
+   of the model then draws the same mask on every rank, as it must (CPU DTensor has no offset-based RNG; in the
+   split parts the ranks draw equal, hence correlated, masks).
+
+After backward, `sync_gradients` gives each gradient its parameter's layout (and averages over data-parallel
+replicas when asked); `torch.nn.utils.clip_grad_norm_` and torch's optimizers then work on the module's
+parameters as they are. `grad_norm_weight` says how much a gradient's local square counts in a norm summed over
+ranks (pyplan.runtime.clip). `full_parameters` / `full_gradients` gather what one process would hold.
+
+Data parallelism beside it: average the gradients over the dp group (`sync_gradients(..., dp_group=...)`; DDP
+takes no DTensor parameters), or FSDP2 `fully_shard(root, mesh=mesh["dp"])` after this, which trains exactly too;
+on torch 2.13 `full_tensor()` of a fused QKV under FSDP2 (placements `_StridedShard` on both axes) comes out with
+its rows in the wrong order, though the training is exact.
+
+Glossary (torchtitan's): the mesh's one *axis* is the tensor-parallel ("tp") axis; a tensor *dim* is sharded or
+replicated along it; a *style* is what parallelize_module applies to one module.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from pyplan._torch import strided_shard
+from pyplan.errors import PlanError
+from pyplan.graph.layergraph import LayerGraph
+from pyplan.graph.tensor_parallel import TpPlan, shard_sizes
+
+__all__ = [
+    "apply_tensor_parallel",
+    "full_gradients",
+    "full_parameters",
+    "grad_norm_weight",
+    "sync_gradients",
+    "sync_rng_state",
+    "tp_styles",
+]
+
+_LINEAR_OPS = (torch.ops.aten.linear.default, F.linear)
+_EMBEDDING_OPS = (torch.ops.aten.embedding.default,)
+
+
+class _FusedColwise(ColwiseParallel):
+    """ColwiseParallel for a Linear whose output is `parts` pieces side by side (a fused QKV): each rank holds the
+    rank-th slice of every piece, its local output is those slices side by side (what the graph's chunk expects
+    after `shard_sizes`), and weight, bias and their gradients gather to the model's layout."""
+
+    def __init__(self, parts: int) -> None:
+        super().__init__(output_layouts=strided_shard(-1, parts))
+        self.parts = parts
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for key, param in module.named_parameters():
+            local = distribute_tensor(
+                param, device_mesh, [strided_shard(0, self.parts)], src_data_rank=self.src_data_rank
+            )
+            module.register_parameter(key, nn.Parameter(local, requires_grad=param.requires_grad))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The layers of the captured graph
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One call of a Linear or an Embedding in the captured graph: `module` is its qualified name (for an aten op,
+    the prefix of its weight's get_attr target); `convertible` says whether the call can become a module call
+    (an aten op: weight and bias at `<module>.weight` / `<module>.bias`, an embedding without options)."""
+
+    node: fx.Node
+    module: str
+    kind: str  # "linear" | "embedding"
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    convertible: bool
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _arg(n: fx.Node, index: int, key: str) -> Any:
+    return n.args[index] if len(n.args) > index else n.kwargs.get(key)
+
+
+def _layers(gm: fx.GraphModule) -> list[_Layer]:
+    found: list[_Layer] = []
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            mod = gm.get_submodule(str(n.target))
+            if isinstance(mod, nn.Linear):
+                found.append(_Layer(n, str(n.target), "linear", mod.weight, mod.bias, True))
+            elif isinstance(mod, nn.Embedding):
+                # Split over the vocabulary, a padding row would be a local index on every rank.
+                plain = mod.padding_idx is None and mod.max_norm is None
+                found.append(_Layer(n, str(n.target), "embedding", mod.weight, None, plain))
+        elif n.op == "call_function" and n.target in _LINEAR_OPS:
+            w, b = _arg(n, 1, "weight"), _arg(n, 2, "bias")
+            if not (isinstance(w, fx.Node) and w.op == "get_attr"):
+                continue
+            module, _, leaf = str(w.target).rpartition(".")
+            if b is None:  # a bias held beside the weight but not added would be added by an nn.Linear
+                bias_ok = module != "" and gm.get_submodule(module)._parameters.get("bias") is None
+            else:
+                bias_ok = isinstance(b, fx.Node) and b.op == "get_attr" and b.target == f"{module}.bias"
+            found.append(
+                _Layer(
+                    n,
+                    module,
+                    "linear",
+                    _attr(gm, str(w.target)),
+                    _attr(gm, str(b.target)) if isinstance(b, fx.Node) and b.op == "get_attr" else None,
+                    module != "" and leaf == "weight" and bias_ok and isinstance(n.args[0], fx.Node),
+                )
+            )
+        elif n.op == "call_function" and n.target in _EMBEDDING_OPS:
+            w = n.args[0]
+            if isinstance(w, fx.Node) and w.op == "get_attr":
+                module, _, leaf = str(w.target).rpartition(".")
+                plain = module != "" and leaf == "weight" and len(n.args) == 2 and not n.kwargs
+                found.append(_Layer(n, module, "embedding", _attr(gm, str(w.target)), None, plain))
+    return found
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The styles, checked against the graph
+
+
+def tp_styles(graph: LayerGraph, plan: TpPlan, degree: int) -> dict[str, ParallelStyle]:
+    """The parallelize_module plan that `apply_tensor_parallel` runs at `degree`: module name -> style, for the
+    layers of `plan` that split at that degree.
+
+    Raises PlanError where the captured graph cannot run it: a module the graph never calls as a Linear or an
+    Embedding, a call that cannot become a module call, or a weight that is split in one place and read otherwise
+    in another (tied weights must split alike wherever they are used: the token embedding over its rows and the
+    output layer over its outputs do; an embedding left whole, e.g. one with a padding index, does not)."""
+    styles: dict[str, ParallelStyle] = {}
+    for r in plan.regions:
+        if r.splits_at(degree):
+            for m in r.columns:
+                parts = r.parts.get(m, 1)
+                styles[m] = _FusedColwise(parts) if parts > 1 else ColwiseParallel()
+            styles.update({m: RowwiseParallel() for m in r.rows})
+    styles.update(
+        {e.module: RowwiseParallel(input_layouts=Replicate()) for e in plan.embeddings if e.splits_at(degree)}
+    )
+    styles.update(
+        {o.module: ColwiseParallel(output_layouts=Replicate()) for o in plan.output_layers if o.splits_at(degree)}
+    )
+    _check(graph.module, styles)
+    return styles
+
+
+def _layout(style: ParallelStyle, kind: str, key: str) -> str:
+    """How `style` lays out a layer's parameter `key` along the axis, in words."""
+    if isinstance(style, _FusedColwise):
+        return f"rows split in {style.parts} pieces"
+    if isinstance(style, ColwiseParallel):
+        return "rows split"
+    if kind == "embedding":
+        return "rows split"
+    return "columns split" if key == "weight" else "whole"
+
+
+def _check(gm: fx.GraphModule, styles: Mapping[str, ParallelStyle]) -> None:
+    layers = _layers(gm)
+    by_module: dict[str, list[_Layer]] = {}
+    for layer in layers:
+        by_module.setdefault(layer.module, []).append(layer)
+    for module, style in styles.items():
+        calls = by_module.get(module, [])
+        if not calls:
+            raise PlanError(f"TP plan: the captured graph calls no Linear or Embedding '{module}'")
+        if len({x.kind for x in calls}) > 1:
+            raise PlanError(
+                f"TP plan: '{module}' is both a Linear and an Embedding in the captured graph (one weight, tied, "
+                "read under one name): it cannot split"
+            )
+        bad = next((x for x in calls if not x.convertible), None)
+        if bad is not None:
+            raise PlanError(
+                f"TP plan: '{module}' ({bad.node.name}) cannot become a module call: its weight and bias are not "
+                f"'{module}.weight' and '{module}.bias', or the embedding takes options (padding index, norms)"
+            )
+        if isinstance(style, ColwiseParallel) and calls[0].kind != "linear":
+            raise PlanError(f"TP plan: '{module}' is an Embedding; only a Linear splits column-wise here")
+    names = {id(p): name for name, p in gm.named_parameters(remove_duplicate=False)}
+    # Every reader of every parameter (by node), with the layout it reads the parameter in.
+    reads: dict[int, dict[str, tuple[str, str]]] = {}
+    for layer in layers:
+        style = styles.get(layer.module)
+        for key, p in (("weight", layer.weight), ("bias", layer.bias)):
+            if p is not None:
+                how = "whole" if style is None else _layout(style, layer.kind, key)
+                reads.setdefault(id(p), {})[layer.node.name] = (layer.module, how)
+    args = {(layer.node, a) for layer in layers if layer.node.op == "call_function" for a in layer.node.all_input_nodes}
+    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    for n in gm.graph.nodes:
+        if n.op == "call_module" and str(n.target) not in by_module:
+            for p in gm.get_submodule(str(n.target)).parameters():
+                reads.setdefault(id(p), {})[n.name] = (str(n.target), "whole")
+        if n.op != "get_attr" or not isinstance(_attr(gm, str(n.target)), nn.Parameter):
+            continue
+        readers = [u for u in n.users if (u, n) not in args]
+        for u in readers:
+            reads.setdefault(id(_attr(gm, str(n.target))), {})[u.name] = (u.name, "whole")
+        owner = str(n.target).rpartition(".")[0]
+        if readers and (owner == "" or owner in called or owner in styles):
+            # The graph reads it through its module's call (`_read_locally`): that module must be free to call.
+            raise PlanError(
+                f"TP plan: '{u.name}' reads the parameter '{n.target}' as an attribute of "
+                f"{'the model itself' if owner == '' else repr(owner) + ', which the graph also calls'}: "
+                "tensor parallelism cannot hand it the local tensor"
+            )
+    for pid, readers in reads.items():
+        ways = {how for _, how in readers.values()}
+        if len(ways) > 1:
+            split = next((m, how) for m, how in readers.values() if how != "whole")
+            other = next((m, how) for m, how in readers.values() if how != split[1])
+            raise PlanError(
+                f"TP plan: '{split[0]}' splits the parameter '{names.get(pid, '?')}' ({split[1]}), which "
+                f"'{other[0]}' reads {other[1]}: tied weights must split alike wherever they are used; "
+                f"leave '{split[0]}' whole"
+            )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Applying them
+
+
+def apply_tensor_parallel(graph: LayerGraph, plan: TpPlan, mesh: DeviceMesh) -> None:
+    """Make `graph.module` (in place, before it is cut into pipeline stages) run tensor-parallel over the 1-D
+    `mesh`, every rank of the mesh with the same module and inputs; see the module docstring for the steps.
+
+    Afterwards every parameter is a DTensor on `mesh`, named as in the model; the module's inputs and outputs are
+    plain tensors, the outputs equal on every rank. All ranks of the mesh must call it (it broadcasts rank 0's
+    parameters and random state). Modules the graph shares with the model (plain fx keeps the model's own leaf
+    modules) change with it."""
+    if mesh.ndim != 1:
+        raise PlanError(f"tensor parallelism runs over one mesh axis; got a mesh of {mesh.ndim} axes {mesh.shape}")
+    gm, degree = graph.module, mesh.size()
+    styles = tp_styles(graph, plan, degree)
+    shard_sizes(gm, graph, plan, degree)
+    for layer in _layers(gm):
+        if layer.module in styles and layer.node.op == "call_function":
+            _to_module_call(gm, layer)
+    gm.recompile()
+    tied = _holders(gm)
+    parallelize_module(gm, mesh, styles)
+    _tie_and_replicate(gm, mesh, tied)
+    _read_locally(gm, set(styles))
+    sync_rng_state(mesh)
+
+
+def _to_module_call(gm: fx.GraphModule, layer: _Layer) -> None:
+    """Turn an aten op on get_attr weights into a call of an nn.Linear / nn.Embedding that holds the same
+    Parameter objects at `layer.module` (whatever else that path held stays there); the node keeps its name."""
+    old = gm.get_submodule(layer.module)
+    if layer.kind == "linear":
+        out_features, in_features = layer.weight.shape
+        new: nn.Module = nn.Linear(in_features, out_features, bias=layer.bias is not None, device="meta")
+        x = layer.node.args[0]
+    else:
+        new = nn.Embedding(*layer.weight.shape, device="meta")
+        x = layer.node.args[1]
+    if type(old) is not type(new):
+        new._parameters.update(old._parameters)
+        new._buffers.update(old._buffers)
+        new._modules.update(old._modules)
+        parent, _, leaf = layer.module.rpartition(".")
+        setattr(gm.get_submodule(parent), leaf, new)
+    layer.node.op, layer.node.target = "call_module", layer.module
+    layer.node.args, layer.node.kwargs = (x,), {}
+
+
+def _holders(gm: nn.Module) -> list[list[str]]:
+    """Every parameter's qualified names (several for a tied one), in registration order."""
+    groups: dict[int, list[str]] = {}
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return list(groups.values())
+
+
+def _tie_and_replicate(gm: nn.Module, mesh: DeviceMesh, groups: list[list[str]]) -> None:
+    """Give every group of names one DTensor parameter again: the split one where a style split it (parallelize_module
+    makes a new Parameter per module, untying a weight that two split layers share; `tp_styles` checked that they
+    split it alike), else a `Replicate` copy of rank 0's."""
+    for names in groups:
+        owners = [(gm.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in names]
+        held = [m._parameters[key] for m, key in owners]
+        one = next((p for p in held if isinstance(p, DTensor)), None)
+        if one is None:
+            whole = held[0]
+            assert whole is not None
+            one = nn.Parameter(
+                distribute_tensor(whole.detach(), mesh, [Replicate()]), requires_grad=whole.requires_grad
+            )
+        for (module, key), p in zip(owners, held):
+            if p is not one:
+                module.register_parameter(key, one)
+
+
+def _read_locally(gm: fx.GraphModule, styled: set[str]) -> None:
+    """Make the graph read every parameter outside the styled modules as its local tensor (differentiably: the
+    gradient arrives as a DTensor of the parameter's placements), while the module tree keeps the DTensor
+    Parameter under the model's name for `named_parameters()`, `getattr`, optimizers, FSDP2 and the pieces
+    `pyplan.graph.split` cuts. Two ways, each a subclass of the module's class (as torch.nn.utils.parametrize
+    makes), neither moving a parameter:
+
+    - a module the graph calls: its forward runs with the local tensors in place of its (and its children's)
+      DTensor parameters and puts the DTensors back after;
+    - a get_attr of a parameter: the node becomes a call of the module that holds it (the node keeps its name),
+      whose class gains a `forward(name)` returning the local tensor. A get_attr cannot stay: the graph would read
+      the DTensor, and a piece of the graph copies what the attribute returns."""
+    for n in gm.graph.nodes:
+        if n.op == "call_module" and str(n.target) not in styled:
+            module = gm.get_submodule(str(n.target))
+            if any(isinstance(p, DTensor) for p in module.parameters()) and not getattr(module, "_tp_local", False):
+                _extend_class(module, {"forward": _forward_locally(type(module).forward), "_tp_local": True})
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            owner, _, key = str(n.target).rpartition(".")
+            module = gm.get_submodule(owner)
+            if n.users and isinstance(module._parameters.get(key), DTensor):
+                if not getattr(module, "_tp_read", False):
+                    _extend_class(module, {"forward": _local_parameter, "_tp_read": True})
+                n.op, n.target, n.args, n.kwargs = "call_module", owner, (key,), {}
+    gm.recompile()
+
+
+def _forward_locally(forward: Any) -> Any:
+    def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        held = [(m, k, p) for m in self.modules() for k, p in m._parameters.items() if isinstance(p, DTensor)]
+        for m, k, p in held:
+            m._parameters[k] = p.to_local()
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            for m, k, p in held:
+                m._parameters[k] = p
+
+    return run
+
+
+def _local_parameter(self: nn.Module, key: str) -> torch.Tensor:
+    """The local tensor of the DTensor parameter `key` (the forward of a module whose parameters a graph reads)."""
+    return self._parameters[key].to_local()
+
+
+def _extend_class(module: nn.Module, attrs: dict[str, Any]) -> None:
+    """Give `module` a class of its own: a subclass of its class with `attrs`."""
+    cls = type(module)
+    module.__class__ = type(cls.__name__, (cls,), attrs)
+
+
+def sync_rng_state(mesh: DeviceMesh) -> None:
+    """Give every rank of `mesh` the random state of its first rank, so that dropout in the replicated parts of a
+    tensor-parallel model draws the same mask on every rank (call it again after re-seeding a rank)."""
+    group = mesh.get_group()
+    # NCCL sends device tensors only; the generator states are CPU byte tensors.
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    state = torch.get_rng_state().to(device)
+    dist.broadcast(state, group=group, group_src=0)
+    torch.set_rng_state(state.cpu())
+    if device.type == "cuda":
+        state = torch.cuda.get_rng_state().to(device)
+        dist.broadcast(state, group=group, group_src=0)
+        torch.cuda.set_rng_state(state.cpu())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gradients and what a trainer reads
+
+
+def _unique(params: nn.Module | Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    seen: set[int] = set()
+    for p in params.parameters() if isinstance(params, nn.Module) else params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield p
+
+
+def sync_gradients(params: nn.Module | Iterable[torch.Tensor], *, dp_group: dist.ProcessGroup | None = None) -> None:
+    """After backward: give every DTensor gradient its parameter's placements (a vocabulary-parallel embedding's
+    gradient arrives replicated at full size, a gradient summed over several layouts arrives in one of them, a
+    partial sum is reduced), so optimizers step without communication; with `dp_group`, then average every
+    gradient over the data-parallel replicas, each of which computed it on its own samples."""
+    replicas = dist.get_world_size(dp_group) if dp_group is not None else 1
+    for p in _unique(params):
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+            g = p.grad = g.redistribute(p.device_mesh, p.placements)
+        if replicas > 1:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            dist.all_reduce(local, group=dp_group)
+            local.div_(replicas)
+
+
+def grad_norm_weight(grad: torch.Tensor) -> float:
+    """The weight of a gradient's local square in a norm summed over the ranks of its mesh: 1 over the number of
+    ranks that hold the same values (the product of the mesh sizes along which it is replicated); 1 for a plain
+    tensor. A partial sum must be reduced first (`sync_gradients`)."""
+    if not isinstance(grad, DTensor):
+        return 1.0
+    if any(p.is_partial() for p in grad.placements):
+        raise ValueError("a partial gradient counts only once reduced: call sync_gradients first")
+    sizes = [grad.device_mesh.size(i) for i, p in enumerate(grad.placements) if p.is_replicate()]
+    return 1.0 / math.prod(sizes)
+
+
+def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as one process holds it (DTensors gathered; a copy), by its name in the model.
+    Every rank of the mesh must call it."""
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in module.named_parameters()
+    }
+
+
+def full_gradients(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient as one process holds it (DTensors gathered; a copy), by the
+    parameter's name in the model; parameters without a gradient are left out. Every rank of the mesh must call it."""
+    return {
+        name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+        for name, p in module.named_parameters()
+        if p.grad is not None
+    }

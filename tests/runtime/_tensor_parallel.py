@@ -1,0 +1,251 @@
+"""Run under torchrun (4 processes): tensor-parallel training of captured models against one process.
+
+The world is a (dp, tp) = (2, 2) mesh. First each tp pair (ranks 0-1, ranks 2-3) trains its models of PAIRS at
+tp = 2 on the whole batch; then all four ranks train gpt-tiny at dp 2 x tp 2 (each replica half the batch, its
+gradients averaged over the dp group). Every configuration is one step, float64, dropout off: forward, backward,
+gradient clipping, AdamW, compared with the same model (same seed) trained whole in one process on the whole
+batch: the loss, every parameter's gradient (gathered with full_tensor), the gradient norm and every parameter
+after the step. At tp alone the split module is also cut into two pipeline pieces, which must hold the model's
+parameters and train the same gradients. Before all that, `dropout_agrees` checks the random state the split
+gives the ranks. Rank 0 writes one JSON record per configuration and rank to argv[1].
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import faulthandler
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from pyplan._torch import tree_map_only
+from pyplan.graph.layergraph import LayerGraph
+from pyplan.graph.linearize import cut_points, linearize
+from pyplan.graph.split import pieces, run_pieces
+from pyplan.graph.tensor_parallel import derive_tp_plan
+from pyplan.graph.trace import Call, Examples, call_at, input_tensors, output_tensors, trace
+from pyplan.load import load_model
+from pyplan.runtime.tensor_parallel import (
+    apply_tensor_parallel,
+    full_gradients,
+    full_parameters,
+    grad_norm_weight,
+    sync_gradients,
+)
+from pyplan.spec import default_loss
+from pyplan.zoo.small import GPT_TINY
+from pyplan.zoo.transformer import GPT as GPT2
+
+GPT = "zoo:gpt-tiny"
+LLAMA = "hf:llama:hidden_size=64,intermediate_size=96,num_hidden_layers=2,num_attention_heads=4," \
+        "num_key_value_heads=2,vocab_size=100,seq_len=8"  # fmt: skip
+BERT = "hf:bert:hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,vocab_size=100," \
+       "seq_len=8,hidden_dropout_prob=0,attention_probs_dropout_prob=0"  # fmt: skip
+# Each tp pair's models: about the same work on both.
+PAIRS = ((LLAMA,), (BERT, GPT))
+BATCH = 4
+MAX_NORM = 0.05  # below every model's gradient norm here: the clipping scales
+LR = 1e-3
+# Below this norm a reference tensor counts as zero and the error is absolute: the key projection's bias, whose
+# gradient is 0 in theory (softmax ignores a shift) and which only rounding noise moves.
+ZERO = 1e-6
+
+
+def _double(call: Call) -> Call:
+    return tree_map_only(torch.Tensor, lambda t: t.double() if t.is_floating_point() else t, call)
+
+
+def _error(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = torch.linalg.vector_norm(b).item()
+    return torch.linalg.vector_norm(a - b).item() / (scale if scale >= ZERO else 1.0)
+
+
+def _worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
+    if set(got) - set(want):
+        raise AssertionError(f"names the model does not have: {sorted(set(got) - set(want))[:3]}")
+    return max((_error(got[name], want[name]), name) for name in got)
+
+
+def _step(
+    module: torch.nn.Module,
+    loss_fn: Callable[..., torch.Tensor],
+    call: Call,
+    target: torch.Tensor,
+    after_backward: Callable[[], None] = lambda: None,
+) -> tuple[float, dict[str, torch.Tensor], float]:
+    """Forward, backward, `after_backward`, the gradients gathered by name, clipping, one AdamW step: the loss, the
+    gradients and their norm before clipping."""
+    opt = torch.optim.AdamW(module.parameters(), lr=LR)
+    args, kwargs = call
+    loss = loss_fn(output_tensors(module(*args, **kwargs)), target)
+    loss.backward()
+    after_backward()
+    grads = full_gradients(module)
+    norm = torch.nn.utils.clip_grad_norm_(module.parameters(), MAX_NORM)
+    opt.step()
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return loss.item(), grads, norm.item()
+
+
+def _by_every_name(module: torch.nn.Module, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`values` (by a parameter's first name) under every name of the parameter (tied weights have several)."""
+    first = {id(p): name for name, p in module.named_parameters()}
+    return {name: values[first[id(p)]] for name, p in module.named_parameters(remove_duplicate=False)}
+
+
+def _weighted_norm(module: torch.nn.Module, tp_mesh: DeviceMesh) -> float:
+    """The gradient norm summed over the tp ranks' local shards, each square weighted by grad_norm_weight."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in module.parameters():
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        total += grad_norm_weight(p.grad) * torch.linalg.vector_norm(local).square()
+    dist.all_reduce(total, group=tp_mesh.get_group())
+    return total.sqrt().item()
+
+
+def _pieces_error(
+    graph: LayerGraph, loss_fn: Callable[..., torch.Tensor], call: Call, target: torch.Tensor, want: dict
+) -> tuple[float, str]:
+    """The worst gradient error of the tensor-parallel module cut into two pieces and run in sequence (gradients
+    left at zero afterwards)."""
+    points = cut_points(graph)
+    inner = [c.position for c in points.candidates if 0 < c.position < len(points.order)]
+    halves = pieces(linearize(graph, positions=[inner[len(inner) // 2]]))
+    held = {name: p for h in halves for name, p in h.named_parameters()}
+    plain = [name for name, p in held.items() if not isinstance(p, DTensor)]
+    if plain or not set(held) <= set(want) or {id(p) for p in held.values()} != set(map(id, graph.module.parameters())):
+        raise AssertionError(f"the pieces hold {sorted(held)}, plain tensors {plain}")
+    loss_fn(output_tensors(run_pieces(halves, *input_tensors(call))), target).backward()
+    sync_gradients(graph.module)
+    worst = _worst(full_gradients(graph.module), want)
+    graph.module.zero_grad(set_to_none=True)
+    return worst
+
+
+def run(ref: str, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh | None) -> dict[str, Any]:
+    spec = load_model(ref)
+    loss_fn = spec.loss or default_loss
+    assert spec.target is not None
+    dp = dp_mesh.size() if dp_mesh is not None else 1
+    mine = slice(dp_mesh.get_local_rank() * BATCH // dp, (dp_mesh.get_local_rank() + 1) * BATCH // dp) if dp_mesh \
+        else slice(0, BATCH)  # fmt: skip
+    torch.manual_seed(0)
+    model = spec.build().double()
+    reference = copy.deepcopy(model)
+    call, target = _double(call_at(spec.example_inputs, BATCH)), spec.target(BATCH)
+
+    # One process, the whole batch.
+    ref_loss, ref_grads, ref_norm = _step(reference, loss_fn, call, target)
+    want_grads = _by_every_name(reference, ref_grads)
+    want_params = _by_every_name(reference, full_parameters(reference))
+
+    graph = trace(model, Examples(lambda b: _double(call_at(spec.example_inputs, b))), batch_size=2)
+    plan = derive_tp_plan(graph)
+    apply_tensor_parallel(graph, plan, tp_mesh)
+    gm = graph.module
+    plain = [name for name, p in gm.named_parameters() if not isinstance(p, DTensor)]
+    unique = len(list(reference.parameters()))
+    if plain or len(list(gm.parameters())) != unique:
+        return {"ok": False, "why": f"plain parameters {plain[:3]}, {len(list(gm.parameters()))} != {unique}"}
+
+    group = dp_mesh.get_group() if dp_mesh is not None else None
+    mine_call = tree_map_only(torch.Tensor, lambda t: t[mine], call)
+    # Cut into two pipeline pieces after the split: the pieces hold the DTensors under the model's names and
+    # train the same gradients.
+    pieces_err, pieces_name = _pieces_error(graph, loss_fn, call, target, want_grads) if dp == 1 else (0.0, "")
+    weighted: list[float] = []
+
+    def finish() -> None:
+        sync_gradients(gm, dp_group=group)
+        weighted.append(_weighted_norm(gm, tp_mesh))
+
+    loss, grads, norm = _step(gm, loss_fn, mine_call, target[mine], finish)
+    if group is not None:
+        box = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(box, group=group)
+        loss = box.item() / dp
+    grad_err, grad_name = _worst(grads, want_grads)
+    param_err, param_name = _worst(full_parameters(gm), want_params)
+    split = sorted({str(p.placements) for p in gm.parameters()})
+    return {
+        "ok": True,
+        "loss_err": abs(loss - ref_loss) / abs(ref_loss),
+        "grad_err": grad_err,
+        "grad_worst": grad_name,
+        "param_err": param_err,
+        "param_worst": param_name,
+        "pieces_err": pieces_err,
+        "pieces_worst": pieces_name,
+        "norm": norm,
+        "weighted_norm": weighted[0],
+        "ref_norm": ref_norm,
+        "placements": split,
+        "styles": len(plan.styles(tp_mesh.size())),
+    }
+
+
+def dropout_agrees(tp_mesh: DeviceMesh) -> dict[str, Any]:
+    """gpt-tiny with dropout, every rank seeded differently before the split: after apply_tensor_parallel (which
+    gives the ranks one random state) the replicated hidden state before the output layer is equal on the ranks of
+    the tp axis; re-seeded differently, it differs (dropout is on). The logits cannot tell: the output layer's
+    all-gather makes them equal on every rank either way (wrong, if the ranks' hidden states differ)."""
+    spec = load_model(GPT)
+    torch.manual_seed(0)
+    model = GPT2(dataclasses.replace(GPT_TINY, dropout=0.1)).double()
+    graph = trace(model, Examples(spec.example_inputs), batch_size=2)
+    torch.manual_seed(dist.get_rank())
+    apply_tensor_parallel(graph, derive_tp_plan(graph), tp_mesh)
+    (ids,), _ = call_at(spec.example_inputs, 2)
+    hidden: list[torch.Tensor] = []
+    graph.module.get_submodule("transformer.ln_f").register_forward_hook(lambda m, i, out: hidden.append(out))
+    agree = []
+    for reseed in (False, True):
+        if reseed:
+            torch.manual_seed(100 + dist.get_rank())
+        with torch.no_grad():
+            graph.module(ids)
+        every = [torch.empty_like(hidden[-1]) for _ in range(tp_mesh.size())]
+        dist.all_gather(every, hidden[-1], group=tp_mesh.get_group())
+        agree.append(all(torch.equal(every[0], x) for x in every))
+    return {"ok": True, "synced_agree": agree[0], "reseeded_agree": agree[1]}
+
+
+def main() -> None:
+    faulthandler.dump_traceback_later(float(os.environ.get("PYPLAN_HANG_S", "120")), exit=True)
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    configs = [(ref, 1) for ref in PAIRS[mesh["dp"].get_local_rank() % len(PAIRS)]]
+    if world == 4:
+        configs.append((GPT, 2))
+    results = [{"model": "dropout", "dp": 1, "tp": 2, "rank": rank, **dropout_agrees(mesh["tp"])}]
+    for ref, dp in configs:
+        try:
+            res = run(ref, mesh["tp"], mesh["dp"] if dp > 1 else None)
+        except Exception as exc:
+            res = {"ok": False, "why": f"{type(exc).__name__}: {exc}"}
+            print(traceback.format_exc(), file=sys.stderr, flush=True)
+        results.append({"model": ref, "dp": dp, "tp": 2, "rank": rank, **res})
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, results)
+    if rank == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump([r for rs in gathered for r in rs], f)
+    dist.barrier()
+    dist.destroy_process_group()
+    # Meshes sometimes abort the process at exit after a clean shutdown (TORCH_FACTS.md); exit at once.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

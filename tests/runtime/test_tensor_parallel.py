@@ -1,0 +1,89 @@
+"""Tensor parallelism at run time: captured models split over a DeviceMesh axis train exactly what one process
+trains (zoo gpt-tiny: plain fx, a fused QKV, tied embeddings; a Hugging Face Llama: torch.export, rotary, SwiGLU,
+grouped-query attention; a Hugging Face BERT), alone and beside data parallelism."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from pyplan.errors import PlanError
+from pyplan.graph.layergraph import LayerGraph
+from pyplan.graph.tensor_parallel import TpPlan, derive_tp_plan
+from pyplan.graph.trace import Examples, trace
+from pyplan.load import load_model
+from pyplan.runtime.tensor_parallel import tp_styles
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_tensor_parallel.py")
+TOL = 1e-10  # float64: the rounding of sums taken in another order is ~1e-15 here
+MAX_NORM = 0.05  # the worker's clipping threshold
+
+
+@pytest.fixture(scope="module")
+def gpt() -> LayerGraph:
+    spec = load_model("zoo:gpt-tiny")
+    return trace(spec.build(), Examples(spec.example_inputs), batch_size=2)
+
+
+def test_gpt_tiny_splits_its_fused_qkv_in_three_pieces_and_its_vocabulary(gpt: LayerGraph) -> None:
+    styles = tp_styles(gpt, derive_tp_plan(gpt), 2)
+    qkv = styles["transformer.h.0.attn.c_attn"]
+    assert isinstance(qkv, ColwiseParallel) and getattr(qkv, "parts", 1) == 3
+    assert type(styles["transformer.h.0.mlp.c_fc"]) is ColwiseParallel
+    assert isinstance(styles["transformer.h.0.attn.c_proj"], RowwiseParallel)
+    embedding, head = styles["transformer.wte"], styles["lm_head"]
+    assert isinstance(embedding, RowwiseParallel) and embedding.input_layouts == (Replicate(),)
+    assert isinstance(head, ColwiseParallel) and head.output_layouts == (Replicate(),)
+    assert len(styles) == 10
+
+
+def test_a_tied_weight_split_in_one_layer_and_read_whole_in_another_is_refused(gpt: LayerGraph) -> None:
+    # gpt-tiny's embedding and output layer share one weight: splitting only one of them cannot run.
+    plan = derive_tp_plan(gpt)
+    with pytest.raises(PlanError, match=r"'lm_head' splits the parameter .* which 'transformer.wte' reads whole"):
+        tp_styles(gpt, TpPlan(output_layers=plan.output_layers), 2)
+    with pytest.raises(PlanError, match=r"'transformer.wte' splits the parameter .* which 'lm_head' reads whole"):
+        tp_styles(gpt, TpPlan(embeddings=plan.embeddings), 2)
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_trains_like_one_process(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", SCRIPT, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYPLAN_HANG_S": "90"},
+    )
+    assert out.exists(), done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    failed = [r for r in results if not r["ok"]]
+    assert not failed, failed[:2]
+    # Dropout draws the same masks on the ranks of the tp axis once they share a random state.
+    dropout = [r for r in results if r["model"] == "dropout"]
+    assert len(dropout) == 4 and all(r["synced_agree"] and not r["reseeded_agree"] for r in dropout)
+    runs = [r for r in results if r["model"] != "dropout"]
+    kinds = {(r["model"].split(":")[1], r["dp"]) for r in runs}
+    assert kinds == {("gpt-tiny", 1), ("gpt-tiny", 2), ("llama", 1), ("bert", 1)}
+    for r in runs:
+        where = f"{r['model']} dp={r['dp']} rank {r['rank']}"
+        assert r["loss_err"] <= TOL, where
+        assert r["grad_err"] <= TOL, (where, r["grad_worst"], r["grad_err"])
+        assert r["pieces_err"] <= TOL, (where, "cut in two pieces", r["pieces_worst"], r["pieces_err"])
+        assert r["param_err"] <= TOL, (where, r["param_worst"], r["param_err"])
+        # The clipping scaled the gradients, by the norm one process computes.
+        assert r["ref_norm"] > MAX_NORM, where
+        assert abs(r["norm"] - r["ref_norm"]) <= TOL * r["ref_norm"], where
+        assert abs(r["weighted_norm"] - r["ref_norm"]) <= TOL * r["ref_norm"], where
+        # Every parameter is a DTensor, split ones among them; gpt-tiny's fused QKV splits each of Q, K and V.
+        assert "(Replicate(),)" in r["placements"] and "(Shard(dim=0),)" in r["placements"], where
+        if "gpt-tiny" in r["model"]:
+            assert "(_StridedShard(dim=0, sf=3),)" in r["placements"], where
