@@ -63,6 +63,8 @@ from pyplan.solve.tied import (
 
 __all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "add_loss", "chain_for", "memory_per_process", "plan", "search"]
 
+# The ZeRO stages planned beside tensor parallelism: what the runtime runs with it (pyplan/runtime/trainer.py).
+TP_ZERO_STAGES = (0,)
 # The schedules the search evaluates; the zero-bubble ones need split input/weight-gradient times first.
 SEARCHED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
 
@@ -248,7 +250,7 @@ def search(
     for degree, chain_t, cluster_t, styles, comm in _tensor_parallel(bare, chain, tensor_parallel, tp_plan, how,
                                                                      cluster):  # fmt: skip
         say(f"tensor parallelism {degree}")
-        found_t, plain_t, relaxed_t, _ = how.plans(chain_t, cluster_t, lambda step: None, no_zero3=True)
+        found_t, plain_t, relaxed_t, _ = how.plans(chain_t, cluster_t, lambda step: None, zero_stages=TP_ZERO_STAGES)
         every += [_with_tp(p, degree, styles, comm) for p in found_t]
         runs.append((plain_t, relaxed_t))
     plain, relaxed = runs[0]
@@ -282,13 +284,12 @@ class _How:
     offload_bw_bytes_per_s: float
 
     def plans(
-        self, chain: Chain, cluster: Cluster, say: Callable[[str], None], *, no_zero3: bool = False
+        self, chain: Chain, cluster: Cluster, say: Callable[[str], None], *, zero_stages: Sequence[int] = ZERO_STAGES
     ) -> tuple[list[Plan], Any, list[Any], _Refiner]:
-        """The refined plans of `chain` on `cluster` that fit, with the C++ searches' results and the refiner."""
+        """The refined plans of `chain` on `cluster` that fit, with the C++ searches' results and the refiner;
+        `zero_stages` narrows the ZeRO stages searched."""
         space = _Space.of(chain, cluster, self.workload, self.objective, self.memory_fraction)
-        pins = self.pins
-        if no_zero3:
-            pins = {**pins, "zero_stages": [z for z in pins["zero_stages"] or ZERO_STAGES if z != 3]}
+        pins = {**self.pins, "zero_stages": [z for z in self.pins["zero_stages"] or ZERO_STAGES if z in zero_stages]}
         refiner = _Refiner.of(space, self.model, self.examples, self.remat, self.offload, self.offload_bw_bytes_per_s)
         plain = space.run(pins, self.wide) if self.remat in ("none", "auto") else None
         relaxed = (
@@ -316,6 +317,8 @@ def _tensor_parallel(
     wanted = [t for t in degrees if t > 1]
     if not wanted:
         return
+    if how.pins["zero_stages"] and not set(how.pins["zero_stages"]) & set(TP_ZERO_STAGES):
+        raise PlanError("tensor parallelism is planned with ZeRO-0 only (the runtime runs no other yet); pin --zero 0")
     for t in wanted:
         cluster.tensor_parallel_groups(t)  # one line for a degree the nodes cannot hold
     if is_local(cluster.gpu) and not is_meta_module(how.model):

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from pyplan._files import write_atomic
 from pyplan.emit.planfile import PlanFile
-from pyplan.errors import PlanError
 
 __all__ = ["render_script", "write_script"]
 
@@ -337,13 +336,9 @@ def render_script(document: PlanFile, name: str = "train.py") -> str:
     plan itself as JSON in a raw string literal, which JSON text cannot end (every quote inside a JSON string is
     escaped, and JSON has no three quotes in a row), and numbers formatted from ints."""
     layout, cluster = document.plan.layout, document.cluster
-    if layout.tp > 1:
-        raise PlanError(
-            f"the plan splits layers over {layout.tp} GPUs (tensor parallelism), which pyplan's training script does "
-            "not run yet; plan with --tp 1 for a script, or emit a torchtitan or Megatron config (--format)"
-        )
+    tp = f" x tp {layout.tp}" if layout.tp > 1 else ""
     summary = _docstring_text(
-        f"{document.model}, dp {layout.dp} x pp {layout.pp}, {layout.schedule}, micro-batch "
+        f"{document.model}, dp {layout.dp}{tp} x pp {layout.pp}, {layout.schedule}, micro-batch "
         f"{layout.micro_batch_size} x {layout.num_microbatches}, ZeRO-{layout.zero_stage}"
     )
     per_node = min(cluster.gpus_per_node, layout.num_gpus)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,12 +77,16 @@ def cut_model(
     leaf_modules: Iterable[LeafSpec] = (),
     copy_shared_outputs: bool = False,
     autocast_dtype: torch.dtype | None = None,
+    transform: Callable[[LayerGraph], None] | None = None,
 ) -> tuple[Chain, list[StageModule]]:
     """Trace `model` and cut it into the layout's stages (all of them; a rank keeps its own).
 
     With the layout's `stage_of_node` the cuts fall in the traced order sorted by stage, so each stage is the
-    operations assigned to it."""
+    operations assigned to it. `transform` changes the traced graph in place before it is cut, keeping its nodes'
+    names (tensor parallelism: pyplan/runtime/tensor_parallel.py)."""
     graph = trace(model, example_inputs, leaf_modules=leaf_modules, batch_size=layout.micro_batch_size)
+    if transform is not None:
+        transform(graph)
     end = len(operations(graph))
     if layout.cut_positions[0] != 0 or layout.cut_positions[-1] != end:
         raise PlanError(

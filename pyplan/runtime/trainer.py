@@ -2,11 +2,15 @@
 
 Terms: a *rank* is one process (one GPU); the mesh has a "dp" axis (replicas) and a "pp" axis (pipeline ranks).
 With placement "pp-inner" the ranks of one pipeline are consecutive (mesh shape (dp, pp), row-major); with
-"dp-inner" the replicas of one stage are (mesh shape (pp, dp)).
+"dp-inner" the replicas of one stage are (mesh shape (pp, dp)). With tensor parallelism a "tp" axis is the
+innermost: the GPUs that split a layer are consecutive ranks, inside a node (mesh shape (dp, pp, tp) or
+(pp, dp, tp)).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,6 +27,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from pyplan.errors import PlanError
+from pyplan.graph.layergraph import LayerGraph
+from pyplan.graph.tensor_parallel import derive_tp_plan, restrict_tp_plan
 from pyplan.graph.trace import ExampleInputs, LeafSpec, inputs_at
 from pyplan.plan import Layout
 from pyplan.runtime.affinity import pin_rank
@@ -31,6 +37,7 @@ from pyplan.runtime.heap import keep_freed_memory
 from pyplan.runtime.optim import OptimizerFactory, OptimizerSpec, optimizer_factory
 from pyplan.runtime.sharded import ShardedTrainer, build_sharded_trainer, remat_kind
 from pyplan.runtime.stages import cut_model, local_stages, stage_io, tied_parameters
+from pyplan.runtime.tensor_parallel import apply_tensor_parallel, grad_norm_weight, sync_gradients
 from pyplan.solve.schedules import stage_placement
 from pyplan.spec import ModelSpec, default_loss
 
@@ -57,13 +64,19 @@ _AUTOCAST = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.flo
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
-    """The (dp, pp) mesh over the world, laid out by the layout's placement."""
+    """The (dp, pp) mesh over the world, laid out by the layout's placement, with the tp axis innermost when the
+    layout splits layers."""
     world = dist.get_world_size()
     if world != layout.num_gpus:
-        raise PlanError(f"the plan needs {layout.num_gpus} processes (dp {layout.dp} x pp {layout.pp}), got {world}")
-    if layout.placement == "pp-inner":
-        return init_device_mesh(device_type, (layout.dp, layout.pp), mesh_dim_names=("dp", "pp"))
-    return init_device_mesh(device_type, (layout.pp, layout.dp), mesh_dim_names=("pp", "dp"))
+        tp = f" x tp {layout.tp}" if layout.tp > 1 else ""
+        raise PlanError(
+            f"the plan needs {layout.num_gpus} processes (dp {layout.dp}{tp} x pp {layout.pp}), got {world}"
+        )
+    names = ("dp", "pp") if layout.placement == "pp-inner" else ("pp", "dp")
+    sizes = {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp}
+    if layout.tp > 1:
+        names = (*names, "tp")
+    return init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
 
 
 def replica_slice(layout: Layout, dp_rank: int) -> slice:
@@ -128,10 +141,18 @@ class PipelineTrainer:
         """Each gradient of this rank once, with its weight in the norm over the world (`clip_gradients`)."""
         later = {id(p) for params, _, first in self.tied_groups if not first for p in params}
         return [
-            (p.grad, 0.0 if id(p) in later else 1.0 if isinstance(p.grad, DTensor) else 1.0 / self.layout.dp)
+            (p.grad, 0.0 if id(p) in later else self._norm_weight(p.grad))
             for p in _unique_parameters(self.modules)
             if p.grad is not None
         ]
+
+    def _norm_weight(self, g: torch.Tensor) -> float:
+        """The weight of a gradient's local square in the norm over the world: the ranks holding the same values
+        count once (a DTensor's replicated axes, `grad_norm_weight`), and every replica holds what a mesh without
+        the dp axis holds (ZeRO-3's shards are on the dp axis, tensor parallelism's beside it)."""
+        if not isinstance(g, DTensor):
+            return 1.0 / (self.layout.dp * self.layout.tp)
+        return grad_norm_weight(g) / (1 if "dp" in (g.device_mesh.mesh_dim_names or ()) else self.layout.dp)
 
     def step(
         self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor | None, max_norm: float | None = None
@@ -159,38 +180,45 @@ class PipelineTrainer:
         return losses
 
     def _finish_gradients(self) -> None:
+        params = _unique_parameters(self.modules)
+        if self.layout.tp > 1:
+            sync_gradients(params)  # each gradient in its parameter's layout (pyplan/runtime/tensor_parallel.py)
         if self.manual_grads:
             # Mean over micro-batches and replicas, once per parameter (see build_trainer).
             group = self.mesh["dp"].get_group()
-            for p in _unique_parameters(self.modules):
+            for p in params:
                 if p.grad is None:
                     continue
+                local = _local(p.grad)
                 if self.layout.dp > 1:
-                    dist.all_reduce(p.grad, group=group)
-                p.grad.div_(self.layout.dp * self.layout.num_microbatches)
-        for params, group, _ in self.tied_groups:
-            for p in params:
+                    dist.all_reduce(local, group=group)
+                local.div_(self.layout.dp * self.layout.num_microbatches)
+        for tied, group, _ in self.tied_groups:
+            for p in tied:
                 # Every member must join the collective, with zeros if its copy got no gradient.
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=group)
+                dist.all_reduce(_local(p.grad), group=group)
 
 
 def _tied_groups(
     layout: Layout, mesh: DeviceMesh, stage_params: dict[int, dict[str, nn.Parameter]], tied: list[Any]
 ) -> list[tuple[list[nn.Parameter], dist.ProcessGroup, bool]]:
-    """A process group per tied parameter and replica, over the ranks holding its stages; every rank creates
-    every group in the same order (new_group is collective), and keeps the ones it belongs to."""
+    """A process group per tied parameter, replica and tensor-parallel rank, over the ranks holding its stages;
+    every rank creates every group in the same order (new_group is collective), and keeps the ones it belongs
+    to."""
     placement = stage_placement(layout.schedule, layout.pp, layout.stages_per_rank)
-    ranks = mesh.mesh  # [dp, pp] or [pp, dp] tensor of global ranks
+    ranks = mesh.mesh  # [dp, pp] or [pp, dp] tensor of global ranks, [..., tp] with tensor parallelism
+    if layout.tp == 1:
+        ranks = ranks.unsqueeze(-1)
     me = dist.get_rank()
     groups = []
     for t in tied:
         pp_ranks = sorted({placement[s] for s in t.stages})
         if len(pp_ranks) < 2:
             continue
-        for d in range(layout.dp):
-            members = [int(ranks[d, r] if layout.placement == "pp-inner" else ranks[r, d]) for r in pp_ranks]
+        for d, j in itertools.product(range(layout.dp), range(layout.tp)):
+            members = [int(ranks[d, r, j] if layout.placement == "pp-inner" else ranks[r, d, j]) for r in pp_ranks]
             group = dist.new_group(members)
             if me in members:
                 # One copy per rank: a rank holding two of the stages holds one Parameter for both.
@@ -216,6 +244,12 @@ def build_trainer(
     `precision` "bf16-mixed" or "fp16-mixed" runs every stage under autocast, weights and optimizer in fp32.
     """
     device = device or torch.device("cpu")
+    if layout.tp > 1 and layout.zero_stage != 0:
+        # ZeroRedundancyOptimizer broadcasts parameters, which DTensor has no rule for; FSDP2 on top of the tp axis
+        # trains, but gathers a fused QKV's rows out of order (torch 2.13).
+        raise PlanError(
+            f"tensor parallelism with ZeRO-{layout.zero_stage} is not run yet; plan it with ZeRO-0 (--zero 0)"
+        )
     if layout.zero_stage == 3 and layout.schedule in _SPLIT_BACKWARD:
         raise PlanError(
             f"{layout.schedule} with ZeRO-3 trains wrong weights on torch 2.13 (FSDP2 misses its weight "
@@ -260,6 +294,8 @@ def _pipeline_trainer(
     The plan is checked against the model (cut_model) before the world: a plan for another model fails the same
     anywhere."""
     split_backward = layout.schedule in _SPLIT_BACKWARD
+    # Tensor parallelism splits the traced graph before it is cut, over the mesh's tp axis: the mesh comes first.
+    mesh = build_mesh(layout, device.type) if layout.tp > 1 else None
     _, stages = cut_model(
         model,
         examples,
@@ -267,8 +303,9 @@ def _pipeline_trainer(
         leaf_modules=leaf_modules,
         copy_shared_outputs=split_backward,
         autocast_dtype=_AUTOCAST[precision],
+        transform=functools.partial(_split_layers, layout=layout, mesh=mesh) if mesh is not None else None,
     )
-    mesh = build_mesh(layout, device.type)
+    mesh = mesh or build_mesh(layout, device.type)
     mine = local_stages(layout, mesh["pp"].get_local_rank())
     io = stage_io(stages, inputs_at(examples, layout.micro_batch_size))
     tied = tied_parameters(stages)
@@ -280,7 +317,8 @@ def _pipeline_trainer(
     # bypass DDP's hooks, or when two stages on this rank share a parameter (each stage would scale it, and each
     # DDP would reduce it).
     shared = len(_unique_parameters(stages[s] for s in mine)) < sum(len(list(stages[s].parameters())) for s in mine)
-    manual_grads = split_backward or shared
+    # DDP takes no DTensor parameters: with tensor parallelism the replicas' gradients are averaged by hand too.
+    manual_grads = split_backward or shared or layout.tp > 1
     if manual_grads and layout.zero_stage == 3 and layout.dp > 1:
         raise PlanError("stages sharing parameters on one rank are not supported with ZeRO-3 yet; use ZeRO 0-1")
     modules = [_data_parallel(stages[s].to(device), layout, mesh, manual_grads) for s in mine]
@@ -305,6 +343,24 @@ def _pipeline_trainer(
     return PipelineTrainer(
         layout, mesh, mine, modules, optimizer, schedule, device, tied_groups, manual_grads, bucket_views
     )
+
+
+def _split_layers(graph: LayerGraph, *, layout: Layout, mesh: DeviceMesh) -> None:
+    """Split the traced model's layers over the mesh's tp axis as the plan says (its `tp_plan`, which must be what
+    pyplan derives from this model's graph at that degree)."""
+    plan = restrict_tp_plan(derive_tp_plan(graph), layout.tp_plan, graph)
+    if plan.styles(layout.tp) != layout.tp_plan:
+        missing = sorted(set(layout.tp_plan) - set(plan.styles(layout.tp)))
+        raise PlanError(
+            f"the plan's tp_plan does not split this model at tp {layout.tp} ({', '.join(missing[:3])}); "
+            "was the plan made for another model?"
+        )
+    apply_tensor_parallel(graph, plan, mesh["tp"])
+
+
+def _local(g: torch.Tensor) -> torch.Tensor:
+    """A gradient's own values on this rank (a DTensor's local shard)."""
+    return g.to_local() if isinstance(g, DTensor) else g
 
 
 def _data_parallel(module: nn.Module, layout: Layout, mesh: DeviceMesh, manual_grads: bool) -> nn.Module:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from pyplan import cut_points, load_model, trace
 from pyplan._torch import tree_map_only
 from pyplan.graph.linearize import operations
+from pyplan.graph.tensor_parallel import derive_tp_plan
 from pyplan.graph.trace import Call, call_at, input_tensors, output_tensors
 from pyplan.plan import Layout, StageRemat
 from pyplan.remat_plan import (
@@ -218,6 +219,18 @@ def configs(world: int) -> list[dict]:
         # branches of grouped-mlp-tiny share one block of the chain and are split between the stages.
         out.append(dict(model="grouped-mlp-tiny", dp=1, pp=2, schedule="1F1B", v=1, m=4, b=2, optimizer="sgd", zero=0,
                         dag=True))  # fmt: skip
+    # Tensor parallelism (every layer pyplan splits, over the innermost mesh axis), alone and beside pipeline
+    # stages and replicas: tied embeddings and a fused QKV (gpt-tiny), an exported Llama (grouped-query attention,
+    # rotary, SwiGLU) and BERT.
+    llama_bert = [m for m in HF_MODELS if m.split(":")[1] in ("llama", "bert") and "labels" not in m]
+    tp_runs = (
+        [("gpt-tiny", 1, 1, "1F1B", "adamw", 0), *((m, 1, 1, "1F1B", "sgd", 0) for m in llama_bert)]
+        if world == 2
+        else [("gpt-tiny", 1, 2, "1F1B", "adamw", 0), ("gpt-tiny", 2, 1, "GPipe", "sgd", 0),
+              *((m, 1, 2, "1F1B", "sgd", 0) for m in llama_bert)]
+    )  # fmt: skip
+    for model, dp, pp, schedule, opt, zero in tp_runs:
+        out.append(dict(model=model, dp=dp, pp=pp, tp=2, schedule=schedule, v=1, m=4, b=2, optimizer=opt, zero=zero))
     if world == 4:
         # ZeRO-1/2 (ZeroRedundancyOptimizer beside DDP) and ZeRO-3 (FSDP2) over the dp axis of a 2 x 2 mesh.
         # Tied weights across stages are refused with ZeRO-3, so gpt-tiny (tied embeddings) runs ZeRO-1 only.
@@ -270,9 +283,13 @@ def run(cfg: dict) -> dict:
         cuts = tuple(sum(counts[:k]) for k in range(cfg["pp"] + 1))
     else:
         cuts = even_cuts(cfg["model"], cfg["pp"] * cfg["v"], cfg["b"])
+    tp = cfg.get("tp", 1)
+    tp_plan = derive_tp_plan(trace(spec.build(), spec.example_inputs, batch_size=cfg["b"])).styles(tp) if tp > 1 else {}
     layout = Layout(
         dp=cfg["dp"],
         pp=cfg["pp"],
+        tp=tp,
+        tp_plan=tp_plan,
         micro_batch_size=cfg["b"],
         num_microbatches=cfg["m"],
         schedule=cfg["schedule"],

@@ -31,7 +31,7 @@ def test_pipelines_train_like_one_process(world: int, tmp_path: Path) -> None:
         pytest.fail(f"a configuration failed: {bad[0]}\n{done.stderr[-3000:]}")
     assert out.exists(), done.stderr[-3000:]
     results = json.loads(out.read_text())
-    meshes = {(r["dp"], r["pp"]) for r in results}
+    meshes = {(r["dp"], r["pp"]) for r in results if r.get("tp", 1) == 1}
     assert meshes == ({(1, 2), (2, 1)} if world == 2 else {(2, 2), (1, 4)})
     schedules = {r["schedule"] for r in results}
     assert {"GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"} <= schedules
@@ -41,7 +41,8 @@ def test_pipelines_train_like_one_process(world: int, tmp_path: Path) -> None:
     hf = {"gpt2", "bert", "llama", "mixtral", "t5", "vit"} if importlib.util.find_spec("transformers") else set()
     plain = {"relu_inplace", "lstm", "transformer_encoder"}
     exported = {"branchy.py", *plain, *hf} if world == 2 else set()
-    names = {r["model"].split(":")[1] if ":" in r["model"] else os.path.basename(r["model"]) for r in results}
+    names = {r["model"].split(":")[1] if ":" in r["model"] else os.path.basename(r["model"]) for r in results
+             if r.get("tp", 1) == 1}  # fmt: skip
     assert names == {"resnet-tiny", "gpt-tiny", *dag_models, *exported}
     assert {r["optimizer"] for r in results} == {"sgd", "adamw"}
     assert {r["zero"] for r in results} == ({0, 3} if world == 2 else {0, 1, 3})
@@ -57,5 +58,11 @@ def test_pipelines_train_like_one_process(world: int, tmp_path: Path) -> None:
     )
     # Stages assigned per operation and not contiguous in the traced order train the same parameters.
     assert [r["contiguous"] for r in results if r.get("dag")] == ([False] if world == 2 else [])
+    # Tensor parallelism alone (2 ranks), beside pipeline stages and beside replicas (4 ranks): tied embeddings and
+    # a fused QKV (gpt-tiny), grouped-query attention (llama), BERT.
+    split = [r for r in results if r.get("tp", 1) > 1]
+    assert {(r["dp"], r["tp"], r["pp"]) for r in split} == ({(1, 2, 1)} if world == 2 else {(1, 2, 2), (2, 2, 1)})
+    families = {r["model"].split(":")[1] if r["model"].startswith("hf:") else r["model"] for r in split}
+    assert families == {"gpt-tiny"} | ({"llama", "bert"} & hf)
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed[:3]
