@@ -326,6 +326,12 @@ def _tensor_parallel(
     plan = derive_tp_plan(bare.graph)
     if styles is not None:
         plan = restrict_tp_plan(plan, styles, bare.graph)
+        for t in wanted:  # every layer the user names splits at every degree asked for
+            left = [m for m in styles if m not in plan.styles(t)]
+            if left:
+                why = _no_split(TpPlan(regions=tuple(r for r in plan.regions if left[0] in r.columns + r.rows),
+                                       embeddings=plan.embeddings, output_layers=plan.output_layers), t)  # fmt: skip
+                raise PlanError(f"TP plan: tensor parallelism {t} cannot split '{left[0]}': {why}")
     for t in wanted:
         if not plan.styles(t):
             if len(degrees) == 1:

@@ -154,3 +154,9 @@ def test_the_cli_plans_shows_and_emits_a_tp_plan(tmp_path: Path, capsys: pytest.
     argv = ["plan", "zoo:gpt-tiny", "--gpu", "a100-80g", "--gpus", "8", "--tp-plan", str(tmp_path / "tp.json")]
     assert main(argv) == 2
     assert "add --tp auto or --tp DEGREE" in capsys.readouterr().err
+    # gpt-tiny's attention has 4 heads: 8 ranks cannot split it.
+    (tmp_path / "tp.json").write_text('{"transformer.h.0.attn.c_attn": "ColwiseParallel", '
+                                      '"transformer.h.0.attn.c_proj": "RowwiseParallel"}')  # fmt: skip
+    assert main([*argv, "--tp", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "tensor parallelism 8 cannot split 'transformer.h.0.attn.c_attn': 8 does not divide 4" in err
