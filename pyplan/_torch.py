@@ -23,6 +23,7 @@ __all__ = [
     "OpRecorder",
     "TorchDispatchMode",
     "is_meta_module",
+    "is_strided",
     "is_view",
     "plain_codegen",
     "run_without_compute",
@@ -230,3 +231,11 @@ def strided_shard(dim: int, parts: int) -> Any:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return _StridedShard(dim, split_factor=parts)
+
+
+def is_strided(placement: Any) -> bool:
+    """Whether a DTensor placement is a strided shard (`strided_shard`), which torch.distributed.checkpoint cannot
+    lay out on torch 2.13 (it reads its chunks as overlapping)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, _StridedShard)

@@ -104,25 +104,34 @@ def test_a_tp_layout_is_checked_and_read_back() -> None:
         Layout(**base, tp=0)
 
 
+def _torchrun(script: Path, *args: str) -> list[float]:
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=script.parent,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [float(line.split()[3]) for line in done.stdout.splitlines() if line.startswith("step ")]
+
+
 @pytest.mark.distributed
-def test_an_emitted_tp_plan_trains_under_torchrun(tmp_path: Path) -> None:
-    """gpt-tiny split over 2 processes: the script builds the tp mesh, splits the traced layers and trains."""
+def test_an_emitted_tp_plan_trains_and_resumes_under_torchrun(tmp_path: Path) -> None:
+    """gpt-tiny split over 2 processes: the script builds the tp mesh, splits the traced layers and trains; a run
+    resumed from its checkpoint (the fused QKV's strided shards saved whole) takes the step it would have taken."""
     script = tmp_path / "train.py"
     argv = ["plan", "zoo:gpt-tiny", "--gpu", "a100-80g", "--gpus", "2", "--all-gpus", "--global-batch", "8",
             "--tp", "2", "--emit", str(script)]  # fmt: skip
     assert main(argv) == 0
     assert "dp 1 x tp 2 x pp 1" in script.read_text()
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), "--steps", "2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    losses = [float(line.split()[3]) for line in done.stdout.splitlines() if line.startswith("step ")]
-    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    losses = _torchrun(script, "--steps", "3", "--clip-grad-norm", "1.0")
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[2] < losses[0]
+    common = ("--checkpoint", str(tmp_path / "ck"), "--clip-grad-norm", "1.0")
+    assert _torchrun(script, "--steps", "2", *common) == losses[:2]
+    resumed = _torchrun(script, "--steps", "3", *common)  # from step-2: the third step
+    assert resumed == pytest.approx(losses[2:], rel=1e-6)
 
 
 def test_the_cli_plans_shows_and_emits_a_tp_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
+from pyplan._torch import is_strided
 from pyplan.errors import PlanError
 
 __all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
@@ -47,8 +49,10 @@ def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
-def _state_dict(trainer: _Trainer, step: int) -> dict[str, Any]:
-    """The trainer's state keyed by the model's names; its tensors are the trainer's own (DCP loads in place)."""
+def _state_dict(trainer: _Trainer, step: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The trainer's state keyed by the model's names; its tensors are the trainer's own (DCP loads in place),
+    except those DCP cannot lay out (a fused QKV's strided shards), saved whole: returned a second time by key, the
+    DTensors they stand for (`_put_back` copies what was loaded into them)."""
     tensors = trainer.named_tensors()
     names: dict[int, list[str]] = {}
     for name, t in tensors.items():
@@ -59,7 +63,17 @@ def _state_dict(trainer: _Trainer, step: int) -> dict[str, Any]:
             for key, value in state.items():
                 out[f"optim.{name}.{key}"] = value
     out["step"] = step
-    return out
+    strided = {k: v for k, v in out.items() if isinstance(v, DTensor) and any(map(is_strided, v.placements))}
+    out.update({k: v.full_tensor().detach().clone() for k, v in strided.items()})
+    return out, strided
+
+
+def _put_back(state: dict[str, Any], strided: dict[str, torch.Tensor]) -> None:
+    """Copy the whole tensors loaded for strided shards into this rank's shards."""
+    with torch.no_grad():
+        for key, held in strided.items():
+            assert isinstance(held, DTensor)
+            held.to_local().copy_(distribute_tensor(state[key], held.device_mesh, held.placements).to_local())
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
@@ -114,7 +128,7 @@ def save_checkpoint(trainer: _Trainer, step: int, directory: str | Path, keep: i
     _barrier()
     try:
         with _alone():
-            dcp.save(_state_dict(trainer, step), checkpoint_id=str(partial), no_dist=not dist.is_initialized())
+            dcp.save(_state_dict(trainer, step)[0], checkpoint_id=str(partial), no_dist=not dist.is_initialized())
     except (OSError, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
         raise PlanError(f"cannot write checkpoint '{partial}': {str(exc).splitlines()[0][:200]}") from None
     _barrier()
@@ -147,10 +161,11 @@ def load_checkpoint(trainer: _Trainer, path: str | Path) -> int:
     params = [t for t in trainer.named_tensors().values() if isinstance(t, nn.Parameter)]
     unique = list({id(p): p for p in params}.values())
     _init_optimizer_state(trainer.optimizer, unique)
-    state = _state_dict(trainer, 0)
+    state, strided = _state_dict(trainer, 0)
     try:
         with _alone():
             dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        _put_back(state, strided)
     except (Exception, dcp.CheckpointException) as exc:  # CheckpointException is a BaseException
         missing = re.search(r"[Mm]issing key in checkpoint state_dict: ([\w.]+)", str(exc))
         what = (
