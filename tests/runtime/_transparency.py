@@ -224,13 +224,16 @@ def configs(world: int) -> list[dict]:
     # rotary, SwiGLU) and BERT.
     llama_bert = [m for m in HF_MODELS if m.split(":")[1] in ("llama", "bert") and "labels" not in m]
     tp_runs = (
-        [("gpt-tiny", 1, 1, "1F1B", "adamw", 0), *((m, 1, 1, "1F1B", "sgd", 0) for m in llama_bert)]
+        [("gpt-tiny", 1, 1, "1F1B", "adamw"), *((m, 1, 1, "1F1B", "sgd") for m in llama_bert)]
         if world == 2
-        else [("gpt-tiny", 1, 2, "1F1B", "adamw", 0), ("gpt-tiny", 2, 1, "GPipe", "sgd", 0),
-              *((m, 1, 2, "1F1B", "sgd", 0) for m in llama_bert)]
+        else [("gpt-tiny", 1, 2, "1F1B", "adamw"), ("gpt-tiny", 2, 1, "GPipe", "sgd"),
+              *((m, 1, 2, "1F1B", "sgd") for m in llama_bert), *((m, 2, 1, "GPipe", "sgd") for m in llama_bert)]
     )  # fmt: skip
-    for model, dp, pp, schedule, opt, zero in tp_runs:
-        out.append(dict(model=model, dp=dp, pp=pp, tp=2, schedule=schedule, v=1, m=4, b=2, optimizer=opt, zero=zero))
+    for model, dp, pp, schedule, opt in tp_runs:
+        out.append(dict(model=model, dp=dp, pp=pp, tp=2, schedule=schedule, v=1, m=4, b=2, optimizer=opt, zero=0))
+    if world == 2:  # ... and every block of the split model checkpointed
+        out.append(dict(model="gpt-tiny", dp=1, pp=1, tp=2, schedule="1F1B", v=1, m=4, b=2, optimizer="adamw",
+                        zero=0, remat=["full"]))  # fmt: skip
     if world == 4:
         # ZeRO-1/2 (ZeroRedundancyOptimizer beside DDP) and ZeRO-3 (FSDP2) over the dp axis of a 2 x 2 mesh.
         # Tied weights across stages are refused with ZeRO-3, so gpt-tiny (tied embeddings) runs ZeRO-1 only.
