@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import (
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import conv_flop_count, flop_registry, shape_wrapper
 
 __all__ = [
@@ -143,9 +143,9 @@ def _op_flops(formula: Callable[..., Any], name: str, args: tuple, kwargs: dict,
 
 
 # Selective activation checkpointing (torchtitan's "op" policy, torchtitan/models/llama3/infra/parallelize.py
-# `_save_list`): a block run under it saves the outputs of its matrix products and fused attention kernels and
-# recomputes every other op in its backward. torchtitan also recomputes every second `mm` to save more memory; this
-# policy saves them all.
+# `_save_list` and `_custom_policy`): a block run under it saves the outputs of its matrix products and fused
+# attention kernels, except every second `aten.mm` (counted per block, in its forward and again in its
+# recomputation), and recomputes every other op in its backward.
 SELECTIVE_SAVE_OPS = tuple(
     getattr(torch.ops.aten, name).default
     for name in (
@@ -163,10 +163,31 @@ SELECTIVE_SAVE_OPS = tuple(
 SELECTIVE_SAVE_NAMES = frozenset(op.overloadpacket.__name__ for op in SELECTIVE_SAVE_OPS)
 
 
-def selective_contexts() -> tuple[Any, Any]:
-    """The `context_fn` of `torch.utils.checkpoint.checkpoint` that runs selective checkpointing."""
+def selective_saves(names: list[str]) -> list[bool]:
+    """For a block's ops in order (aten names), whether selective checkpointing saves each one's output: the
+    policy of `selective_contexts` (every second `mm` recomputed)."""
+    mms = 0
+    out = []
+    for name in names:
+        mms += name == "mm"
+        out.append(name in SELECTIVE_SAVE_NAMES and not (name == "mm" and mms % 2 == 0))
+    return out
 
-    return create_selective_checkpoint_contexts(list(SELECTIVE_SAVE_OPS))
+
+def selective_contexts() -> tuple[Any, Any]:
+    """The `context_fn` of `torch.utils.checkpoint.checkpoint` that runs selective checkpointing (torchtitan's op
+    policy, above)."""
+    counts = {"forward": 0, "recompute": 0}
+    saved = frozenset(SELECTIVE_SAVE_OPS)
+    mm = torch.ops.aten.mm.default
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        mode = "recompute" if ctx.is_recompute else "forward"
+        counts[mode] += func == mm
+        keep = func in saved and not (func == mm and counts[mode] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 class OpRecorder(TorchDispatchMode):

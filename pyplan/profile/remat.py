@@ -50,10 +50,10 @@ from torch import fx
 from torch.utils.checkpoint import checkpoint
 
 from pyplan._torch import (
-    SELECTIVE_SAVE_NAMES,
     OpRecorder,
     run_without_compute,
     selective_contexts,
+    selective_saves,
     storage_key,
     tensor_leaves,
 )
@@ -176,9 +176,10 @@ NOMINAL_ROOFLINE = Roofline({"fp32": 1e11, "fp64": 1e11, "bf16": 1e11, "fp16": 1
 
 def _selective_share(ops: Sequence[tuple[str, float, float, str, bool]], roofline: Roofline) -> float:
     """The share of a forward's roofline time in the ops selective checkpointing does not save."""
+    saves = selective_saves([name for name, *_ in ops])
     times = [
-        (name in SELECTIVE_SAVE_NAMES, roofline.op_time_s(OpCost(name, op_class(name), flops, nbytes, dtype, view)))
-        for name, flops, nbytes, dtype, view in ops
+        (save, roofline.op_time_s(OpCost(name, op_class(name), flops, nbytes, dtype, view)))
+        for save, (name, flops, nbytes, dtype, view) in zip(saves, ops, strict=True)
     ]
     total = sum(t for _, t in times)
     return sum(t for saved, t in times if not saved) / total if total > 0 else 0.0
