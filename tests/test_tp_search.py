@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -126,11 +127,11 @@ def test_an_emitted_tp_plan_trains_and_resumes_under_torchrun(tmp_path: Path) ->
             "--tp", "2", "--emit", str(script)]  # fmt: skip
     assert main(argv) == 0
     assert "dp 1 x tp 2 x pp 1" in script.read_text()
-    losses = _torchrun(script, "--steps", "3", "--clip-grad-norm", "1.0")
-    assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[2] < losses[0]
     common = ("--checkpoint", str(tmp_path / "ck"), "--clip-grad-norm", "1.0")
-    assert _torchrun(script, "--steps", "2", *common) == losses[:2]
-    resumed = _torchrun(script, "--steps", "3", *common)  # from step-2: the third step
+    losses = _torchrun(script, "--steps", "3", "--checkpoint-every", "2", "--keep-checkpoints", "2", *common)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[2] < losses[0]
+    shutil.rmtree(tmp_path / "ck" / "step-3")
+    resumed = _torchrun(script, "--steps", "3", *common)  # from step-2: the third step again
     assert resumed == pytest.approx(losses[2:], rel=1e-6)
 
 
