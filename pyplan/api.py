@@ -110,11 +110,6 @@ def memory_per_process(cluster: Cluster) -> float:
     return float(gpu.memory_bytes)
 
 
-def _activation_scale(workload: Workload) -> float:
-    """Saved activations and boundary tensors are traced in fp32; mixed precision keeps most in 16 bits."""
-    return 0.5 if workload.precision != "fp32" else 1.0
-
-
 def _plan_of(c: Any, chain: Chain, currency: str, workload: Workload) -> Plan:
     layout = Layout(
         dp=c.dp,
@@ -480,7 +475,7 @@ class _Space:
             workload,
             group,
             gpu_mem=memory_per_process(cluster) * memory_fraction,
-            scale=_activation_scale(workload),
+            scale=workload.activation_scale,
             price=price,
             currency=currency,
             host=host.for_search(workload.optimizer) if host is not None else {},

@@ -65,6 +65,11 @@ class Workload:
         if self.dataset_samples is not None and self.dataset_samples < 1:
             raise PlanError(f"the dataset size must be positive, got {self.dataset_samples}")
 
+    @property
+    def activation_scale(self) -> float:
+        """Saved activations and boundary tensors are traced in fp32; mixed precision keeps most in 16 bits."""
+        return 0.5 if self.precision != "fp32" else 1.0
+
     def bytes_per_param(self) -> ModelState:
         """Bytes per parameter element of weights, gradients and optimizer state (step counters left out)."""
         return model_state_bytes(1, 0, optimizer=self.optimizer, precision=self.precision)

@@ -60,6 +60,9 @@ _ELEMENTWISE = frozenset({
     "relu_", "rsqrt", "sigmoid", "silu", "sqrt", "sub", "tanh", "to", "truediv", "type_as", "where", "_to_copy",
     "Dropout", "GELU", "SiLU", "ReLU", "Tanh", "Sigmoid", "Identity",
 })  # fmt: skip
+# How far back (in nodes) a value that must be sharded may lie from the Linears it comes from: farther is the
+# residual stream or an input, never a region's own value.
+_MAX_WALK = 200
 # Size-taking operations whose size argument for the sharded dimension becomes -1 (infer) on a rank.
 _RESHAPES = frozenset({"view", "reshape", "_unsafe_view"})
 
@@ -434,7 +437,7 @@ def _follow(r: _Reader, entries: set[str]) -> Region | set[str]:
             if edit is not None:
                 edits.append((user.name, edit))
                 if edit == -1:
-                    parts[r.linears[value.name].module] = len(dims_tuple(out))
+                    parts[r.linears[value.name].module] = len(out)  # a split: one dimension per piece
             if out is None:
                 continue
             dims[user.name] = out
@@ -455,10 +458,6 @@ def _follow(r: _Reader, entries: set[str]) -> Region | set[str]:
         outputs=tuple(sorted(rows, key=list(r.nodes).index)),
         edits=tuple(edits),
     )
-
-
-def dims_tuple(value: Any) -> tuple[Any, ...]:
-    return value if isinstance(value, tuple) else (value,)
 
 
 def _needs_shard(r: _Reader, user: fx.Node, a: fx.Node, dims: Mapping[str, Any]) -> bool:
@@ -496,7 +495,7 @@ def _columns_behind(r: _Reader, missing: list[fx.Node]) -> set[str]:
         sources = [a for a in r.tensor_inputs(v) if not r.static(a)]
         if _name(v, r.gm) in _ELEMENTWISE:  # operands that broadcast along the sharded dimension need not be
             sources = [a for a in sources if r.shape(a) == r.shape(v)]
-        if v.op in ("placeholder", "get_attr") or not sources or len(seen) > 200:
+        if v.op in ("placeholder", "get_attr") or not sources or len(seen) > _MAX_WALK:
             raise _NotSplit(f"'{v.name}' must be sharded but comes from no Linear")
         stack.extend(sources)
     return found

@@ -230,8 +230,8 @@ def tp_comm_times(
     """Each block's tensor-parallel collectives at `degree`, forward and backward seconds as `α·b + β`, on the link
     inside a node (pyplan/profile/tensor_parallel.py)."""
     latency_s, bw = cluster.groups[0].intra_link.collective
-    scale = 0.5 if workload.precision != "fp32" else 1.0  # as api's activation scale: traced fp32, kept 16-bit
-    return collective_times(collective_bytes(chain, plan, degree), degree, latency_s, bw, scale)
+    traffic = collective_bytes(chain, plan, degree)
+    return collective_times(traffic, degree, latency_s, bw, workload.activation_scale)
 
 
 def add_loss(
