@@ -106,8 +106,9 @@ void bind_search(py::module_& m) {
            double weight, std::int64_t top_k, std::vector<double> param_tensors, std::vector<double> cut_tensors,
            std::pair<double, double> intra_collective, std::pair<double, double> inter_collective,
            const py::dict& host, std::vector<double> time_sizes, std::vector<double> fwd_points_s,
-           std::vector<double> bwd_points_s, bool zero3_single_stage,
-           const std::vector<std::int64_t>& data_parallel, const std::vector<std::int64_t>& pipeline_ranks,
+           std::vector<double> bwd_points_s, bool zero3_single_stage, double zero3_gather_bytes,
+           double zero3_reduce_bytes, const std::vector<std::int64_t>& data_parallel,
+           const std::vector<std::int64_t>& pipeline_ranks,
            const std::vector<std::int64_t>& num_microbatches, const std::vector<std::int64_t>& fixed_cuts) {
             pyplan::ProfiledChain chain{std::move(fwd_alpha_s),     std::move(fwd_beta_s),
                                               std::move(bwd_alpha_s),     std::move(bwd_beta_s),
@@ -157,6 +158,8 @@ void bind_search(py::module_& m) {
             for (const auto& name : placements) space.placements.push_back(pyplan::placement_from_name(name));
             space.allow_fewer_gpus = allow_fewer_gpus;
             space.zero3_single_stage = zero3_single_stage;
+            space.zero3_gather_bytes = zero3_gather_bytes;
+            space.zero3_reduce_bytes = zero3_reduce_bytes;
             space.objective = pyplan::objective_from_name(objective);
             space.weight = weight;
             space.top_k = to_int(top_k, "top_k", 1, kIntMax);
@@ -180,6 +183,7 @@ void bind_search(py::module_& m) {
         py::arg("inter_collective") = std::make_pair(0.0, 0.0), py::arg("host") = py::dict(),
         py::arg("time_sizes") = std::vector<double>{}, py::arg("fwd_points_s") = std::vector<double>{},
         py::arg("bwd_points_s") = std::vector<double>{}, py::arg("zero3_single_stage") = false,
+        py::arg("zero3_gather_bytes") = 0.0, py::arg("zero3_reduce_bytes") = 0.0,
         py::arg("data_parallel") = std::vector<std::int64_t>{}, py::arg("pipeline_ranks") = std::vector<std::int64_t>{},
         py::arg("num_microbatches") = std::vector<std::int64_t>{}, py::arg("fixed_cuts") = std::vector<std::int64_t>{},
         "Searches data parallelism x pipeline stages x micro-batch size x schedule x ZeRO stage x placement\n"

@@ -506,6 +506,7 @@ class _Space:
                     "bwd_points_s": [g + f for g, f in zip(tables["bwd_points_s"], tables["fwd_points_s"])],
                 }
         per_param, gpu, group = self.workload.bytes_per_param(), self.cluster.gpu, self.group
+        unit = self.workload.sharded_unit_bytes()
         try:
             return _core.search(
                 fwd_a,
@@ -537,6 +538,8 @@ class _Space:
                 inter_collective=group.inter_link.collective,
                 host=self.host,
                 zero3_single_stage=True,  # see pyplan/plan.py ZERO_STAGES
+                zero3_gather_bytes=float(unit.gathered),
+                zero3_reduce_bytes=float(unit.reduced),
                 **pins,
                 **tables,
             )
@@ -592,7 +595,7 @@ class _Refiner:
             if hosted
             else CheckpointCosts(())
         )
-        per_param = workload.bytes_per_param()
+        unit = workload.sharded_unit_bytes()
         tied = tied_parameters(chain)
         return _Refiner(
             space,
@@ -604,7 +607,7 @@ class _Refiner:
             costs,
             tied,
             _stage_params(chain, workload, gpu, tied),
-            gathered_bytes(model, float(per_param.param_bytes), float(per_param.grad_bytes)),
+            gathered_bytes(model, float(unit.gathered), float(unit.grad)),
             unit_segments(model, [b.name for b in chain.blocks]),
         )
 
@@ -689,9 +692,9 @@ class _Refiner:
             )
             return whole / 2
 
-        per_param = self.space.workload.bytes_per_param()
-        gathers = [half_allreduce(blk.param_numel * per_param.param_bytes) for blk in blocks]
-        scatters = [half_allreduce(blk.param_numel * per_param.grad_bytes) for blk in blocks]
+        unit = self.space.workload.sharded_unit_bytes()
+        gathers = [half_allreduce(blk.param_numel * unit.gathered) for blk in blocks]
+        scatters = [half_allreduce(blk.param_numel * unit.reduced) for blk in blocks]
 
         def overlapped(b: int) -> tuple[list[float], list[float]]:
             return zero3_overlap([f(b) for f in fwd_of], [g(b) for g in bwd_of], gathers, scatters)

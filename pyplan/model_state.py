@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["OPTIMIZERS", "PRECISIONS", "ModelState", "model_state_bytes", "optimizer_step_bytes"]
+__all__ = ["OPTIMIZERS", "PRECISIONS", "ModelState", "ShardedUnitBytes", "model_state_bytes", "optimizer_step_bytes",
+           "sharded_unit_bytes"]
 
 # Optimizer states per parameter element, in units of the master dtype: what torch.optim keeps in `state`.
 OPTIMIZERS: dict[str, int] = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
@@ -19,11 +20,39 @@ _STEP_TENSOR = {"adam", "adamw"}
 # holds 4 + 4 + Adam's 8 bytes, not the 2 + 2 + 12 of 16-bit weights beside an fp32 master copy (Megatron-LM,
 # DeepSpeed). The totals agree; what ZeRO-1 shards does not: measured on gpt-tiny at dp = 2, 1,423,384 and
 # 1,421,400 bytes held per rank against 1,185,280 under the 2 + 2 + 12 convention, 1,422,336 under this one.
+# ZeRO-3 holds the same fp32 shards under mixed precision; only what it gathers is 16-bit (`ShardedUnitBytes`).
 PRECISIONS: dict[str, tuple[int, int, int | None]] = {
     "fp32": (4, 4, None),
     "bf16-mixed": (4, 4, None),
     "fp16-mixed": (4, 4, None),
 }
+
+# 16-bit types of the mixed precisions: ZeRO-3 gathers its units' weights in them.
+_COMPUTE_BYTES: dict[str, int] = {"fp32": 4, "bf16-mixed": 2, "fp16-mixed": 2}
+
+
+@dataclass(frozen=True)
+class ShardedUnitBytes:
+    """Bytes per parameter element of what ZeRO-3 (FSDP2) moves and holds unsharded for a unit: its weights as
+    all-gathered (and held while the unit computes), their gradients as autograd makes them, and the gradients as
+    reduce-scattered.
+
+    Under mixed precision pyplan's runtime runs FSDP2's own policy, as torchtitan does: `MixedPrecisionPolicy(
+    param_dtype=<16-bit>, reduce_dtype=float32)`; the fp32 shards stay the optimizer's master weights, the units
+    are gathered in 16 bits and compute in them (no autocast), and their 16-bit gradients are copied into an fp32
+    buffer and reduce-scattered in fp32 (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py,
+    `foreach_reduce`)."""
+
+    gathered: int
+    grad: int
+    reduced: int
+
+
+def sharded_unit_bytes(precision: str) -> ShardedUnitBytes:
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision '{precision}'; choose one of {', '.join(PRECISIONS)}")
+    compute = _COMPUTE_BYTES[precision]
+    return ShardedUnitBytes(gathered=compute, grad=compute, reduced=4)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,14 @@ from pyplan import _core
 from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
 from pyplan.graph.tensor_parallel import STYLES as TP_STYLES
-from pyplan.model_state import OPTIMIZERS, PRECISIONS, ModelState, model_state_bytes
+from pyplan.model_state import (
+    OPTIMIZERS,
+    PRECISIONS,
+    ModelState,
+    ShardedUnitBytes,
+    model_state_bytes,
+    sharded_unit_bytes,
+)
 from pyplan.remat_plan import RematPlan
 
 __all__ = [
@@ -73,6 +80,10 @@ class Workload:
     def bytes_per_param(self) -> ModelState:
         """Bytes per parameter element of weights, gradients and optimizer state (step counters left out)."""
         return model_state_bytes(1, 0, optimizer=self.optimizer, precision=self.precision)
+
+    def sharded_unit_bytes(self) -> ShardedUnitBytes:
+        """Bytes per parameter element ZeRO-3 gathers, holds as unsharded gradients, and reduce-scatters."""
+        return sharded_unit_bytes(self.precision)
 
     def state_bytes_per_gpu(self, params: float, dp: int, zero_stage: int) -> float:
         """Model-state bytes of `params` parameter elements on one GPU of `dp` replicas under a ZeRO stage."""

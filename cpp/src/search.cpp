@@ -110,6 +110,8 @@ void validate(const ProfiledChain& c, const Hardware& hw, const SearchSpace& spa
     require_in(bpp.param_bytes, 0.0, kMaxBytes, "param_bytes");
     require_in(bpp.grad_bytes, 0.0, kMaxBytes, "grad_bytes");
     require_in(bpp.optim_bytes, 0.0, kMaxBytes, "optim_bytes");
+    require_in(space.zero3_gather_bytes, 0.0, kMaxBytes, "zero3_gather_bytes");
+    require_in(space.zero3_reduce_bytes, 0.0, kMaxBytes, "zero3_reduce_bytes");
     for (int b : space.micro_batch_sizes) {
         if (b < 1) fail("micro-batch sizes must be >= 1, got " + std::to_string(b));
     }
@@ -655,8 +657,10 @@ double Searcher::block_time_s(const Config& c, const Layout& lay, int i, bool fo
                     : chain_.bwd_alpha_s[i] * c.b + chain_.bwd_beta_s[i];
     }
     if (c.zero == 3) {
-        t += allreduce_s(lay, chain_.params[i] * bpp.param_bytes) / 2;  // all-gather the weights
-        if (!forward) t += allreduce_s(lay, chain_.params[i] * bpp.grad_bytes) / 2;  // reduce-scatter grads
+        const double gather = space_.zero3_gather_bytes > 0.0 ? space_.zero3_gather_bytes : bpp.param_bytes;
+        const double reduce = space_.zero3_reduce_bytes > 0.0 ? space_.zero3_reduce_bytes : bpp.grad_bytes;
+        t += allreduce_s(lay, chain_.params[i] * gather) / 2;  // all-gather the weights
+        if (!forward) t += allreduce_s(lay, chain_.params[i] * reduce) / 2;  // reduce-scatter grads
     }
     return t;
 }

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
@@ -186,7 +186,6 @@ class ShardedTrainer:
     device: torch.device
     template: Call  # the structure of one micro-batch's call, its tensors in `input_tensors` order
     loss_fn: Any
-    autocast_dtype: torch.dtype | None = None
     grad_norm: float = float("nan")  # the gradient's norm at the last step that clipped
 
     stage_indices = (0,)
@@ -226,8 +225,7 @@ class ShardedTrainer:
         for k in range(m):
             part = slice(k * b, (k + 1) * b)
             args, kwargs = self._call(tuple(t[part].to(self.device) for t in inputs))
-            with torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-                out = output_tensors(self.model(*args, **kwargs))
+            out = output_tensors(self.model(*args, **kwargs))
             loss = self.loss_fn(out, target[part].to(self.device) if target is not None else None)
             (loss / m).backward()
             losses.append(loss.detach())
@@ -246,18 +244,26 @@ def build_sharded_trainer(
     examples: ExampleInputs,
     device: torch.device,
     loss_fn: Any,
-    autocast_dtype: torch.dtype | None,
+    compute_dtype: torch.dtype | None,
 ) -> ShardedTrainer:
     """`model` sharded over the mesh's dp axis unit by unit (`shard_units`, then the root), the outermost units
-    checkpointed where the plan recomputes (`unit_segments`), with its optimizer over the shards."""
+    checkpointed where the plan recomputes (`unit_segments`), with its optimizer over the shards.
+
+    Mixed precision (`compute_dtype` 16-bit) is FSDP2's policy, as torchtitan runs it: each unit gathered and
+    computed in `compute_dtype`, its gradients reduce-scattered in fp32 into the fp32 shards the optimizer steps,
+    the model's outputs cast to fp32 for the loss; no autocast (`pyplan.model_state.ShardedUnitBytes`)."""
     model = model.to(device)
     kind = remat_kind(layout)
     if kind in ("units", "selective units"):
         for _, unit in _outermost(model):
             _checkpointed(unit, selective=kind == "selective units")
+    unit_policy = root_policy = MixedPrecisionPolicy()
+    if compute_dtype is not None:
+        unit_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        root_policy = replace(unit_policy, output_dtype=torch.float32)
     for unit in shard_units(model):
-        fully_shard(unit, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        fully_shard(unit, mesh=mesh["dp"], mp_policy=unit_policy)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=root_policy)
     optimizer = make_optimizer(list(model.parameters()))
     template = call_at(examples, layout.micro_batch_size)
-    return ShardedTrainer(layout, mesh, model, optimizer, device, template, loss_fn, autocast_dtype)
+    return ShardedTrainer(layout, mesh, model, optimizer, device, template, loss_fn)

@@ -241,7 +241,8 @@ def build_trainer(
     """This rank's stages of `model` cut by `layout`, wrapped for data parallelism, with the planned schedule.
 
     Call on every rank after `dist.init_process_group`, with the same model (same seed) everywhere.
-    `precision` "bf16-mixed" or "fp16-mixed" runs every stage under autocast, weights and optimizer in fp32.
+    `precision` "bf16-mixed" or "fp16-mixed" runs every stage under autocast, weights and optimizer in fp32; a plan
+    of one stage under ZeRO-3 runs FSDP2's mixed-precision policy instead (pyplan/runtime/sharded.py).
     """
     device = device or torch.device("cpu")
     if layout.tp > 1 and layout.zero_stage != 0:

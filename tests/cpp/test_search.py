@@ -134,6 +134,9 @@ def _instance(seed: int) -> tuple[ProfiledChain, Hardware, Space]:
         objective=rng.choice(("time", "cost", "weighted")),
         weight=rng.choice((0.0, 2.0**-4, 1.0)),
         zero3_single_stage=rng.random() < 0.5,
+        # Mixed precision's ZeRO-3: 16-bit weights gathered, fp32 gradients reduced.
+        zero3_gather_bytes=rng.choice((0.0, 1.0)),
+        zero3_reduce_bytes=rng.choice((0.0, 4.0)),
     )
     return chain, hw, space
 

@@ -92,6 +92,8 @@ class Space:
     placements: Sequence[str] = ("pp-inner", "dp-inner")
     allow_fewer_gpus: bool = False
     zero3_single_stage: bool = False
+    zero3_gather_bytes: float = 0.0  # 0: the weights' bytes
+    zero3_reduce_bytes: float = 0.0  # 0: the gradients' bytes
     objective: str = "time"
     weight: float = 0.0
     fixed_cuts: Sequence[int] = ()  # the partition, from 0 to L: only configurations of that many stages
@@ -223,9 +225,10 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config, tp: 
     fwd = [chain.time_s(i, c.b, forward=True) for i in range(num_blocks)]
     bwd = [chain.time_s(i, c.b, forward=False) for i in range(num_blocks)]
     if c.zero == 3:
+        gather_b, reduce_b = space.zero3_gather_bytes or param_b, space.zero3_reduce_bytes or grad_b
         for i, params in enumerate(chain.params):
-            fwd[i] += allreduce_s(params * param_b) / 2
-            bwd[i] += allreduce_s(params * param_b) / 2 + allreduce_s(params * grad_b) / 2
+            fwd[i] += allreduce_s(params * gather_b) / 2
+            bwd[i] += allreduce_s(params * gather_b) / 2 + allreduce_s(params * reduce_b) / 2
     act = [chain.act_per_sample_bytes[i] * c.b + chain.act_fixed_bytes[i] for i in range(num_blocks)]
     cut = [chain.cut_per_sample_bytes[k] * c.b + chain.cut_fixed_bytes[k] for k in range(num_blocks + 1)]
     per_param = {"param_bytes": param_b, "grad_bytes": grad_b, "optim_bytes": optim_b}

@@ -174,6 +174,10 @@ struct SearchSpace {
     std::vector<Placement> placements = {Placement::kPipelineInner, Placement::kDataInner};
     bool allow_fewer_gpus = false;  // d·p < N allowed
     bool zero3_single_stage = false;  // ZeRO-3 only for one-stage 1F1B candidates (p·v = 1)
+    // Bytes per parameter ZeRO-3 all-gathers and reduce-scatters (mixed precision gathers 16-bit weights and
+    // reduces fp32 gradients); 0: bytes_per_param's weights and gradients.
+    double zero3_gather_bytes = 0.0;
+    double zero3_reduce_bytes = 0.0;
     Objective objective = Objective::kTime;
     double weight = 0.0;  // w of the weighted objective
     int top_k = 5;
