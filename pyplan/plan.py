@@ -220,7 +220,8 @@ class Layout:
     pp · stages_per_rank + 1 of them from 0 to the end, so a runtime re-traces the model and cuts it there.
     `tp` GPUs of one node split each layer (tensor parallelism, inside a node; rank order keeps a tensor-parallel
     group contiguous), as `tp_plan` says: module name -> torchtitan's style (`ColwiseParallel`, `RowwiseParallel`),
-    pyplan/graph/tensor_parallel.py. GPUs used: dp · tp · pp.
+    pyplan/graph/tensor_parallel.py. GPUs used: dp · tp · pp. `sequence_parallel` (tp > 1 only): the values between
+    the split layers are each rank's slice of the tokens (pyplan/graph/sequence_parallel.py).
     `remat`, when not empty, has one entry per stage: its rematerialization plan, or None to keep everything.
     `stage_of_node`, when not empty, gives the stage of every operation of the traced graph (fx node name →
     stage) for stages that are not contiguous in the traced order (pyplan/solve/dag_search.py): stages never
@@ -243,6 +244,7 @@ class Layout:
     stage_of_node: dict[str, int] = field(default_factory=dict, hash=False)
     tp: int = 1
     tp_plan: dict[str, str] = field(default_factory=dict, hash=False)
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.dp < 1 or self.pp < 1 or self.micro_batch_size < 1 or self.num_microbatches < 1:
@@ -254,6 +256,10 @@ class Layout:
             raise PlanError(f"tp must be a positive whole number, got {self.tp!r}")
         if (self.tp > 1) != bool(self.tp_plan):
             raise PlanError(f"a layout with tp {self.tp} needs {'a' if self.tp > 1 else 'no'} tp_plan")
+        if not isinstance(self.sequence_parallel, bool) or (self.sequence_parallel and self.tp == 1):
+            raise PlanError(
+                f"sequence_parallel must be true or false, and false at tp 1; got {self.sequence_parallel!r}"
+            )
         if not all(isinstance(k, str) and v in TP_STYLES for k, v in self.tp_plan.items()):
             raise PlanError(f"tp_plan maps module names to {', '.join(TP_STYLES)}")
         if self.schedule not in _core.SCHEDULES:
@@ -317,6 +323,8 @@ class Layout:
             del data["stage_of_node"]  # a plan of contiguous stages reads as it did before the field existed
         if self.tp == 1:
             del data["tp"], data["tp_plan"]  # likewise a plan without tensor parallelism
+        if not self.sequence_parallel:
+            del data["sequence_parallel"]
         return data
 
     @staticmethod

@@ -36,13 +36,18 @@ from pyplan.errors import PlanError
 from pyplan.graph.layergraph import LayerGraph
 
 __all__ = [
+    "ELEMENTWISE",
     "STYLES",
     "Embedding",
+    "NotSplit",
     "OutputLayer",
+    "Reader",
     "Region",
     "TpPlan",
     "derive_tp_plan",
     "local_module",
+    "node_arg",
+    "op_name",
     "read_tp_plan",
     "restrict_tp_plan",
     "shard_sizes",
@@ -54,7 +59,7 @@ STYLES = ("ColwiseParallel", "RowwiseParallel", "SequenceParallel")
 # Operations that act on each element (or each element's row) without mixing positions across the sharded
 # dimension, by normalized name (`_name`): the output is sharded where the sharded inputs are, once shapes are
 # aligned from the right; a replicated operand must broadcast along it (size 1 or absent).
-_ELEMENTWISE = frozenset({
+ELEMENTWISE = frozenset({
     "abs", "add", "alias", "bfloat16", "clamp", "clone", "contiguous", "detach", "div", "dropout", "erf", "exp",
     "float", "gelu", "half", "iadd", "imul", "log", "masked_fill", "mul", "native_dropout", "neg", "pow", "relu",
     "relu_", "rsqrt", "sigmoid", "silu", "sqrt", "sub", "tanh", "to", "truediv", "type_as", "where", "_to_copy",
@@ -67,7 +72,7 @@ _MAX_WALK = 200
 _RESHAPES = frozenset({"view", "reshape", "_unsafe_view"})
 
 
-class _NotSplit(Exception):
+class NotSplit(Exception):
     """A region cannot stand: the reason, for `TpPlan.replicated`."""
 
 
@@ -161,7 +166,7 @@ class TpPlan:
 # Reading the graph
 
 
-def _name(n: fx.Node, gm: fx.GraphModule) -> str:
+def op_name(n: fx.Node, gm: fx.GraphModule) -> str:
     """An operation's name whatever the capture: `view` for aten.view.default, Tensor.view and torch.view alike;
     a module call by its class."""
     if n.op == "call_module":
@@ -175,7 +180,7 @@ def _name(n: fx.Node, gm: fx.GraphModule) -> str:
     return n.op
 
 
-def _arg(n: fx.Node, index: int, key: str, default: Any = None) -> Any:
+def node_arg(n: fx.Node, index: int, key: str, default: Any = None) -> Any:
     if len(n.args) > index:
         return n.args[index]
     return n.kwargs.get(key, default)
@@ -191,7 +196,7 @@ class _Linear:
     out_features: int
 
 
-class _Reader:
+class Reader:
     """The captured graph with what the analysis asks of it: shapes, Linears, users, static values."""
 
     def __init__(self, graph: LayerGraph) -> None:
@@ -215,7 +220,7 @@ class _Reader:
     def static(self, n: fx.Node) -> bool:
         return self.layer.node(n.name).static
 
-    def _attr(self, n: Any) -> Any:
+    def attr(self, n: Any) -> Any:
         if not isinstance(n, fx.Node) or n.op != "get_attr":
             return None
         obj: Any = self.gm
@@ -229,10 +234,10 @@ class _Reader:
             if type(mod) is nn.Linear and n.args and isinstance(n.args[0], fx.Node):
                 return _Linear(str(n.target), n.name, n.args[0], mod.weight, mod.in_features, mod.out_features)
             return None
-        if n.op == "call_function" and _name(n, self.gm) == "linear" and isinstance(n.args[0], fx.Node):
-            weight = self._attr(_arg(n, 1, "weight"))
+        if n.op == "call_function" and op_name(n, self.gm) == "linear" and isinstance(n.args[0], fx.Node):
+            weight = self.attr(node_arg(n, 1, "weight"))
             if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-                module = str(_arg(n, 1, "weight").target).rpartition(".")[0]
+                module = str(node_arg(n, 1, "weight").target).rpartition(".")[0]
                 return _Linear(module, n.name, n.args[0], weight, weight.shape[1], weight.shape[0])
         return None
 
@@ -242,8 +247,8 @@ class _Reader:
             if type(mod) is nn.Embedding and mod.padding_idx is None and mod.max_norm is None:
                 return str(n.target), mod.num_embeddings
             return None
-        if n.op == "call_function" and _name(n, self.gm) == "embedding":
-            weight = self._attr(n.args[0])
+        if n.op == "call_function" and op_name(n, self.gm) == "embedding":
+            weight = self.attr(n.args[0])
             if isinstance(weight, torch.Tensor) and weight.dim() == 2 and len(n.args) <= 2:
                 return str(n.args[0].target).rpartition(".")[0], weight.shape[0]
         return None
@@ -258,7 +263,7 @@ class _Reader:
 
 def _dim(d: Any, ndim: int) -> int:
     if not isinstance(d, int):
-        raise _NotSplit(f"a dimension given as {d!r}")
+        raise NotSplit(f"a dimension given as {d!r}")
     return d + ndim if d < 0 else d
 
 
@@ -289,105 +294,105 @@ def _reshaped_dim(before: Sequence[int], after: Sequence[int], d: int) -> int:
                 j += 1
         if d in gi:
             if any(before[k] > 1 for k in gi if k < d):
-                raise _NotSplit("a reshape merges the sharded dimension under an outer one")
+                raise NotSplit("a reshape merges the sharded dimension under an outer one")
             return next(k for k in gj if k < len(after) and after[k] > 1)
-    raise _NotSplit("a reshape the analysis cannot follow")
+    raise NotSplit("a reshape the analysis cannot follow")
 
 
-def _through(r: _Reader, n: fx.Node, dims: Mapping[str, Any]) -> tuple[Any, int | None, tuple[int, ...]]:
+def _through(r: Reader, n: fx.Node, dims: Mapping[str, Any]) -> tuple[Any, int | None, tuple[int, ...]]:
     """How the sharding of n's inputs (`dims`: node -> dimension) carries through n: (the output's sharded
     dimension, or a tuple of them for a split; the index of a size argument a rank rewrites, or None; the global
-    sizes of the sharded dimensions met). Raises _NotSplit where it does not."""
-    name = _name(n, r.gm)
+    sizes of the sharded dimensions met). Raises NotSplit where it does not."""
+    name = op_name(n, r.gm)
     ins = r.tensor_inputs(n)
     sharded = [a for a in ins if a.name in dims]
     out = r.shape(n)
     first = sharded[0]
     d = dims[first.name]
     if not isinstance(d, int):
-        raise _NotSplit(f"'{n.name}' reads a split's pieces whole")
+        raise NotSplit(f"'{n.name}' reads a split's pieces whole")
     src = r.shape(first)
     if src is None:
-        raise _NotSplit(f"'{first.name}' is not one tensor")
+        raise NotSplit(f"'{first.name}' is not one tensor")
     if name == "getitem":
-        raise _NotSplit(f"'{n.name}' indexes a sharded tensor")
-    if name in _ELEMENTWISE or (n.op == "call_module" and name in _ELEMENTWISE):
+        raise NotSplit(f"'{n.name}' indexes a sharded tensor")
+    if name in ELEMENTWISE or (n.op == "call_module" and name in ELEMENTWISE):
         if out is None:
-            raise _NotSplit(f"'{n.name}' returns no tensor")
+            raise NotSplit(f"'{n.name}' returns no tensor")
         at = d + len(out) - len(src)
         for a in ins:
             shape = r.shape(a) or ()
             k = at - (len(out) - len(shape))
             if a.name in dims:
                 if dims[a.name] != k:
-                    raise _NotSplit(f"'{n.name}' combines values sharded along different dimensions")
+                    raise NotSplit(f"'{n.name}' combines values sharded along different dimensions")
             elif 0 <= k < len(shape) and shape[k] != 1:
-                raise _NotSplit(f"'{n.name}' combines a sharded value with a whole one ('{a.name}')")
+                raise NotSplit(f"'{n.name}' combines a sharded value with a whole one ('{a.name}')")
         return at, None, (out[at],)
     if name in ("transpose", "swapaxes"):
-        a, b = _dim(_arg(n, 1, "dim0"), len(src)), _dim(_arg(n, 2, "dim1"), len(src))
+        a, b = _dim(node_arg(n, 1, "dim0"), len(src)), _dim(node_arg(n, 2, "dim1"), len(src))
         return {a: b, b: a}.get(d, d), None, ()
     if name == "permute":
         order = _sizes(n)[0]
         return [_dim(x, len(src)) for x in order].index(d), None, ()
     if name == "unsqueeze":
-        k = _dim(_arg(n, 1, "dim"), len(src) + 1)
+        k = _dim(node_arg(n, 1, "dim"), len(src) + 1)
         return d + (k <= d), None, ()
     if name in ("softmax", "_softmax", "log_softmax", "_log_softmax"):
-        if _dim(_arg(n, 1, "dim"), len(src)) == d:
-            raise _NotSplit(f"'{n.name}' normalizes along the sharded dimension")
+        if _dim(node_arg(n, 1, "dim"), len(src)) == d:
+            raise NotSplit(f"'{n.name}' normalizes along the sharded dimension")
         return d, None, ()
     if name in _RESHAPES or name == "expand":
         assert out is not None
         sizes, at = _sizes(n)
         k = _reshaped_dim(src, out, d) if name in _RESHAPES else d + len(out) - len(src)
         if name in _RESHAPES and any(isinstance(s, int) and s == -1 for i, s in enumerate(sizes) if i != k):
-            raise _NotSplit(f"'{n.name}' infers another dimension (-1)")
+            raise NotSplit(f"'{n.name}' infers another dimension (-1)")
         if isinstance(sizes[k], int) and sizes[k] == -1:
             return k, None, (out[k],)
         return k, (-2 - k if at < 0 else 1 + k), (out[k],)
     if name in ("split", "chunk", "split_with_sizes"):
-        k = _dim(_arg(n, 2, "dim", 0), len(src))
+        k = _dim(node_arg(n, 2, "dim", 0), len(src))
         pieces = len(r.layer.node(n.name).outputs)
         if k == d:
             if first.name not in r.linears or src[d] % pieces:
-                raise _NotSplit(f"'{n.name}' splits the sharded dimension other than a Linear's fused outputs")
-            if name == "split_with_sizes" and len(set(_arg(n, 1, "split_sizes"))) != 1:
-                raise _NotSplit(f"'{n.name}' splits into unequal pieces")
+                raise NotSplit(f"'{n.name}' splits the sharded dimension other than a Linear's fused outputs")
+            if name == "split_with_sizes" and len(set(node_arg(n, 1, "split_sizes"))) != 1:
+                raise NotSplit(f"'{n.name}' splits into unequal pieces")
             return (d,) * pieces, -1, (src[d] // pieces,)
         return (d,) * pieces, None, ()
     if name in ("slice", "narrow"):
-        if _dim(_arg(n, 1, "dim", 0), len(src)) == d and out != src:
-            raise _NotSplit(f"'{n.name}' slices the sharded dimension")
+        if _dim(node_arg(n, 1, "dim", 0), len(src)) == d and out != src:
+            raise NotSplit(f"'{n.name}' slices the sharded dimension")
         return d, None, ()
     if name == "cat":
-        k = _dim(_arg(n, 1, "dim", 0), len(src))
+        k = _dim(node_arg(n, 1, "dim", 0), len(src))
         if k == d or len(sharded) != len(ins):
-            raise _NotSplit(f"'{n.name}' concatenates along the sharded dimension or with whole values")
+            raise NotSplit(f"'{n.name}' concatenates along the sharded dimension or with whole values")
         return d, None, ()
     if name == "scaled_dot_product_attention":
         heads = len(src) - 3
         if len(src) != 4 or any(dims.get(a.name) != heads for a in (n.args[:3])):
-            raise _NotSplit(f"'{n.name}' has query, key and value not all sharded along their heads")
-        mask = _arg(n, 3, "attn_mask")
+            raise NotSplit(f"'{n.name}' has query, key and value not all sharded along their heads")
+        mask = node_arg(n, 3, "attn_mask")
         if isinstance(mask, fx.Node) and (r.shape(mask) or (1,) * 4)[-3:][0] != 1 and mask.name not in dims:
-            raise _NotSplit(f"'{n.name}' has a mask per head")
+            raise NotSplit(f"'{n.name}' has a mask per head")
         return heads, None, tuple(r.shape(a)[heads] for a in n.args[:3])  # type: ignore[index]
     if name in ("matmul", "bmm"):
         if len(sharded) != 2 or d >= len(src) - 2 or dims[ins[1].name] != d:
-            raise _NotSplit(f"'{n.name}' multiplies along the sharded dimension")
+            raise NotSplit(f"'{n.name}' multiplies along the sharded dimension")
         return d, None, ()
     if name == "_assert_tensor_metadata" and n.kwargs.get("size") is None:
         return None, None, ()
-    raise _NotSplit(f"'{n.name}' ({name}) is not an operation tensor parallelism follows")
+    raise NotSplit(f"'{n.name}' ({name}) is not an operation tensor parallelism follows")
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Growing regions
 
 
-def _region(r: _Reader, seed: str) -> Region:
-    """The region that `seed` (a Linear's node) opens, grown until it closes, or _NotSplit."""
+def _region(r: Reader, seed: str) -> Region:
+    """The region that `seed` (a Linear's node) opens, grown until it closes, or NotSplit."""
     entries = {seed}
     while True:
         pulled = _follow(r, entries)
@@ -396,7 +401,7 @@ def _region(r: _Reader, seed: str) -> Region:
         entries |= pulled
 
 
-def _follow(r: _Reader, entries: set[str]) -> Region | set[str]:
+def _follow(r: Reader, entries: set[str]) -> Region | set[str]:
     """Propagate from the column Linears `entries`: the region, or more Linears it needs as columns."""
     dims: dict[str, Any] = {e: len(r.shape(r.nodes[e]) or (0,)) - 1 for e in entries}
     sizes: list[int] = []
@@ -415,13 +420,13 @@ def _follow(r: _Reader, entries: set[str]) -> Region | set[str]:
             lin = r.linears.get(user.name)
             if lin is not None and lin.input is value:
                 if dims[value.name] != len(r.shape(value) or ()) - 1:
-                    raise _NotSplit(f"'{lin.module}' reads a value sharded along other than its features")
+                    raise NotSplit(f"'{lin.module}' reads a value sharded along other than its features")
                 rows[user.name] = lin
                 sizes.append(lin.in_features)
                 continue
             if user.op == "output":
-                raise _NotSplit(f"'{value.name}' leaves the model sharded")
-            if _name(user, r.gm) == "getitem" and isinstance(dims[value.name], tuple):
+                raise NotSplit(f"'{value.name}' leaves the model sharded")
+            if op_name(user, r.gm) == "getitem" and isinstance(dims[value.name], tuple):
                 dims[user.name] = dims[value.name][user.args[1]]
                 pending.append(user.name)
                 continue
@@ -444,9 +449,9 @@ def _follow(r: _Reader, entries: set[str]) -> Region | set[str]:
             pending.append(user.name)
     stuck = sorted(waiting - set(dims))
     if stuck:
-        raise _NotSplit(f"'{stuck[0]}' mixes a sharded value with a whole one")
+        raise NotSplit(f"'{stuck[0]}' mixes a sharded value with a whole one")
     if not rows:
-        raise _NotSplit("its values never reach a Linear's input features")
+        raise NotSplit("its values never reach a Linear's input features")
     inputs = tuple(dict.fromkeys(r.linears[e].input.name for e in sorted(entries)))
     return Region(
         columns=tuple(r.linears[e].module for e in sorted(entries, key=list(r.nodes).index)),
@@ -460,15 +465,15 @@ def _follow(r: _Reader, entries: set[str]) -> Region | set[str]:
     )
 
 
-def _needs_shard(r: _Reader, user: fx.Node, a: fx.Node, dims: Mapping[str, Any]) -> bool:
+def _needs_shard(r: Reader, user: fx.Node, a: fx.Node, dims: Mapping[str, Any]) -> bool:
     """Whether input `a` of `user` must be sharded too (it is whole along the dimension the sharded inputs are
     sharded along, where an operation that pairs them element by element, or attention, needs it sharded)."""
-    name = _name(user, r.gm)
+    name = op_name(user, r.gm)
     if name == "scaled_dot_product_attention":
         return a in user.args[:3]
     if name in ("matmul", "bmm", "cat"):
         return True
-    if name not in _ELEMENTWISE or r.static(a):
+    if name not in ELEMENTWISE or r.static(a):
         return False
     out, shape = r.shape(user), r.shape(a)
     sharded = next(x for x in r.tensor_inputs(user) if x.name in dims)
@@ -479,7 +484,7 @@ def _needs_shard(r: _Reader, user: fx.Node, a: fx.Node, dims: Mapping[str, Any])
     return 0 <= k < len(shape) and shape[k] != 1
 
 
-def _columns_behind(r: _Reader, missing: list[fx.Node]) -> set[str]:
+def _columns_behind(r: Reader, missing: list[fx.Node]) -> set[str]:
     """The Linears whose outputs the `missing` values come from, through operations that keep positions; a value
     that comes from elsewhere (the residual stream, an input) ends the region."""
     found: set[str] = set()
@@ -493,10 +498,10 @@ def _columns_behind(r: _Reader, missing: list[fx.Node]) -> set[str]:
             found.add(v.name)
             continue
         sources = [a for a in r.tensor_inputs(v) if not r.static(a)]
-        if _name(v, r.gm) in _ELEMENTWISE:  # operands that broadcast along the sharded dimension need not be
+        if op_name(v, r.gm) in ELEMENTWISE:  # operands that broadcast along the sharded dimension need not be
             sources = [a for a in sources if r.shape(a) == r.shape(v)]
         if v.op in ("placeholder", "get_attr") or not sources or len(seen) > _MAX_WALK:
-            raise _NotSplit(f"'{v.name}' must be sharded but comes from no Linear")
+            raise NotSplit(f"'{v.name}' must be sharded but comes from no Linear")
         stack.extend(sources)
     return found
 
@@ -504,7 +509,7 @@ def _columns_behind(r: _Reader, missing: list[fx.Node]) -> set[str]:
 def derive_tp_plan(graph: LayerGraph) -> TpPlan:
     """The tensor-parallel plan of a captured model: every Megatron region, the vocabulary-parallel embeddings and
     the output layers; each Linear that joins none, with the reason."""
-    r = _Reader(graph)
+    r = Reader(graph)
     regions: list[Region] = []
     taken: set[str] = set()
     replicated: dict[str, str] = {}
@@ -513,7 +518,7 @@ def derive_tp_plan(graph: LayerGraph) -> TpPlan:
             continue
         try:
             region = _region(r, name)
-        except _NotSplit as why:
+        except NotSplit as why:
             replicated[lin.module] = str(why)
             continue
         regions.append(region)
@@ -542,19 +547,19 @@ def _ids(n: fx.Node) -> fx.Node:
     return n.args[0] if n.op == "call_module" else n.args[1]
 
 
-def _leaves_model(r: _Reader, n: fx.Node) -> bool:
+def _leaves_model(r: Reader, n: fx.Node) -> bool:
     """Whether n's value is (a reshape or element-wise image of) an output of the model."""
     for user in n.users:
         if user.op == "output":
             continue
-        if _name(user, r.gm) not in _RESHAPES | {"contiguous", "to", "float", "_to_copy", "slice"}:
+        if op_name(user, r.gm) not in _RESHAPES | {"contiguous", "to", "float", "_to_copy", "slice"}:
             return False
         if not _leaves_model(r, user):
             return False
     return bool(n.users)
 
 
-def _untie(r: _Reader, plan: TpPlan) -> TpPlan:
+def _untie(r: Reader, plan: TpPlan) -> TpPlan:
     """A weight shared by several layers (tied embeddings) splits only if every one of them splits it alike: the
     embedding over its rows (the vocabulary) and the output layer over its outputs (the vocabulary again) do;
     otherwise every layer that shares it stays whole."""
@@ -581,7 +586,7 @@ def _untie(r: _Reader, plan: TpPlan) -> TpPlan:
     for n in r.gm.graph.nodes:
         held: list[Any] = []
         if n.op == "get_attr" and any(u.name not in splitting for u in n.users):
-            held = [r._attr(n)]
+            held = [r.attr(n)]
         elif n.op == "call_module" and n.name not in splitting:
             held = list(r.gm.get_submodule(str(n.target)).parameters())
         for w in held:
@@ -603,11 +608,11 @@ def _untie(r: _Reader, plan: TpPlan) -> TpPlan:
     return TpPlan(tuple(regions), tuple(embeddings), tuple(outputs), replicated)
 
 
-def _weight_of(r: _Reader, node: str) -> torch.Tensor:
+def _weight_of(r: Reader, node: str) -> torch.Tensor:
     n = r.nodes[node]
     if n.op == "call_module":
         return r.gm.get_submodule(str(n.target)).weight
-    return r._attr(n.args[0])
+    return r.attr(n.args[0])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -617,9 +622,11 @@ def _weight_of(r: _Reader, node: str) -> torch.Tensor:
 def _shard(t: torch.Tensor, dim: int, degree: int, rank: int, parts: int = 1) -> torch.Tensor:
     """Rank `rank`'s slice of `t` along `dim`: of each of `parts` equal pieces, the rank-th of `degree` slices."""
     pieces = t.chunk(parts, dim) if parts > 1 else (t,)
-    return torch.cat([p.chunk(degree, dim)[rank] for p in pieces], dim) if parts > 1 else pieces[0].chunk(
-        degree, dim
-    )[rank]
+    return (
+        torch.cat([p.chunk(degree, dim)[rank] for p in pieces], dim)
+        if parts > 1
+        else pieces[0].chunk(degree, dim)[rank]
+    )
 
 
 def _replace_weight(
@@ -665,7 +672,7 @@ def local_module(graph: LayerGraph, plan: TpPlan, degree: int, rank: int = 0) ->
     the profile prices them (pyplan/profile/tensor_parallel.py). The original graph and model are untouched."""
     gm = fx.GraphModule(graph.module, copy.deepcopy(graph.module.graph))
     nodes = {n.name: n for n in gm.graph.nodes}
-    r = _Reader(graph)
+    r = Reader(graph)
     made: dict[int, nn.Parameter] = {}
     for region in plan.regions:
         if not region.splits_at(degree):
@@ -705,7 +712,7 @@ def _edit(n: fx.Node, index: int, pieces: int) -> None:
     split of a fused Linear's output into `pieces` equal pieces becomes a chunk into as many (each piece is 1/t
     of its global size on a rank)."""
     if index == -1:
-        dim = _arg(n, 2, "dim", 0)
+        dim = node_arg(n, 2, "dim", 0)
         if n.op == "call_method":
             n.target = "chunk"
         else:
@@ -762,7 +769,7 @@ def _check_styles(styles: Mapping[str, str], graph: LayerGraph) -> None:
 
 def _module_kinds(graph: LayerGraph) -> dict[str, str]:
     """Every module the captured graph calls, by name: 'linear', 'embedding', 'norm' or 'other'."""
-    r = _Reader(graph)
+    r = Reader(graph)
     kinds = {lin.module: "linear" for lin in r.linears.values()}
     kinds.update({module: "embedding" for module, _ in r.embeddings.values()})
     for n in graph.nodes:

@@ -17,6 +17,7 @@ from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import Affine
 from pyplan.graph.linearize import linearize
+from pyplan.graph.sequence_parallel import SequenceZone
 from pyplan.graph.tensor_parallel import TpPlan
 from pyplan.graph.trace import ExampleInputs, Examples, LeafSpec, trace
 from pyplan.hardware.catalog import GPU, LOCAL
@@ -205,18 +206,20 @@ def chain_at_degree(
     example_inputs: ExampleInputs,
     cluster: Cluster,
     workload: Workload,
+    zone: SequenceZone | None = None,
 ) -> Chain:
     """`chain` (chain_for's, before its loss) as one rank of tensor-parallel degree `degree` runs it on the
-    cluster's catalog GPU: every block profiled on the rank's shards, its times with the collectives of the split
-    layers on the link inside a node (pyplan/profile/tensor_parallel.py)."""
+    cluster's catalog GPU: every block profiled on the rank's shards (and, with a sequence-parallel `zone`, on its
+    tokens between the split layers), its times with the collectives on the link inside a node
+    (pyplan/profile/tensor_parallel.py)."""
     target = _Target.of(chain.graph.module, cluster, workload)
     if target.roofline is None:
         raise PlanError("tensor parallelism is planned on a catalog GPU's analytic profile; give --gpu NAME")
     if degree == 1:
         return chain
     examples = Examples(example_inputs)
-    profiled, _ = target.profile(local_chain(chain, plan, degree, examples), examples)
-    times = tp_comm_times(chain, plan, degree, cluster, workload)
+    profiled, _ = target.profile(local_chain(chain, plan, degree, examples, zone), examples)
+    times = tp_comm_times(chain, plan, degree, cluster, workload, zone)
     blocks = [
         replace(b, fwd_time_s=b.fwd_time_s + f, bwd_time_s=b.bwd_time_s + g)
         for b, (f, g) in zip(profiled.blocks, times, strict=True)
@@ -225,12 +228,12 @@ def chain_at_degree(
 
 
 def tp_comm_times(
-    chain: Chain, plan: TpPlan, degree: int, cluster: Cluster, workload: Workload
+    chain: Chain, plan: TpPlan, degree: int, cluster: Cluster, workload: Workload, zone: SequenceZone | None = None
 ) -> list[tuple[Affine, Affine]]:
-    """Each block's tensor-parallel collectives at `degree`, forward and backward seconds as `α·b + β`, on the link
-    inside a node (pyplan/profile/tensor_parallel.py)."""
+    """Each block's tensor-parallel collectives at `degree` (with a sequence-parallel `zone`, its), forward and
+    backward seconds as `α·b + β`, on the link inside a node (pyplan/profile/tensor_parallel.py)."""
     latency_s, bw = cluster.groups[0].intra_link.collective
-    traffic = collective_bytes(chain, plan, degree)
+    traffic = collective_bytes(chain, plan, degree, zone)
     return collective_times(traffic, degree, latency_s, bw, workload.activation_scale)
 
 

@@ -1,6 +1,7 @@
 """A transformer layer as one tensor-parallel rank runs it, against Korthikanti et al. 2022 ("Reducing
 Activation Recomputation in Large Transformer Models"), Table 2's "tensor parallel" row, sbh·(10 + 24/t) without
-the s² terms (fused attention), and the matmul FLOPs divided by t; the collectives against their closed forms."""
+the s² terms (fused attention), and its "tensor + sequence parallel" row, sbh·34/t, less what torch's styles keep
+gathered; the matmul FLOPs divided by t; the collectives against their closed forms."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pyplan
 from pyplan import _core
 from pyplan.api import chain_for
 from pyplan.graph.layergraph import Affine
+from pyplan.graph.sequence_parallel import sequence_zone
 from pyplan.graph.tensor_parallel import derive_tp_plan
 from pyplan.hardware import Cluster, Link
 from pyplan.plan import Workload
@@ -21,14 +23,20 @@ from pyplan.profile.tensor_parallel import TpCollectives, collective_bytes, coll
 from pyplan.zoo.transformer import GPT, GPTConfig, Llama, LlamaConfig
 
 
-def _setup(build, seq: int, vocab: int):
+def _setup(build, seq: int, vocab: int, *, sequence_parallel: bool = False):
     spec = pyplan.ModelSpec(name="m", build=build, example_inputs=lambda b: (torch.randint(0, vocab, (b, seq)),))
     with torch.device("meta"):
         model = spec.build()
     cluster, workload = Cluster.from_catalog("a100-80g", 8), Workload(global_batch=8, precision="bf16-mixed")
     chain, _ = chain_for(model, spec.example_inputs, cluster, workload)
     plan = derive_tp_plan(chain.graph)
-    return lambda t: chain_at_degree(chain, plan, t, spec.example_inputs, cluster, workload), chain, plan, cluster
+
+    def at(t: int) -> pyplan.Chain:
+        zone = sequence_zone(chain.graph, plan, t) if sequence_parallel and t > 1 else None
+        assert zone is None or zone, zone.reason
+        return chain_at_degree(chain, plan, t, spec.example_inputs, cluster, workload, zone)
+
+    return at, chain, plan, cluster
 
 
 def _layer(chain: pyplan.Chain, prefix: str) -> tuple[float, float, float, float, float]:
@@ -59,6 +67,54 @@ def test_a_gpt_layer_on_one_rank_saves_what_korthikanti_counts_for_tensor_parall
         assert bwd == (48 * seq * h * h + 10 * seq * seq * h) / t
         # of 12h² + 13h, whole on every rank: the row Linears' biases (2h) and the LayerNorms (4h)
         assert params == (params_1 - 6 * h) / t + 6 * h
+
+
+@pytest.mark.parametrize("seq", [1024, 4096])
+def test_with_sequence_parallelism_a_gpt_layer_keeps_only_the_gathered_linear_inputs_whole(seq: int) -> None:
+    """The second layer (the first one's input comes from the embeddings, whole): the LayerNorms' inputs and
+    statistics and the dropout masks are split too (Korthikanti's sbh·34/t at 2 bytes: 66·sh/t in the profile's
+    fp32 with 1-byte masks), except the inputs of the QKV and the MLP's first Linear, which torch's styles keep
+    gathered for the weight gradient where Megatron-LM gathers them again in backward (8·sh whole, not 8·sh/t).
+    The FLOPs do not move."""
+    h, a = 1024, 16
+    at, _, _, _ = _setup(
+        lambda: GPT(GPTConfig(n_layer=2, n_head=a, n_embd=h, n_ctx=seq, vocab_size=512)), seq, 512,
+        sequence_parallel=True,
+    )  # fmt: skip
+    sh = seq * h
+    for t in (1, 2, 4, 8):
+        saved, fwd, bwd, _, _ = _layer(at(t), "transformer.h.1")
+        assert saved == 66 * sh / t + 8 * sh * (1 - 1 / t) + 4 * a * seq / t + 16 * seq / t
+        assert fwd == (24 * seq * h * h + 4 * seq * seq * h) / t
+        assert bwd == (48 * seq * h * h + 10 * seq * seq * h) / t
+
+
+def test_sequence_parallelism_trades_each_all_reduce_for_a_reduce_scatter_and_an_all_gather() -> None:
+    """Per layer of the zone: each row output reduce-scattered forward and gathered backward, each region input
+    gathered forward and reduce-scattered backward, S = s·h each; the bytes on the link equal the all-reduces'
+    (an all-reduce moves twice an all-gather's). Before the zone, the first layer's attention input is whole (its
+    gradient all-reduced) and the residual stream is sliced into it (its gradient gathered)."""
+    seq, h, t = 1024, 1024, 4
+    _, chain, plan, cluster = _setup(
+        lambda: GPT(GPTConfig(n_layer=2, n_head=16, n_embd=h, n_ctx=seq, vocab_size=512)), seq, 512
+    )
+    zone = sequence_zone(chain.graph, plan, t)
+    plain, sp = collective_bytes(chain, plan, t), collective_bytes(chain, plan, t, zone)
+    second = [i for i, b in enumerate(chain.blocks) if b.name.startswith("transformer.h.1")]
+    s = 4 * seq * h  # fp32
+    assert sum(sp[i].fwd_reduce_scatter.per_sample for i in second) == 2 * s
+    assert sum(sp[i].bwd_all_gather.per_sample for i in second) == 2 * s
+    assert sum(sp[i].fwd_all_gather.per_sample for i in second) == 2 * s
+    assert sum(sp[i].bwd_reduce_scatter.per_sample for i in second) == 2 * s
+    assert sum(sp[i].fwd_all_reduce.per_sample + sp[i].bwd_all_reduce.per_sample for i in second) == 0
+    first = [i for i, b in enumerate(chain.blocks) if b.name.startswith("transformer.h.0")]
+    assert sum(sp[i].bwd_all_reduce.per_sample for i in first) == s
+    assert sum(sp[i].bwd_all_gather.per_sample for i in first) == 3 * s  # two row outputs, the sliced stream
+    bw = cluster.groups[0].intra_link.collective[1]
+    for i in second:
+        f_sp, b_sp = collective_times(sp, t, 0.0, bw)[i]
+        f, b = collective_times(plain, t, 0.0, bw)[i]
+        assert (f_sp + b_sp)(2) == pytest.approx((f + b)(2), rel=1e-12)
 
 
 def test_a_llama_layer_splits_linearly_in_the_degree() -> None:

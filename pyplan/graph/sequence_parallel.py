@@ -1,0 +1,413 @@
+"""Sequence parallelism derived from a tensor-parallel plan: the values between regions as each rank's tokens.
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", §4.2.2): between
+Megatron's regions (norms, dropout, residual adds) every operation treats each token alone, so at degree t each
+rank can hold 1/t of the tokens instead of all of them. A row-parallel output's all-reduce becomes a
+reduce-scatter (each rank keeps its slice of the tokens), and a region's input is all-gathered before its
+column-parallel Linears (its gradient reduce-scattered in backward): the same bytes on the link as the all-reduces
+they replace. The *zone* is found from the plan, not written: from each row-parallel output, along the token
+dimension next to the features, through every operation that keeps tokens apart (`_token_wise`), in graph order.
+What the zone meets:
+
+- a region's column Linear (or an output layer) reads a zone value gathered: one all-gather per value, shared by
+  the Linears that read it (Q, K and V), whose gradients meet in one reduce-scatter;
+- a shape read of a zone value reads the whole shape (the graph's own sizes stay the model's);
+- any other operation reads a zone value gathered whole (all-gather; its gradient, the same on every rank, is
+  sliced in backward);
+- a whole value that a zone operation combines with a zone value along the tokens (the residual stream before the
+  first region) is sliced (its gradient all-gathered in backward);
+- a zone value the model returns is gathered whole by the operation that makes it (`exits`);
+- a parameter read in the zone (a norm's weight) gets each rank's partial gradient, summed over the axis.
+
+Where this differs from Megatron-LM: a gathered input is kept gathered for the Linears' backward (torch's DTensor
+styles save what they compute on), where Megatron saves each rank's slice and gathers it again in backward; per
+layer that keeps 4sbh bytes whole (the two Linears' inputs) of Korthikanti's 34sbh/t.
+
+`rewrite(gm, zone, ops, layers=...)` rewrites a GraphModule for one rank without adding nodes (cut positions and
+profiles keep their node names): the nodes that meet the zone call the collectives of `ops`, the runtime's
+(pyplan/runtime/tensor_parallel.py, with the Linears' own styles) or `ShapeOps`, stand-ins that make only the shapes,
+for the profile.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import fx, nn
+
+from pyplan.graph.layergraph import LayerGraph
+from pyplan.graph.tensor_parallel import ELEMENTWISE, NotSplit, Reader, TpPlan, node_arg, op_name
+
+__all__ = ["SeqOps", "SequenceZone", "ShapeOps", "rewrite", "sequence_zone"]
+
+_NORMS = frozenset({"layer_norm", "rms_norm", "LayerNorm", "RMSNorm"})
+_REDUCTIONS = frozenset({"mean", "sum", "amax", "amin", "var", "std"})
+
+
+@dataclass(frozen=True)
+class SequenceZone:
+    """Where sequence parallelism puts each rank's slice of the tokens at one degree (see the module docstring).
+    Dimensions are the token dimension of each value; `reason`, when not empty, says why there is no zone."""
+
+    degree: int
+    dims: Mapping[str, int]  # zone node (the row Linears' included) -> its token dimension
+    rows: tuple[str, ...]  # row Linears whose outputs are reduce-scattered
+    gathered: Mapping[str, int]  # column Linear / output layer node -> dimension its input is gathered along
+    shapes: Mapping[str, int]  # shape-reading node -> the dimension it reads whole
+    whole: Mapping[str, Mapping[str, int]]  # node -> {zone input: dimension} it reads gathered whole
+    split: Mapping[str, Mapping[str, int]]  # zone node -> {whole input: its dimension} it reads sliced
+    exits: Mapping[str, int]  # zone node whose value leaves the model -> dimension it gathers it along
+    params: tuple[str, ...]  # parameters read in the zone: partial gradients, summed over the axis
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return not self.reason
+
+
+def _none(degree: int, reason: str) -> SequenceZone:
+    return SequenceZone(degree, {}, (), {}, {}, {}, {}, {}, (), reason)
+
+
+def _reads_shape(n: fx.Node, gm: fx.GraphModule) -> bool:
+    if n.op == "call_function" and n.target is getattr:
+        return len(n.args) > 1 and n.args[1] == "shape"
+    return n.op in ("call_method", "call_function") and op_name(n, gm) in ("size", "sym_size")
+
+
+def _normalized(dims: Any, ndim: int) -> list[int]:
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return [d + ndim if d < 0 else d for d in dims]
+
+
+def _token_wise(r: Reader, n: fx.Node, zone: Mapping[str, int]) -> tuple[int, dict[str, int]]:
+    """How n carries the tokens of its zone inputs: (its output's token dimension, {whole input: the dimension it
+    is sliced along}). Raises NotSplit where n mixes tokens, or leaves them."""
+    name, out = op_name(n, r.gm), r.shape(n)
+    ins = r.tensor_inputs(n)
+    if out is None:
+        raise NotSplit(f"'{n.name}' returns no tensor")
+    if name == "type_as":
+        ins = ins[:1]
+    first = next(a for a in ins if a.name in zone)
+    src = r.shape(first) or ()
+    d = zone[first.name]
+    if name in ELEMENTWISE:
+        at = d + len(out) - len(src)
+        sliced: dict[str, int] = {}
+        for a in ins:
+            shape = r.shape(a) or ()
+            k = at - (len(out) - len(shape))
+            if a.name in zone:
+                if zone[a.name] != k:
+                    raise NotSplit(f"'{n.name}' pairs tokens along different dimensions")
+            elif 0 <= k < len(shape) and shape[k] != 1:
+                sliced[a.name] = k
+        return at, sliced
+    if first is not n.args[0]:
+        raise NotSplit(f"'{n.name}' reads the tokens other than as its first operand")
+    if name in ("slice", "narrow", "alias") and out == src:
+        return d, {}  # all of it
+    if name in _NORMS:
+        if n.op == "call_module":
+            normalized = getattr(r.gm.get_submodule(str(n.target)), "normalized_shape", None)
+        else:
+            normalized = node_arg(n, 1, "normalized_shape")
+        k = len(normalized) if isinstance(normalized, (list, tuple, torch.Size)) else 1
+        if normalized is None or d >= len(src) - k:
+            raise NotSplit(f"'{n.name}' normalizes along the tokens")
+        return d, {}
+    if name in _REDUCTIONS:
+        dims = node_arg(n, 1, "dim")
+        if dims is None or d in _normalized(dims, len(src)):
+            raise NotSplit(f"'{n.name}' reduces along the tokens")
+        if len(out) != len(src) and any(k < d for k in _normalized(dims, len(src))):
+            raise NotSplit(f"'{n.name}' drops a dimension before the tokens")
+        return d, {}
+    raise NotSplit(f"'{n.name}' ({name}) mixes tokens")
+
+
+def _token_dim(r: Reader, node: fx.Node, degree: int) -> int:
+    shape = r.shape(node)
+    if shape is None or len(shape) < 2:
+        raise NotSplit(f"'{node.name}' has no token dimension")
+    d = len(shape) - 2
+    if shape[d] % degree:
+        raise NotSplit(f"{shape[d]} tokens of '{node.name}' do not divide among {degree} ranks")
+    return d
+
+
+def sequence_zone(graph: LayerGraph, plan: TpPlan, degree: int) -> SequenceZone:
+    """The zone of `plan` at `degree` in the captured graph, or an empty one with its reason."""
+    if degree < 2:
+        return _none(degree, "sequence parallelism needs a degree of 2 or more")
+    r = Reader(graph)
+    rows = [o for region in plan.regions if region.splits_at(degree) for o in region.outputs]
+    if not rows:
+        return _none(degree, f"no region splits at degree {degree}")
+    columns = {
+        name: lin.input.name
+        for region in plan.regions
+        if region.splits_at(degree)
+        for name, lin in r.linears.items()
+        if lin.module in region.columns
+    }
+    columns.update({o.node: o.input for o in plan.output_layers if o.splits_at(degree)})
+    kept: set[str] = set()  # rows whose outputs are all-reduced after all (the model returns them)
+    exits: dict[str, int] = {}
+    try:
+        while True:
+            zone = _grow(r, degree, [x for x in rows if x not in kept], columns, exits)
+            leaving = [a for a in zone.dims if a not in exits and any(u.op == "output" for u in r.nodes[a].users)]
+            if not leaving:
+                break
+            for a in leaving:
+                if a in rows:
+                    kept.add(a)
+                else:
+                    exits[a] = zone.dims[a]
+        if not zone.rows:
+            return _none(degree, "every row-parallel output leaves the model")
+        return _with_params(r, zone)
+    except NotSplit as why:
+        return _none(degree, str(why))
+
+
+def _grow(
+    r: Reader, degree: int, rows: list[str], columns: Mapping[str, str], exits: Mapping[str, int]
+) -> SequenceZone:
+    dims = {x: _token_dim(r, r.nodes[x], degree) for x in rows}
+    gathered: dict[str, int] = {}
+    shapes: dict[str, int] = {}
+    whole: dict[str, dict[str, int]] = {}
+    split: dict[str, dict[str, int]] = {}
+    for n in r.gm.graph.nodes:
+        if n.name in dims:
+            continue
+        local = {a.name: dims[a.name] for a in n.all_input_nodes if a.name in dims and a.name not in exits}
+        if not local:
+            continue
+        if n.op == "output":
+            continue  # the zone values it reads become exits (sequence_zone)
+        if op_name(n, r.gm) == "_assert_tensor_metadata" and n.kwargs.get("size") is None:
+            continue  # torch.export's check of a dtype or device, which a slice passes as the whole does
+        if columns.get(n.name) in local:
+            gathered[n.name] = local[columns[n.name]]
+        elif _reads_shape(n, r.gm):
+            shapes[n.name] = next(iter(local.values()))
+        else:
+            try:
+                dims[n.name], sliced = _token_wise(r, n, local)
+            except NotSplit:
+                whole[n.name] = local
+                continue
+            for a, k in sliced.items():
+                if (r.shape(r.nodes[a]) or ())[k] % degree:
+                    raise NotSplit(f"'{n.name}' reads '{a}', whose {k}th dimension does not divide")
+            if sliced:
+                split[n.name] = sliced
+    return SequenceZone(degree, dims, tuple(rows), gathered, shapes, whole, split, dict(exits), ())
+
+
+def _with_params(r: Reader, zone: SequenceZone) -> SequenceZone:
+    """The zone with the parameters its operations read (each rank's gradient a partial sum); NotSplit where a
+    zone operation reads a value with a gradient that is not one of them, or one of them is read outside."""
+
+    def held(n: fx.Node) -> list[str]:
+        """The parameters n reads itself, by qualified name."""
+        if n.op == "get_attr":
+            return [str(n.target)] if isinstance(r.attr(n), nn.Parameter) else []
+        if n.op == "call_module":
+            return [f"{n.target}.{k}" for k, _ in r.gm.get_submodule(str(n.target)).named_parameters()]
+        return []
+
+    needs_grad: set[str] = set()
+    for n in r.gm.graph.nodes:
+        if held(n) or any(a.name in needs_grad for a in n.all_input_nodes):
+            needs_grad.add(n.name)
+    params: dict[str, None] = {}
+    reads: set[str] = set()  # nodes through which the zone reads them
+    for name in zone.dims:
+        n = r.nodes[name]
+        if name in zone.rows:
+            continue
+        params.update(dict.fromkeys(held(n)))
+        for a in r.tensor_inputs(n):
+            if a.name in zone.dims or a.name in zone.split.get(name, {}) or a.name not in needs_grad:
+                continue
+            chain = a
+            while chain.op != "get_attr" and len(chain.all_input_nodes) == 1 and op_name(chain, r.gm) in ELEMENTWISE:
+                reads.add(chain.name)
+                chain = chain.all_input_nodes[0]
+            if chain.op != "get_attr":
+                raise NotSplit(f"'{name}' combines its tokens with '{a.name}', which has a gradient of its own")
+            reads.add(chain.name)
+            params[str(chain.target)] = None
+    zone_nodes = set(zone.dims) | reads
+    for n in r.gm.graph.nodes:
+        if n.name in zone_nodes:
+            continue
+        outside = [p for p in held(n) if p in params]
+        if outside and (n.op == "call_module" or any(u.name not in zone_nodes for u in n.users)):
+            raise NotSplit(f"'{n.name}' reads the parameter '{outside[0]}' outside the zone as well")
+    return SequenceZone(
+        zone.degree, zone.dims, zone.rows, zone.gathered, zone.shapes, zone.whole, zone.split, zone.exits,
+        tuple(params),
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rewriting a rank's graph
+
+
+class SeqOps(Protocol):
+    """The collectives a rewritten graph calls (x: a tensor, dim: its token dimension)."""
+
+    degree: int
+
+    def whole(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """All-gather x along dim; backward: this rank's slice of the (equal) gradient."""
+        ...
+
+    def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's slice of x along dim; backward: all-gather the gradient."""
+        ...
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """A region's input gathered for its column Linears (one per value); backward: reduce-scatter."""
+        ...
+
+    def scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """A row output reduce-scattered along dim; backward: all-gather."""
+        ...
+
+
+class ShapeOps:
+    """Stand-ins with the shapes of the collectives, for the profile of one rank (meta or fake tensors): a gathered
+    value is a new tensor of the whole size (one per value, as the runtime shares it), a slice a new one."""
+
+    def __init__(self, degree: int) -> None:
+        self.degree = degree
+        self._gathered: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+
+    def whole(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return x.repeat(*(self.degree if i == dim else 1 for i in range(x.dim())))
+
+    def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return x.narrow(dim, 0, x.shape[dim] // self.degree).clone()
+
+    scatter = split
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        hit = self._gathered.get(id(x))
+        if hit is not None and hit[0]() is x:
+            return hit[1]
+        out = self.whole(x, dim)
+        self._gathered = {k: v for k, v in self._gathered.items() if v[0]() is not None}
+        self._gathered[id(x)] = (weakref.ref(x), out)
+        return out
+
+
+class _At:
+    """A node's place in an argument structure."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _map_at(spec: Any, value: Any, fn: Callable[[str, Any], Any]) -> Any:
+    if isinstance(spec, _At):
+        return fn(spec.name, value)
+    if isinstance(spec, (list, tuple)) and isinstance(value, (list, tuple)) and len(spec) == len(value):
+        return type(value)(_map_at(s, v, fn) for s, v in zip(spec, value))
+    if isinstance(spec, dict) and isinstance(value, dict):
+        return {k: _map_at(spec[k], v, fn) if k in spec else v for k, v in value.items()}
+    return value
+
+
+def _wrap(
+    gm: fx.GraphModule,
+    n: fx.Node,
+    inputs: Mapping[str, Callable[[torch.Tensor], torch.Tensor]],
+    output: Callable[[Any], Any] | None,
+    tag: str,
+) -> None:
+    """Make n apply `inputs[name]` to the value of each input node named there and `output` to its result, without
+    adding nodes: a function or method call becomes a call of a function that does so; a module call keeps its
+    node and calls a copy of the module that holds the same parameters, with hooks."""
+    spec = fx.node.map_arg((n.args, n.kwargs), lambda a: _At(a.name))
+
+    def before(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if not inputs:
+            return args, kwargs
+        return _map_at(spec, (args, kwargs), lambda name, v: inputs[name](v) if name in inputs else v)
+
+    if n.op == "call_module":
+        old = gm.get_submodule(str(n.target))
+        mod = copy.copy(old)
+        for key in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks"):
+            setattr(mod, key, type(getattr(old, key))(getattr(old, key)))
+        if inputs:
+            mod.register_forward_pre_hook(lambda _m, args, kwargs: before(args, kwargs), with_kwargs=True)
+        if output is not None:
+            mod.register_forward_hook(lambda _m, _args, out: output(out))
+        parent, _, leaf = str(n.target).rpartition(".")
+        setattr(gm.get_submodule(parent), leaf, mod)
+        return
+    target, method = n.target, n.op == "call_method"
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = before(args, kwargs)
+        out = getattr(args[0], target)(*args[1:], **kwargs) if method else target(*args, **kwargs)
+        return output(out) if output is not None else out
+
+    call.__name__ = f"{tag}_{op_name(n, gm)}"
+    n.op, n.target = "call_function", call
+
+
+def _whole_shape(n: fx.Node, dim: int, degree: int, tag: str) -> None:
+    """A shape read of a zone value (`x.shape`, `x.size()`, `x.size(i)`, `sym_size(x, i)`) reads the whole size."""
+    target, method = n.target, n.op == "call_method"
+
+    def read(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        got = getattr(x, target)(*args, **kwargs) if method else target(x, *args, **kwargs)
+        if isinstance(got, torch.Size):
+            return torch.Size(s * degree if i == dim else s for i, s in enumerate(got))
+        at = args[0] if args else kwargs.get("dim")
+        return got * degree if at is not None and at % x.dim() == dim else got
+
+    read.__name__ = f"{tag}_shape"
+    n.op, n.target = "call_function", read
+
+
+def rewrite(gm: fx.GraphModule, zone: SequenceZone, ops: SeqOps, *, layers: bool) -> None:
+    """Rewrite `gm` (the captured GraphModule, or a rank's copy with the same node names) in place so that the
+    zone's values are each rank's tokens. `layers`: the row and column Linears call `ops.scatter` and `ops.gather`
+    themselves (the profile); otherwise their styles must do it (the runtime)."""
+    if not zone:
+        raise ValueError(f"no sequence parallelism here: {zone.reason}")
+    tag = "seq"
+    for n in list(gm.graph.nodes):
+        inputs: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+        output: Callable[[Any], Any] | None = None
+        if n.name in zone.shapes:
+            _whole_shape(n, zone.shapes[n.name], zone.degree, tag)
+            continue
+        for a, d in zone.whole.get(n.name, {}).items():
+            inputs[a] = lambda x, d=d: ops.whole(x, d)
+        for a, d in zone.split.get(n.name, {}).items():
+            inputs[a] = lambda x, d=d: ops.split(x, d)
+        if n.name in zone.exits:
+            output = lambda x, d=zone.exits[n.name]: ops.whole(x, d)  # noqa: E731
+        if layers and n.name in zone.gathered:
+            source = n.all_input_nodes[0].name
+            inputs[source] = lambda x, d=zone.gathered[n.name]: ops.gather(x, d)
+        if layers and n.name in zone.rows:
+            output = lambda x, d=zone.dims[n.name]: ops.scatter(x, d)  # noqa: E731
+        if inputs or output is not None:
+            _wrap(gm, n, inputs, output, tag)
+    gm.recompile()
