@@ -17,6 +17,7 @@ from pyplan._torch import is_meta_module
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.graph.chain import Block, Chain
 from pyplan.graph.layergraph import Affine, Piecewise
+from pyplan.graph.sequence_parallel import sequence_zone
 from pyplan.graph.tensor_parallel import TpPlan, derive_tp_plan, restrict_tp_plan
 from pyplan.graph.trace import ExampleInputs, Examples, LeafSpec
 from pyplan.hardware.catalog import GPU, Link
@@ -183,6 +184,7 @@ def search(
     stage_cuts: Sequence[int] = (),
     tensor_parallel: Sequence[int] = (1,),
     tp_plan: Mapping[str, str] | None = None,
+    sequence_parallel: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> PlanSearch:
     """Every way to train `model` on `cluster` that fits, ranked by `objective`.
@@ -205,7 +207,9 @@ def search(
     node, where the split layers stay): each layer split as the plan derived from the model's graph says
     (pyplan/graph/tensor_parallel.py), or as much of it as `tp_plan` (module name -> style) names, priced on the
     catalog GPU's analytic profile at that degree (pyplan/profile/tensor_parallel.py); ZeRO-3 is not combined
-    with it yet.
+    with it yet. `sequence_parallel` also splits the values between the split layers by their tokens where the
+    model allows it (pyplan/graph/sequence_parallel.py): less memory, the same bytes on the link; with a `tp_plan`,
+    only if it names a norm `SequenceParallel` (torchtitan's way of asking for it).
     `progress(step)` is told each step as it starts: "tracing and profiling", "searching", "refining",
     "assigning operations to stages", "tensor parallelism t".
 
@@ -242,11 +246,11 @@ def search(
         say("searching")
         every, plain, relaxed, refiner = how.plans(chain, cluster, say)
         runs.append((plain, relaxed))
-    for degree, chain_t, cluster_t, styles, comm in _tensor_parallel(bare, chain, tensor_parallel, tp_plan, how,
-                                                                     cluster):  # fmt: skip
+    for degree, chain_t, cluster_t, styles, comm, sp in _tensor_parallel(bare, chain, tensor_parallel, tp_plan,
+                                                                         sequence_parallel, how, cluster):  # fmt: skip
         say(f"tensor parallelism {degree}")
         found_t, plain_t, relaxed_t, _ = how.plans(chain_t, cluster_t, lambda step: None, zero_stages=TP_ZERO_STAGES)
-        every += [_with_tp(p, degree, styles, comm) for p in found_t]
+        every += [_with_tp(p, degree, styles, comm, sp) for p in found_t]
         runs.append((plain_t, relaxed_t))
     plain, relaxed = runs[0]
     if not every:
@@ -302,13 +306,15 @@ def _tensor_parallel(
     chain: Chain,
     degrees: Sequence[int],
     styles: Mapping[str, str] | None,
+    sequence_parallel: bool,
     how: _How,
     cluster: Cluster,
-) -> Iterator[tuple[int, Chain, Cluster, dict[str, str], list[tuple[Affine, Affine]]]]:
+) -> Iterator[tuple[int, Chain, Cluster, dict[str, str], list[tuple[Affine, Affine]], bool]]:
     """Each degree above 1 that splits a layer: the chain one rank of it runs (with the loss of `chain`, on the
     gathered output, as one process runs it), the cluster as the search sees it (a tensor-parallel group of t GPUs
-    in place of each GPU: t times the price, g/t of them per node), the styles the runtime applies, and each
-    block's collectives (forward, backward seconds)."""
+    in place of each GPU: t times the price, g/t of them per node), the styles the runtime applies, each block's
+    collectives (forward, backward seconds), and whether the values between the split layers are split by their
+    tokens (asked for, and the model allows it at that degree)."""
     wanted = [t for t in degrees if t > 1]
     if not wanted:
         return
@@ -321,8 +327,9 @@ def _tensor_parallel(
     plan = derive_tp_plan(bare.graph)
     if styles is not None:
         plan = restrict_tp_plan(plan, styles, bare.graph)
+        sequence_parallel = sequence_parallel and "SequenceParallel" in styles.values()
         for t in wanted:  # every layer the user names splits at every degree asked for
-            left = [m for m in styles if m not in plan.styles(t)]
+            left = [m for m, style in styles.items() if m not in plan.styles(t) and style != "SequenceParallel"]
             if left:
                 why = _no_split(TpPlan(regions=tuple(r for r in plan.regions if left[0] in r.columns + r.rows),
                                        embeddings=plan.embeddings, output_layers=plan.output_layers), t)  # fmt: skip
@@ -332,16 +339,20 @@ def _tensor_parallel(
             if len(degrees) == 1:
                 raise PlanError(f"tensor parallelism {t} splits no layer of the model: {_no_split(plan, t)}")
             continue
-        chain_t = chain_at_degree(bare, plan, t, how.examples, cluster, how.workload)
+        zone = sequence_zone(bare.graph, plan, t) if sequence_parallel else None
+        zone = zone if zone else None
+        chain_t = chain_at_degree(bare, plan, t, how.examples, cluster, how.workload, zone)
         if chain.loss is not None:
             chain_t = with_loss(chain_t, chain.loss)
-        comm = tp_comm_times(bare, plan, t, cluster, how.workload)
-        yield t, chain_t, cluster.tensor_parallel_groups(t), plan.styles(t), comm
+        comm = tp_comm_times(bare, plan, t, cluster, how.workload, zone)
+        yield t, chain_t, cluster.tensor_parallel_groups(t), plan.styles(t), comm, zone is not None
 
 
-def _with_tp(p: Plan, degree: int, styles: dict[str, str], comm: Sequence[tuple[Affine, Affine]]) -> Plan:
-    """A plan of the search at `degree` as what it is: its layout's tp and styles, each stage's collectives per
-    micro-batch, the busiest stage's per iteration."""
+def _with_tp(
+    p: Plan, degree: int, styles: dict[str, str], comm: Sequence[tuple[Affine, Affine]], sequence_parallel: bool
+) -> Plan:
+    """A plan of the search at `degree` as what it is: its layout's tp, styles and sequence parallelism, each
+    stage's collectives per micro-batch, the busiest stage's per iteration."""
     b, lay = p.layout.micro_batch_size, p.layout
     stages = tuple(
         replace(st, tp_comm_s=sum(comm[i][0](b) + comm[i][1](b) for i in range(st.first_block, st.last_block + 1)))
@@ -349,7 +360,8 @@ def _with_tp(p: Plan, degree: int, styles: dict[str, str], comm: Sequence[tuple[
     )
     busiest = max(stages, key=lambda st: st.time_s)
     predicted = replace(p.predicted, tp_comm_s=lay.num_microbatches * busiest.tp_comm_s)
-    return replace(p, layout=replace(lay, tp=degree, tp_plan=styles), stages=stages, predicted=predicted)
+    layout = replace(lay, tp=degree, tp_plan=styles, sequence_parallel=sequence_parallel)
+    return replace(p, layout=layout, stages=stages, predicted=predicted)
 
 
 def _no_split(plan: TpPlan, t: int) -> str:

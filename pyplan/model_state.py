@@ -7,8 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["OPTIMIZERS", "PRECISIONS", "ModelState", "ShardedUnitBytes", "model_state_bytes", "optimizer_step_bytes",
-           "sharded_unit_bytes"]
+__all__ = [
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "ModelState",
+    "ShardedUnitBytes",
+    "model_state_bytes",
+    "optimizer_step_bytes",
+    "sharded_unit_bytes",
+]
 
 # Optimizer states per parameter element, in units of the master dtype: what torch.optim keeps in `state`.
 OPTIMIZERS: dict[str, int] = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}

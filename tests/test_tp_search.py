@@ -103,6 +103,34 @@ def test_a_tp_layout_is_checked_and_read_back() -> None:
         Layout(**base, tp=2, tp_plan={"fc1": "Colwise"})
     with pytest.raises(PlanError, match=r"tp must be a positive whole number"):
         Layout(**base, tp=0)
+    sp = Layout(**base, tp=2, tp_plan={"fc1": "ColwiseParallel", "fc2": "RowwiseParallel"}, sequence_parallel=True)
+    assert Layout.from_json(json.loads(json.dumps(sp.to_json()))) == sp
+    assert "sequence_parallel" not in layout.to_json()
+    with pytest.raises(PlanError, match=r"sequence_parallel must be true or false, and false at tp 1"):
+        Layout(**base, sequence_parallel=True)
+
+
+def test_sequence_parallelism_saves_memory_at_the_same_bytes_on_the_link() -> None:
+    """gpt-tiny at tp 2, one layout with and without sequence parallelism: each stage saves less (the values
+    between the split layers hold half the tokens), its tensor-parallel collectives move the same bytes (each
+    all-reduce a reduce-scatter and an all-gather), so the time barely moves; by default the search uses it."""
+    spec, model = _gpt()
+    pins = dict(data_parallel=(1,), pipeline_ranks=(1,), micro_batch_sizes=(4,), zero_stages=(0,))
+    kw = dict(loss=spec.loss, target=spec.target, stage_dag=False, top_k=1, tensor_parallel=(2,), **pins)
+    on = search(model, spec.example_inputs, CLUSTER, WORKLOAD, **kw).best
+    off = search(model, spec.example_inputs, CLUSTER, WORKLOAD, sequence_parallel=False, **kw).best
+    assert on.layout.sequence_parallel and not off.layout.sequence_parallel
+    assert on.layout.tp_plan == off.layout.tp_plan
+    assert on.stages[0].activation_bytes < off.stages[0].activation_bytes
+    assert on.predicted.tp_comm_s == pytest.approx(off.predicted.tp_comm_s, rel=0.25)
+    # A TP plan that names no norm SequenceParallel asks for none.
+    plan = dict(off.layout.tp_plan)
+    named = search(model, spec.example_inputs, CLUSTER, WORKLOAD, tp_plan=plan, **kw).best
+    assert not named.layout.sequence_parallel
+    norm = {"transformer.h.1.ln_1": "SequenceParallel"}
+    assert search(
+        model, spec.example_inputs, CLUSTER, WORKLOAD, tp_plan={**plan, **norm}, **kw
+    ).best.layout.sequence_parallel
 
 
 def _torchrun(script: Path, *args: str) -> list[float]:
@@ -126,7 +154,7 @@ def test_an_emitted_tp_plan_trains_and_resumes_under_torchrun(tmp_path: Path) ->
     argv = ["plan", "zoo:gpt-tiny", "--gpu", "a100-80g", "--gpus", "2", "--all-gpus", "--global-batch", "8",
             "--tp", "2", "--emit", str(script)]  # fmt: skip
     assert main(argv) == 0
-    assert "dp 1 x tp 2 x pp 1" in script.read_text()
+    assert "dp 1 x tp 2 + SP x pp 1" in script.read_text()  # sequence parallelism by default
     common = ("--checkpoint", str(tmp_path / "ck"), "--clip-grad-norm", "1.0")
     losses = _torchrun(script, "--steps", "3", "--checkpoint-every", "2", "--keep-checkpoints", "2", *common)
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[2] < losses[0]
@@ -146,7 +174,10 @@ def test_the_cli_plans_shows_and_emits_a_tp_plan(tmp_path: Path, capsys: pytest.
     assert (layout["dp"], layout["tp"]) == (4, 2)
     assert main(["show", str(plan)]) == 0
     shown = capsys.readouterr().out
-    assert "dp 4 x tp 2 x pp 1" in shown and "tensor-parallel communication" in shown
+    assert "dp 4 x tp 2 + SP x pp 1" in shown and "tensor-parallel communication" in shown
+    assert main([*argv, "--sp", "off", "--out", str(tmp_path / "off.json")]) == 0
+    capsys.readouterr()
+    assert "sequence_parallel" not in json.loads((tmp_path / "off.json").read_text())["plan"]
     assert main(["show", str(plan), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     stage = data["stages"][0]
@@ -155,7 +186,7 @@ def test_the_cli_plans_shows_and_emits_a_tp_plan(tmp_path: Path, capsys: pytest.
     shares = timeline(read_plan_file(str(plan)).plan).tp_comm_share  # the Gantt chart's marks
     assert shares == pytest.approx((stage["tp_comm_s"] / (stage["forward_s"] + stage["backward_s"]),))
     assert main(["emit", str(plan), "--format", "megatron"]) == 0
-    assert "--tensor-model-parallel-size 2" in capsys.readouterr().out
+    assert "--tensor-model-parallel-size 2 \\\n--sequence-parallel" in capsys.readouterr().out
     assert main(["emit", str(plan), "--format", "torchtitan"]) == 0
     assert "tensor_parallel_degree = 2" in capsys.readouterr().out
     assert main(["plan", "zoo:gpt-tiny", "--gpu", "a100-80g", "--gpus", "8", "--tp", "two"]) == 2

@@ -171,7 +171,7 @@ def _tensor_parallel(args: argparse.Namespace, cluster: Cluster) -> dict[str, An
             ) from None
         if any(t < 1 for t in degrees):
             raise PlanError(f"--tp takes degrees of at least 1, got '{text}'")
-    found: dict[str, Any] = {"tensor_parallel": degrees}
+    found: dict[str, Any] = {"tensor_parallel": degrees, "sequence_parallel": args.sp == "on"}
     if args.tp_plan is not None:
         if degrees == (1,):
             raise PlanError("--tp-plan says how layers split under tensor parallelism: add --tp auto or --tp DEGREE")
@@ -460,8 +460,15 @@ def _add_plan_parser(sub: Any) -> None:
     p.add_argument(
         "--tp-plan",
         metavar="FILE",
-        help="JSON of module name -> ColwiseParallel | RowwiseParallel: split only these (they must follow the "
-        "model's pattern)",
+        help="JSON of module name -> ColwiseParallel | RowwiseParallel | SequenceParallel: split only these (they "
+        "must follow the model's pattern); sequence parallelism only if a norm is named SequenceParallel",
+    )
+    p.add_argument(
+        "--sp",
+        choices=("on", "off"),
+        default="on",
+        help="sequence parallelism beside --tp: the values between the split layers split by their tokens where "
+        "the model allows it (on, default), or whole on every rank (off)",
     )
     pins.add_argument(
         "--cuts",

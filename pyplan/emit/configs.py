@@ -67,7 +67,11 @@ def _torchtitan(doc: PlanFile, starts: Sequence[str]) -> tuple[str, Notes]:
             "pipeline_parallel_split_points = [" + ", ".join(json.dumps(s) for s in starts) + "]",
         ]
     if lay.tp > 1:
-        notes.append(f"torchtitan splits its own models with its own TP plan; pyplan's: {_styles(lay)}")
+        sp = "with" if lay.sequence_parallel else "without"
+        notes.append(
+            f"torchtitan splits its own models with its own TP plan (sequence parallelism included); pyplan's: "
+            f"{_styles(lay)}, {sp} sequence parallelism"
+        )
     kind = _remat_kind(lay)
     if kind == "mixed":
         notes.append(
@@ -128,6 +132,7 @@ def _megatron(doc: PlanFile, starts: Sequence[str]) -> tuple[str, Notes]:
     lay, notes = doc.plan.layout, []
     flags = [
         f"--tensor-model-parallel-size {lay.tp}",
+        *(["--sequence-parallel"] if lay.sequence_parallel else []),
         f"--pipeline-model-parallel-size {lay.pp}",
         f"--micro-batch-size {lay.micro_batch_size}",
         f"--global-batch-size {doc.workload.global_batch}",

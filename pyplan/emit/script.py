@@ -336,7 +336,7 @@ def render_script(document: PlanFile, name: str = "train.py") -> str:
     plan itself as JSON in a raw string literal, which JSON text cannot end (every quote inside a JSON string is
     escaped, and JSON has no three quotes in a row), and numbers formatted from ints."""
     layout, cluster = document.plan.layout, document.cluster
-    tp = f" x tp {layout.tp}" if layout.tp > 1 else ""
+    tp = f" x tp {layout.tp}{' + SP' if layout.sequence_parallel else ''}" if layout.tp > 1 else ""
     summary = _docstring_text(
         f"{document.model}, dp {layout.dp}{tp} x pp {layout.pp}, {layout.schedule}, micro-batch "
         f"{layout.micro_batch_size} x {layout.num_microbatches}, ZeRO-{layout.zero_stage}"

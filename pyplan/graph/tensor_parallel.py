@@ -783,8 +783,10 @@ def _module_kinds(graph: LayerGraph) -> dict[str, str]:
 def restrict_tp_plan(plan: TpPlan, styles: Mapping[str, str], graph: LayerGraph) -> TpPlan:
     """`plan` (derived from `graph`) cut down to what a user's `styles` (read_tp_plan's) ask for: a region splits
     when all its column Linears are given ColwiseParallel and all its row Linears RowwiseParallel, an embedding
-    when given RowwiseParallel, an output layer ColwiseParallel. A module the model lacks, a style that does not fit
-    it, or a split pyplan cannot follow: PlanError naming the module and the reason."""
+    when given RowwiseParallel, an output layer ColwiseParallel. A norm given SequenceParallel splits nothing here:
+    it asks for sequence parallelism, which covers every value between the split layers that the analysis allows
+    (pyplan/graph/sequence_parallel.py). A module the model lacks, a style that does not fit it, or a split pyplan
+    cannot follow: PlanError naming the module and the reason."""
     _check_styles(styles, graph)
     expected: dict[str, str] = {}
     for r in plan.regions:
@@ -794,7 +796,7 @@ def restrict_tp_plan(plan: TpPlan, styles: Mapping[str, str], graph: LayerGraph)
     expected.update({o.module: "ColwiseParallel" for o in plan.output_layers})
     for module, style in styles.items():
         if style == "SequenceParallel":
-            raise PlanError(f"TP plan: sequence parallelism ('{module}') is not planned yet; leave it out")
+            continue
         if module not in expected:
             why = plan.replicated.get(module, "it is not a Linear or Embedding on the model's main path")
             raise PlanError(f"TP plan: pyplan cannot split '{module}': {why}")

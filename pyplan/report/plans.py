@@ -57,7 +57,7 @@ def _columns(plans: Sequence[Plan], *, short_names: bool, fold_v: bool) -> list[
         _Column("#", ["best" if i == 0 else str(i) for i in range(len(plans))]),
         _Column("GPUs", [str(x.num_gpus) for x in lays]),
         _Column("dp", [str(x.dp) for x in lays]),
-        _Column("tp", [str(x.tp) for x in lays]),
+        _Column("tp", [f"{x.tp}{'+SP' if x.sequence_parallel else ''}" for x in lays]),
         _Column("pp", pp),
         _Column("v", [str(x.stages_per_rank) for x in lays]),
         _Column("micro-batch", [str(x.micro_batch_size) for x in lays]),

@@ -264,8 +264,10 @@ STAGE_COLUMNS = (
 
 
 def tp_text(lay: dict[str, Any]) -> str:
-    """'tp T x ' for a layout with tensor parallelism, else ''."""
-    return f"tp {lay['tp']} x " if lay.get("tp", 1) > 1 else ""
+    """'tp T x ' (with '+ SP' for sequence parallelism) for a layout with tensor parallelism, else ''."""
+    if lay.get("tp", 1) == 1:
+        return ""
+    return f"tp {lay['tp']}{' + SP' if lay.get('sequence_parallel') else ''} x "
 
 
 def summary_rows(data: dict[str, Any]) -> list[tuple[str, str]]:

@@ -39,6 +39,7 @@ replicated along it; a *style* is what parallelize_module applies to one module.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -48,12 +49,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from pyplan._torch import strided_shard
 from pyplan.errors import PlanError
 from pyplan.graph.layergraph import LayerGraph
+from pyplan.graph.sequence_parallel import SequenceZone, rewrite, sequence_zone
 from pyplan.graph.tensor_parallel import TpPlan, shard_sizes
 
 __all__ = [
@@ -159,9 +161,64 @@ def _layers(gm: fx.GraphModule) -> list[_Layer]:
 # The styles, checked against the graph
 
 
-def tp_styles(graph: LayerGraph, plan: TpPlan, degree: int) -> dict[str, ParallelStyle]:
+class _Gathered:
+    """A region's input gathered from each rank's tokens once for every column Linear that reads it (Q, K and V):
+    a Replicate DTensor, whose gradients (partial sums, one per Linear) add up and are reduce-scattered once."""
+
+    def __init__(self) -> None:
+        self._made: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[DTensor]]] = {}
+
+    def __call__(self, x: torch.Tensor, mesh: DeviceMesh, dim: int) -> DTensor:
+        hit = self._made.get(id(x))
+        if hit is not None and hit[0]() is x and hit[1]() is not None:
+            return hit[1]()  # type: ignore[return-value]
+        out = DTensor.from_local(x, mesh, [Shard(dim)], run_check=False).redistribute(mesh, [Replicate()])
+        self._made = {k: v for k, v in self._made.items() if v[0]() is not None and v[1]() is not None}
+        self._made[id(x)] = (weakref.ref(x), weakref.ref(out))
+        return out
+
+
+def _gathering(style: ColwiseParallel, gathered: _Gathered, dim: int) -> ColwiseParallel:
+    """`style` reading each rank's tokens along `dim` gathered (`_Gathered`) in place of a whole input."""
+
+    def prepare(_layouts: Any, _desired: Any, _mod: nn.Module, inputs: Any, mesh: DeviceMesh) -> DTensor:
+        x = inputs[0]
+        return x if isinstance(x, DTensor) else gathered(x, mesh, dim)
+
+    style._prepare_input_fn = prepare  # type: ignore[method-assign]
+    return style
+
+
+class _SeqCollectives:
+    """The collectives of a sequence-parallel graph on one mesh axis (`pyplan.graph.sequence_parallel.SeqOps`),
+    as DTensor redistributions of local tensors."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh, self.degree, self._gathered = mesh, mesh.size(), _Gathered()
+
+    def whole(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        out = DTensor.from_local(x, self.mesh, [Shard(dim)], run_check=False).redistribute(self.mesh, [Replicate()])
+        return out.to_local(grad_placements=[Replicate()])  # each rank's gradient is the whole one: sliced
+
+    def split(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        out = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).redistribute(self.mesh, [Shard(dim)])
+        return out.to_local()
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return self._gathered(x, self.mesh, dim).to_local(grad_placements=[Partial()])
+
+    def scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        out = DTensor.from_local(x, self.mesh, [Partial()], run_check=False).redistribute(self.mesh, [Shard(dim)])
+        return out.to_local()
+
+
+def tp_styles(
+    graph: LayerGraph, plan: TpPlan, degree: int, zone: SequenceZone | None = None
+) -> dict[str, ParallelStyle]:
     """The parallelize_module plan that `apply_tensor_parallel` runs at `degree`: module name -> style, for the
-    layers of `plan` that split at that degree.
+    layers of `plan` that split at that degree; with a sequence-parallel `zone`, the row Linears it reduce-scatters
+    keep their tokens (`output_layouts=Shard`) and the column Linears and output layers that read its values
+    gather them (`_Gathered`).
 
     Raises PlanError where the captured graph cannot run it: a module the graph never calls as a Linear or an
     Embedding, a call that cannot become a module call, or a weight that is split in one place and read otherwise
@@ -180,6 +237,15 @@ def tp_styles(graph: LayerGraph, plan: TpPlan, degree: int) -> dict[str, Paralle
     styles.update(
         {o.module: ColwiseParallel(output_layouts=Replicate()) for o in plan.output_layers if o.splits_at(degree)}
     )
+    if zone is not None:
+        module_of = {layer.node.name: layer.module for layer in _layers(graph.module)}
+        gathered = _Gathered()
+        for node in zone.rows:
+            styles[module_of[node]] = RowwiseParallel(output_layouts=Shard(zone.dims[node]))
+        for node, dim in zone.gathered.items():
+            style = styles[module_of[node]]
+            assert isinstance(style, ColwiseParallel)
+            styles[module_of[node]] = _gathering(style, gathered, dim)
     _check(graph.module, styles)
     return styles
 
@@ -261,9 +327,13 @@ def _check(gm: fx.GraphModule, styles: Mapping[str, ParallelStyle]) -> None:
 # Applying them
 
 
-def apply_tensor_parallel(graph: LayerGraph, plan: TpPlan, mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(
+    graph: LayerGraph, plan: TpPlan, mesh: DeviceMesh, *, sequence_parallel: bool = False
+) -> None:
     """Make `graph.module` (in place, before it is cut into pipeline stages) run tensor-parallel over the 1-D
-    `mesh`, every rank of the mesh with the same module and inputs; see the module docstring for the steps.
+    `mesh`, every rank of the mesh with the same module and inputs; see the module docstring for the steps. With
+    `sequence_parallel` the values between the split layers are each rank's slice of the tokens
+    (pyplan/graph/sequence_parallel.py): the graph is rewritten last, to call `_SeqCollectives`.
 
     Afterwards every parameter is a DTensor on `mesh`, named as in the model; the module's inputs and outputs are
     plain tensors, the outputs equal on every rank. All ranks of the mesh must call it (it broadcasts rank 0's
@@ -272,7 +342,10 @@ def apply_tensor_parallel(graph: LayerGraph, plan: TpPlan, mesh: DeviceMesh) -> 
     if mesh.ndim != 1:
         raise PlanError(f"tensor parallelism runs over one mesh axis; got a mesh of {mesh.ndim} axes {mesh.shape}")
     gm, degree = graph.module, mesh.size()
-    styles = tp_styles(graph, plan, degree)
+    zone = sequence_zone(graph, plan, degree) if sequence_parallel else None
+    if zone is not None and not zone:
+        raise PlanError(f"sequence parallelism {degree} cannot run on this model: {zone.reason}")
+    styles = tp_styles(graph, plan, degree, zone)
     shard_sizes(gm, graph, plan, degree)
     for layer in _layers(gm):
         if layer.module in styles and layer.node.op == "call_function":
@@ -281,7 +354,10 @@ def apply_tensor_parallel(graph: LayerGraph, plan: TpPlan, mesh: DeviceMesh) -> 
     tied = _holders(gm)
     parallelize_module(gm, mesh, styles)
     _tie_and_replicate(gm, mesh, tied)
-    _read_locally(gm, set(styles))
+    partial = {id(p) for name, p in gm.named_parameters(remove_duplicate=False) if zone and name in zone.params}
+    _read_locally(gm, set(styles), partial)
+    if zone is not None:
+        rewrite(gm, zone, _SeqCollectives(mesh), layers=False)
     sync_rng_state(mesh)
 
 
@@ -333,7 +409,7 @@ def _tie_and_replicate(gm: nn.Module, mesh: DeviceMesh, groups: list[list[str]])
                 module.register_parameter(key, one)
 
 
-def _read_locally(gm: fx.GraphModule, styled: set[str]) -> None:
+def _read_locally(gm: fx.GraphModule, styled: set[str], partial: set[int]) -> None:
     """Make the graph read every parameter outside the styled modules as its local tensor (differentiably: the
     gradient arrives as a DTensor of the parameter's placements), while the module tree keeps the DTensor
     Parameter under the model's name for `named_parameters()`, `getattr`, optimizers, FSDP2 and the pieces
@@ -344,28 +420,33 @@ def _read_locally(gm: fx.GraphModule, styled: set[str]) -> None:
       DTensor parameters and puts the DTensors back after;
     - a get_attr of a parameter: the node becomes a call of the module that holds it (the node keeps its name),
       whose class gains a `forward(name)` returning the local tensor. A get_attr cannot stay: the graph would read
-      the DTensor, and a piece of the graph copies what the attribute returns."""
+      the DTensor, and a piece of the graph copies what the attribute returns.
+
+    The parameters in `partial` (by id; read on each rank's tokens under sequence parallelism) get each rank's
+    gradient as a partial sum (`sync_gradients` sums it)."""
     for n in gm.graph.nodes:
         if n.op == "call_module" and str(n.target) not in styled:
             module = gm.get_submodule(str(n.target))
             if any(isinstance(p, DTensor) for p in module.parameters()) and not getattr(module, "_tp_local", False):
-                _extend_class(module, {"forward": _forward_locally(type(module).forward), "_tp_local": True})
+                _extend_class(module, {"forward": _forward_locally(type(module).forward, partial), "_tp_local": True})
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             owner, _, key = str(n.target).rpartition(".")
             module = gm.get_submodule(owner)
             if n.users and isinstance(module._parameters.get(key), DTensor):
                 if not getattr(module, "_tp_read", False):
-                    _extend_class(module, {"forward": _local_parameter, "_tp_read": True})
+                    _extend_class(module, {"forward": _local_parameter, "_tp_read": True, "_tp_partial": set()})
+                if id(module._parameters[key]) in partial:
+                    module._tp_partial.add(key)
                 n.op, n.target, n.args, n.kwargs = "call_module", owner, (key,), {}
     gm.recompile()
 
 
-def _forward_locally(forward: Any) -> Any:
+def _forward_locally(forward: Any, partial: set[int]) -> Any:
     def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         held = [(m, k, p) for m in self.modules() for k, p in m._parameters.items() if isinstance(p, DTensor)]
         for m, k, p in held:
-            m._parameters[k] = p.to_local()
+            m._parameters[k] = p.to_local(grad_placements=[Partial()] if id(p) in partial else None)
         try:
             return forward(self, *args, **kwargs)
         finally:
@@ -377,7 +458,7 @@ def _forward_locally(forward: Any) -> Any:
 
 def _local_parameter(self: nn.Module, key: str) -> torch.Tensor:
     """The local tensor of the DTensor parameter `key` (the forward of a module whose parameters a graph reads)."""
-    return self._parameters[key].to_local()
+    return self._parameters[key].to_local(grad_placements=[Partial()] if key in self._tp_partial else None)
 
 
 def _extend_class(module: nn.Module, attrs: dict[str, Any]) -> None:

@@ -356,7 +356,7 @@ def _split_layers(graph: LayerGraph, *, layout: Layout, mesh: DeviceMesh) -> Non
             f"the plan's tp_plan does not split this model at tp {layout.tp} ({', '.join(missing[:3])}); "
             "was the plan made for another model?"
         )
-    apply_tensor_parallel(graph, plan, mesh["tp"])
+    apply_tensor_parallel(graph, plan, mesh["tp"], sequence_parallel=layout.sequence_parallel)
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:

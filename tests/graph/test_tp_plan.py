@@ -158,8 +158,8 @@ def test_a_tp_plan_file_is_checked_against_the_model(gpt, tmp_path: Path) -> Non
         use({"transformer.h.0.mlp.c_fc": "RowwiseParallel"})
     with pytest.raises(PlanError, match=r"'transformer.h.0.mlp.c_fc' splits only with 'transformer.h.0.mlp.c_proj'"):
         use({"transformer.h.0.mlp.c_fc": "ColwiseParallel"})
-    with pytest.raises(PlanError, match=r"sequence parallelism \('transformer.h.0.ln_2'\) is not planned yet"):
-        use({"transformer.h.0.ln_2": "SequenceParallel"})
+    # A norm's SequenceParallel asks for sequence parallelism; it splits no layer by itself.
+    assert use({**mlp, "transformer.h.0.ln_2": "SequenceParallel"}) == use(mlp)
     with pytest.raises(PlanError, match=r"must be a JSON object of module name -> style"):
         use(["transformer.wte"])
     path.write_text("{")

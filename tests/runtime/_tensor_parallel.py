@@ -131,7 +131,7 @@ def _pieces_error(
     return worst
 
 
-def run(ref: str, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh | None) -> dict[str, Any]:
+def run(ref: str, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh | None, sp: bool) -> dict[str, Any]:
     spec = load_model(ref)
     loss_fn = spec.loss or default_loss
     assert spec.target is not None
@@ -150,7 +150,7 @@ def run(ref: str, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh | None) -> dict[str, 
 
     graph = trace(model, Examples(lambda b: _double(call_at(spec.example_inputs, b))), batch_size=2)
     plan = derive_tp_plan(graph)
-    apply_tensor_parallel(graph, plan, tp_mesh)
+    apply_tensor_parallel(graph, plan, tp_mesh, sequence_parallel=sp)
     gm = graph.module
     plain = [name for name, p in gm.named_parameters() if not isinstance(p, DTensor)]
     unique = len(list(reference.parameters()))
@@ -168,7 +168,17 @@ def run(ref: str, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh | None) -> dict[str, 
         sync_gradients(gm, dp_group=group)
         weighted.append(_weighted_norm(gm, tp_mesh))
 
+    # Under sequence parallelism the row Linears' outputs are each rank's tokens: the shapes they make, by module.
+    rows = [m for m, style in plan.styles(tp_mesh.size()).items() if style == "RowwiseParallel"]
+    made: dict[str, tuple[int, ...]] = {}
+
+    def seen(module: str, out: torch.Tensor) -> None:
+        made.setdefault(module, tuple(out.shape))
+
+    hooks = [gm.get_submodule(m).register_forward_hook(lambda _m, _i, out, m=m: seen(m, out)) for m in rows]
     loss, grads, norm = _step(gm, loss_fn, mine_call, target[mine], finish)
+    for h in hooks:
+        h.remove()
     if group is not None:
         box = torch.tensor([loss], dtype=torch.float64)
         dist.all_reduce(box, group=group)
@@ -190,6 +200,8 @@ def run(ref: str, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh | None) -> dict[str, 
         "ref_norm": ref_norm,
         "placements": split,
         "styles": len(plan.styles(tp_mesh.size())),
+        "row_shapes": sorted(set(made.values())),
+        "tokens": input_tensors(call)[0].shape[1],
     }
 
 
@@ -225,17 +237,17 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
-    configs = [(ref, 1) for ref in PAIRS[mesh["dp"].get_local_rank() % len(PAIRS)]]
+    configs = [(ref, 1, sp) for ref in PAIRS[mesh["dp"].get_local_rank() % len(PAIRS)] for sp in (False, True)]
     if world == 4:
-        configs.append((GPT, 2))
+        configs += [(GPT, 2, False), (GPT, 2, True)]
     results = [{"model": "dropout", "dp": 1, "tp": 2, "rank": rank, **dropout_agrees(mesh["tp"])}]
-    for ref, dp in configs:
+    for ref, dp, sp in configs:
         try:
-            res = run(ref, mesh["tp"], mesh["dp"] if dp > 1 else None)
+            res = run(ref, mesh["tp"], mesh["dp"] if dp > 1 else None, sp)
         except Exception as exc:
             res = {"ok": False, "why": f"{type(exc).__name__}: {exc}"}
             print(traceback.format_exc(), file=sys.stderr, flush=True)
-        results.append({"model": ref, "dp": dp, "tp": 2, "rank": rank, **res})
+        results.append({"model": ref, "dp": dp, "tp": 2, "sp": sp, "rank": rank, **res})
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:

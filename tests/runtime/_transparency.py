@@ -229,8 +229,11 @@ def configs(world: int) -> list[dict]:
         else [("gpt-tiny", 1, 2, "1F1B", "adamw"), ("gpt-tiny", 2, 1, "GPipe", "sgd"),
               *((m, 1, 2, "1F1B", "sgd") for m in llama_bert), *((m, 2, 1, "GPipe", "sgd") for m in llama_bert)]
     )  # fmt: skip
+    # Each with and without sequence parallelism (the values between the split layers split by their tokens).
     for model, dp, pp, schedule, opt in tp_runs:
-        out.append(dict(model=model, dp=dp, pp=pp, tp=2, schedule=schedule, v=1, m=4, b=2, optimizer=opt, zero=0))
+        for sp in (False, True):
+            out.append(dict(model=model, dp=dp, pp=pp, tp=2, sp=sp, schedule=schedule, v=1, m=4, b=2, optimizer=opt,
+                            zero=0))  # fmt: skip
     if world == 2:  # ... and every block of the split model checkpointed
         out.append(dict(model="gpt-tiny", dp=1, pp=1, tp=2, schedule="1F1B", v=1, m=4, b=2, optimizer="adamw",
                         zero=0, remat=["full"]))  # fmt: skip
@@ -293,6 +296,7 @@ def run(cfg: dict) -> dict:
         pp=cfg["pp"],
         tp=tp,
         tp_plan=tp_plan,
+        sequence_parallel=cfg.get("sp", False),
         micro_batch_size=cfg["b"],
         num_microbatches=cfg["m"],
         schedule=cfg["schedule"],

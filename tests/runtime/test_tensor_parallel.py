@@ -71,10 +71,15 @@ def test_tensor_parallel_trains_like_one_process(tmp_path: Path) -> None:
     dropout = [r for r in results if r["model"] == "dropout"]
     assert len(dropout) == 4 and all(r["synced_agree"] and not r["reseeded_agree"] for r in dropout)
     runs = [r for r in results if r["model"] != "dropout"]
-    kinds = {(r["model"].split(":")[1], r["dp"]) for r in runs}
-    assert kinds == {("gpt-tiny", 1), ("gpt-tiny", 2), ("llama", 1), ("bert", 1)}
+    kinds = {(r["model"].split(":")[1], r["dp"], r["sp"]) for r in runs}
+    assert kinds == {(m, dp, sp) for m, dp in (("gpt-tiny", 1), ("gpt-tiny", 2), ("llama", 1), ("bert", 1))
+                     for sp in (False, True)}  # fmt: skip
     for r in runs:
-        where = f"{r['model']} dp={r['dp']} rank {r['rank']}"
+        where = f"{r['model']} dp={r['dp']} sp={r['sp']} rank {r['rank']}"
+        # Sequence parallelism: the row Linears give each rank half the tokens (a vocabulary-parallel embedding,
+        # before the zone, all of them); without it every output has all of them.
+        tokens = {shape[1] for shape in r["row_shapes"]}
+        assert (r["tokens"] // 2 in tokens) == r["sp"] and tokens <= {r["tokens"], r["tokens"] // 2}, where
         assert r["loss_err"] <= TOL, where
         assert r["grad_err"] <= TOL, (where, r["grad_worst"], r["grad_err"])
         assert r["pieces_err"] <= TOL, (where, "cut in two pieces", r["pieces_worst"], r["pieces_err"])

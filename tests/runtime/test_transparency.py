@@ -58,10 +58,12 @@ def test_pipelines_train_like_one_process(world: int, tmp_path: Path) -> None:
     )
     # Stages assigned per operation and not contiguous in the traced order train the same parameters.
     assert [r["contiguous"] for r in results if r.get("dag")] == ([False] if world == 2 else [])
-    # Tensor parallelism alone (2 ranks), beside pipeline stages and beside replicas (4 ranks): tied embeddings and
-    # a fused QKV (gpt-tiny), grouped-query attention (llama), BERT.
+    # Tensor parallelism alone (2 ranks), beside pipeline stages and beside replicas (4 ranks), with and without
+    # sequence parallelism: tied embeddings and a fused QKV (gpt-tiny), grouped-query attention (llama), BERT.
     split = [r for r in results if r.get("tp", 1) > 1]
-    assert {(r["dp"], r["tp"], r["pp"]) for r in split} == ({(1, 2, 1)} if world == 2 else {(1, 2, 2), (2, 2, 1)})
+    assert {(r["dp"], r["tp"], r["pp"], r.get("sp", False)) for r in split} == {
+        (dp, 2, pp, sp) for dp, pp in ([(1, 1)] if world == 2 else [(1, 2), (2, 1)]) for sp in (False, True)
+    }
     assert [r["remat"] for r in split if "remat" in r] == ([["full"]] if world == 2 else [])
     families = {r["model"].split(":")[1] if r["model"].startswith("hf:") else r["model"] for r in split}
     assert families == {"gpt-tiny"} | ({"llama", "bert"} & hf)
