@@ -20,7 +20,12 @@ tensor-parallel axis runs (Shoeybi et al. 2019, torchtitan's `parallelize_llama`
    DTensor and plain tensors), and no op runs on DTensors outside the split layers;
 6. the random state is made equal on every rank of the axis (`sync_rng_state`): dropout in the replicated parts
    of the model then draws the same mask on every rank, as it must (CPU DTensor has no offset-based RNG; in the
-   split parts the ranks draw equal, hence correlated, masks).
+   split parts the ranks draw equal, hence correlated, masks);
+7. with sequence parallelism (pyplan/graph/sequence_parallel.py) the row Linears of the zone keep their tokens
+   (`RowwiseParallel(output_layouts=Shard(d))`, a reduce-scatter), the column Linears and output layers that read a
+   zone value gather it once for all of them (`_Gathered`: a Replicate DTensor whose partial gradients meet in one
+   reduce-scatter), the norms read in the zone get partial gradients, and the graph is rewritten last to read
+   whole shapes, gather, slice (`_SeqCollectives`).
 
 After backward, `sync_gradients` gives each gradient its parameter's layout (and averages over data-parallel
 replicas when asked); `torch.nn.utils.clip_grad_norm_` and torch's optimizers then work on the module's

@@ -66,6 +66,6 @@ def test_pipelines_train_like_one_process(world: int, tmp_path: Path) -> None:
     }
     assert [r["remat"] for r in split if "remat" in r] == ([["full"]] if world == 2 else [])
     families = {r["model"].split(":")[1] if r["model"].startswith("hf:") else r["model"] for r in split}
-    assert families == {"gpt-tiny"} | ({"llama", "bert"} & hf)
+    assert families == {"gpt-tiny"} | ({"llama", "bert"} & hf if world == 4 else set())
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed[:3]
