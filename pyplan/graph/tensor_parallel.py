@@ -51,6 +51,7 @@ __all__ = [
     "read_tp_plan",
     "restrict_tp_plan",
     "shard_sizes",
+    "weight_owner",
 ]
 
 # torchtitan's vocabulary of styles (torch.distributed.tensor.parallel), what a --tp-plan file may name.
@@ -166,6 +167,27 @@ class TpPlan:
 # Reading the graph
 
 
+def weight_owner(gm: fx.GraphModule, weight: fx.Node, kind: str) -> str:
+    """The module an aten linear or embedding reads its weight from (`weight`, a get_attr), by name. torch.export
+    reads a tied weight under one name for every use (Hugging Face's tied token embedding and output layer: both
+    `lm_head.weight`), though the module tree holds it under each; to split both layers, each gets a name of its
+    own: the embedding the first one the weight has (where the model made it), a Linear the one it is read under,
+    or the next one if that is the first."""
+    target = str(weight.target)
+    first = target.rpartition(".")[0]
+    try:
+        param = gm.get_parameter(target)
+    except AttributeError:  # a buffer or a constant
+        return first
+    names = [name for name, p in gm.named_parameters(remove_duplicate=False) if p is param]
+    if len(names) < 2 or not all(name.endswith(".weight") for name in names):
+        return first
+    owners = [name.rpartition(".")[0] for name in names]
+    if kind == "embedding":
+        return owners[0]
+    return owners[1] if first == owners[0] else first
+
+
 def op_name(n: fx.Node, gm: fx.GraphModule) -> str:
     """An operation's name whatever the capture: `view` for aten.view.default, Tensor.view and torch.view alike;
     a module call by its class."""
@@ -237,7 +259,7 @@ class Reader:
         if n.op == "call_function" and op_name(n, self.gm) == "linear" and isinstance(n.args[0], fx.Node):
             weight = self.attr(node_arg(n, 1, "weight"))
             if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-                module = str(node_arg(n, 1, "weight").target).rpartition(".")[0]
+                module = weight_owner(self.gm, node_arg(n, 1, "weight"), "linear")
                 return _Linear(module, n.name, n.args[0], weight, weight.shape[1], weight.shape[0])
         return None
 
@@ -250,7 +272,7 @@ class Reader:
         if n.op == "call_function" and op_name(n, self.gm) == "embedding":
             weight = self.attr(n.args[0])
             if isinstance(weight, torch.Tensor) and weight.dim() == 2 and len(n.args) <= 2:
-                return str(n.args[0].target).rpartition(".")[0], weight.shape[0]
+                return weight_owner(self.gm, n.args[0], "embedding"), weight.shape[0]
         return None
 
     def tensor_inputs(self, n: fx.Node) -> list[fx.Node]:
@@ -661,7 +683,9 @@ def _replace_weight(
         if isinstance(arg, fx.Node) and arg.op == "get_attr":
             parent, _, leaf = str(arg.target).rpartition(".")
             owner = gm.get_submodule(parent)
-            setattr(owner, leaf, shard(getattr(owner, leaf), key))
+            held = getattr(owner, leaf)
+            if not any(held is m for m in made.values()):  # a tied weight read by two layers: shard it once
+                setattr(owner, leaf, shard(held, key))
 
 
 def local_module(graph: LayerGraph, plan: TpPlan, degree: int, rank: int = 0) -> fx.GraphModule:

@@ -61,7 +61,7 @@ from pyplan._torch import strided_shard
 from pyplan.errors import PlanError
 from pyplan.graph.layergraph import LayerGraph
 from pyplan.graph.sequence_parallel import SequenceZone, rewrite, sequence_zone
-from pyplan.graph.tensor_parallel import TpPlan, shard_sizes
+from pyplan.graph.tensor_parallel import TpPlan, shard_sizes, weight_owner
 
 __all__ = [
     "apply_tensor_parallel",
@@ -138,7 +138,7 @@ def _layers(gm: fx.GraphModule) -> list[_Layer]:
             w, b = _arg(n, 1, "weight"), _arg(n, 2, "bias")
             if not (isinstance(w, fx.Node) and w.op == "get_attr"):
                 continue
-            module, _, leaf = str(w.target).rpartition(".")
+            module, leaf = weight_owner(gm, w, "linear"), str(w.target).rpartition(".")[2]
             if b is None:  # a bias held beside the weight but not added would be added by an nn.Linear
                 bias_ok = module != "" and gm.get_submodule(module)._parameters.get("bias") is None
             else:
@@ -156,7 +156,7 @@ def _layers(gm: fx.GraphModule) -> list[_Layer]:
         elif n.op == "call_function" and n.target in _EMBEDDING_OPS:
             w = n.args[0]
             if isinstance(w, fx.Node) and w.op == "get_attr":
-                module, _, leaf = str(w.target).rpartition(".")
+                module, leaf = weight_owner(gm, w, "embedding"), str(w.target).rpartition(".")[2]
                 plain = module != "" and leaf == "weight" and len(n.args) == 2 and not n.kwargs
                 found.append(_Layer(n, module, "embedding", _attr(gm, str(w.target)), None, plain))
     return found

@@ -133,6 +133,22 @@ def test_a_rank_of_the_llama_reshapes_its_heads_itself(llama) -> None:
     assert shapes["linear_6"] == (2, 8, 64)  # down_proj: partial sums of the whole hidden size
 
 
+def test_a_tied_embedding_that_export_reads_under_one_name_splits_as_two_layers() -> None:
+    """torch.export reads Hugging Face's tied token embedding and output layer both as `lm_head.weight`: the
+    embedding is named after the module that made the weight, the output layer after its own, and a rank's graph
+    holds the vocabulary's half once (not a half of the half)."""
+    graph, examples = _graph(f"{LLAMA},tie_word_embeddings=True")
+    plan = derive_tp_plan(graph)
+    assert [e.module for e in plan.embeddings] == ["model.embed_tokens"]
+    assert [o.module for o in plan.output_layers] == ["lm_head"]
+    styles = plan.styles(2)
+    assert (styles["model.embed_tokens"], styles["lm_head"]) == ("RowwiseParallel", "ColwiseParallel")
+    gm = local_module(graph, plan, 2)
+    assert gm.get_parameter("lm_head.weight").shape == (50, 64)
+    shapes = {n.name: n.outputs[0].shape for n in graph_of(gm, examples, 2).nodes if n.outputs}
+    assert shapes[plan.output_layers[0].node] == (2, 8, 50)
+
+
 def test_a_tp_plan_file_is_checked_against_the_model(gpt, tmp_path: Path) -> None:
     graph, _ = gpt
     plan = derive_tp_plan(graph)
