@@ -65,7 +65,7 @@ from pyplan.solve.tied import (
 __all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "add_loss", "chain_for", "memory_per_process", "plan", "search"]
 
 # The ZeRO stages planned beside tensor parallelism: what the runtime runs with it (pyplan/runtime/trainer.py).
-TP_ZERO_STAGES = (0,)
+TP_ZERO_STAGES = (0, 1)
 # The schedules the search evaluates; the zero-bubble ones need split input/weight-gradient times first.
 SEARCHED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
 
@@ -319,7 +319,10 @@ def _tensor_parallel(
     if not wanted:
         return
     if how.pins["zero_stages"] and not set(how.pins["zero_stages"]) & set(TP_ZERO_STAGES):
-        raise PlanError("tensor parallelism is planned with ZeRO-0 only (the runtime runs no other yet); pin --zero 0")
+        raise PlanError(
+            "tensor parallelism is planned with ZeRO-0 or ZeRO-1 (the runtime runs no ZeRO-3 with it yet); "
+            "pin --zero 0 or 1"
+        )
     for t in wanted:
         cluster.tensor_parallel_groups(t)  # one line for a degree the nodes cannot hold
     if is_local(cluster.gpu) and not is_meta_module(how.model):

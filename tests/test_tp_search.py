@@ -169,7 +169,7 @@ def test_the_cli_plans_shows_and_emits_a_tp_plan(tmp_path: Path, capsys: pytest.
             "--precision", "bf16-mixed", "--tp", "2", "--dp", "4", "--top", "1", "--out", str(plan)]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert " tp " in out.splitlines()[2] or "┃ tp ┃" in out
+    assert "┃   tp ┃" in out and "│ 2+SP │" in out
     layout = json.loads(plan.read_text())["plan"]
     assert (layout["dp"], layout["tp"]) == (4, 2)
     assert main(["show", str(plan)]) == 0

@@ -62,8 +62,11 @@ from pyplan.errors import PlanError
 from pyplan.graph.layergraph import LayerGraph
 from pyplan.graph.sequence_parallel import SequenceZone, rewrite, sequence_zone
 from pyplan.graph.tensor_parallel import TpPlan, shard_sizes, weight_owner
+from pyplan.runtime.optim import OptimizerSpec
+from pyplan.solve.state import zero1_shares
 
 __all__ = [
+    "Zero1Optimizer",
     "apply_tensor_parallel",
     "full_gradients",
     "full_parameters",
@@ -515,6 +518,40 @@ def sync_gradients(params: nn.Module | Iterable[torch.Tensor], *, dp_group: dist
             local = g.to_local() if isinstance(g, DTensor) else g
             dist.all_reduce(local, group=dp_group)
             local.div_(replicas)
+
+
+class Zero1Optimizer(torch.optim.Optimizer):
+    """ZeRO-1 over the data-parallel replicas for parameters split by tensor parallelism (DTensors), where torch's
+    ZeroRedundancyOptimizer cannot broadcast them: each replica keeps the optimizer state of its share of the
+    tensors (`pyplan.solve.state.zero1_shares` of their local sizes: ZeroRedundancyOptimizer's split, largest
+    first to the emptiest replica, which the plan counts) and steps it (`optim`); then every tensor's owner
+    broadcasts its local values to the other replicas. The gradients are the replicas' mean beforehand
+    (`sync_gradients`). Its own param_groups hold every parameter, for learning-rate schedules; their
+    hyperparameters are handed to `optim` at each step."""
+
+    def __init__(self, params: Iterable[nn.Parameter], spec: OptimizerSpec, group: dist.ProcessGroup) -> None:
+        self._all = list(params)
+        self._group, replicas = group, dist.get_world_size(group)
+        shares = zero1_shares([_local(p.data).numel() for p in self._all], replicas)
+        self._owner = {i: r for r, share in enumerate(shares) for i in share}
+        mine = [self._all[i] for i in sorted(shares[dist.get_rank(group)])]
+        super().__init__(self._all, dict(spec.kwargs))
+        self.optim: torch.optim.Optimizer | None = spec.cls(mine, **spec.kwargs) if mine else None
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ValueError("Zero1Optimizer takes no closure")
+        if self.optim is not None:
+            for group in self.optim.param_groups:
+                group.update({k: v for k, v in self.param_groups[0].items() if k != "params"})
+            self.optim.step()
+        for i, p in enumerate(self._all):
+            dist.broadcast(_local(p.data), group=self._group, group_src=self._owner[i])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def grad_norm_weight(grad: torch.Tensor) -> float:

@@ -37,7 +37,7 @@ from pyplan.runtime.heap import keep_freed_memory
 from pyplan.runtime.optim import OptimizerFactory, OptimizerSpec, optimizer_factory
 from pyplan.runtime.sharded import ShardedTrainer, build_sharded_trainer, remat_kind
 from pyplan.runtime.stages import cut_model, local_stages, stage_io, tied_parameters
-from pyplan.runtime.tensor_parallel import apply_tensor_parallel, grad_norm_weight, sync_gradients
+from pyplan.runtime.tensor_parallel import Zero1Optimizer, apply_tensor_parallel, grad_norm_weight, sync_gradients
 from pyplan.solve.schedules import stage_placement
 from pyplan.spec import ModelSpec, default_loss
 
@@ -245,12 +245,10 @@ def build_trainer(
     of one stage under ZeRO-3 runs FSDP2's mixed-precision policy instead (pyplan/runtime/sharded.py).
     """
     device = device or torch.device("cpu")
-    if layout.tp > 1 and layout.zero_stage != 0:
-        # ZeroRedundancyOptimizer broadcasts parameters, which DTensor has no rule for; FSDP2 on top of the tp axis
-        # trains, but gathers a fused QKV's rows out of order (torch 2.13).
-        raise PlanError(
-            f"tensor parallelism with ZeRO-{layout.zero_stage} is not run yet; plan it with ZeRO-0 (--zero 0)"
-        )
+    if layout.tp > 1 and layout.zero_stage == 3:
+        # FSDP2 on top of the tp axis trains, but gathers a fused QKV's rows out of order (torch 2.13), and it
+        # shards the model's own layers, which the traced graph does not call.
+        raise PlanError("tensor parallelism with ZeRO-3 is not run yet; plan it with ZeRO-0 or ZeRO-1 (--zero 1)")
     if layout.zero_stage == 3 and layout.schedule in _SPLIT_BACKWARD:
         raise PlanError(
             f"{layout.schedule} with ZeRO-3 trains wrong weights on torch 2.13 (FSDP2 misses its weight "
@@ -379,11 +377,14 @@ def _data_parallel(module: nn.Module, layout: Layout, mesh: DeviceMesh, manual_g
 def _optimizer(
     params: list[nn.Parameter], layout: Layout, make_optimizer: OptimizerFactory, dp_group: dist.ProcessGroup
 ) -> torch.optim.Optimizer:
-    """The optimizer over this rank's parameters: ZeRO-1 shards its state over the replicas."""
+    """The optimizer over this rank's parameters: ZeRO-1 shards its state over the replicas (torch's
+    ZeroRedundancyOptimizer; `Zero1Optimizer` for the DTensors of tensor parallelism, which it cannot broadcast)."""
     if not (layout.dp > 1 and layout.zero_stage == 1):
         return make_optimizer(params)
     if not isinstance(make_optimizer, OptimizerSpec):
         raise PlanError("ZeRO-1 shards the optimizer: give it as an OptimizerSpec(class, kwargs)")
+    if layout.tp > 1:
+        return Zero1Optimizer(params, make_optimizer, dp_group)
     return ZeroRedundancyOptimizer(
         params, optimizer_class=make_optimizer.cls, process_group=dp_group, **make_optimizer.kwargs
     )

@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import faulthandler
 import json
+import math
 import os
 import sys
 import traceback
@@ -34,13 +35,17 @@ from pyplan.graph.split import pieces, run_pieces
 from pyplan.graph.tensor_parallel import derive_tp_plan
 from pyplan.graph.trace import Call, Examples, call_at, input_tensors, output_tensors, trace
 from pyplan.load import load_model
+from pyplan.plan import Workload
+from pyplan.runtime.optim import optimizer_factory
 from pyplan.runtime.tensor_parallel import (
+    Zero1Optimizer,
     apply_tensor_parallel,
     full_gradients,
     full_parameters,
     grad_norm_weight,
     sync_gradients,
 )
+from pyplan.solve.state import stage_state_bytes
 from pyplan.spec import default_loss
 from pyplan.zoo.small import GPT_TINY
 from pyplan.zoo.transformer import GPT as GPT2
@@ -233,6 +238,42 @@ def dropout_agrees(tp_mesh: DeviceMesh) -> dict[str, Any]:
     return {"ok": True, "synced_agree": agree[0], "reseeded_agree": agree[1]}
 
 
+def zero1_state(mesh: DeviceMesh) -> dict[str, Any]:
+    """gpt-tiny split over the tp axis, ZeRO-1 over the dp axis (Zero1Optimizer, AdamW): after a step, the bytes of
+    optimizer state this rank holds (its share's local tensors), the plan's count for the fullest replica (the
+    stage's local shapes), and whether the replicas hold equal parameters (the owners' broadcasts)."""
+    spec = load_model(GPT)
+    torch.manual_seed(0)
+    graph = trace(spec.build(), Examples(spec.example_inputs), batch_size=2)
+    apply_tensor_parallel(graph, derive_tp_plan(graph), mesh["tp"], sequence_parallel=True)
+    gm = graph.module
+    params = list(gm.parameters())
+    optimizer = Zero1Optimizer(params, optimizer_factory("adamw", LR), mesh["dp"].get_group())
+    (ids,), _ = call_at(spec.example_inputs, 2)
+    torch.manual_seed(1 + mesh["dp"].get_local_rank())  # other samples on each replica
+    ids = torch.randint(0, GPT_TINY.vocab_size, ids.shape)
+    default_loss(output_tensors(gm(ids)), None).backward()
+    sync_gradients(gm, dp_group=mesh["dp"].get_group())
+    optimizer.step()
+    held = sum(_local_tensor(v).untyped_storage().nbytes() for st in optimizer.optim.state.values()
+               for v in st.values() if torch.is_tensor(v))  # fmt: skip
+    shapes = [tuple(_local_tensor(p).shape) for p in params]
+    workload = Workload(global_batch=8, optimizer="adamw")
+    per = workload.bytes_per_param()
+    planned = stage_state_bytes(shapes, workload, 2, 1) - (per.param_bytes + per.grad_bytes) * sum(
+        math.prod(x) for x in shapes
+    )
+    mine = torch.cat([_local_tensor(p).detach().flatten() for p in params])
+    every = [torch.empty_like(mine) for _ in range(mesh["dp"].size())]
+    dist.all_gather(every, mine, group=mesh["dp"].get_group())
+    agree = all(torch.equal(every[0], x) for x in every)
+    return {"ok": True, "held": held, "planned": planned, "replicas_agree": agree}
+
+
+def _local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def main() -> None:
     faulthandler.dump_traceback_later(float(os.environ.get("PYPLAN_HANG_S", "120")), exit=True)
     dist.init_process_group("gloo")
@@ -243,6 +284,8 @@ def main() -> None:
     if world == 4:
         configs += [(GPT, 2, False), (GPT, 2, True)]
     results = [{"model": "dropout", "dp": 1, "tp": 2, "rank": rank, **dropout_agrees(mesh["tp"])}]
+    if world == 4:
+        results.append({"model": "zero1", "dp": 2, "tp": 2, "rank": rank, **zero1_state(mesh)})
     for ref, dp, sp in configs:
         try:
             res = run(ref, mesh["tp"], mesh["dp"] if dp > 1 else None, sp)

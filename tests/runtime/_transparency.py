@@ -239,6 +239,10 @@ def configs(world: int) -> list[dict]:
     if world == 2:  # ... and every block of the split model checkpointed
         out.append(dict(model="gpt-tiny", dp=1, pp=1, tp=2, schedule="1F1B", v=1, m=4, b=2, optimizer="adamw",
                         zero=0, remat=["full"]))  # fmt: skip
+    else:  # ... and ZeRO-1 over the replicas (Zero1Optimizer: each replica steps its share and broadcasts it)
+        for model, opt in (("gpt-tiny", "adamw"), *((m, "adamw" if "llama" in m else "sgd") for m in llama_bert)):
+            out.append(dict(model=model, dp=2, pp=1, tp=2, sp=True, schedule="1F1B", v=1, m=4, b=2, optimizer=opt,
+                            zero=1))  # fmt: skip
     if world == 4:
         # ZeRO-1/2 (ZeroRedundancyOptimizer beside DDP) and ZeRO-3 (FSDP2) over the dp axis of a 2 x 2 mesh.
         # Tied weights across stages are refused with ZeRO-3, so gpt-tiny (tied embeddings) runs ZeRO-1 only.

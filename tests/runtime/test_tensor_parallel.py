@@ -70,7 +70,12 @@ def test_tensor_parallel_trains_like_one_process(tmp_path: Path) -> None:
     # Dropout draws the same masks on the ranks of the tp axis once they share a random state.
     dropout = [r for r in results if r["model"] == "dropout"]
     assert len(dropout) == 4 and all(r["synced_agree"] and not r["reseeded_agree"] for r in dropout)
-    runs = [r for r in results if r["model"] != "dropout"]
+    # ZeRO-1 beside tensor parallelism: each replica holds the optimizer state the plan counts for its share (the
+    # fullest one exactly that), and after the step the replicas' parameters are equal.
+    zero1 = [r for r in results if r["model"] == "zero1"]
+    assert len(zero1) == 4 and all(r["replicas_agree"] for r in zero1)
+    assert max(r["held"] for r in zero1) == zero1[0]["planned"] and min(r["held"] for r in zero1) > 0
+    runs = [r for r in results if r["model"] not in ("dropout", "zero1")]
     kinds = {(r["model"].split(":")[1], r["dp"], r["sp"]) for r in runs}
     assert kinds == {(m, dp, sp) for m, dp in (("gpt-tiny", 1), ("gpt-tiny", 2), ("llama", 1), ("bert", 1))
                      for sp in (False, True)}  # fmt: skip

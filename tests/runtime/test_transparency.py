@@ -65,6 +65,8 @@ def test_pipelines_train_like_one_process(world: int, tmp_path: Path) -> None:
         (dp, 2, pp, sp) for dp, pp in ([(1, 1)] if world == 2 else [(1, 2), (2, 1)]) for sp in (False, True)
     }
     assert [r["remat"] for r in split if "remat" in r] == ([["full"]] if world == 2 else [])
+    zero1 = {r["model"].split(":")[1] if r["model"].startswith("hf:") else r["model"] for r in split if r["zero"] == 1}
+    assert zero1 == (set() if world == 2 else {"gpt-tiny"} | ({"llama", "bert"} & hf))
     families = {r["model"].split(":")[1] if r["model"].startswith("hf:") else r["model"] for r in split}
     assert families == {"gpt-tiny"} | ({"llama", "bert"} & hf if world == 4 else set())
     failed = [r for r in results if not r["ok"]]
