@@ -162,7 +162,13 @@ def sequence_zone(graph: LayerGraph, plan: TpPlan, degree: int) -> SequenceZone:
     try:
         while True:
             zone = _grow(r, degree, [x for x in rows if x not in kept], columns, exits)
+            # A row output that no token-wise operation reads would only be gathered again: all-reduce it.
+            gathered_again = set(zone.whole) | set(zone.shapes)
+            idle = [x for x in zone.rows if all(u.name in gathered_again for u in r.nodes[x].users)]
             leaving = [a for a in zone.dims if a not in exits and any(u.op == "output" for u in r.nodes[a].users)]
+            if idle:
+                kept.update(idle)
+                continue
             if not leaving:
                 break
             for a in leaving:
@@ -171,7 +177,11 @@ def sequence_zone(graph: LayerGraph, plan: TpPlan, degree: int) -> SequenceZone:
                 else:
                     exits[a] = zone.dims[a]
         if not zone.rows:
-            return _none(degree, "every row-parallel output leaves the model")
+            return _none(
+                degree,
+                "no row-parallel output stays split by tokens (each leaves the model, or is reshaped before an "
+                "operation reads it token by token)",
+            )
         return _with_params(r, zone)
     except NotSplit as why:
         return _none(degree, str(why))

@@ -45,6 +45,7 @@ __all__ = [
     "Region",
     "TpPlan",
     "derive_tp_plan",
+    "linear_operands",
     "local_module",
     "node_arg",
     "op_name",
@@ -210,12 +211,31 @@ def node_arg(n: fx.Node, index: int, key: str, default: Any = None) -> Any:
 
 @dataclass(frozen=True)
 class _Linear:
+    """A Linear's call: `transposed` for `addmm(bias, x, weight)` on a weight laid out (in, out), Hugging Face's
+    `Conv1D` (GPT-2) as torch.export captures it."""
+
     module: str
     node: str
     input: fx.Node
     weight: nn.Parameter | torch.Tensor
     in_features: int
     out_features: int
+    transposed: bool = False
+
+
+def linear_operands(n: fx.Node) -> tuple[Any, Any, Any] | None:
+    """(input, weight, bias) of an aten linear, or of an `addmm(bias, x, weight)` on a get_attr weight (a
+    transposed Linear); None for other nodes."""
+    if n.op != "call_function":
+        return None
+    name = getattr(n.target, "__name__", "").split(".")[0]
+    if name == "linear":
+        return n.args[0], node_arg(n, 1, "weight"), node_arg(n, 2, "bias")
+    bias, x, weight = (*n.args, None, None, None)[:3]
+    on_attrs = all(isinstance(a, fx.Node) and a.op == "get_attr" for a in (bias, weight))
+    if name == "addmm" and len(n.args) == 3 and not n.kwargs and on_attrs:
+        return x, weight, bias
+    return None
 
 
 class Reader:
@@ -256,11 +276,15 @@ class Reader:
             if type(mod) is nn.Linear and n.args and isinstance(n.args[0], fx.Node):
                 return _Linear(str(n.target), n.name, n.args[0], mod.weight, mod.in_features, mod.out_features)
             return None
-        if n.op == "call_function" and op_name(n, self.gm) == "linear" and isinstance(n.args[0], fx.Node):
-            weight = self.attr(node_arg(n, 1, "weight"))
+        operands = linear_operands(n)
+        if operands is not None and isinstance(operands[0], fx.Node):
+            x, w, _ = operands
+            weight = self.attr(w)
             if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-                module = weight_owner(self.gm, node_arg(n, 1, "weight"), "linear")
-                return _Linear(module, n.name, n.args[0], weight, weight.shape[1], weight.shape[0])
+                module = weight_owner(self.gm, w, "linear")
+                if op_name(n, self.gm) == "addmm":
+                    return _Linear(module, n.name, x, weight, weight.shape[0], weight.shape[1], transposed=True)
+                return _Linear(module, n.name, x, weight, weight.shape[1], weight.shape[0])
         return None
 
     def _embedding(self, n: fx.Node) -> tuple[str, int] | None:
@@ -321,6 +345,17 @@ def _reshaped_dim(before: Sequence[int], after: Sequence[int], d: int) -> int:
     raise NotSplit("a reshape the analysis cannot follow")
 
 
+def _fused_source(r: Reader, n: fx.Node) -> str | None:
+    """The Linear whose output n is, itself or reshaped with its features kept last (a transposed Linear's
+    (b·t, 3h) output viewed as (b, t, 3h)): its node, or None."""
+    while n.name not in r.linears:
+        shape, src = r.shape(n), (r.shape(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None)
+        if op_name(n, r.gm) not in _RESHAPES or shape is None or src is None or shape[-1] != src[-1]:
+            return None
+        n = n.args[0]
+    return n.name
+
+
 def _through(r: Reader, n: fx.Node, dims: Mapping[str, Any]) -> tuple[Any, int | None, tuple[int, ...]]:
     """How the sharding of n's inputs (`dims`: node -> dimension) carries through n: (the output's sharded
     dimension, or a tuple of them for a split; the index of a size argument a rank rewrites, or None; the global
@@ -368,8 +403,12 @@ def _through(r: Reader, n: fx.Node, dims: Mapping[str, Any]) -> tuple[Any, int |
         assert out is not None
         sizes, at = _sizes(n)
         k = _reshaped_dim(src, out, d) if name in _RESHAPES else d + len(out) - len(src)
-        if name in _RESHAPES and any(isinstance(s, int) and s == -1 for i, s in enumerate(sizes) if i != k):
-            raise NotSplit(f"'{n.name}' infers another dimension (-1)")
+        if (
+            name in _RESHAPES
+            and any(isinstance(s, int) and s == -1 for i, s in enumerate(sizes) if i != k)
+            and not isinstance(sizes[k], int)
+        ):
+            raise NotSplit(f"'{n.name}' infers another dimension (-1) and computes the sharded one")
         if isinstance(sizes[k], int) and sizes[k] == -1:
             return k, None, (out[k],)
         return k, (-2 - k if at < 0 else 1 + k), (out[k],)
@@ -377,7 +416,7 @@ def _through(r: Reader, n: fx.Node, dims: Mapping[str, Any]) -> tuple[Any, int |
         k = _dim(node_arg(n, 2, "dim", 0), len(src))
         pieces = len(r.layer.node(n.name).outputs)
         if k == d:
-            if first.name not in r.linears or src[d] % pieces:
+            if _fused_source(r, first) is None or src[d] % pieces:
                 raise NotSplit(f"'{n.name}' splits the sharded dimension other than a Linear's fused outputs")
             if name == "split_with_sizes" and len(set(node_arg(n, 1, "split_sizes"))) != 1:
                 raise NotSplit(f"'{n.name}' splits into unequal pieces")
@@ -464,7 +503,9 @@ def _follow(r: Reader, entries: set[str]) -> Region | set[str]:
             if edit is not None:
                 edits.append((user.name, edit))
                 if edit == -1:
-                    parts[r.linears[value.name].module] = len(out)  # a split: one dimension per piece
+                    source = _fused_source(r, value)
+                    assert source is not None
+                    parts[r.linears[source].module] = len(out)  # a split: one dimension per piece
             if out is None:
                 continue
             dims[user.name] = out
@@ -558,10 +599,19 @@ def derive_tp_plan(graph: LayerGraph) -> TpPlan:
     embeddings = [
         Embedding(module, name, vocab)
         for name, (module, vocab) in r.embeddings.items()
-        if _ids(r.nodes[name]).op == "placeholder"
+        if _from_input(r, _ids(r.nodes[name]))
     ]
     plan = TpPlan(tuple(regions), tuple(embeddings), tuple(outputs), replicated)
     return _untie(r, plan)
+
+
+def _from_input(r: Reader, n: fx.Node) -> bool:
+    """Whether n is a model input, itself or reshaped (GPT-2 views its ids as (-1, T))."""
+    while n.op != "placeholder":
+        if op_name(n, r.gm) not in _RESHAPES | {"unsqueeze"} or not n.args or not isinstance(n.args[0], fx.Node):
+            return False
+        n = n.args[0]
+    return True
 
 
 def _ids(n: fx.Node) -> fx.Node:
@@ -679,7 +729,9 @@ def _replace_weight(
         parent, _, leaf = str(n.target).rpartition(".")
         setattr(gm.get_submodule(parent), leaf, mod)
         return
-    for key, arg in zip(("weight", "bias"), n.args[1:3] if n.args[0].op != "get_attr" else n.args[:1]):
+    operands = linear_operands(n)
+    pairs = zip(("weight", "bias"), operands[1:] if operands is not None else n.args[:1])  # an embedding: its table
+    for key, arg in pairs:
         if isinstance(arg, fx.Node) and arg.op == "get_attr":
             parent, _, leaf = str(arg.target).rpartition(".")
             owner = gm.get_submodule(parent)
@@ -702,12 +754,19 @@ def local_module(graph: LayerGraph, plan: TpPlan, degree: int, rank: int = 0) ->
         if not region.splits_at(degree):
             continue
         for name, lin in r.linears.items():
+            # (A transposed Linear holds its weight as (in, out): the other dimension.)
+            out_dim, in_dim = (1, 0) if lin.transposed else (0, 1)
             if lin.module in region.columns:
                 parts = region.parts.get(lin.module, 1)
-                _replace_weight(gm, nodes[name], lambda t, key, p=parts: _shard(t, 0, degree, rank, p), made)
+                _replace_weight(
+                    gm,
+                    nodes[name],
+                    lambda t, key, p=parts, o=out_dim: _shard(t, o if key == "weight" else 0, degree, rank, p),
+                    made,
+                )
             elif lin.module in region.rows:
                 _replace_weight(
-                    gm, nodes[name], lambda t, key: _shard(t, 1, degree, rank) if key == "weight" else t, made
+                    gm, nodes[name], lambda t, key, i=in_dim: _shard(t, i, degree, rank) if key == "weight" else t, made
                 )
     for e in plan.embeddings:
         if e.splits_at(degree):
@@ -727,14 +786,15 @@ def shard_sizes(gm: fx.GraphModule, graph: LayerGraph, plan: TpPlan, degree: int
     for region in plan.regions:
         if region.splits_at(degree):
             for node, index in region.edits:
-                _edit(nodes[node], index, len(graph.node(node).outputs))
+                _edit(nodes[node], index, len(graph.node(node).outputs), degree)
     gm.recompile()
 
 
-def _edit(n: fx.Node, index: int, pieces: int) -> None:
-    """Make the size argument at `index` (-2 - i: item i of the list argument) infer its dimension; index -1: the
-    split of a fused Linear's output into `pieces` equal pieces becomes a chunk into as many (each piece is 1/t
-    of its global size on a rank)."""
+def _edit(n: fx.Node, index: int, pieces: int, degree: int) -> None:
+    """Make the size argument at `index` (-2 - i: item i of the list argument) infer its dimension, or, where
+    another size infers its own (`view(-1, 64)`), a rank's share of it; index -1: the split of a fused Linear's
+    output into `pieces` equal pieces becomes a chunk into as many (each piece is 1/t of its global size on a
+    rank)."""
     if index == -1:
         dim = node_arg(n, 2, "dim", 0)
         if n.op == "call_method":
@@ -744,11 +804,14 @@ def _edit(n: fx.Node, index: int, pieces: int) -> None:
         n.args, n.kwargs = (n.args[0], pieces), {"dim": dim}
         return
     args = list(n.args)
+    sizes = list(args[1:]) if index >= 0 else list(args[1])
+    at = index - 1 if index >= 0 else -2 - index
+    infers = any(isinstance(x, int) and x == -1 for i, x in enumerate(sizes) if i != at)
+    size = sizes[at] // degree if infers else -1
     if index >= 0:
-        args[index] = -1
+        args[index] = size
     else:
-        sizes = list(args[1])
-        sizes[-2 - index] = -1
+        sizes[at] = size
         args[1] = tuple(sizes) if isinstance(args[1], tuple) else sizes
     n.args = tuple(args)
 

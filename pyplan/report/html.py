@@ -135,7 +135,7 @@ def _alternatives(plans: Sequence[Plan]) -> str:
             (
                 "best" if i == 0 else str(i),
                 str(lay.num_gpus),
-                f"{lay.dp} x {lay.pp}",
+                f"{lay.dp} x {lay.tp}{' + SP' if lay.sequence_parallel else ''} x {lay.pp}",
                 str(lay.stages_per_rank),
                 f"{lay.num_microbatches} x {lay.micro_batch_size}",
                 lay.schedule,
@@ -151,7 +151,7 @@ def _alternatives(plans: Sequence[Plan]) -> str:
     header = (
         "#",
         "GPUs",
-        "dp x pp",
+        "dp x tp x pp",
         "v",
         "GA x micro-batch",
         "schedule",

@@ -61,11 +61,12 @@ from pyplan._torch import strided_shard
 from pyplan.errors import PlanError
 from pyplan.graph.layergraph import LayerGraph
 from pyplan.graph.sequence_parallel import SequenceZone, rewrite, sequence_zone
-from pyplan.graph.tensor_parallel import TpPlan, shard_sizes, weight_owner
+from pyplan.graph.tensor_parallel import TpPlan, linear_operands, shard_sizes, weight_owner
 from pyplan.runtime.optim import OptimizerSpec
 from pyplan.solve.state import zero1_shares
 
 __all__ = [
+    "TransposedLinear",
     "Zero1Optimizer",
     "apply_tensor_parallel",
     "full_gradients",
@@ -76,8 +77,53 @@ __all__ = [
     "tp_styles",
 ]
 
-_LINEAR_OPS = (torch.ops.aten.linear.default, F.linear)
 _EMBEDDING_OPS = (torch.ops.aten.embedding.default,)
+
+
+class TransposedLinear(nn.Linear):
+    """A Linear whose weight is laid out (in, out), as Hugging Face's Conv1D holds it (GPT-2): what an
+    `addmm(bias, x, weight)` of the captured graph becomes, to be split by the `_Transposed` styles. It computes
+    `F.linear` on the weight's transpose, so that a split weight runs DTensor's Linear rules."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(in_features, out_features, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.t(), self.bias)
+
+
+def _split_transposed(module: nn.Module, mesh: DeviceMesh, weight: Any, bias: Any, src: int | None) -> None:
+    """A TransposedLinear's weight and bias distributed as `weight`, `bias` (placements)."""
+    for key, param in module.named_parameters():
+        placement = weight if key == "weight" else bias
+        local = distribute_tensor(param, mesh, [placement], src_data_rank=src)
+        module.register_parameter(key, nn.Parameter(local, requires_grad=param.requires_grad))
+
+
+class _TransposedColwise(ColwiseParallel):
+    """ColwiseParallel for a TransposedLinear: the weight split along its second dimension (the outputs), in
+    `parts` pieces side by side for a fused QKV (as `_FusedColwise`)."""
+
+    def __init__(self, parts: int = 1) -> None:
+        super().__init__(output_layouts=strided_shard(-1, parts) if parts > 1 else Shard(-1))
+        self.parts = parts
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        if self.parts > 1:
+            weight, bias = strided_shard(1, self.parts), strided_shard(0, self.parts)
+        else:
+            weight, bias = Shard(1), Shard(0)
+        _split_transposed(module, device_mesh, weight, bias, self.src_data_rank)
+
+
+class _TransposedRowwise(RowwiseParallel):
+    """RowwiseParallel for a TransposedLinear: the weight split along its first dimension (the inputs)."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        _split_transposed(module, device_mesh, Shard(0), Replicate(), self.src_data_rank)
 
 
 class _FusedColwise(ColwiseParallel):
@@ -113,6 +159,7 @@ class _Layer:
     weight: torch.Tensor
     bias: torch.Tensor | None
     convertible: bool
+    transposed: bool = False  # a weight laid out (in, out): `addmm(bias, x, weight)`, Hugging Face's Conv1D
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:
@@ -132,13 +179,14 @@ def _layers(gm: fx.GraphModule) -> list[_Layer]:
         if n.op == "call_module":
             mod = gm.get_submodule(str(n.target))
             if isinstance(mod, nn.Linear):
-                found.append(_Layer(n, str(n.target), "linear", mod.weight, mod.bias, True))
+                t = isinstance(mod, TransposedLinear)
+                found.append(_Layer(n, str(n.target), "linear", mod.weight, mod.bias, True, t))
             elif isinstance(mod, nn.Embedding):
                 # Split over the vocabulary, a padding row would be a local index on every rank.
                 plain = mod.padding_idx is None and mod.max_norm is None
                 found.append(_Layer(n, str(n.target), "embedding", mod.weight, None, plain))
-        elif n.op == "call_function" and n.target in _LINEAR_OPS:
-            w, b = _arg(n, 1, "weight"), _arg(n, 2, "bias")
+        elif (operands := linear_operands(n)) is not None:
+            x, w, b = operands
             if not (isinstance(w, fx.Node) and w.op == "get_attr"):
                 continue
             module, leaf = weight_owner(gm, w, "linear"), str(w.target).rpartition(".")[2]
@@ -153,7 +201,8 @@ def _layers(gm: fx.GraphModule) -> list[_Layer]:
                     "linear",
                     _attr(gm, str(w.target)),
                     _attr(gm, str(b.target)) if isinstance(b, fx.Node) and b.op == "get_attr" else None,
-                    module != "" and leaf == "weight" and bias_ok and isinstance(n.args[0], fx.Node),
+                    module != "" and leaf == "weight" and bias_ok and isinstance(x, fx.Node),
+                    n.target is torch.ops.aten.addmm.default,
                 )
             )
         elif n.op == "call_function" and n.target in _EMBEDDING_OPS:
@@ -233,12 +282,16 @@ def tp_styles(
     in another (tied weights must split alike wherever they are used: the token embedding over its rows and the
     output layer over its outputs do; an embedding left whole, e.g. one with a padding index, does not)."""
     styles: dict[str, ParallelStyle] = {}
+    transposed = {layer.module for layer in _layers(graph.module) if layer.transposed}
     for r in plan.regions:
         if r.splits_at(degree):
             for m in r.columns:
                 parts = r.parts.get(m, 1)
-                styles[m] = _FusedColwise(parts) if parts > 1 else ColwiseParallel()
-            styles.update({m: RowwiseParallel() for m in r.rows})
+                if m in transposed:
+                    styles[m] = _TransposedColwise(parts)
+                else:
+                    styles[m] = _FusedColwise(parts) if parts > 1 else ColwiseParallel()
+            styles.update({m: _TransposedRowwise() if m in transposed else RowwiseParallel() for m in r.rows})
     styles.update(
         {e.module: RowwiseParallel(input_layouts=Replicate()) for e in plan.embeddings if e.splits_at(degree)}
     )
@@ -249,7 +302,8 @@ def tp_styles(
         module_of = {layer.node.name: layer.module for layer in _layers(graph.module)}
         gathered = _Gathered()
         for node in zone.rows:
-            styles[module_of[node]] = RowwiseParallel(output_layouts=Shard(zone.dims[node]))
+            kind = _TransposedRowwise if module_of[node] in transposed else RowwiseParallel
+            styles[module_of[node]] = kind(output_layouts=Shard(zone.dims[node]))
         for node, dim in zone.gathered.items():
             style = styles[module_of[node]]
             assert isinstance(style, ColwiseParallel)
@@ -374,9 +428,12 @@ def _to_module_call(gm: fx.GraphModule, layer: _Layer) -> None:
     Parameter objects at `layer.module` (whatever else that path held stays there); the node keeps its name."""
     old = gm.get_submodule(layer.module)
     if layer.kind == "linear":
-        out_features, in_features = layer.weight.shape
-        new: nn.Module = nn.Linear(in_features, out_features, bias=layer.bias is not None, device="meta")
-        x = layer.node.args[0]
+        operands = linear_operands(layer.node)
+        assert operands is not None
+        x = operands[0]
+        kind = TransposedLinear if layer.transposed else nn.Linear
+        out_features, in_features = layer.weight.shape[::-1] if layer.transposed else layer.weight.shape
+        new: nn.Module = kind(in_features, out_features, bias=layer.bias is not None, device="meta")
     else:
         new = nn.Embedding(*layer.weight.shape, device="meta")
         x = layer.node.args[1]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pyplan.errors import PlanError
+from pyplan.graph.sequence_parallel import sequence_zone
 from pyplan.graph.tensor_parallel import TpPlan, derive_tp_plan, local_module, read_tp_plan, restrict_tp_plan
 from pyplan.graph.trace import Examples, graph_of, trace
 from pyplan.load import load_model
@@ -147,6 +148,28 @@ def test_a_tied_embedding_that_export_reads_under_one_name_splits_as_two_layers(
     assert gm.get_parameter("lm_head.weight").shape == (50, 64)
     shapes = {n.name: n.outputs[0].shape for n in graph_of(gm, examples, 2).nodes if n.outputs}
     assert shapes[plan.output_layers[0].node] == (2, 8, 50)
+
+
+def test_hugging_face_gpt2s_conv1d_layers_split_as_transposed_linears() -> None:
+    """GPT-2's Conv1D is `addmm(bias, x.view(-1, in), weight)` with the weight laid out (in, out): its QKV is fused
+    (three pieces, reshaped to (b, t, 3h) before the split), its projections read `view(-1, h)`, whose h a rank
+    divides (the other size already infers itself); the ids reach the embedding reshaped. No sequence parallelism:
+    each row output is reshaped from (b·t, h) before anything reads it token by token."""
+    graph, examples = _graph("hf:gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=100,seq_len=8,bos_token_id=0,"
+                             "eos_token_id=0")  # fmt: skip
+    plan = derive_tp_plan(graph)
+    assert [(r.columns, r.rows, dict(r.parts)) for r in plan.regions][:2] == [
+        (("transformer.h.0.attn.c_attn",), ("transformer.h.0.attn.c_proj",), {"transformer.h.0.attn.c_attn": 3}),
+        (("transformer.h.0.mlp.c_fc",), ("transformer.h.0.mlp.c_proj",), {}),
+    ]
+    assert [e.module for e in plan.embeddings] == ["transformer.wte"] and not plan.replicated
+    gm = local_module(graph, plan, 2)
+    assert gm.get_parameter("transformer.h.0.attn.c_attn.weight").shape == (64, 96)  # (in, out / 2)
+    assert gm.get_parameter("transformer.h.0.attn.c_proj.weight").shape == (32, 64)  # (in / 2, out)
+    shapes = {n.name: n.outputs[0].shape for n in graph_of(gm, examples, 2).nodes if n.outputs}
+    assert shapes["scaled_dot_product_attention"] == (2, 2, 8, 16)
+    zone = sequence_zone(graph, plan, 2)
+    assert not zone and "reshaped before" in zone.reason
 
 
 def test_a_tp_plan_file_is_checked_against_the_model(gpt, tmp_path: Path) -> None:

@@ -78,13 +78,13 @@ def test_tensor_parallel_trains_like_one_process(tmp_path: Path) -> None:
     runs = [r for r in results if r["model"] not in ("dropout", "zero1")]
     kinds = {(r["model"].split(":")[1], r["dp"], r["sp"]) for r in runs}
     assert kinds == {(m, dp, sp) for m, dp in (("gpt-tiny", 1), ("gpt-tiny", 2), ("llama", 1), ("bert", 1))
-                     for sp in (False, True)}  # fmt: skip
+                     for sp in (False, True)} | {("gpt2", 1, False)}  # fmt: skip
     assert sum("tie_word_embeddings=True" in r["model"] for r in runs) == 4  # 2 ranks, with and without SP
     for r in runs:
         where = f"{r['model']} dp={r['dp']} sp={r['sp']} rank {r['rank']}"
         # Sequence parallelism: the row Linears give each rank half the tokens (a vocabulary-parallel embedding,
         # before the zone, all of them); without it every output has all of them.
-        tokens = {shape[1] for shape in r["row_shapes"]}
+        tokens = set(r["row_tokens"])
         assert (r["tokens"] // 2 in tokens) == r["sp"] and tokens <= {r["tokens"], r["tokens"] // 2}, where
         assert r["loss_err"] <= TOL, where
         assert r["grad_err"] <= TOL, (where, r["grad_worst"], r["grad_err"])
@@ -98,3 +98,5 @@ def test_tensor_parallel_trains_like_one_process(tmp_path: Path) -> None:
         assert "(Replicate(),)" in r["placements"] and "(Shard(dim=0),)" in r["placements"], where
         if "gpt-tiny" in r["model"]:
             assert "(_StridedShard(dim=0, sf=3),)" in r["placements"], where
+        if "gpt2" in r["model"]:  # Conv1D's fused QKV, its weight laid out (in, out): split along its outputs
+            assert "(_StridedShard(dim=1, sf=3),)" in r["placements"], where
