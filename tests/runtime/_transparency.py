@@ -231,9 +231,10 @@ def configs(world: int) -> list[dict]:
         else [("gpt-tiny", 1, 2, "1F1B", "adamw"), ("gpt-tiny", 2, 1, "GPipe", "sgd"),
               *((m, 1, 2, "1F1B", "sgd") for m in llama_bert), *((m, 2, 1, "GPipe", "sgd") for m in llama_bert)]
     )  # fmt: skip
-    # Each with and without sequence parallelism (the values between the split layers split by their tokens).
+    # Each with and without sequence parallelism (the values between the split layers split by their tokens; with
+    # replicas, under ZeRO-1 below).
     for model, dp, pp, schedule, opt in tp_runs:
-        for sp in (False, True):
+        for sp in (False, True) if dp == 1 else (False,):
             out.append(dict(model=model, dp=dp, pp=pp, tp=2, sp=sp, schedule=schedule, v=1, m=4, b=2, optimizer=opt,
                             zero=0))  # fmt: skip
     if world == 2:  # ... and every block of the split model checkpointed
