@@ -157,7 +157,7 @@ def sequence_zone(graph: LayerGraph, plan: TpPlan, degree: int) -> SequenceZone:
         if lin.module in region.columns
     }
     columns.update({o.node: o.input for o in plan.output_layers if o.splits_at(degree)})
-    kept: set[str] = set()  # rows whose outputs are all-reduced after all (the model returns them)
+    kept: set[str] = set()  # rows whose outputs are all-reduced after all (returned, or read only whole)
     exits: dict[str, int] = {}
     try:
         while True:
