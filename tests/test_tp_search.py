@@ -201,3 +201,20 @@ def test_the_cli_plans_shows_and_emits_a_tp_plan(tmp_path: Path, capsys: pytest.
     assert main([*argv, "--tp", "8"]) == 2
     err = capsys.readouterr().err
     assert "tensor parallelism 8 cannot split 'transformer.h.0.attn.c_attn': 8 does not divide 4" in err
+
+
+def test_inspect_shows_how_a_degree_splits_the_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """`pyplan inspect --tp T`: each split module's style, what stays whole and why, sequence parallelism."""
+    assert main(["inspect", "zoo:gpt-tiny", "--analytic", "--tp", "8", "--json"]) == 0
+    tp = json.loads(capsys.readouterr().out)["tensor_parallel"]
+    assert (
+        tp["styles"]["transformer.h.0.mlp.c_fc"] == "ColwiseParallel" and tp["styles"]["lm_head"] == "ColwiseParallel"
+    )
+    assert tp["whole"]["transformer.h.0.attn.c_attn"] == "8 does not divide 4 (heads or features)"
+    assert tp["sequence_parallel"] and "transformer.ln_f.weight" in tp["partial_gradients"]
+    assert main(["inspect", "zoo:gpt-tiny", "--analytic", "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallelism 2: 10 modules split" in out and "3 fused pieces, each split" in out
+    assert "sequence parallelism: yes" in out
+    assert main(["inspect", "zoo:gpt-tiny", "--analytic", "--tp", "1"]) == 2
+    assert "--tp takes a degree from 2 to 1024, got 1" in capsys.readouterr().err

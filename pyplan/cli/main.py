@@ -27,7 +27,8 @@ from pyplan.emit.planfile import PlanFile, read_plan_file, write_plan_file
 from pyplan.emit.script import write_script
 from pyplan.errors import PlanError
 from pyplan.graph.linearize import linearize
-from pyplan.graph.tensor_parallel import read_tp_plan
+from pyplan.graph.sequence_parallel import sequence_zone
+from pyplan.graph.tensor_parallel import derive_tp_plan, read_tp_plan
 from pyplan.graph.trace import trace
 from pyplan.hardware.cluster import Cluster
 from pyplan.load import load_model
@@ -36,7 +37,7 @@ from pyplan.plan import ZERO_STAGES, Plan, Workload
 from pyplan.profile import TimingOptions, local_device, profile
 from pyplan.report.console import make_console, spinner
 from pyplan.report.html import write_html_report
-from pyplan.report.inspect import inspect_data, render_inspect
+from pyplan.report.inspect import inspect_data, render_inspect, render_tensor_parallel, tensor_parallel_data
 from pyplan.report.pareto import parse_weights, write_pareto
 from pyplan.report.plans import render_plans
 from pyplan.solve.remat_search import OFFLOAD_MODES, REMAT_MODES
@@ -56,6 +57,8 @@ _INSPECT_EXAMPLES = """examples:
 def _inspect(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise PlanError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.tp is not None and not 2 <= args.tp <= 1024:
+        raise PlanError(f"--tp takes a degree from 2 to 1024, got {args.tp}")
     for flag, value, least in (
         ("--threads", args.threads, 1),
         ("--repeats", args.repeats, 1),
@@ -92,10 +95,16 @@ def _inspect(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         precision=args.precision,
     )
+    if args.tp is not None:
+        plan = derive_tp_plan(graph)
+        data["tensor_parallel"] = tensor_parallel_data(plan, sequence_zone(graph, plan, args.tp), args.tp)
     if args.json:
         print(json.dumps(data, indent=2))
     else:
-        render_inspect(data, make_console())
+        console = make_console()
+        render_inspect(data, console)
+        if args.tp is not None:
+            render_tensor_parallel(data["tensor_parallel"], console)
     return 0
 
 
@@ -376,6 +385,13 @@ def _add_inspect_parser(sub: Any) -> None:
         help="refine the module hierarchy until the chain has this many blocks (default 16)",
     )
     p.add_argument("--max-blocks", type=int, default=128, help="but never more than this (default 128)")
+    p.add_argument(
+        "--tp",
+        type=int,
+        metavar="T",
+        help="also show how tensor parallelism T splits the model: each module's style, the ones left whole and "
+        "why, and whether sequence parallelism applies",
+    )
     p.add_argument(
         "--optimizer",
         choices=sorted(OPTIMIZERS),

@@ -8,10 +8,12 @@ from rich.console import Console
 from rich.table import Table
 
 from pyplan.graph.chain import Chain
+from pyplan.graph.sequence_parallel import SequenceZone
+from pyplan.graph.tensor_parallel import TpPlan
 from pyplan.model_state import model_state_bytes
 from pyplan.units import fmt_bytes, fmt_count, fmt_seconds
 
-__all__ = ["inspect_data", "render_inspect"]
+__all__ = ["inspect_data", "render_inspect", "render_tensor_parallel", "tensor_parallel_data"]
 
 
 def _at(a: Any, b: int) -> float | None:
@@ -112,3 +114,49 @@ def render_inspect(data: dict[str, Any], console: Console) -> None:
         fmt_seconds(data["bwd_time_s"]),
     )
     console.print(table)
+
+
+def tensor_parallel_data(plan: TpPlan, zone: SequenceZone, degree: int) -> dict[str, Any]:
+    """How the model splits at `degree` (`pyplan inspect --tp`, the "tensor_parallel" key of its JSON): every split
+    module's style, fused pieces, every Linear left whole with the reason, and sequence parallelism."""
+    styles = plan.styles(degree)
+    pieces = {m: n for r in plan.regions if r.splits_at(degree) for m, n in r.parts.items()}
+    whole = dict(plan.replicated)
+    for r in plan.regions:
+        if not r.splits_at(degree):
+            bad = next(x for x in r.sizes if x % degree)
+            whole.update(dict.fromkeys(r.columns + r.rows, f"{degree} does not divide {bad} (heads or features)"))
+    for x in (*plan.embeddings, *plan.output_layers):
+        if not x.splits_at(degree):
+            whole[x.module] = f"{degree} does not divide its vocabulary"
+    return {
+        "degree": degree,
+        "styles": styles,
+        "pieces": pieces,
+        "whole": whole,
+        "sequence_parallel": bool(zone),
+        "sequence_parallel_reason": zone.reason,
+        "partial_gradients": list(zone.params),
+    }
+
+
+def render_tensor_parallel(data: dict[str, Any], console: Console) -> None:
+    """Print how the model splits: one row per module, split or whole, then sequence parallelism."""
+    table = Table(title=f"tensor parallelism {data['degree']}: {len(data['styles'])} modules split")
+    for col in ("module", "style", "note"):
+        table.add_column(col, justify="left")
+    for module, style in data["styles"].items():
+        n = data["pieces"].get(module)
+        table.add_row(module, style, f"{n} fused pieces, each split" if n else "")
+    if data["whole"]:
+        table.add_section()
+        for module, why in data["whole"].items():
+            table.add_row(module, "whole", why)
+    console.print(table)
+    if data["sequence_parallel"]:
+        console.print(
+            f"sequence parallelism: yes; the values between the split layers hold 1/{data['degree']} of the tokens "
+            f"({len(data['partial_gradients'])} parameters read there have their gradients summed over the ranks)"
+        )
+    else:
+        console.print(f"sequence parallelism: no; {data['sequence_parallel_reason']}", markup=False)
