@@ -41,7 +41,7 @@ import torch
 from torch import fx, nn
 
 from pyplan.graph.layergraph import LayerGraph
-from pyplan.graph.tensor_parallel import ELEMENTWISE, NotSplit, Reader, TpPlan, node_arg, op_name
+from pyplan.graph.tensor_parallel import ELEMENTWISE, NotSplit, Reader, TpPlan, aligned_inputs, node_arg, op_name
 
 __all__ = ["SeqOps", "SequenceZone", "ShapeOps", "rewrite", "sequence_zone"]
 
@@ -98,16 +98,7 @@ def _token_wise(r: Reader, n: fx.Node, zone: Mapping[str, int]) -> tuple[int, di
     d = zone[first.name]
     if name in ELEMENTWISE:
         at = d + len(out) - len(src)
-        sliced: dict[str, int] = {}
-        for a in ins:
-            shape = r.shape(a) or ()
-            k = at - (len(out) - len(shape))
-            if a.name in zone:
-                if zone[a.name] != k:
-                    raise NotSplit(f"'{n.name}' pairs tokens along different dimensions")
-            elif 0 <= k < len(shape) and shape[k] != 1:
-                sliced[a.name] = k
-        return at, sliced
+        return at, aligned_inputs(r, n, ins, at, zone)
     if first is not n.args[0]:
         raise NotSplit(f"'{n.name}' reads the tokens other than as its first operand")
     if name in ("slice", "narrow", "alias") and out == src:

@@ -44,6 +44,7 @@ __all__ = [
     "Reader",
     "Region",
     "TpPlan",
+    "aligned_inputs",
     "derive_tp_plan",
     "linear_operands",
     "local_module",
@@ -356,6 +357,25 @@ def _fused_source(r: Reader, n: fx.Node) -> str | None:
     return n.name
 
 
+def aligned_inputs(
+    r: Reader, n: fx.Node, ins: Sequence[fx.Node], at: int, dims: Mapping[str, Any]
+) -> dict[str, int]:
+    """For an element-wise n whose output is split along `at`: the inputs not in `dims` that hold that dimension
+    (not broadcast along it), with the dimension they hold it in, shapes aligned from the right. NotSplit where an
+    input in `dims` is split along another."""
+    out = r.shape(n) or ()
+    whole: dict[str, int] = {}
+    for a in ins:
+        shape = r.shape(a) or ()
+        k = at - (len(out) - len(shape))
+        if a.name in dims:
+            if dims[a.name] != k:
+                raise NotSplit(f"'{n.name}' combines values sharded along different dimensions")
+        elif 0 <= k < len(shape) and shape[k] != 1:
+            whole[a.name] = k
+    return whole
+
+
 def _through(r: Reader, n: fx.Node, dims: Mapping[str, Any]) -> tuple[Any, int | None, tuple[int, ...]]:
     """How the sharding of n's inputs (`dims`: node -> dimension) carries through n: (the output's sharded
     dimension, or a tuple of them for a split; the index of a size argument a rank rewrites, or None; the global
@@ -377,14 +397,9 @@ def _through(r: Reader, n: fx.Node, dims: Mapping[str, Any]) -> tuple[Any, int |
         if out is None:
             raise NotSplit(f"'{n.name}' returns no tensor")
         at = d + len(out) - len(src)
-        for a in ins:
-            shape = r.shape(a) or ()
-            k = at - (len(out) - len(shape))
-            if a.name in dims:
-                if dims[a.name] != k:
-                    raise NotSplit(f"'{n.name}' combines values sharded along different dimensions")
-            elif 0 <= k < len(shape) and shape[k] != 1:
-                raise NotSplit(f"'{n.name}' combines a sharded value with a whole one ('{a.name}')")
+        whole = aligned_inputs(r, n, ins, at, dims)
+        if whole:
+            raise NotSplit(f"'{n.name}' combines a sharded value with a whole one ('{next(iter(whole))}')")
         return at, None, (out[at],)
     if name in ("transpose", "swapaxes"):
         a, b = _dim(node_arg(n, 1, "dim0"), len(src)), _dim(node_arg(n, 2, "dim1"), len(src))
