@@ -64,8 +64,9 @@ from pyplan.solve.tied import (
 
 __all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "add_loss", "chain_for", "memory_per_process", "plan", "search"]
 
-# The ZeRO stages planned beside tensor parallelism: what the runtime runs with it (pyplan/runtime/trainer.py).
-TP_ZERO_STAGES = (0, 1)
+# The ZeRO stages planned beside tensor parallelism: what the runtime runs with it (pyplan/runtime/trainer.py;
+# ZeRO-3 without pipeline stages, as without tensor parallelism).
+TP_ZERO_STAGES = (0, 1, 3)
 # The schedules the search evaluates; the zero-bubble ones need split input/weight-gradient times first.
 SEARCHED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
 
@@ -206,10 +207,11 @@ def search(
     `tensor_parallel` lists the degrees of tensor parallelism to plan (1: none; each must divide the GPUs of a
     node, where the split layers stay): each layer split as the plan derived from the model's graph says
     (pyplan/graph/tensor_parallel.py), or as much of it as `tp_plan` (module name -> style) names, priced on the
-    catalog GPU's analytic profile at that degree (pyplan/profile/tensor_parallel.py); ZeRO-3 is not combined
-    with it yet. `sequence_parallel` also splits the values between the split layers by their tokens where the
-    model allows it (pyplan/graph/sequence_parallel.py): less memory, the same bytes on the link; with a `tp_plan`,
-    only if it names a norm `SequenceParallel` (torchtitan's way of asking for it).
+    catalog GPU's analytic profile at that degree (pyplan/profile/tensor_parallel.py); ZeRO-3 shards each rank's
+    split tensors over the replicas (FSDP + TP). `sequence_parallel` also splits the values between the split
+    layers by their tokens where the model allows it (pyplan/graph/sequence_parallel.py): less memory, the same
+    bytes on the link; with a `tp_plan`, only if it names a norm `SequenceParallel` (torchtitan's way of asking
+    for it).
     `progress(step)` is told each step as it starts: "tracing and profiling", "searching", "refining",
     "assigning operations to stages", "tensor parallelism t".
 
@@ -249,7 +251,8 @@ def search(
     for degree, chain_t, cluster_t, styles, comm, sp in _tensor_parallel(bare, chain, tensor_parallel, tp_plan,
                                                                          sequence_parallel, how, cluster):  # fmt: skip
         say(f"tensor parallelism {degree}")
-        found_t, plain_t, relaxed_t, _ = how.plans(chain_t, cluster_t, lambda step: None, zero_stages=TP_ZERO_STAGES)
+        found_t, plain_t, relaxed_t, _ = how.plans(chain_t, cluster_t, lambda step: None, zero_stages=TP_ZERO_STAGES,
+                                                   local_numel=_local_numel(model, styles, degree))  # fmt: skip
         every += [_with_tp(p, degree, styles, comm, sp) for p in found_t]
         runs.append((plain_t, relaxed_t))
     plain, relaxed = runs[0]
@@ -283,13 +286,22 @@ class _How:
     offload_bw_bytes_per_s: float
 
     def plans(
-        self, chain: Chain, cluster: Cluster, say: Callable[[str], None], *, zero_stages: Sequence[int] = ZERO_STAGES
+        self,
+        chain: Chain,
+        cluster: Cluster,
+        say: Callable[[str], None],
+        *,
+        zero_stages: Sequence[int] = ZERO_STAGES,
+        local_numel: Callable[[str], float] | None = None,
     ) -> tuple[list[Plan], Any, list[Any], _Refiner]:
         """The refined plans of `chain` on `cluster` that fit, with the C++ searches' results and the refiner;
-        `zero_stages` narrows the ZeRO stages searched."""
+        `zero_stages` narrows the ZeRO stages searched; `local_numel` (a parameter's name -> the elements one rank
+        holds) sizes ZeRO-3's gathered units beside tensor parallelism."""
         space = _Space.of(chain, cluster, self.workload, self.objective, self.memory_fraction)
         pins = {**self.pins, "zero_stages": [z for z in self.pins["zero_stages"] or ZERO_STAGES if z in zero_stages]}
-        refiner = _Refiner.of(space, self.model, self.examples, self.remat, self.offload, self.offload_bw_bytes_per_s)
+        refiner = _Refiner.of(
+            space, self.model, self.examples, self.remat, self.offload, self.offload_bw_bytes_per_s, local_numel
+        )
         plain = space.run(pins, self.wide) if self.remat in ("none", "auto") else None
         relaxed = (
             [space.run(pins, self.wide, refiner.profile, share) for share in RELAXED_SHARES]
@@ -318,11 +330,6 @@ def _tensor_parallel(
     wanted = [t for t in degrees if t > 1]
     if not wanted:
         return
-    if how.pins["zero_stages"] and not set(how.pins["zero_stages"]) & set(TP_ZERO_STAGES):
-        raise PlanError(
-            "tensor parallelism is planned with ZeRO-0 or ZeRO-1 (the runtime runs no ZeRO-3 with it yet); "
-            "pin --zero 0 or 1"
-        )
     for t in wanted:
         cluster.tensor_parallel_groups(t)  # one line for a degree the nodes cannot hold
     if is_local(cluster.gpu) and not is_meta_module(how.model):
@@ -349,6 +356,15 @@ def _tensor_parallel(
             chain_t = with_loss(chain_t, chain.loss)
         comm = tp_comm_times(bare, plan, t, cluster, how.workload, zone)
         yield t, chain_t, cluster.tensor_parallel_groups(t), plan.styles(t), comm, zone is not None
+
+
+def _local_numel(model: nn.Module, styles: Mapping[str, str], degree: int) -> Callable[[str], float]:
+    """A parameter's name -> the elements one rank of tensor parallelism `degree` holds under `styles`: a split
+    weight (column or row), a column Linear's bias, a split embedding's rows, each a degree-th; the rest whole."""
+    split = {f"{m}.weight" for m, style in styles.items() if style in ("ColwiseParallel", "RowwiseParallel")}
+    split |= {f"{m}.bias" for m, style in styles.items() if style == "ColwiseParallel"}
+    sizes = {name: float(p.numel()) for name, p in model.named_parameters(remove_duplicate=False)}
+    return lambda name: sizes[name] / degree if name in split else sizes[name]
 
 
 def _with_tp(
@@ -592,6 +608,7 @@ class _Refiner:
         remat: str,
         offload: str,
         offload_bw_bytes_per_s: float,
+        local_numel: Callable[[str], float] | None = None,
     ) -> _Refiner:
         chain, workload, gpu = space.chain, space.workload, space.cluster.gpu
         memory = (
@@ -622,7 +639,7 @@ class _Refiner:
             costs,
             tied,
             _stage_params(chain, workload, gpu, tied),
-            gathered_bytes(model, float(unit.gathered), float(unit.grad)),
+            gathered_bytes(model, float(unit.gathered), float(unit.grad), local_numel),
             unit_segments(model, [b.name for b in chain.blocks]),
         )
 

@@ -1,6 +1,6 @@
-"""Plans with tensor parallelism: the search over degrees is the best of each degree's search, a degree that splits
-nothing is one line, and a tp layout reaches plan.json, `pyplan show` and the config emitters (the training script
-refuses it, in one line, until the runtime runs it)."""
+"""Plans with tensor parallelism: the search over degrees is the best of each degree's search, ZeRO-3 beside it, a
+degree that splits nothing is one line, and a tp layout reaches plan.json, `pyplan show`, the config emitters and
+the training script."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import pyplan
-from pyplan.api import search
+from pyplan.api import _local_numel, search
 from pyplan.cli.main import main
 from pyplan.emit.planfile import read_plan_file
 from pyplan.errors import PlanError
@@ -25,6 +25,7 @@ from pyplan.hardware import Cluster
 from pyplan.load import load_model
 from pyplan.plan import Layout, Workload
 from pyplan.report.gantt import timeline
+from pyplan.runtime.sharded import gathered_bytes
 
 CLUSTER = Cluster.from_catalog("a100-80g", 8)
 WORKLOAD = Workload(global_batch=16, precision="bf16-mixed")
@@ -70,6 +71,27 @@ def test_the_search_over_degrees_is_the_best_of_each_degree() -> None:
     )
     assert (one.layout.num_gpus, two.layout.num_gpus) == (4, 8)
     assert 0.5 < two.stages[0].state_bytes / one.stages[0].state_bytes < 0.55
+
+
+def test_zero3_beside_tp_shards_each_ranks_split_tensors() -> None:
+    """FSDP + TP: ZeRO-3 is planned at tp 2 (one stage), each rank's model state is its tp-local tensors sharded
+    over the replicas, and the units FSDP2 holds gathered are counted at their tp-local sizes: a layer's split
+    weights and column biases halved, its norms and row biases whole."""
+    spec, model = _gpt()
+    kw = dict(loss=spec.loss, target=spec.target, stage_dag=False, top_k=1, data_parallel=(4,), zero_stages=(3,))
+    one, two = (search(model, spec.example_inputs, CLUSTER, WORKLOAD, tensor_parallel=(t,), **kw).best for t in (1, 2))
+    assert (two.layout.tp, two.layout.zero_stage, two.layout.pp, two.layout.dp) == (2, 3, 1, 4)
+    assert 0.5 < two.stages[0].state_bytes / one.stages[0].state_bytes < 0.55
+    styles = two.layout.tp_plan
+    local = _local_numel(model, styles, 2)
+    layer = dict(model.transformer.h[0].named_parameters(prefix="transformer.h.0"))
+    split = [n for n in layer if n.endswith(".weight") and n.rpartition(".")[0] in styles]
+    split += [n for n in layer if n.endswith(".bias") and styles.get(n.rpartition(".")[0]) == "ColwiseParallel"]
+    assert split and all(local(n) == layer[n].numel() / 2 for n in split)
+    assert all(local(n) == p.numel() for n, p in layer.items() if n not in split)
+    unit = sum(local(n) for n in layer)
+    root = sum(local(n) for n, _ in model.named_parameters() if not n.startswith("transformer.h."))
+    assert gathered_bytes(model, 2.0, 4.0, local) == (2 + 4) * root + (2 * 2 + 4) * unit
 
 
 def test_a_degree_that_splits_nothing_is_one_line() -> None:

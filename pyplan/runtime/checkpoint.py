@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from pyplan._torch import is_strided
 from pyplan.errors import PlanError
+from pyplan.runtime.tensor_parallel import full_value, local_value
 
 __all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -64,7 +65,7 @@ def _state_dict(trainer: _Trainer, step: int) -> tuple[dict[str, Any], dict[str,
                 out[f"optim.{name}.{key}"] = value
     out["step"] = step
     strided = {k: v for k, v in out.items() if isinstance(v, DTensor) and any(map(is_strided, v.placements))}
-    out.update({k: v.full_tensor().detach().clone() for k, v in strided.items()})
+    out.update({k: full_value(v).detach().clone() for k, v in strided.items()})
     return out, strided
 
 
@@ -73,7 +74,7 @@ def _put_back(state: dict[str, Any], strided: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for key, held in strided.items():
             assert isinstance(held, DTensor)
-            held.to_local().copy_(distribute_tensor(state[key], held.device_mesh, held.placements).to_local())
+            held.to_local().copy_(local_value(state[key], held))
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:

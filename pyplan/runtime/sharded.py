@@ -9,12 +9,19 @@ Every micro-batch's backward reduce-scatters each unit's gradients into the shar
 default, the ZeRO paper's stage 3): no unsharded gradient outlives its unit's backward, and no unit's parameters
 stay gathered once it is done. `torch.distributed.pipelining` does the opposite (it defers both to the step's end,
 holding every unsharded gradient and parameter), which is why pipelines of several stages do not plan ZeRO-3.
+
+Beside tensor parallelism the model's own modules are not what runs: the traced graph, split over the tp axis
+(pyplan/runtime/tensor_parallel.py), calls the split layers and reads the rest as local tensors. It is cut into
+pieces at the bounds of the same units (`TracedUnits`: one piece per outermost unit, the root's operations in the
+pieces between), each unit's piece sharded by FSDP2 as the unit would be, over the dp axis of the (dp, tp) mesh
+(FSDP2 keeps each parameter's tp layout: torchtitan's FSDP + TP).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,18 +33,25 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from pyplan._torch import selective_contexts
+from pyplan.errors import PlanError
+from pyplan.graph.layergraph import LayerGraph
+from pyplan.graph.linearize import cut_points, linearize
+from pyplan.graph.split import piece, run_pieces
 from pyplan.graph.trace import Call, ExampleInputs, call_at, output_tensors
 from pyplan.plan import Layout
 from pyplan.remat_plan import Checkpoint, Keep, SelectiveCheckpoint
 from pyplan.runtime.clip import clip_gradients
 from pyplan.runtime.optim import OptimizerFactory
+from pyplan.runtime.tensor_parallel import full_value, grad_norm_weight
 
 __all__ = [
     "ShardedTrainer",
+    "TracedUnits",
     "build_sharded_trainer",
     "gathered_bytes",
     "remat_kind",
     "shard_units",
+    "traced_units",
     "unit_segments",
     "zero3_overlap",
 ]
@@ -55,6 +69,90 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     ]
     depth = {id(m): name.count(".") for name, m in model.named_modules()}
     return sorted(units, key=lambda m: -depth[id(m)])
+
+
+class TracedUnits(nn.Module):
+    """The traced model cut at the bounds of its outermost units (`traced_units`), the pieces run in sequence, each
+    passing on the values live at its end (pyplan.graph.split). `units` are the indices of the pieces that are a
+    unit's; the others hold the root's operations (embeddings before the first unit, norm and head after the last).
+    Parameters keep their names in the model inside each piece (`named_tensors`)."""
+
+    def __init__(self, pieces: Sequence[nn.Module], units: Sequence[int]) -> None:
+        super().__init__()
+        self.pieces = nn.ModuleList(pieces)
+        self.units = tuple(units)
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        return run_pieces(list(self.pieces), *args)
+
+    def named_tensors(self, keep_vars: bool = True) -> dict[str, torch.Tensor]:
+        """Parameters and persistent buffers under every name they have in the model."""
+        out: dict[str, torch.Tensor] = {}
+        for p in self.pieces:
+            out.update(p.state_dict(keep_vars=keep_vars))
+        return out
+
+    def named_model_parameters(self) -> dict[str, nn.Parameter]:
+        """Every parameter once, under its first name in the model."""
+        out: dict[str, nn.Parameter] = {}
+        seen: set[int] = set()
+        for p in self.pieces:
+            for name, param in p.named_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    out[name] = param
+        return out
+
+
+def traced_units(graph: LayerGraph, model: nn.Module) -> TracedUnits:
+    """`graph` (the traced `model`, already split over the tp axis) cut into one piece per outermost unit of
+    `model` (`shard_units`), its operations those whose module lies in the unit, and pieces of the root's
+    operations between. A unit's operations must be consecutive in the traced order and read no other unit's
+    parameters; the root's parameters may be read anywhere (the root stays gathered through the step)."""
+    points = cut_points(graph)
+    paths = [p for p, _ in _outermost(model)]
+    spans: dict[str, list[int]] = {}
+    for i, name in enumerate(points.order):
+        path = graph.node(name).module_path
+        owner = next((p for p in paths if path == p or path.startswith(p + ".")), None)
+        if owner is not None:
+            spans.setdefault(owner, [i, i])[1] = i
+    ordered = sorted(spans.items(), key=lambda kv: kv[1][0])
+    for (a, (_, end)), (b, (start, _)) in itertools.pairwise(ordered):
+        if start <= end:
+            raise PlanError(
+                f"ZeRO-3 beside tensor parallelism shards the traced model unit by unit, and the operations of "
+                f"'{a}' and '{b}' interleave; plan it with ZeRO-1 (--zero 1)"
+            )
+    bounds = [0]
+    units: list[int] = []
+    for k, (path, (start, end)) in enumerate(ordered):
+        low = bounds[-1]
+        high = ordered[k + 1][1][0] if k + 1 < len(ordered) else len(points.order)
+        first = next((c for c in range(start, low - 1, -1) if c == 0 or points.valid(c)), None)
+        stop = next((c for c in range(end + 1, high + 1) if c == len(points.order) or points.valid(c)), None)
+        if first is None or stop is None:
+            raise PlanError(
+                f"ZeRO-3 beside tensor parallelism cannot cut the traced model around '{path}' (no value that a "
+                "piece can pass lies at its bounds); plan it with ZeRO-1 (--zero 1)"
+            )
+        if first > bounds[-1]:
+            bounds.append(first)
+        units.append(len(bounds) - 1)
+        bounds.append(stop)
+    if bounds[-1] < len(points.order):
+        bounds.append(len(points.order))
+    chain = linearize(graph, positions=bounds[1:-1])
+    pieces = [piece(chain, i, i + 1) for i in range(len(chain))]
+    owned = {id(p): i for i in units for p in pieces[i].parameters()}
+    for i, pc in enumerate(pieces):
+        for name, p in pc.named_parameters():
+            if owned.get(id(p), i) != i:
+                raise PlanError(
+                    f"ZeRO-3 beside tensor parallelism shards the traced model unit by unit, and '{name}' is read "
+                    "outside its unit; plan it with ZeRO-1 (--zero 1)"
+                )
+    return TracedUnits(pieces, units)
 
 
 def remat_kind(layout: Layout) -> str:
@@ -116,20 +214,28 @@ def _checkpointed(unit: nn.Module, *, selective: bool = False) -> None:
     unit.forward = functools.partial(checkpoint, forward, use_reentrant=False, **context)  # type: ignore[method-assign]
 
 
-def gathered_bytes(model: nn.Module, param_bytes: float, grad_bytes: float) -> float:
+def gathered_bytes(
+    model: nn.Module, param_bytes: float, grad_bytes: float, numel: Callable[[str], float] | None = None
+) -> float:
     """Bytes FSDP2 holds unsharded beside the shards at a step's peak, at `param_bytes` and `grad_bytes` an element.
 
     The root unit stays gathered from its forward to the end of its backward (FSDP2 does not reshard the root after
     forward: torch/distributed/fsdp/_fully_shard/_fsdp_state.py, `_lazy_init`), with its gradient before the last
     reduce-scatter; a layer unit is gathered in its forward and again in its backward beside the next one, which is
-    prefetched, and its unsharded gradient lives until its reduce-scatter: (P + G)·root + (2·P + G)·largest unit."""
+    prefetched, and its unsharded gradient lives until its reduce-scatter: (P + G)·root + (2·P + G)·largest unit.
+
+    `numel` (a parameter's name -> the elements one rank holds) gives the sizes beside tensor parallelism, where the
+    units are the outermost ones (`TracedUnits` shards one piece per outermost unit)."""
+    units = shard_units(model) if numel is None else [u for _, u in _outermost(model)]
+    names = {id(p): name for name, p in model.named_parameters()}
+    size = (lambda p: float(p.numel())) if numel is None else (lambda p: numel(names[id(p)]))
     claimed: set[int] = set()
-    largest = 0
-    for unit in shard_units(model):
+    largest = 0.0
+    for unit in units:
         own = [p for p in unit.parameters() if id(p) not in claimed]
         claimed.update(id(p) for p in own)
-        largest = max(largest, sum(p.numel() for p in own))
-    root = sum(p.numel() for p in model.parameters() if id(p) not in claimed)
+        largest = max(largest, sum(size(p) for p in own))
+    root = sum(size(p) for p in model.parameters() if id(p) not in claimed)
     return (param_bytes + grad_bytes) * root + (2 * param_bytes + grad_bytes) * largest
 
 
@@ -201,11 +307,18 @@ class ShardedTrainer:
         return self.mesh["dp"].get_local_rank()
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """The parameters by their names in the original model, as full tensors."""
-        return {name: p.full_tensor().detach() for name, p in self.model.named_parameters()}
+        """The parameters by their names in the original model, as full tensors (every rank must call it)."""
+        named = (
+            self.model.named_model_parameters()
+            if isinstance(self.model, TracedUnits)
+            else dict(self.model.named_parameters())
+        )
+        return {name: full_value(p).detach() for name, p in named.items()}
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """The parameters (DTensor shards) and persistent buffers under every name they have in the model."""
+        if isinstance(self.model, TracedUnits):
+            return self.model.named_tensors(keep_vars=True)
         return self.model.state_dict(keep_vars=True)
 
     def _call(self, tensors: tuple[torch.Tensor, ...]) -> Call:
@@ -224,13 +337,19 @@ class ShardedTrainer:
         losses: list[torch.Tensor] = []
         for k in range(m):
             part = slice(k * b, (k + 1) * b)
-            args, kwargs = self._call(tuple(t[part].to(self.device) for t in inputs))
-            out = output_tensors(self.model(*args, **kwargs))
+            tensors = tuple(t[part].to(self.device) for t in inputs)
+            if isinstance(self.model, TracedUnits):  # the traced graph: the tensors in order, its own output
+                out = self.model(*tensors)
+            else:
+                args, kwargs = self._call(tensors)
+                out = output_tensors(self.model(*args, **kwargs))
             loss = self.loss_fn(out, target[part].to(self.device) if target is not None else None)
             (loss / m).backward()
             losses.append(loss.detach())
         if max_norm is not None:
-            grads = [(p.grad, 1.0) for p in self.model.parameters() if p.grad is not None]  # shards
+            # Shards on the dp axis, each counted once; beside tensor parallelism, what the tp axis replicates
+            # counted once over it.
+            grads = [(p.grad, grad_norm_weight(p.grad)) for p in self.model.parameters() if p.grad is not None]
             self.grad_norm = clip_gradients(grads, max_norm)
         self.optimizer.step()
         return losses
@@ -245,25 +364,32 @@ def build_sharded_trainer(
     device: torch.device,
     loss_fn: Any,
     compute_dtype: torch.dtype | None,
+    graph: LayerGraph | None = None,
 ) -> ShardedTrainer:
     """`model` sharded over the mesh's dp axis unit by unit (`shard_units`, then the root), the outermost units
-    checkpointed where the plan recomputes (`unit_segments`), with its optimizer over the shards.
+    checkpointed where the plan recomputes (`unit_segments`), with its optimizer over the shards. With `graph`
+    (the traced model split over the mesh's tp axis) the units are its pieces (`traced_units`).
 
     Mixed precision (`compute_dtype` 16-bit) is FSDP2's policy, as torchtitan runs it: each unit gathered and
     computed in `compute_dtype`, its gradients reduce-scattered in fp32 into the fp32 shards the optimizer steps,
     the model's outputs cast to fp32 for the loss; no autocast (`pyplan.model_state.ShardedUnitBytes`)."""
     model = model.to(device)
+    if graph is None:
+        root, units, outermost = model, shard_units(model), [u for _, u in _outermost(model)]
+    else:
+        root = traced_units(graph, model).to(device)
+        units = outermost = [root.pieces[i] for i in root.units]
     kind = remat_kind(layout)
     if kind in ("units", "selective units"):
-        for _, unit in _outermost(model):
+        for unit in outermost:
             _checkpointed(unit, selective=kind == "selective units")
     unit_policy = root_policy = MixedPrecisionPolicy()
     if compute_dtype is not None:
         unit_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         root_policy = replace(unit_policy, output_dtype=torch.float32)
-    for unit in shard_units(model):
+    for unit in units:
         fully_shard(unit, mesh=mesh["dp"], mp_policy=unit_policy)
-    fully_shard(model, mesh=mesh["dp"], mp_policy=root_policy)
-    optimizer = make_optimizer(list(model.parameters()))
+    fully_shard(root, mesh=mesh["dp"], mp_policy=root_policy)
+    optimizer = make_optimizer(list(root.parameters()))
     template = call_at(examples, layout.micro_batch_size)
-    return ShardedTrainer(layout, mesh, model, optimizer, device, template, loss_fn)
+    return ShardedTrainer(layout, mesh, root, optimizer, device, template, loss_fn)

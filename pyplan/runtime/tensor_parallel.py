@@ -33,9 +33,10 @@ parameters as they are. `grad_norm_weight` says how much a gradient's local squa
 ranks (pyplan.runtime.clip). `full_parameters` / `full_gradients` gather what one process would hold.
 
 Data parallelism beside it: average the gradients over the dp group (`sync_gradients(..., dp_group=...)`; DDP
-takes no DTensor parameters), or FSDP2 `fully_shard(root, mesh=mesh["dp"])` after this, which trains exactly too;
-on torch 2.13 `full_tensor()` of a fused QKV under FSDP2 (placements `_StridedShard` on both axes) comes out with
-its rows in the wrong order, though the training is exact.
+takes no DTensor parameters), or FSDP2 over the dp axis (pyplan/runtime/sharded.py, `TracedUnits`), which trains
+exactly too; on torch 2.13 `full_tensor()` of a fused QKV under FSDP2 (placements `_StridedShard` on both axes)
+comes out with its rows in the wrong order, and `distribute_tensor` lays it out wrong: `full_value` and
+`local_value` gather and split such a tensor in two steps.
 
 Glossary (torchtitan's): the mesh's one *axis* is the tensor-parallel ("tp") axis; a tensor *dim* is sharded or
 replicated along it; a *style* is what parallelize_module applies to one module.
@@ -57,7 +58,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from pyplan._torch import strided_shard
+from pyplan._torch import is_strided, strided_shard
 from pyplan.errors import PlanError
 from pyplan.graph.layergraph import LayerGraph
 from pyplan.graph.sequence_parallel import SequenceZone, rewrite, sequence_zone
@@ -71,7 +72,9 @@ __all__ = [
     "apply_tensor_parallel",
     "full_gradients",
     "full_parameters",
+    "full_value",
     "grad_norm_weight",
+    "local_value",
     "sync_gradients",
     "sync_rng_state",
     "tp_styles",
@@ -493,7 +496,11 @@ def _read_locally(gm: fx.GraphModule, styled: set[str], partial: set[int]) -> No
         if n.op == "call_module" and str(n.target) not in styled:
             module = gm.get_submodule(str(n.target))
             if any(isinstance(p, DTensor) for p in module.parameters()) and not getattr(module, "_tp_local", False):
-                _extend_class(module, {"forward": _forward_locally(type(module).forward, partial), "_tp_local": True})
+                # By name, not by object: FSDP2 swaps in gathered Parameters of the same names.
+                keys = {
+                    (at, k) for at, m in module.named_modules() for k, p in m._parameters.items() if id(p) in partial
+                }
+                _extend_class(module, {"forward": _forward_locally(type(module).forward, keys), "_tp_local": True})
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             owner, _, key = str(n.target).rpartition(".")
@@ -507,15 +514,23 @@ def _read_locally(gm: fx.GraphModule, styled: set[str], partial: set[int]) -> No
     gm.recompile()
 
 
-def _forward_locally(forward: Any, partial: set[int]) -> Any:
+def _forward_locally(forward: Any, partial: set[tuple[str, str]]) -> Any:
+    """`forward` run on the local tensors of the module's DTensor parameters; those named in `partial`
+    ((submodule path, key)) get each rank's gradient as a partial sum."""
+
     def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        held = [(m, k, p) for m in self.modules() for k, p in m._parameters.items() if isinstance(p, DTensor)]
-        for m, k, p in held:
-            m._parameters[k] = p.to_local(grad_placements=[Partial()] if id(p) in partial else None)
+        held = [
+            (m, k, p, (at, k) in partial)
+            for at, m in self.named_modules()
+            for k, p in m._parameters.items()
+            if isinstance(p, DTensor)
+        ]
+        for m, k, p, summed in held:
+            m._parameters[k] = p.to_local(grad_placements=[Partial()] if summed else None)
         try:
             return forward(self, *args, **kwargs)
         finally:
-            for m, k, p in held:
+            for m, k, p, _ in held:
                 m._parameters[k] = p
 
     return run
@@ -623,20 +638,59 @@ def grad_norm_weight(grad: torch.Tensor) -> float:
     return 1.0 / math.prod(sizes)
 
 
+def _fsdp_over_strided(t: DTensor) -> bool:
+    """Whether `t` is FSDP2's shard of a tensor-parallel strided shard: dim d split by the outer (dp) axis into
+    contiguous chunks of each tp rank's local tensor, which is a strided shard of d on the inner (tp) axis."""
+    if t.device_mesh.ndim != 2:
+        return False
+    outer, inner = t.placements
+    # (A strided shard is no Shard on torch 2.13: `is_shard` says False; both have a `dim`.)
+    return is_strided(inner) and getattr(outer, "dim", None) == inner.dim  # type: ignore[attr-defined]
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """`t` as one process holds it: a DTensor gathered (`full_tensor`), a plain tensor itself. FSDP2's shards of a
+    strided tensor-parallel shard (a fused QKV under dp x tp) are gathered in two steps, which torch 2.13 gets wrong
+    in one: the dp axis's chunks of each tp rank's local tensor (as FSDP2 cut them, `torch.chunk`, the last ones
+    shorter), then the tp axis. Every rank of the mesh must call it."""
+    if not isinstance(t, DTensor):
+        return t
+    if not _fsdp_over_strided(t):
+        return t.full_tensor()
+    mesh, inner = t.device_mesh, t.placements[1]
+    dim = inner.dim  # type: ignore[attr-defined]
+    outer_mesh, inner_mesh = mesh[mesh.mesh_dim_names[0]], mesh[mesh.mesh_dim_names[1]]  # type: ignore[index]
+    rows = t.shape[dim] // inner_mesh.size()
+    sizes = [c.numel() for c in torch.empty(rows, device="meta").chunk(outer_mesh.size())]
+    sizes += [0] * (outer_mesh.size() - len(sizes))
+    local = t.to_local().movedim(dim, 0)
+    padded = local.new_zeros((sizes[0], *local.shape[1:]))
+    padded[: local.shape[0]] = local
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded.contiguous(), group=outer_mesh.get_group())
+    whole = torch.cat([part[:n] for part, n in zip(parts, sizes)]).movedim(0, dim)
+    return DTensor.from_local(whole, inner_mesh, [inner], run_check=False).full_tensor()
+
+
+def local_value(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's local tensor of `full` laid out as `like` (the inverse of `full_value`)."""
+    if not _fsdp_over_strided(like):
+        return distribute_tensor(full, like.device_mesh, like.placements).to_local()
+    mesh, inner = like.device_mesh, like.placements[1]
+    outer_mesh, inner_mesh = mesh[mesh.mesh_dim_names[0]], mesh[mesh.mesh_dim_names[1]]  # type: ignore[index]
+    mine = distribute_tensor(full, inner_mesh, [inner]).to_local()
+    chunks = mine.chunk(outer_mesh.size(), dim=inner.dim)  # type: ignore[attr-defined]
+    rank = outer_mesh.get_local_rank()
+    return chunks[rank] if rank < len(chunks) else mine.narrow(inner.dim, 0, 0)  # type: ignore[attr-defined]
+
+
 def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as one process holds it (DTensors gathered; a copy), by its name in the model.
     Every rank of the mesh must call it."""
-    return {
-        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-        for name, p in module.named_parameters()
-    }
+    return {name: full_value(p).detach().clone() for name, p in module.named_parameters()}
 
 
 def full_gradients(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's gradient as one process holds it (DTensors gathered; a copy), by the
     parameter's name in the model; parameters without a gradient are left out. Every rank of the mesh must call it."""
-    return {
-        name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-        for name, p in module.named_parameters()
-        if p.grad is not None
-    }
+    return {name: full_value(p.grad).detach().clone() for name, p in module.named_parameters() if p.grad is not None}

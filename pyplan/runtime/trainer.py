@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pyplan.errors import PlanError
 from pyplan.graph.layergraph import LayerGraph
 from pyplan.graph.tensor_parallel import derive_tp_plan, restrict_tp_plan
-from pyplan.graph.trace import ExampleInputs, LeafSpec, inputs_at
+from pyplan.graph.trace import ExampleInputs, LeafSpec, inputs_at, trace
 from pyplan.plan import Layout
 from pyplan.runtime.affinity import pin_rank
 from pyplan.runtime.clip import clip_gradients
@@ -245,10 +245,10 @@ def build_trainer(
     of one stage under ZeRO-3 runs FSDP2's mixed-precision policy instead (pyplan/runtime/sharded.py).
     """
     device = device or torch.device("cpu")
-    if layout.tp > 1 and layout.zero_stage == 3:
-        # FSDP2 on top of the tp axis trains, but gathers a fused QKV's rows out of order (torch 2.13), and it
-        # shards the model's own layers, which the traced graph does not call.
-        raise PlanError("tensor parallelism with ZeRO-3 is not run yet; plan it with ZeRO-0 or ZeRO-1 (--zero 1)")
+    if layout.tp > 1 and layout.zero_stage == 3 and layout.num_stages > 1:
+        raise PlanError(
+            "ZeRO-3 beside tensor parallelism runs without pipeline stages; plan it with one stage, or ZeRO-1"
+        )
     if layout.zero_stage == 3 and layout.schedule in _SPLIT_BACKWARD:
         raise PlanError(
             f"{layout.schedule} with ZeRO-3 trains wrong weights on torch 2.13 (FSDP2 misses its weight "
@@ -266,8 +266,20 @@ def build_trainer(
                 "not nested checkpoints or offloading; plan it with pyplan, or with ZeRO-1"
             )
         mesh = build_mesh(layout, device.type)
+        graph = None
+        if layout.tp > 1:  # the traced model split over the tp axis, sharded piece by piece
+            graph = trace(model, examples, leaf_modules=leaf_modules, batch_size=layout.micro_batch_size)
+            _split_layers(graph, layout=layout, mesh=mesh)
         trainer = build_sharded_trainer(
-            model, layout, mesh, make_optimizer, examples, device, spec.loss or default_loss, _AUTOCAST[precision]
+            model,
+            layout,
+            mesh,
+            make_optimizer,
+            examples,
+            device,
+            spec.loss or default_loss,
+            _AUTOCAST[precision],
+            graph,
         )
     else:
         trainer = _pipeline_trainer(

@@ -35,7 +35,8 @@ from pyplan.graph.split import pieces, run_pieces
 from pyplan.graph.tensor_parallel import derive_tp_plan
 from pyplan.graph.trace import Call, Examples, call_at, input_tensors, output_tensors, trace
 from pyplan.load import load_model
-from pyplan.plan import Workload
+from pyplan.plan import Layout, Workload
+from pyplan.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from pyplan.runtime.optim import optimizer_factory
 from pyplan.runtime.tensor_parallel import (
     Zero1Optimizer,
@@ -45,6 +46,7 @@ from pyplan.runtime.tensor_parallel import (
     grad_norm_weight,
     sync_gradients,
 )
+from pyplan.runtime.trainer import build_trainer, replica_slice
 from pyplan.solve.state import stage_state_bytes
 from pyplan.spec import default_loss
 from pyplan.zoo.small import GPT_TINY
@@ -273,6 +275,52 @@ def zero1_state(mesh: DeviceMesh) -> dict[str, Any]:
     return {"ok": True, "held": held, "planned": planned, "replicas_agree": agree}
 
 
+def zero3_state(mesh: DeviceMesh, folder: str) -> dict[str, Any]:
+    """gpt-tiny at dp 2 x tp 2 under ZeRO-3 (FSDP2 over the traced model's pieces, through build_trainer), AdamW
+    with the gradient clipped, one step: the model-state bytes this rank holds (its shards of parameters, gradients
+    and optimizer state) and the plan's count for that layout from the rank's tp-local shapes; then a checkpoint of
+    it resumed under the same layout and under ZeRO-1: whether each holds the parameters saved (a fused QKV's
+    strided shards gathered and split in two steps, `full_value`, `local_value`)."""
+    spec = load_model(GPT)
+    end = len(cut_points(trace(spec.build(), Examples(spec.example_inputs), batch_size=2)).order)
+    plan = derive_tp_plan(trace(spec.build(), Examples(spec.example_inputs), batch_size=2)).styles(2)
+
+    def trainer(zero: int) -> Any:
+        layout = Layout(dp=2, pp=1, tp=2, tp_plan=plan, micro_batch_size=2, num_microbatches=2, schedule="1F1B",
+                        cut_positions=(0, end), zero_stage=zero)  # fmt: skip
+        torch.manual_seed(0)
+        return build_trainer(spec, spec.build(), layout, optimizer_factory("adamw", LR))
+
+    first = trainer(3)
+    call, target = call_at(spec.example_inputs, 8), spec.target(8)
+    mine = replica_slice(first.layout, first.dp_rank)
+    first.step(tuple(t[mine] for t in input_tensors(call)), target[mine], max_norm=MAX_NORM)
+    params = list(first.model.parameters())
+    state = [v for st in first.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    # Each storage once: FSDP2 reduce-scatters a unit's gradients into one buffer, the shards views of it.
+    storages = {
+        _local_tensor(t).untyped_storage().data_ptr(): _local_tensor(t).untyped_storage().nbytes()
+        for t in [*params, *(p.grad for p in params), *state]
+    }
+    held = sum(storages.values())
+    shapes = []
+    for p in params:  # the tp-local shape: the dims the tp axis splits divided by its size
+        shape = list(p.shape)
+        if hasattr(p.placements[1], "dim"):
+            shape[p.placements[1].dim] //= 2
+        shapes.append(tuple(shape))
+    planned = stage_state_bytes(shapes, Workload(global_batch=8, optimizer="adamw"), 2, 3)
+    saved = first.parameters()
+    save_checkpoint(first, 1, folder, keep=1)
+    resumed = {}
+    for zero in (3, 1):
+        again = trainer(zero)
+        load_checkpoint(again, latest_checkpoint(folder))
+        got = again.parameters()
+        resumed[zero] = max(_error(got[n], saved[n]) for n in saved)
+    return {"ok": True, "held": held, "planned": planned, "resumed": resumed}
+
+
 def _local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -291,6 +339,8 @@ def main() -> None:
     results = [{"model": "dropout", "dp": 1, "tp": 2, "rank": rank, **dropout_agrees(mesh["tp"])}]
     if world == 4:
         results.append({"model": "zero1", "dp": 2, "tp": 2, "rank": rank, **zero1_state(mesh)})
+        folder = os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), "zero3-checkpoint")
+        results.append({"model": "zero3", "dp": 2, "tp": 2, "rank": rank, **zero3_state(mesh, folder)})
     for ref, dp, sp in configs:
         try:
             res = run(ref, mesh["tp"], mesh["dp"] if dp > 1 else None, sp)

@@ -244,6 +244,13 @@ def configs(world: int) -> list[dict]:
         for model, opt in (("gpt-tiny", "adamw"), *((m, "adamw" if "llama" in m else "sgd") for m in llama_bert)):
             out.append(dict(model=model, dp=2, pp=1, tp=2, sp=True, schedule="1F1B", v=1, m=4, b=2, optimizer=opt,
                             zero=1))  # fmt: skip
+        # ... and ZeRO-3 (FSDP2 over the dp axis, the traced model sharded piece by piece: TracedUnits), with and
+        # without sequence parallelism, and every unit checkpointed.
+        for model, opt, sp in (("gpt-tiny", "adamw", True), *((m, "adamw", False) for m in llama_bert if "llama" in m)):
+            out.append(dict(model=model, dp=2, pp=1, tp=2, sp=sp, schedule="1F1B", v=1, m=4, b=2, optimizer=opt,
+                            zero=3))  # fmt: skip
+        out.append(dict(model="gpt-tiny", dp=2, pp=1, tp=2, schedule="1F1B", v=1, m=4, b=2, optimizer="adamw",
+                        zero=3, remat=["full"]))  # fmt: skip
     if world == 4:
         # ZeRO-1/2 (ZeroRedundancyOptimizer beside DDP) and ZeRO-3 (FSDP2) over the dp axis of a 2 x 2 mesh.
         # Tied weights across stages are refused with ZeRO-3, so gpt-tiny (tied embeddings) runs ZeRO-1 only.
@@ -387,8 +394,6 @@ def run(cfg: dict) -> dict:
 
 
 def main() -> None:
-    # A hang (a mismatched send/recv) prints every rank's stack instead of waiting forever.
-    faulthandler.dump_traceback_later(float(os.environ.get("PYPLAN_HANG_S", "120")), exit=True)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -397,6 +402,8 @@ def main() -> None:
     for cfg in configs(world):
         if only and only not in json.dumps(cfg):
             continue
+        # A hang (a mismatched send/recv) prints every rank's stack instead of waiting forever: a limit per config.
+        faulthandler.dump_traceback_later(float(os.environ.get("PYPLAN_HANG_S", "120")), exit=True)
         if rank == 0:
             print("config", json.dumps(cfg), flush=True)
         try:

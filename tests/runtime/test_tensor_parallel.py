@@ -75,7 +75,12 @@ def test_tensor_parallel_trains_like_one_process(tmp_path: Path) -> None:
     zero1 = [r for r in results if r["model"] == "zero1"]
     assert len(zero1) == 4 and all(r["replicas_agree"] for r in zero1)
     assert max(r["held"] for r in zero1) == zero1[0]["planned"] and min(r["held"] for r in zero1) > 0
-    runs = [r for r in results if r["model"] not in ("dropout", "zero1")]
+    # ZeRO-3 beside it (FSDP2 over the traced model's pieces): each rank holds the model state the plan counts for
+    # its tp-local shapes, and a checkpoint of it resumes exactly under ZeRO-3 and under ZeRO-1.
+    zero3 = [r for r in results if r["model"] == "zero3"]
+    assert len(zero3) == 4 and all(r["held"] == r["planned"] > 0 for r in zero3), zero3[0]
+    assert all(err == 0.0 for r in zero3 for err in r["resumed"].values()), zero3
+    runs = [r for r in results if r["model"] not in ("dropout", "zero1", "zero3")]
     kinds = {(r["model"].split(":")[1], r["dp"], r["sp"]) for r in runs}
     assert kinds == {(m, dp, sp) for m, dp in (("gpt-tiny", 1), ("gpt-tiny", 2), ("llama", 1), ("bert", 1))
                      for sp in (False, True)} | {("gpt2", 1, False)}  # fmt: skip

@@ -58,15 +58,20 @@ def test_pipelines_train_like_one_process(world: int, tmp_path: Path) -> None:
     )
     # Stages assigned per operation and not contiguous in the traced order train the same parameters.
     assert [r["contiguous"] for r in results if r.get("dag")] == ([False] if world == 2 else [])
-    # Tensor parallelism alone (2 ranks), beside pipeline stages and beside replicas (4 ranks), with and without
-    # sequence parallelism: tied embeddings and a fused QKV (gpt-tiny), grouped-query attention (llama), BERT.
+    # Tensor parallelism alone (2 ranks), beside pipeline stages and beside replicas (4 ranks; ZeRO 0, 1 and 3), with
+    # and without sequence parallelism: tied embeddings and a fused QKV (gpt-tiny), grouped-query attention (llama),
+    # BERT.
     split = [r for r in results if r.get("tp", 1) > 1]
     assert {(r["dp"], r["tp"], r["pp"], r.get("sp", False)) for r in split} == {
         (dp, 2, pp, sp) for dp, pp in ([(1, 1)] if world == 2 else [(1, 2), (2, 1)]) for sp in (False, True)
     }
-    assert [r["remat"] for r in split if "remat" in r] == ([["full"]] if world == 2 else [])
-    zero1 = {r["model"].split(":")[1] if r["model"].startswith("hf:") else r["model"] for r in split if r["zero"] == 1}
-    assert zero1 == (set() if world == 2 else {"gpt-tiny"} | ({"llama", "bert"} & hf))
+    assert [r["remat"] for r in split if "remat" in r] == [["full"]]
+    # ZeRO-1 (Zero1Optimizer) and ZeRO-3 (FSDP2 over the traced model's pieces) beside tp.
+    for zero, models in ((1, {"llama", "bert"}), (3, {"llama"})):
+        sharded = {r["model"].split(":")[1] if r["model"].startswith("hf:") else r["model"] for r in split
+                   if r["zero"] == zero}  # fmt: skip
+        assert sharded == (set() if world == 2 else {"gpt-tiny"} | (models & hf))
+    assert {r.get("sp", False) for r in split if r["zero"] == 3} == (set() if world == 2 else {False, True})
     families = {r["model"].split(":")[1] if r["model"].startswith("hf:") else r["model"] for r in split}
     assert families == {"gpt-tiny"} | ({"llama", "bert"} & hf if world == 4 else set())
     failed = [r for r in results if not r["ok"]]
