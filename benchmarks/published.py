@@ -94,8 +94,8 @@ class Run:
 
     `tokens_per_s_per_gpu`, `mfu` and `memory_gib` are the source's figures; `peak_flops` is the peak its MFU divides
     by, so that `mfu_from_throughput` (the source's formula, 6N + 12·layers·hidden·seq FLOPs per token) checks the
-    transcription. `excluded` says why a row stays out of the statistics; `plannable` False: pyplan has no such
-    layout (tensor parallelism) and the row is not planned.
+    transcription. `excluded` says why a row stays out of the statistics; `tp` is the run's tensor-parallel degree
+    (its dp replicas of tp GPUs each).
     """
 
     name: str
@@ -121,7 +121,7 @@ class Run:
     dp: int | None = None  # None: every GPU is a data-parallel rank
     note: str = ""
     excluded: str = ""
-    plannable: bool = True
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.replicas * self.micro_batch * self.grad_accum != self.global_batch:
@@ -231,8 +231,9 @@ RUNS: tuple[Run, ...] = (
         memory_gib=67.0, note="selective op AC; seq 8192 from the config of the time",
         excluded="H100 96GB HBM2e at 500 W: not in the catalog, peak FLOP/s unknown (planned with h100-sxm's)"),
     Run("llama31-70b-h100-tp", "TT-H100", "Table 4, 2D", "Llama 3.1 70B", LLAMA3_70B, 70_553_706_496, 80, 8192,
-        H100_96G, 256, 16, 1, 512, 8192, "full", 829, memory_gib=71.9, dp=32,
-        excluded="tensor parallelism (FSDP 32 x TP 8), torch.compile and Float8", plannable=False),
+        H100_96G, 256, 16, 1, 512, 8192, "full", 829, memory_gib=71.9, dp=32, tp=8,
+        note="FSDP 32 x TP 8 (with sequence parallelism)",
+        excluded="torch.compile and Float8; H100 96GB HBM2e at 500 W (planned with h100-sxm's peak)"),
 )  # fmt: skip
 BY_NAME = {r.name: r for r in RUNS}
 
@@ -283,6 +284,7 @@ def plan_run(run: Run, zero_stage: int, *, memory_scale: float = 1.0) -> dict[st
             Workload(global_batch=run.global_batch, precision="bf16-mixed"),
             zero_stages=(zero_stage,),
             micro_batch_sizes=(run.micro_batch,),
+            tensor_parallel=(run.tp,),
             remat=run.remat,
             top_k=TOP_K,
             allow_fewer_gpus=False,
@@ -296,20 +298,21 @@ def plan_run(run: Run, zero_stage: int, *, memory_scale: float = 1.0) -> dict[st
         return {**out, "status": "refused", "reason": str(exc), "search_s": time.perf_counter() - t0}
     out["search_s"] = time.perf_counter() - t0
     plans = [found.best, *found.alternatives]
-    wanted = (run.replicas, run.gpus // run.replicas, run.micro_batch, run.grad_accum, zero_stage)
-    same = [
-        p
-        for p in plans
-        if (p.layout.dp, p.layout.pp, p.layout.micro_batch_size, p.layout.num_microbatches, p.layout.zero_stage)
-        == wanted
-    ]
+    wanted = (run.replicas, run.tp, run.gpus // run.replicas // run.tp, run.micro_batch, run.grad_accum, zero_stage)
+
+    def layout_of(p: Any) -> tuple[int, ...]:
+        lay = p.layout
+        return lay.dp, lay.tp, lay.pp, lay.micro_batch_size, lay.num_microbatches, lay.zero_stage
+
+    same = [p for p in plans if layout_of(p) == wanted]
     if not same:
         lay = found.best.layout
         return {
             **out,
             "status": "infeasible",
             "reason": f"the published layout is not among the {len(plans)} plans that fit; the best is dp{lay.dp} "
-            f"pp{lay.pp} b{lay.micro_batch_size}x{lay.num_microbatches} {lay.schedule} ZeRO-{lay.zero_stage}",
+            f"tp{lay.tp} pp{lay.pp} b{lay.micro_batch_size}x{lay.num_microbatches} {lay.schedule} "
+            f"ZeRO-{lay.zero_stage}",
         }
     best = min(same, key=lambda p: p.predicted.iteration_s)
     pred = best.predicted
@@ -363,7 +366,7 @@ def _published_cell(run: Run) -> str:
 
 def _config(run: Run) -> str:
     fsdp = "FSDP FULL_SHARD" if run.zero_stage == 3 else f"ZeRO-{run.zero_stage}"
-    tp = f" tp{run.gpus // run.replicas}" if not run.plannable else ""
+    tp = f" tp{run.tp}" if run.tp > 1 else ""
     return (
         f"dp{run.replicas}{tp} pp1 b{run.micro_batch} GA{run.grad_accum}\n{fsdp}, AC {run.checkpointing}\n"
         f"seq {run.seq_len}, GB {run.global_batch}"
@@ -428,7 +431,7 @@ def throughput_table(rows: list[tuple[Run, dict[str, Any] | None]]) -> tuple[Tab
     ratios: list[float] = []
     feasible = True
     for run, got in rows:
-        counted = not run.excluded and run.plannable
+        counted = not run.excluded
         pred = mem = ratio = "-"
         params = f"- ({run.published_params / 1e9:.3f}B)"
         if got is not None and "params" in got:
@@ -608,9 +611,6 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[tuple[Run, dict[str, Any] | None]] = []
     for run in RUNS:
         if args.cases and run.name not in args.cases:
-            continue
-        if not run.plannable:
-            rows.append((run, None))
             continue
         t0 = time.perf_counter()
         done = run_child(__file__, "--one", run.name, timeout_s=1800)

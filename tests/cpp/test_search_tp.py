@@ -1,7 +1,7 @@
 """Tensor parallelism in the search: the C++ search over the groups of `Cluster.tensor_parallel_groups(t)`, one per
 degree, and the best of the degrees, equal a brute force over every (t, d, p, b, m, schedule, ZeRO stage,
-placement) that lays each group's GPUs out one by one (consecutive GPUs of a node: links and data-parallel rings
-from the GPUs' own nodes, every GPU paid)."""
+placement; ZeRO-3 in one stage) that lays each group's GPUs out one by one (consecutive GPUs of a node: links and
+data-parallel rings from the GPUs' own nodes, every GPU paid)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,10 @@ def _instance(seed: int) -> tuple[dict[int, object], Hardware, Space, Cluster]:
         bytes_per_param=(2.0, 2.0, 12.0),
         allow_fewer_gpus=rng.random() < 0.5,
         objective=rng.choice(("time", "cost")),
-        zero_stages=(0, 1),
+        zero_stages=(0, 1, 3),  # ZeRO-3 beside tp as pyplan.search plans it: one stage, gathered units at 2 bytes
+        zero3_single_stage=True,
+        zero3_gather_bytes=2.0,
+        zero3_reduce_bytes=4.0,
     )
     return chains, hw, space, cluster
 
