@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import faulthandler
+import functools
 import importlib.util
 import json
 import math
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from pyplan import cut_points, load_model, trace
 from pyplan._torch import tree_map_only
+from pyplan.graph.layergraph import LayerGraph
 from pyplan.graph.linearize import operations
 from pyplan.graph.tensor_parallel import derive_tp_plan
 from pyplan.graph.trace import Call, call_at, input_tensors, output_tensors
@@ -79,9 +81,16 @@ OPTIMIZERS = {
 }
 
 
-def even_cuts(spec_name: str, num_stages: int, micro_batch: int) -> tuple[int, ...]:
+@functools.cache
+def _traced(spec_name: str, micro_batch: int) -> LayerGraph:
+    """The model's captured graph, traced once per launch for the cuts and TP plans of all its configurations
+    (torch.export takes seconds on a transformers model); the trainer traces its own copy."""
     spec = _spec(spec_name)
-    points = cut_points(trace(spec.build(), spec.example_inputs, batch_size=micro_batch))
+    return trace(spec.build(), spec.example_inputs, batch_size=micro_batch)
+
+
+def even_cuts(spec_name: str, num_stages: int, micro_batch: int) -> tuple[int, ...]:
+    points = cut_points(_traced(spec_name, micro_batch))
     inner = [c.position for c in points.candidates if 0 < c.position < len(points.order)]
     picks = [inner[round(k * len(inner) / num_stages)] for k in range(1, num_stages)]
     return (0, *picks, len(points.order))
@@ -89,8 +98,7 @@ def even_cuts(spec_name: str, num_stages: int, micro_batch: int) -> tuple[int, .
 
 def stage_remat(spec_name: str, cuts: tuple[int, ...], micro_batch: int, kinds: list[str]) -> tuple:
     """A remat plan per stage: each stage cut into 4 blocks at valid cuts, planned as `kinds[s]` says."""
-    spec = _spec(spec_name)
-    points = cut_points(trace(spec.build(), spec.example_inputs, batch_size=micro_batch))
+    points = cut_points(_traced(spec_name, micro_batch))
     out = []
     for s, kind in enumerate(kinds):
         inner = [c.position for c in points.candidates if cuts[s] < c.position < cuts[s + 1]]
@@ -113,8 +121,7 @@ def dag_stages(spec_name: str, num_stages: int, m: int, micro_batch: int) -> dic
     computed on rank 0 and broadcast, since CP-SAT may pick another of several optimal assignments elsewhere."""
     box: list[dict[str, int] | None] = [None]
     if dist.get_rank() == 0:
-        spec = _spec(spec_name)
-        graph = trace(spec.build(), spec.example_inputs, batch_size=micro_batch)
+        graph = _traced(spec_name, micro_batch)
         dag = stage_dag_from_layergraph(graph, batch_size=micro_batch, time_s={n: 1.0 for n in operations(graph)})
         got = assign_stages(dag, num_stages=num_stages, num_microbatches=m, mem_limit_bytes=[math.inf] * num_stages)
         box[0] = dict(zip(dag.names, got.stage_of_node))
@@ -304,7 +311,7 @@ def run(cfg: dict) -> dict:
     else:
         cuts = even_cuts(cfg["model"], cfg["pp"] * cfg["v"], cfg["b"])
     tp = cfg.get("tp", 1)
-    tp_plan = derive_tp_plan(trace(spec.build(), spec.example_inputs, batch_size=cfg["b"])).styles(tp) if tp > 1 else {}
+    tp_plan = derive_tp_plan(_traced(cfg["model"], cfg["b"])).styles(tp) if tp > 1 else {}
     layout = Layout(
         dp=cfg["dp"],
         pp=cfg["pp"],
