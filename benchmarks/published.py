@@ -4,14 +4,14 @@ Run: `python benchmarks/published.py [--cases NAME ...] [--json PATH]` (needs tr
 2 cores). Sources, conversions and a recorded run: benchmarks/PUBLISHED.md.
 
 Table 1, throughput. Each published run (tokens/s per GPU measured on A100s and H100s with FSDP FULL_SHARD, i.e.
-ZeRO-3, and no tensor parallelism) is planned as it ran, in a process of its own: its model built from a Hugging
-Face config on the meta device (MPT as the GPT-2 config with the same tensors), `pyplan.search` on the catalog GPU
-restricted to the run's ZeRO stage and micro-batch size, with `remat="full"` where the run checkpointed every
-layer, `"selective"` where it ran torchtitan's op policy on every layer, `"none"` otherwise, at the published global
-batch; of every plan found,
-the one with the published layout (dp, pp, micro-batch, gradient-accumulation steps, ZeRO stage) is read.
+ZeRO-3, one of them beside tensor parallelism) is planned as it ran, in a process of its own: its model built from
+a Hugging Face config on the meta device (MPT as the GPT-2 config with the same tensors), `pyplan.search` on the
+catalog GPU restricted to the run's ZeRO stage, micro-batch size and tensor-parallel degree, with `remat="full"`
+where the run checkpointed every layer, `"selective"` where it ran torchtitan's op policy on every layer, `"none"`
+otherwise, at the published global batch; of every plan found, the one with the published layout (dp, tp, pp,
+micro-batch, gradient-accumulation steps, ZeRO stage) is read.
 pyplan's tokens/s per GPU = global batch x sequence length / predicted iteration time / GPUs. Where that layout is
-not among the plans the row says so. Rows that rely on what pyplan does not model (FP8, tensor parallelism, a GPU
+not among the plans the row says so. Rows that rely on what pyplan does not model (FP8, torch.compile, a GPU
 outside the catalog) stay in the table with the reason, and out of the statistics.
 Targets: median |predicted/published - 1| <= 15 %, worst <= 35 %, every published configuration feasible (its
 memory within the GPU's; the share of the GPU is printed, and a note marks rows over pyplan's default 90 %).
