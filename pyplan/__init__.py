@@ -20,7 +20,7 @@ from pyplan.hardware import Cluster
 from pyplan.load import load_model
 from pyplan.plan import Layout, Plan, PlanSearch, Prediction, StagePlan, Workload
 from pyplan.profile import TimingOptions, model_state_bytes, profile
-from pyplan.spec import ModelSpec
+from pyplan.spec import ModelSpec, cross_entropy
 from pyplan.sweep import plan_many
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "TraceError",
     "Workload",
     "__version__",
+    "cross_entropy",
     "cut_points",
     "linearize",
     "load_model",

@@ -18,7 +18,7 @@ from pyplan.errors import InfeasibleError, PlanError
 from pyplan.graph.chain import Block, Chain
 from pyplan.graph.layergraph import Affine, Piecewise
 from pyplan.graph.sequence_parallel import sequence_zone
-from pyplan.graph.tensor_parallel import TpPlan, derive_tp_plan, restrict_tp_plan
+from pyplan.graph.tensor_parallel import TpPlan, derive_tp_plan, restrict_tp_plan, vocab_parallel_loss
 from pyplan.graph.trace import ExampleInputs, Examples, LeafSpec
 from pyplan.hardware.catalog import GPU, Link
 from pyplan.hardware.cluster import Cluster, NodeGroup
@@ -61,6 +61,7 @@ from pyplan.solve.tied import (
     with_tied_state,
     with_tied_sync,
 )
+from pyplan.spec import cross_entropy
 
 __all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "add_loss", "chain_for", "memory_per_process", "plan", "search"]
 
@@ -240,7 +241,7 @@ def search(
                 zero_stages=list(zero_stages), placements=list(placements), allow_fewer_gpus=allow_fewer_gpus,
                 objective=objective, weight=weight, fixed_cuts=fixed_cuts)  # fmt: skip
     how = _How(model, examples, workload, objective, memory_fraction, pins, max(4 * top_k, 20), remat, offload,
-               offload_bw_bytes_per_s)  # fmt: skip
+               offload_bw_bytes_per_s, loss, target)  # fmt: skip
     every: list[Plan] = []
     runs: list[tuple[Any, list[Any]]] = []  # each search's plain and relaxed results
     refiner = None
@@ -284,6 +285,8 @@ class _How:
     remat: str
     offload: str
     offload_bw_bytes_per_s: float
+    loss: LossFn | None = None
+    target: TargetFn | None = None
 
     def plans(
         self,
@@ -352,9 +355,13 @@ def _tensor_parallel(
         zone = sequence_zone(bare.graph, plan, t) if sequence_parallel else None
         zone = zone if zone else None
         chain_t = chain_at_degree(bare, plan, t, how.examples, cluster, how.workload, zone)
-        if chain.loss is not None:
+        # The loss on each rank's slice of the logits where it can (torchtitan's loss_parallel), else on the whole.
+        vocab = chain.loss is not None and vocab_parallel_loss(bare.graph, plan, t, how.loss)
+        if vocab:
+            chain_t = add_loss(chain_t, how.model, how.examples, cluster, how.workload, cross_entropy, how.target)
+        elif chain.loss is not None:
             chain_t = with_loss(chain_t, chain.loss)
-        comm = tp_comm_times(bare, plan, t, cluster, how.workload, zone)
+        comm = tp_comm_times(bare, plan, t, cluster, how.workload, zone, vocab_parallel=vocab)
         yield t, chain_t, cluster.tensor_parallel_groups(t), plan.styles(t), comm, zone is not None
 
 

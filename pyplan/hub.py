@@ -27,10 +27,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from pyplan.errors import ModelLoadError
-from pyplan.spec import ModelSpec
+from pyplan.spec import ModelSpec, cross_entropy
 
 __all__ = ["DEFAULT_IMAGE_SIZE", "DEFAULT_SEQ_LEN", "Seq2SeqLogits", "hf_model", "parse_options", "timm_model"]
 
@@ -115,13 +114,6 @@ def _with_labels(
 
 def _labels(b: int, *, classes: int) -> torch.Tensor:
     return torch.randint(classes, (b,), generator=_generator(_TARGET_SEED))
-
-
-def _cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of the logits over every position (B*T for token logits, B for class logits). `output`
-    is the logits, as pyplan's captured graph returns them, or the ModelOutput of a direct call to the model."""
-    logits = output if isinstance(output, torch.Tensor) else output.logits
-    return F.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 
 class Seq2SeqLogits(nn.Module):
@@ -410,7 +402,7 @@ def hf_model(ref: str) -> ModelSpec:
         name=ref,
         build=build,
         example_inputs=example_inputs,
-        loss=None if with_labels else _cross_entropy,
+        loss=None if with_labels else cross_entropy,
         target=None if with_labels else target,
         source=(
             f"Hugging Face transformers {transformers.__version__} {type(config).__name__} from "
@@ -485,7 +477,7 @@ def timm_model(ref: str) -> ModelSpec:
         name=ref,
         build=build,
         example_inputs=partial(_images, channels=channels, height=height, width=width),
-        loss=_cross_entropy,
+        loss=cross_entropy,
         target=partial(_labels, classes=probe.num_classes),
         source=f"timm {timm.__version__} create_model({name!r}, pretrained=False), random weights",
     )

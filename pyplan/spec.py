@@ -9,12 +9,21 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ExampleBatch", "Inputs", "ModelSpec", "default_loss", "default_target"]
+__all__ = ["ExampleBatch", "Inputs", "ModelSpec", "cross_entropy", "default_loss", "default_target"]
 
 Inputs = tuple[torch.Tensor, ...]
 # What example_inputs(b) may return: a tensor, a tuple of tensors (positional), a dict (keyword arguments), or
 # (args, kwargs); pyplan.graph.trace.input_tensors flattens it.
 ExampleBatch = torch.Tensor | tuple[Any, ...] | dict[str, Any]
+
+
+def cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every position, the classes along the logits' last dimension (B·T positions for a
+    language model's (B, T, V) logits, B for a classifier's (B, C)); `output` is the logits, or an output holding
+    them as `.logits` (a transformers ModelOutput). Beside tensor parallelism it runs on each rank's slice of the
+    vocabulary (pyplan.runtime.tensor_parallel.VocabParallelLoss), as torchtitan's `loss_parallel` does."""
+    logits = output if isinstance(output, torch.Tensor) else output.logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 
 def default_target(output: torch.Tensor) -> torch.Tensor:

@@ -21,11 +21,14 @@ from pyplan.api import _local_numel, search
 from pyplan.cli.main import main
 from pyplan.emit.planfile import read_plan_file
 from pyplan.errors import PlanError
+from pyplan.graph.tensor_parallel import derive_tp_plan, vocab_parallel_loss
 from pyplan.hardware import Cluster
 from pyplan.load import load_model
 from pyplan.plan import Layout, Workload
+from pyplan.profile.tensor_parallel import collective_bytes
 from pyplan.report.gantt import timeline
 from pyplan.runtime.sharded import gathered_bytes
+from pyplan.spec import cross_entropy
 
 CLUSTER = Cluster.from_catalog("a100-80g", 8)
 WORKLOAD = Workload(global_batch=16, precision="bf16-mixed")
@@ -92,6 +95,33 @@ def test_zero3_beside_tp_shards_each_ranks_split_tensors() -> None:
     unit = sum(local(n) for n in layer)
     root = sum(local(n) for n, _ in model.named_parameters() if not n.startswith("transformer.h."))
     assert gathered_bytes(model, 2.0, 4.0, local) == (2 + 4) * root + (2 * 2 + 4) * unit
+
+
+def test_the_loss_runs_on_each_ranks_slice_of_the_vocabulary() -> None:
+    """gpt-tiny's loss is pyplan's cross-entropy over its logits: at tp 2 it runs on each rank's half of the
+    vocabulary (torchtitan's loss_parallel), so the last stage saves half the loss's log-softmax and the logits are
+    never gathered; the same loss as another function (which pyplan cannot split) gathers them."""
+    spec, model = _gpt()
+    graph = pyplan.trace(spec.build(), spec.example_inputs, batch_size=2)
+    plan = derive_tp_plan(graph)
+    assert vocab_parallel_loss(graph, plan, 2, cross_entropy)
+    assert not vocab_parallel_loss(graph, plan, 2, lambda out, target: cross_entropy(out, target))
+    assert not vocab_parallel_loss(graph, plan, 3, cross_entropy)  # 3 does not divide the vocabulary
+    pins = dict(data_parallel=(1,), pipeline_ranks=(1,), micro_batch_sizes=(8,), zero_stages=(0,))
+    kw = dict(target=spec.target, stage_dag=False, top_k=1, tensor_parallel=(2,), sequence_parallel=False, **pins)
+    split, whole = (search(model, spec.example_inputs, CLUSTER, WORKLOAD, loss=fn, **kw) for fn in
+                    (cross_entropy, lambda out, target: cross_entropy(out, target)))  # fmt: skip
+    b, vocab = 8, model.lm_head.out_features
+    logits = b * spec.example_inputs(1)[0].shape[1] * vocab * 2  # 16-bit under bf16-mixed
+    # Half of the loss's saved log-softmax (one logits' worth) and of its backward's peak (the gradients of the
+    # log-softmax and of the logits: two).
+    saved = whole.best.stages[0].activation_bytes - split.best.stages[0].activation_bytes
+    assert saved == pytest.approx((1 + 2) * logits / 2, rel=1e-6)
+    # On the link: no all-gather of the logits, three all-reduces of one number per position instead.
+    on, off = (collective_bytes(split.chain, plan, 2, vocab_parallel=v)[-1] for v in (True, False))
+    tokens = spec.example_inputs(1)[0].shape[1]
+    assert off.fwd_all_gather(b) - on.fwd_all_gather(b) == b * tokens * vocab * 4
+    assert on.fwd_all_reduce(b) - off.fwd_all_reduce(b) == pytest.approx(3 * b * tokens * 4)
 
 
 def test_a_degree_that_splits_nothing_is_one_line() -> None:

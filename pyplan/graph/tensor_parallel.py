@@ -34,6 +34,7 @@ from torch import fx, nn
 
 from pyplan.errors import PlanError
 from pyplan.graph.layergraph import LayerGraph
+from pyplan.spec import cross_entropy
 
 __all__ = [
     "ELEMENTWISE",
@@ -53,6 +54,7 @@ __all__ = [
     "read_tp_plan",
     "restrict_tp_plan",
     "shard_sizes",
+    "vocab_parallel_loss",
     "weight_owner",
 ]
 
@@ -357,9 +359,7 @@ def _fused_source(r: Reader, n: fx.Node) -> str | None:
     return n.name
 
 
-def aligned_inputs(
-    r: Reader, n: fx.Node, ins: Sequence[fx.Node], at: int, dims: Mapping[str, Any]
-) -> dict[str, int]:
+def aligned_inputs(r: Reader, n: fx.Node, ins: Sequence[fx.Node], at: int, dims: Mapping[str, Any]) -> dict[str, int]:
     """For an element-wise n whose output is split along `at`: the inputs not in `dims` that hold that dimension
     (not broadcast along it), with the dimension they hold it in, shapes aligned from the right. NotSplit where an
     input in `dims` is split along another."""
@@ -582,6 +582,22 @@ def _columns_behind(r: Reader, missing: list[fx.Node]) -> set[str]:
             raise NotSplit(f"'{v.name}' must be sharded but comes from no Linear")
         stack.extend(sources)
     return found
+
+
+def vocab_parallel_loss(graph: LayerGraph, plan: TpPlan, degree: int, loss: Callable[..., Any] | None) -> bool:
+    """Whether the loss runs on each rank's slice of the vocabulary at `degree` (torchtitan's `loss_parallel`):
+    the loss is `pyplan.spec.cross_entropy` (classes along the last dimension), the model's only output is the
+    logits of an output layer split at that degree (through operations that keep the last dimension, as
+    `derive_tp_plan` finds output layers), whose last dimension is that layer's outputs. The output layer then
+    hands each rank its slice of the logits and the loss sums over the ranks: no logits gathered whole."""
+    if loss is not cross_entropy:
+        return False
+    layers = [o for o in plan.output_layers if o.splits_at(degree)]
+    out = next((n for n in graph.nodes if n.op == "output"), None)
+    if len(layers) != 1 or out is None or len(out.inputs) != 1:
+        return False
+    info = graph.node(out.inputs[0]).outputs
+    return len(info) == 1 and bool(info[0].shape) and info[0].shape[-1] == layers[0].out_features
 
 
 def derive_tp_plan(graph: LayerGraph) -> TpPlan:

@@ -228,12 +228,20 @@ def chain_at_degree(
 
 
 def tp_comm_times(
-    chain: Chain, plan: TpPlan, degree: int, cluster: Cluster, workload: Workload, zone: SequenceZone | None = None
+    chain: Chain,
+    plan: TpPlan,
+    degree: int,
+    cluster: Cluster,
+    workload: Workload,
+    zone: SequenceZone | None = None,
+    *,
+    vocab_parallel: bool = False,
 ) -> list[tuple[Affine, Affine]]:
-    """Each block's tensor-parallel collectives at `degree` (with a sequence-parallel `zone`, its), forward and
-    backward seconds as `α·b + β`, on the link inside a node (pyplan/profile/tensor_parallel.py)."""
+    """Each block's tensor-parallel collectives at `degree` (with a sequence-parallel `zone`, its; with
+    `vocab_parallel`, the loss on each rank's slice of the logits), forward and backward seconds as `α·b + β`, on
+    the link inside a node (pyplan/profile/tensor_parallel.py)."""
     latency_s, bw = cluster.groups[0].intra_link.collective
-    traffic = collective_bytes(chain, plan, degree, zone)
+    traffic = collective_bytes(chain, plan, degree, zone, vocab_parallel=vocab_parallel)
     return collective_times(traffic, degree, latency_s, bw, workload.activation_scale)
 
 

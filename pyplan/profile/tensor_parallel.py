@@ -60,11 +60,15 @@ def local_chain(
     return replace(local, blocks=blocks)
 
 
-def collective_bytes(chain: Chain, plan: TpPlan, degree: int, zone: SequenceZone | None = None) -> list[TpCollectives]:
+def collective_bytes(
+    chain: Chain, plan: TpPlan, degree: int, zone: SequenceZone | None = None, *, vocab_parallel: bool = False
+) -> list[TpCollectives]:
     """Per block of `chain` (the whole model's), the tensor-parallel traffic at `degree`: each collective in the
     block of the node that issues it (a row Linear's output, the first column Linear reading an input, an
     embedding, an output layer; with a sequence-parallel `zone`, the nodes that read its values whole or slice
-    values into it)."""
+    values into it). With `vocab_parallel` the output layer's logits stay split and the loss all-reduces three
+    numbers per position instead (the max, the sum of exponentials, the target's logit:
+    pyplan.runtime.tensor_parallel.VocabParallelLoss), in the last block, where the loss is."""
     where = {node: i for i, block in enumerate(chain.blocks) for node in block.nodes}
     kinds = [f.name for f in fields(TpCollectives)]
     out: list[dict[str, Affine]] = [{k: Affine() for k in kinds} for _ in chain.blocks]
@@ -97,8 +101,13 @@ def collective_bytes(chain: Chain, plan: TpPlan, degree: int, zone: SequenceZone
             if e.splits_at(degree):
                 add("fwd_all_reduce", e.node, e.node)
         for o in plan.output_layers:
-            if o.splits_at(degree):
+            if o.splits_at(degree) and vocab_parallel:
+                logits = graph.node(o.node).bytes  # (positions, classes), as traced
+                share = 3.0 / o.out_features
+                out[-1]["fwd_all_reduce"] += Affine(logits.per_sample * share, logits.fixed * share)
+            elif o.splits_at(degree):
                 add("fwd_all_gather", o.node, o.node)
+            if o.splits_at(degree):
                 if o.node in gathered:
                     add("fwd_all_gather", o.node, o.input)
                     add("bwd_reduce_scatter", o.node, o.input)

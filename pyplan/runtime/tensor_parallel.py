@@ -12,7 +12,9 @@ tensor-parallel axis runs (Shoeybi et al. 2019, torchtitan's `parallelize_llama`
    column Linears `ColwiseParallel`, a fused QKV column (`Region.parts`) its `_FusedColwise` (each rank holds the
    rank-th slice of each of Q, K and V, and `full_tensor()` of the weight and of its gradient is the model's own
    layout), row Linears `RowwiseParallel`, the token embedding `RowwiseParallel(input_layouts=Replicate())` (split
-   over the vocabulary), the output layer `ColwiseParallel(output_layouts=Replicate())`;
+   over the vocabulary), the output layer `ColwiseParallel(output_layouts=Replicate())`, or with `vocab_parallel`
+   `ColwiseParallel(output_layouts=Shard(-1))`: each rank keeps its slice of the logits, and the loss sums over the
+   ranks (`VocabParallelLoss`, Megatron-LM's vocabulary-parallel cross-entropy, torchtitan's `loss_parallel`);
 4. tied weights, which parallelize_module unties, are tied again: the model keeps one parameter;
 5. every parameter left whole (norms, position embeddings, layers the plan keeps whole) becomes a `Replicate`
    DTensor on the mesh, read as its local tensor by the graph (`_read_locally`): the optimizer, gradient clipping
@@ -68,6 +70,7 @@ from pyplan.solve.state import zero1_shares
 
 __all__ = [
     "TransposedLinear",
+    "VocabParallelLoss",
     "Zero1Optimizer",
     "apply_tensor_parallel",
     "full_gradients",
@@ -273,7 +276,7 @@ class _SeqCollectives:
 
 
 def tp_styles(
-    graph: LayerGraph, plan: TpPlan, degree: int, zone: SequenceZone | None = None
+    graph: LayerGraph, plan: TpPlan, degree: int, zone: SequenceZone | None = None, *, vocab_parallel: bool = False
 ) -> dict[str, ParallelStyle]:
     """The parallelize_module plan that `apply_tensor_parallel` runs at `degree`: module name -> style, for the
     layers of `plan` that split at that degree; with a sequence-parallel `zone`, the row Linears it reduce-scatters
@@ -299,7 +302,11 @@ def tp_styles(
         {e.module: RowwiseParallel(input_layouts=Replicate()) for e in plan.embeddings if e.splits_at(degree)}
     )
     styles.update(
-        {o.module: ColwiseParallel(output_layouts=Replicate()) for o in plan.output_layers if o.splits_at(degree)}
+        {
+            o.module: ColwiseParallel(output_layouts=Shard(-1) if vocab_parallel else Replicate())
+            for o in plan.output_layers
+            if o.splits_at(degree)
+        }
     )
     if zone is not None:
         module_of = {layer.node.name: layer.module for layer in _layers(graph.module)}
@@ -393,7 +400,7 @@ def _check(gm: fx.GraphModule, styles: Mapping[str, ParallelStyle]) -> None:
 
 
 def apply_tensor_parallel(
-    graph: LayerGraph, plan: TpPlan, mesh: DeviceMesh, *, sequence_parallel: bool = False
+    graph: LayerGraph, plan: TpPlan, mesh: DeviceMesh, *, sequence_parallel: bool = False, vocab_parallel: bool = False
 ) -> None:
     """Make `graph.module` (in place, before it is cut into pipeline stages) run tensor-parallel over the 1-D
     `mesh`, every rank of the mesh with the same module and inputs; see the module docstring for the steps. With
@@ -401,7 +408,8 @@ def apply_tensor_parallel(
     (pyplan/graph/sequence_parallel.py): the graph is rewritten last, to call `_SeqCollectives`.
 
     Afterwards every parameter is a DTensor on `mesh`, named as in the model; the module's inputs and outputs are
-    plain tensors, the outputs equal on every rank. All ranks of the mesh must call it (it broadcasts rank 0's
+    plain tensors, the outputs equal on every rank (with `vocab_parallel`, each rank's slice of the logits, for
+    `VocabParallelLoss`). All ranks of the mesh must call it (it broadcasts rank 0's
     parameters and random state). Modules the graph shares with the model (plain fx keeps the model's own leaf
     modules) change with it."""
     if mesh.ndim != 1:
@@ -410,7 +418,7 @@ def apply_tensor_parallel(
     zone = sequence_zone(graph, plan, degree) if sequence_parallel else None
     if zone is not None and not zone:
         raise PlanError(f"sequence parallelism {degree} cannot run on this model: {zone.reason}")
-    styles = tp_styles(graph, plan, degree, zone)
+    styles = tp_styles(graph, plan, degree, zone, vocab_parallel=vocab_parallel)
     shard_sizes(gm, graph, plan, degree)
     for layer in _layers(gm):
         if layer.module in styles and layer.node.op == "call_function":
@@ -560,6 +568,61 @@ def sync_rng_state(mesh: DeviceMesh) -> None:
         state = torch.cuda.get_rng_state().to(device)
         dist.broadcast(state, group=group, group_src=0)
         torch.cuda.set_rng_state(state.cpu())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loss on each rank's slice of the vocabulary
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of (N, V) logits held as each rank's (N, V/t) slice of the classes, `start` its first
+    class: three all-reduces of N numbers (the max, the sum of exponentials, the target's logit) instead of the
+    logits gathered; the softmax slice is what the backward keeps (Megatron-LM's vocab_parallel_cross_entropy).
+    Targets of -100 count for nothing, as F.cross_entropy's `ignore_index`."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup, start: int
+    ) -> torch.Tensor:
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # in fp32 under autocast, as F.cross_entropy
+        top = x.detach().amax(dim=-1)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        exp = (x - top[:, None]).exp_()
+        total = exp.sum(dim=-1)
+        dist.all_reduce(total, group=group)
+        valid = target != -100
+        local = target - start
+        mine = valid & (local >= 0) & (local < x.shape[-1])
+        index = local.clamp(0, x.shape[-1] - 1)[:, None]
+        picked = torch.where(mine, x.gather(-1, index).squeeze(-1) - top, 0.0)
+        dist.all_reduce(picked, group=group)
+        count = valid.sum()
+        loss = torch.where(valid, total.log() - picked, 0.0).sum() / count
+        exp.div_(total[:, None])  # the softmax slice
+        ctx.save_for_backward(exp, index, mine, valid, count)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        softmax, index, mine, valid, count = ctx.saved_tensors
+        softmax.scatter_add_(-1, index, -mine[:, None].to(softmax.dtype))
+        softmax.mul_((valid.to(softmax.dtype) * grad / count)[:, None])
+        return softmax.to(ctx.dtype), None, None, None
+
+
+class VocabParallelLoss:
+    """`pyplan.spec.cross_entropy` on each rank's slice of the logits along the last dimension (the output layer's
+    outputs split over `mesh`, contiguous slices in rank order): the loss one process computes on the whole logits,
+    on every rank of the mesh (`pyplan.graph.tensor_parallel.vocab_parallel_loss` says when it applies)."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.group, self.rank = mesh.get_group(), mesh.get_local_rank()
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = output.flatten(0, -2)
+        start = self.rank * logits.shape[-1]
+        return _VocabParallelCrossEntropy.apply(logits, target.flatten().to(logits.device), self.group, start)
 
 
 # ----------------------------------------------------------------------------------------------------------------

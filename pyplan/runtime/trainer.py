@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pyplan.errors import PlanError
 from pyplan.graph.layergraph import LayerGraph
-from pyplan.graph.tensor_parallel import derive_tp_plan, restrict_tp_plan
+from pyplan.graph.tensor_parallel import derive_tp_plan, restrict_tp_plan, vocab_parallel_loss
 from pyplan.graph.trace import ExampleInputs, LeafSpec, inputs_at, trace
 from pyplan.plan import Layout
 from pyplan.runtime.affinity import pin_rank
@@ -37,7 +37,13 @@ from pyplan.runtime.heap import keep_freed_memory
 from pyplan.runtime.optim import OptimizerFactory, OptimizerSpec, optimizer_factory
 from pyplan.runtime.sharded import ShardedTrainer, build_sharded_trainer, remat_kind
 from pyplan.runtime.stages import cut_model, local_stages, stage_io, tied_parameters
-from pyplan.runtime.tensor_parallel import Zero1Optimizer, apply_tensor_parallel, grad_norm_weight, sync_gradients
+from pyplan.runtime.tensor_parallel import (
+    VocabParallelLoss,
+    Zero1Optimizer,
+    apply_tensor_parallel,
+    grad_norm_weight,
+    sync_gradients,
+)
 from pyplan.solve.schedules import stage_placement
 from pyplan.spec import ModelSpec, default_loss
 
@@ -267,19 +273,12 @@ def build_trainer(
             )
         mesh = build_mesh(layout, device.type)
         graph = None
+        loss_fn = spec.loss or default_loss
         if layout.tp > 1:  # the traced model split over the tp axis, sharded piece by piece
             graph = trace(model, examples, leaf_modules=leaf_modules, batch_size=layout.micro_batch_size)
-            _split_layers(graph, layout=layout, mesh=mesh)
+            loss_fn = _split_layers(graph, layout=layout, mesh=mesh, loss=spec.loss)
         trainer = build_sharded_trainer(
-            model,
-            layout,
-            mesh,
-            make_optimizer,
-            examples,
-            device,
-            spec.loss or default_loss,
-            _AUTOCAST[precision],
-            graph,
+            model, layout, mesh, make_optimizer, examples, device, loss_fn, _AUTOCAST[precision], graph
         )
     else:
         trainer = _pipeline_trainer(
@@ -307,6 +306,7 @@ def _pipeline_trainer(
     split_backward = layout.schedule in _SPLIT_BACKWARD
     # Tensor parallelism splits the traced graph before it is cut, over the mesh's tp axis: the mesh comes first.
     mesh = build_mesh(layout, device.type) if layout.tp > 1 else None
+    losses: list[Any] = []  # the loss the split model trains with (_split_layers)
     _, stages = cut_model(
         model,
         examples,
@@ -314,7 +314,9 @@ def _pipeline_trainer(
         leaf_modules=leaf_modules,
         copy_shared_outputs=split_backward,
         autocast_dtype=_AUTOCAST[precision],
-        transform=functools.partial(_split_layers, layout=layout, mesh=mesh) if mesh is not None else None,
+        transform=functools.partial(_split_layers, layout=layout, mesh=mesh, loss=spec.loss, found=losses)
+        if mesh is not None
+        else None,
     )
     mesh = mesh or build_mesh(layout, device.type)
     mine = local_stages(layout, mesh["pp"].get_local_rank())
@@ -348,7 +350,7 @@ def _pipeline_trainer(
     optimizer = _optimizer(_unique_parameters(modules), layout, make_optimizer, mesh["dp"].get_group())
     cls = get_schedule_class(layout.schedule)
     stage_arg = pipeline_stages[0] if issubclass(cls, PipelineScheduleSingle) else pipeline_stages
-    loss_fn = spec.loss or default_loss
+    loss_fn = losses[0] if losses else spec.loss or default_loss
     schedule = cls(stage_arg, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=not manual_grads)
     bucket_views = any(isinstance(m, DistributedDataParallel) for m in modules)
     return PipelineTrainer(
@@ -356,9 +358,13 @@ def _pipeline_trainer(
     )
 
 
-def _split_layers(graph: LayerGraph, *, layout: Layout, mesh: DeviceMesh) -> None:
+def _split_layers(
+    graph: LayerGraph, *, layout: Layout, mesh: DeviceMesh, loss: Any, found: list[Any] | None = None
+) -> Any:
     """Split the traced model's layers over the mesh's tp axis as the plan says (its `tp_plan`, which must be what
-    pyplan derives from this model's graph at that degree)."""
+    pyplan derives from this model's graph at that degree); the loss to train with (also appended to `found`): on
+    each rank's slice of the vocabulary where it applies (`vocab_parallel_loss`, as the plan prices it), else
+    `loss` (or the default) on the logits gathered whole."""
     plan = restrict_tp_plan(derive_tp_plan(graph), layout.tp_plan, graph)
     if plan.styles(layout.tp) != layout.tp_plan:
         missing = sorted(set(layout.tp_plan) - set(plan.styles(layout.tp)))
@@ -366,7 +372,12 @@ def _split_layers(graph: LayerGraph, *, layout: Layout, mesh: DeviceMesh) -> Non
             f"the plan's tp_plan does not split this model at tp {layout.tp} ({', '.join(missing[:3])}); "
             "was the plan made for another model?"
         )
-    apply_tensor_parallel(graph, plan, mesh["tp"], sequence_parallel=layout.sequence_parallel)
+    vocab = vocab_parallel_loss(graph, plan, layout.tp, loss)
+    apply_tensor_parallel(graph, plan, mesh["tp"], sequence_parallel=layout.sequence_parallel, vocab_parallel=vocab)
+    loss_fn = VocabParallelLoss(mesh["tp"]) if vocab else loss or default_loss
+    if found is not None:
+        found.append(loss_fn)
+    return loss_fn
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pyplan.errors import ModelLoadError
-from pyplan.spec import Inputs, ModelSpec
+from pyplan.spec import Inputs, ModelSpec, cross_entropy
 from pyplan.zoo import small
 from pyplan.zoo.amoeba import AMOEBANET_CONFIGS, AmoebaNet
 from pyplan.zoo.mobilenet import MobileNetV2
@@ -67,11 +67,6 @@ def _tokens_and_mask(b: int, *, vocab: int, seq_len: int) -> Inputs:
     return ids, (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
 
 
-def _lm_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over all B*T positions."""
-    return F.cross_entropy(output.flatten(0, 1), target.flatten())
-
-
 def _classifier(
     name: str, build: Callable[[], nn.Module], dataset: str, published: int | None, source: str
 ) -> ModelSpec:
@@ -94,7 +89,7 @@ def _language_model(
         name=name,
         build=build,
         example_inputs=partial(_tokens, vocab=vocab, seq_len=seq_len),
-        loss=_lm_loss,
+        loss=cross_entropy,
         target=partial(_next_tokens, vocab=vocab, seq_len=seq_len),
         published_params=published,
         source=source,

@@ -39,6 +39,7 @@ from pyplan.plan import Layout, Workload
 from pyplan.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from pyplan.runtime.optim import optimizer_factory
 from pyplan.runtime.tensor_parallel import (
+    VocabParallelLoss,
     Zero1Optimizer,
     apply_tensor_parallel,
     full_gradients,
@@ -48,7 +49,7 @@ from pyplan.runtime.tensor_parallel import (
 )
 from pyplan.runtime.trainer import build_trainer, replica_slice
 from pyplan.solve.state import stage_state_bytes
-from pyplan.spec import default_loss
+from pyplan.spec import cross_entropy, default_loss
 from pyplan.zoo.small import GPT_TINY
 from pyplan.zoo.transformer import GPT as GPT2
 
@@ -275,6 +276,29 @@ def zero1_state(mesh: DeviceMesh) -> dict[str, Any]:
     return {"ok": True, "held": held, "planned": planned, "replicas_agree": agree}
 
 
+def vocab_loss_agrees(tp_mesh: DeviceMesh) -> dict[str, Any]:
+    """VocabParallelLoss on each rank's slice of (N, V) logits (V split in rank order, some targets -100 and some
+    in each rank's slice) against pyplan.spec.cross_entropy on the whole logits in one process: the loss, and each
+    rank's slice of the gradient."""
+    torch.manual_seed(3)
+    logits = torch.randn(2, 7, 12, dtype=torch.float64)
+    target = torch.randint(0, 12, (2, 7))
+    target[0, :2] = -100
+    whole = logits.clone().requires_grad_()
+    want = cross_entropy(whole, target)
+    want.backward()
+    v, rank = 12 // tp_mesh.size(), tp_mesh.get_local_rank()
+    mine = logits[..., rank * v : (rank + 1) * v].clone().requires_grad_()
+    got = VocabParallelLoss(tp_mesh)(mine, target)
+    got.backward()
+    assert mine.grad is not None and whole.grad is not None
+    return {
+        "ok": True,
+        "loss_err": abs(got.item() - want.item()) / abs(want.item()),
+        "grad_err": _error(mine.grad, whole.grad[..., rank * v : (rank + 1) * v]),
+    }
+
+
 def zero3_state(mesh: DeviceMesh, folder: str) -> dict[str, Any]:
     """gpt-tiny at dp 2 x tp 2 under ZeRO-3 (FSDP2 over the traced model's pieces, through build_trainer), AdamW
     with the gradient clipped, one step: the model-state bytes this rank holds (its shards of parameters, gradients
@@ -337,6 +361,7 @@ def main() -> None:
     if world == 4:
         configs += [(GPT, 2, False), (GPT, 2, True)]
     results = [{"model": "dropout", "dp": 1, "tp": 2, "rank": rank, **dropout_agrees(mesh["tp"])}]
+    results.append({"model": "vocab_loss", "dp": 1, "tp": 2, "rank": rank, **vocab_loss_agrees(mesh["tp"])})
     if world == 4:
         results.append({"model": "zero1", "dp": 2, "tp": 2, "rank": rank, **zero1_state(mesh)})
         folder = os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), "zero3-checkpoint")

@@ -28,8 +28,8 @@ from pyplan.hardware import Cluster
 from pyplan.hardware.catalog import local_gpu
 from pyplan.plan import Layout, Plan, Workload
 from pyplan.profile import LiveMemory
-from pyplan.spec import ModelSpec
-from pyplan.zoo import _lm_loss, _next_tokens, _tokens
+from pyplan.spec import ModelSpec, cross_entropy
+from pyplan.zoo import _next_tokens, _tokens
 from pyplan.zoo.transformer import GPT, GPTConfig
 
 GLOBAL_BATCH = 16
@@ -179,7 +179,7 @@ VOCAB_SPEC = ModelSpec(
     name="gpt-50k-vocab",
     build=functools.partial(GPT, VOCAB_CONFIG),
     example_inputs=functools.partial(_tokens, vocab=VOCAB_CONFIG.vocab_size, seq_len=VOCAB_CONFIG.n_ctx),
-    loss=_lm_loss,
+    loss=cross_entropy,
     target=functools.partial(_next_tokens, vocab=VOCAB_CONFIG.vocab_size, seq_len=VOCAB_CONFIG.n_ctx),
 )
 VOCAB_MICRO_BATCH = 2

@@ -80,7 +80,10 @@ def test_tensor_parallel_trains_like_one_process(tmp_path: Path) -> None:
     zero3 = [r for r in results if r["model"] == "zero3"]
     assert len(zero3) == 4 and all(r["held"] == r["planned"] > 0 for r in zero3), zero3[0]
     assert all(err == 0.0 for r in zero3 for err in r["resumed"].values()), zero3
-    runs = [r for r in results if r["model"] not in ("dropout", "zero1", "zero3")]
+    # The loss on each rank's slice of the vocabulary is the loss on the whole logits, and so is its gradient.
+    vocab = [r for r in results if r["model"] == "vocab_loss"]
+    assert len(vocab) == 4 and all(r["loss_err"] <= TOL and r["grad_err"] <= TOL for r in vocab), vocab
+    runs = [r for r in results if r["model"] not in ("dropout", "zero1", "zero3", "vocab_loss")]
     kinds = {(r["model"].split(":")[1], r["dp"], r["sp"]) for r in runs}
     assert kinds == {(m, dp, sp) for m, dp in (("gpt-tiny", 1), ("gpt-tiny", 2), ("llama", 1), ("bert", 1))
                      for sp in (False, True)} | {("gpt2", 1, False)}  # fmt: skip
