@@ -107,8 +107,8 @@ class TracedUnits(nn.Module):
 def traced_units(graph: LayerGraph, model: nn.Module) -> TracedUnits:
     """`graph` (the traced `model`, already split over the tp axis) cut into one piece per outermost unit of
     `model` (`shard_units`), its operations those whose module lies in the unit, and pieces of the root's
-    operations between. A unit's operations must be consecutive in the traced order and read no other unit's
-    parameters; the root's parameters may be read anywhere (the root stays gathered through the step)."""
+    operations between. A unit's operations must be consecutive in the traced order and read its own parameters
+    only, which no other piece reads."""
     points = cut_points(graph)
     paths = [p for p, _ in _outermost(model)]
     spans: dict[str, list[int]] = {}
@@ -144,13 +144,18 @@ def traced_units(graph: LayerGraph, model: nn.Module) -> TracedUnits:
         bounds.append(len(points.order))
     chain = linearize(graph, positions=bounds[1:-1])
     pieces = [piece(chain, i, i + 1) for i in range(len(chain))]
-    owned = {id(p): i for i in units for p in pieces[i].parameters()}
+    # FSDP2 shards every parameter a unit's piece holds with that unit: each must be the unit's own, and read by
+    # no other piece (which would find it sharded).
+    modules = dict(model.named_modules())
+    owner = {id(p): path for path, _ in ordered for p in modules[path].parameters()}
+    mine = {i: path for i, (path, _) in zip(units, ordered)}
     for i, pc in enumerate(pieces):
         for name, p in pc.named_parameters():
-            if owned.get(id(p), i) != i:
+            if owner.get(id(p)) != mine.get(i):
                 raise PlanError(
                     f"ZeRO-3 beside tensor parallelism shards the traced model unit by unit, and '{name}' is read "
-                    "outside its unit; plan it with ZeRO-1 (--zero 1)"
+                    f"{'outside its unit' if id(p) in owner else 'inside a unit it does not belong to'}; plan it "
+                    "with ZeRO-1 (--zero 1)"
                 )
     return TracedUnits(pieces, units)
 

@@ -4,12 +4,22 @@ and the plans the search makes of it (the training itself: tests/runtime/_transp
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 from pyplan import linearize, load_model, search, trace
+from pyplan.errors import PlanError
 from pyplan.hardware import Cluster
 from pyplan.plan import Workload
 from pyplan.remat_plan import Checkpoint, Keep, SelectiveCheckpoint, full_remat, no_remat
-from pyplan.runtime.sharded import gathered_bytes, remat_kind, shard_units, unit_segments, zero3_overlap
+from pyplan.runtime.sharded import (
+    gathered_bytes,
+    remat_kind,
+    shard_units,
+    traced_units,
+    unit_segments,
+    zero3_overlap,
+)
 from pyplan.solve.remat_search import segmented
 
 
@@ -21,6 +31,43 @@ def test_the_units_are_the_layers_and_the_root_holds_the_rest() -> None:
     layer = max(sum(p.numel() for p in m.parameters()) for m in layers)
     # The root (embeddings, tied head, final norm) gathered with its gradients; a layer and the next with its own.
     assert gathered_bytes(model, 2.0, 2.0) == (2 + 2) * root + (2 * 2 + 2) * layer
+
+
+def test_the_traced_model_is_cut_into_one_piece_per_layer() -> None:
+    """Beside tensor parallelism ZeRO-3 shards the traced model's pieces (TracedUnits): one per layer, holding
+    that layer's parameters only, the root's operations in the pieces between; run in sequence they compute what
+    the model computes. A layer that reads a parameter of the root (a piece recomputes what it reads of the
+    parameters) is refused in one line."""
+    spec = load_model("zoo:gpt-tiny")
+    torch.manual_seed(0)
+    model = spec.build()
+    units = traced_units(trace(model, spec.example_inputs, batch_size=2), model)
+    assert len(units.units) == len(model.transformer.h) and len(units.pieces) == len(units.units) + 2
+    for k, i in enumerate(units.units):
+        assert {id(p) for p in units.pieces[i].parameters()} == {id(p) for p in model.transformer.h[k].parameters()}
+    (ids,) = spec.example_inputs(2)
+    assert torch.equal(units(ids), model(ids))
+    assert set(units.named_tensors()) >= {n for n, _ in model.named_parameters()}
+
+    class Layer(nn.Linear):
+        def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return super().forward(x) + bias
+
+    class Shared(nn.Module):  # every layer adds a value made of the model's own parameter
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(8))
+            self.layers = nn.ModuleList(Layer(8, 8) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            bias = self.bias * 2
+            for layer in self.layers:
+                x = layer(x, bias)
+            return x
+
+    shared = Shared()
+    with pytest.raises(PlanError, match=r"'bias' is read inside a unit it does not belong to; plan it with ZeRO-1"):
+        traced_units(trace(shared, lambda b: (torch.randn(b, 8),), batch_size=2), shared)
 
 
 def test_checkpointing_units_recomputes_the_blocks_each_layer_spans() -> None:
