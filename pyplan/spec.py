@@ -22,7 +22,8 @@ def cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
     language model's (B, T, V) logits, B for a classifier's (B, C)); `output` is the logits, or an output holding
     them as `.logits` (a transformers ModelOutput). Beside tensor parallelism it runs on each rank's slice of the
     vocabulary (pyplan.runtime.tensor_parallel.VocabParallelLoss), as torchtitan's `loss_parallel` does."""
-    logits = output if isinstance(output, torch.Tensor) else output.logits
+    # (A Proxy when torch.fx traces the loss with the model: the logits themselves.)
+    logits = output if isinstance(output, (torch.Tensor, torch.fx.Proxy)) else output.logits
     return torch.nn.functional.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 

@@ -145,17 +145,17 @@ def traced_units(graph: LayerGraph, model: nn.Module) -> TracedUnits:
     chain = linearize(graph, positions=bounds[1:-1])
     pieces = [piece(chain, i, i + 1) for i in range(len(chain))]
     # FSDP2 shards every parameter a unit's piece holds with that unit: each must be the unit's own, and read by
-    # no other piece (which would find it sharded).
-    modules = dict(model.named_modules())
-    owner = {id(p): path for path, _ in ordered for p in modules[path].parameters()}
+    # no other piece (which would find it sharded). By name: the pieces hold the graph's parameters under the
+    # model's names (a graph torch.export captured holds its own).
     mine = {i: path for i, (path, _) in zip(units, ordered)}
     for i, pc in enumerate(pieces):
-        for name, p in pc.named_parameters():
-            if owner.get(id(p)) != mine.get(i):
+        for name, _ in pc.named_parameters(remove_duplicate=False):
+            owner = next((path for path, _ in ordered if name.startswith(path + ".")), None)
+            if owner != mine.get(i):
                 raise PlanError(
                     f"ZeRO-3 beside tensor parallelism shards the traced model unit by unit, and '{name}' is read "
-                    f"{'outside its unit' if id(p) in owner else 'inside a unit it does not belong to'}; plan it "
-                    "with ZeRO-1 (--zero 1)"
+                    f"{'outside its unit' if owner else 'inside a unit it does not belong to'}; plan it with ZeRO-1 "
+                    "(--zero 1)"
                 )
     return TracedUnits(pieces, units)
 
