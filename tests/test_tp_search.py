@@ -256,7 +256,8 @@ def test_the_cli_plans_shows_and_emits_a_tp_plan(tmp_path: Path, capsys: pytest.
 
 
 def test_inspect_shows_how_a_degree_splits_the_model(capsys: pytest.CaptureFixture[str]) -> None:
-    """`pyplan inspect --tp T`: each split module's style, what stays whole and why, sequence parallelism."""
+    """`pyplan inspect --tp T`: each split module's style, what stays whole and why, sequence parallelism, the
+    loss on each rank's slice of the vocabulary."""
     assert main(["inspect", "zoo:gpt-tiny", "--analytic", "--tp", "8", "--json"]) == 0
     tp = json.loads(capsys.readouterr().out)["tensor_parallel"]
     assert (
@@ -268,5 +269,7 @@ def test_inspect_shows_how_a_degree_splits_the_model(capsys: pytest.CaptureFixtu
     out = capsys.readouterr().out
     assert "tensor parallelism 2: 10 modules split" in out and "3 fused pieces, each split" in out
     assert "sequence parallelism: yes" in out
+    assert "loss: on each rank's 1/2 of the vocabulary" in out
+    assert tp["vocab_parallel_loss"]
     assert main(["inspect", "zoo:gpt-tiny", "--analytic", "--tp", "1"]) == 2
     assert "--tp takes a degree from 2 to 1024, got 1" in capsys.readouterr().err

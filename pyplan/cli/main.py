@@ -28,7 +28,7 @@ from pyplan.emit.script import write_script
 from pyplan.errors import PlanError
 from pyplan.graph.linearize import linearize
 from pyplan.graph.sequence_parallel import sequence_zone
-from pyplan.graph.tensor_parallel import derive_tp_plan, read_tp_plan
+from pyplan.graph.tensor_parallel import derive_tp_plan, read_tp_plan, vocab_parallel_loss
 from pyplan.graph.trace import trace
 from pyplan.hardware.cluster import Cluster
 from pyplan.load import load_model
@@ -97,7 +97,8 @@ def _inspect(args: argparse.Namespace) -> int:
     )
     if args.tp is not None:
         plan = derive_tp_plan(graph)
-        data["tensor_parallel"] = tensor_parallel_data(plan, sequence_zone(graph, plan, args.tp), args.tp)
+        vocab = vocab_parallel_loss(graph, plan, args.tp, spec.loss)
+        data["tensor_parallel"] = tensor_parallel_data(plan, sequence_zone(graph, plan, args.tp), args.tp, vocab)
     if args.json:
         print(json.dumps(data, indent=2))
     else:

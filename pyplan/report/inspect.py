@@ -116,9 +116,10 @@ def render_inspect(data: dict[str, Any], console: Console) -> None:
     console.print(table)
 
 
-def tensor_parallel_data(plan: TpPlan, zone: SequenceZone, degree: int) -> dict[str, Any]:
+def tensor_parallel_data(plan: TpPlan, zone: SequenceZone, degree: int, vocab_loss: bool = False) -> dict[str, Any]:
     """How the model splits at `degree` (`pyplan inspect --tp`, the "tensor_parallel" key of its JSON): every split
-    module's style, fused pieces, every Linear left whole with the reason, and sequence parallelism."""
+    module's style, fused pieces, every Linear left whole with the reason, sequence parallelism, and whether the
+    loss runs on each rank's slice of the vocabulary (`vocab_loss`, `vocab_parallel_loss`)."""
     styles = plan.styles(degree)
     pieces = {m: n for r in plan.regions if r.splits_at(degree) for m, n in r.parts.items()}
     whole = dict(plan.replicated)
@@ -137,6 +138,7 @@ def tensor_parallel_data(plan: TpPlan, zone: SequenceZone, degree: int) -> dict[
         "sequence_parallel": bool(zone),
         "sequence_parallel_reason": zone.reason,
         "partial_gradients": list(zone.params),
+        "vocab_parallel_loss": vocab_loss,
     }
 
 
@@ -160,3 +162,11 @@ def render_tensor_parallel(data: dict[str, Any], console: Console) -> None:
         )
     else:
         console.print(f"sequence parallelism: no; {data['sequence_parallel_reason']}", markup=False)
+    if data["vocab_parallel_loss"]:
+        console.print(f"loss: on each rank's 1/{data['degree']} of the vocabulary (the logits are never gathered)")
+    else:
+        console.print(
+            "loss: on the logits gathered whole (only pyplan.cross_entropy over a split output layer's logits "
+            "runs on each rank's slice of the vocabulary)",
+            markup=False,
+        )
