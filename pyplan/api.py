@@ -253,7 +253,8 @@ def search(
                                                                          sequence_parallel, how, cluster):  # fmt: skip
         say(f"tensor parallelism {degree}")
         found_t, plain_t, relaxed_t, _ = how.plans(chain_t, cluster_t, lambda step: None, zero_stages=TP_ZERO_STAGES,
-                                                   local_numel=_local_numel(model, styles, degree))  # fmt: skip
+                                                   local_numel=_local_numel(model, styles, degree),
+                                                   sync_after_backward=True)  # fmt: skip
         every += [_with_tp(p, degree, styles, comm, sp) for p in found_t]
         runs.append((plain_t, relaxed_t))
     plain, relaxed = runs[0]
@@ -296,11 +297,16 @@ class _How:
         *,
         zero_stages: Sequence[int] = ZERO_STAGES,
         local_numel: Callable[[str], float] | None = None,
+        sync_after_backward: bool = False,
     ) -> tuple[list[Plan], Any, list[Any], _Refiner]:
         """The refined plans of `chain` on `cluster` that fit, with the C++ searches' results and the refiner;
         `zero_stages` narrows the ZeRO stages searched; `local_numel` (a parameter's name -> the elements one rank
-        holds) sizes ZeRO-3's gathered units beside tensor parallelism."""
+        holds) sizes ZeRO-3's gathered units beside tensor parallelism; `sync_after_backward`: the replicas'
+        gradients (ZeRO 0 and 1) are averaged after the backward, not during it, as beside tensor parallelism (DDP
+        takes no DTensors: pyplan/runtime/trainer.py)."""
         space = _Space.of(chain, cluster, self.workload, self.objective, self.memory_fraction)
+        if sync_after_backward:
+            space = replace(space, host={**space.host, "sync_overlaps_backward": False})
         pins = {**self.pins, "zero_stages": [z for z in self.pins["zero_stages"] or ZERO_STAGES if z in zero_stages]}
         refiner = _Refiner.of(
             space, self.model, self.examples, self.remat, self.offload, self.offload_bw_bytes_per_s, local_numel

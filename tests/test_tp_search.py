@@ -97,6 +97,16 @@ def test_zero3_beside_tp_shards_each_ranks_split_tensors() -> None:
     assert gathered_bytes(model, 2.0, 4.0, local) == (2 + 4) * root + (2 * 2 + 4) * unit
 
 
+def test_beside_tp_the_replicas_average_their_gradients_after_the_backward() -> None:
+    """DDP takes no DTensors: beside tensor parallelism the runtime all-reduces the replicas' gradients after the
+    backward (ZeRO 0 and 1), so the plan exposes that time, where DDP at tp 1 hides it under the backward."""
+    spec, model = _gpt()
+    kw = dict(loss=spec.loss, target=spec.target, stage_dag=False, top_k=1, data_parallel=(4,), pipeline_ranks=(1,),
+              zero_stages=(0,), micro_batch_sizes=(4,))  # fmt: skip
+    one, two = (search(model, spec.example_inputs, CLUSTER, WORKLOAD, tensor_parallel=(t,), **kw).best for t in (1, 2))
+    assert one.predicted.exposed_comm_s == 0 < two.predicted.exposed_comm_s
+
+
 def test_the_loss_runs_on_each_ranks_slice_of_the_vocabulary() -> None:
     """gpt-tiny's loss is pyplan's cross-entropy over its logits: at tp 2 it runs on each rank's half of the
     vocabulary (torchtitan's loss_parallel), so the last stage saves half the loss's log-softmax and the logits are
