@@ -4,7 +4,8 @@ Run: `python benchmarks/published.py [--cases NAME ...] [--json PATH]` (needs tr
 2 cores). Sources, conversions and a recorded run: benchmarks/PUBLISHED.md.
 
 Table 1, throughput. Each published run (tokens/s per GPU measured on A100s and H100s with FSDP FULL_SHARD, i.e.
-ZeRO-3, one of them beside tensor parallelism) is planned as it ran, in a process of its own: its model built from
+ZeRO-3, one of them beside tensor parallelism; and Megatron-Core's ZeRO-1 on H100s, beside tensor parallelism for
+one model) is planned as it ran, in a process of its own: its model built from
 a Hugging Face config on the meta device (MPT as the GPT-2 config with the same tensors), `pyplan.search` on the
 catalog GPU restricted to the run's ZeRO stage, micro-batch size and tensor-parallel degree, with `remat="full"`
 where the run checkpointed every layer, `"selective"` where it ran torchtitan's op policy on every layer, `"none"`
@@ -12,7 +13,8 @@ otherwise, at the published global batch; of every plan found, the one with the 
 micro-batch, gradient-accumulation steps, ZeRO stage) is read.
 pyplan's tokens/s per GPU = global batch x sequence length / predicted iteration time / GPUs. Where that layout is
 not among the plans the row says so. Rows that rely on what pyplan does not model (FP8, torch.compile, a GPU
-outside the catalog) stay in the table with the reason, and out of the statistics.
+outside the catalog, software older than the GPU, another framework's runtime) stay in the table with the reason,
+and out of the statistics.
 Targets: median |predicted/published - 1| <= 15 %, worst <= 35 %, every published configuration feasible (its
 memory within the GPU's; the share of the GPU is printed, and a note marks rows over pyplan's default 90 %).
 
@@ -62,6 +64,10 @@ SOURCES: dict[str, str] = {
     "(seq_len, compile = false)",
     "TT-H100": "torchtitan, docs/performance.md (pytorch/torchtitan at eaea6f6a), Tables 1, 3 and 4 (Llama 3.1 on "
     "H100 96GB HBM2e at 500 W, torch 1963fc8 of 2024-12-23)",
+    "DGXC": "NVIDIA DGX Cloud Performance Recipes (NVIDIA/dgxc-benchmarking): tag v25.02.02, "
+    "llama3/finetuning/README_8b.md (Llama 3 8B SFT BF16, container nemo:24.12; recipe llama3_finetune.py, NeMo "
+    "llama3_8b.finetune_recipe(peft_scheme=None, performance_mode=True)); tag v25.04.02, nemotron/README.md "
+    "(Nemotron-4 15B pre-training BF16, NeMo 25.02.01; NeMo scripts/llm/performance/pretrain_nemotron4_15b.py)",
 }
 
 # The MPT benchmark configurations are GPT-2's tensors exactly (learned positions up to the sequence length, biases,
@@ -82,7 +88,14 @@ LLAMA3_70B = (
     "hf:llama:hidden_size=8192,intermediate_size=28672,num_hidden_layers=80,num_attention_heads=64,"
     "num_key_value_heads=8,vocab_size=128256,max_position_embeddings=8192,seq_len=8192"
 )
+# Nemotron-4 15B: transformers' NemotronConfig defaults are its shapes (6144 wide, 32 layers, 48 heads of 128,
+# squared-ReLU MLP of 24576, LayerNorm1P, half rotary, untied 256000 vocabulary, no biases) but for its 8 key-value
+# groups (NeMo's Nemotron4Config15B, num_query_groups 8). Its parameters counted from that configuration:
+# 3,145,728,000 in the two embeddings and 12,483,047,424 in the rest (the technical report, arXiv:2402.16819,
+# Table 1: 3.2B embedding and 12.5B non-embedding parameters).
+NEMOTRON4_15B = "hf:nemotron:num_key_value_heads=8,seq_len=4096"
 CASE = {c.name: c for c in CASES}
+LLAMA3_8B_4K = CASE["llama-3-8b"].ref.replace("seq_len=8192", "seq_len=4096")
 A100_BF16, H100_BF16, H100_FP8 = 312e12, 989.5e12, 1979e12  # the peaks the sources' MFU divides by
 # torchtitan's H100s: 96 GB of HBM2e at 2.4 TB/s (docs/performance.md); peak FLOP/s "between SXM and NVL", unknown.
 H100_96G = "h100-96g-hbm2e-500w"
@@ -94,8 +107,9 @@ class Run:
 
     `tokens_per_s_per_gpu`, `mfu` and `memory_gib` are the source's figures; `peak_flops` is the peak its MFU divides
     by, so that `mfu_from_throughput` (the source's formula, 6N + 12·layers·hidden·seq FLOPs per token) checks the
-    transcription. `excluded` says why a row stays out of the statistics; `tp` is the run's tensor-parallel degree
-    (its dp replicas of tp GPUs each).
+    transcription; where the source's MFU counts other FLOPs, `flops_per_token` is its model FLOPs per token.
+    `excluded` says why a row stays out of the statistics; `tp` is the run's tensor-parallel degree (its dp replicas
+    of tp GPUs each).
     """
 
     name: str
@@ -122,6 +136,7 @@ class Run:
     note: str = ""
     excluded: str = ""
     tp: int = 1
+    flops_per_token: float | None = None
 
     def __post_init__(self) -> None:
         if self.replicas * self.micro_batch * self.grad_accum != self.global_batch:
@@ -143,7 +158,9 @@ class Run:
     def mfu_from_throughput(self) -> float | None:
         if self.peak_flops is None:
             return None
-        flops_per_token = 6 * self.published_params + 12 * self.layers * self.hidden * self.seq_len
+        flops_per_token = self.flops_per_token
+        if flops_per_token is None:
+            flops_per_token = 6 * self.published_params + 12 * self.layers * self.hidden * self.seq_len
         return self.tokens_per_s_per_gpu * flops_per_token / self.peak_flops
 
 
@@ -152,6 +169,21 @@ def _mpt(name: str, size: str, d: int, n: int, h: int, params: int, gpu: str, ta
 
 
 LF_H100, LF_A100_80, LF_A100_40 = "H100 80GB BF16", "A100 80GB", "A100 40GB"
+# Megatron-Core's runtime, which pyplan does not plan for: its ZeRO-1 keeps 16-bit weights and gradients with fp32
+# master weights in the sharded optimizer (pyplan's ZeRO-1 runs autocast over fp32 weights: 4 + 4 + 8/N bytes a
+# parameter), overlaps the replicas' gradient reduction with the backward (beside tp pyplan's runtime all-reduces
+# after it) and fuses the elementwise kernels (Transformer Engine).
+DGXC_RUNTIME = (
+    "Megatron-Core's runtime: 16-bit weights with fp32 master weights in the sharded optimizer, gradient "
+    "reduction overlapped with the backward beside tp, Transformer Engine's fused kernels"
+)
+# The 2023 H100 rows ran Hopper on software written for Ampere; pyplan prices a GPU as current software runs it.
+LF_H100_STACK = (
+    "2023 software on Hopper, which pyplan does not model: the image mosaicml/pytorch:2.0.1_cu118 "
+    "(scripts/train/benchmarking/h100_benchmarks.sh) and MPT's triton flash attention, kernels without Hopper's "
+    "warpgroup MMA (FlashAttention-2 on H100: 35 % of peak, Shah et al. 2024); these runs reach 38-46 % MFU where "
+    "the same tables' A100 runs reach 51-64 % and 2025 software on H100 56-59 % ([DGXC] rows)"
+)
 RUNS: tuple[Run, ...] = (
     # llm-foundry, A100 80GB (amp_bf16, FSDP mixed precision DEFAULT, except 70b: bf16 PURE); seq 2048.
     _mpt("mpt-1b-a100-80", "1b", 2048, 24, 16, 1_315_950_592, "a100-80g", LF_A100_80, gpus=8, micro_batch=14,
@@ -175,22 +207,28 @@ RUNS: tuple[Run, ...] = (
     # llm-foundry, H100 80GB (amp_bf16, DEFAULT); seq 2048.
     _mpt("mpt-1b-h100", "1b", 2048, 24, 16, 1_315_950_592, "h100-sxm", LF_H100, gpus=8, micro_batch=14,
          grad_accum=1, global_batch=112, seq_len=2048, checkpointing="none", tokens_per_s_per_gpu=45455,
-         mfu=0.4182, peak_flops=H100_BF16),
+         mfu=0.4182, peak_flops=H100_BF16,
+         excluded=LF_H100_STACK),
     _mpt("mpt-3b-h100", "3b", 2560, 32, 20, 2_651_837_440, "h100-sxm", LF_H100, gpus=16, micro_batch=10,
          grad_accum=3, global_batch=480, seq_len=2048, checkpointing="none", tokens_per_s_per_gpu=24142,
-         mfu=0.4373, peak_flops=H100_BF16),
+         mfu=0.4373, peak_flops=H100_BF16,
+         excluded=LF_H100_STACK),
     _mpt("mpt-7b-h100", "7b", 4096, 32, 32, 6_658_859_008, "h100-sxm", LF_H100, gpus=8, micro_batch=6,
          grad_accum=1, global_batch=48, seq_len=2048, checkpointing="none", tokens_per_s_per_gpu=10643,
-         mfu=0.4644, peak_flops=H100_BF16),
+         mfu=0.4644, peak_flops=H100_BF16,
+         excluded=LF_H100_STACK),
     _mpt("mpt-13b-h100", "13b", 5120, 40, 40, 12_853_954_560, "h100-sxm", LF_H100, gpus=8, micro_batch=2,
          grad_accum=1, global_batch=16, seq_len=2048, checkpointing="none", tokens_per_s_per_gpu=4792,
-         mfu=0.3979, peak_flops=H100_BF16),
+         mfu=0.3979, peak_flops=H100_BF16,
+         excluded=LF_H100_STACK),
     _mpt("mpt-30b-h100", "30b", 7168, 48, 56, 29_975_214_080, "h100-sxm", LF_H100, gpus=8, micro_batch=3,
          grad_accum=21, global_batch=504, seq_len=2048, checkpointing="full", tokens_per_s_per_gpu=2002,
-         mfu=0.3811, peak_flops=H100_BF16),
+         mfu=0.3811, peak_flops=H100_BF16,
+         excluded=LF_H100_STACK),
     _mpt("mpt-70b-h100", "70b", 8192, 80, 64, 64_862_437_376, "h100-sxm", LF_H100, gpus=64, micro_batch=8,
          grad_accum=4, global_batch=2048, seq_len=2048, checkpointing="full", tokens_per_s_per_gpu=1039,
-         mfu=0.4257, peak_flops=H100_BF16),
+         mfu=0.4257, peak_flops=H100_BF16,
+         excluded=LF_H100_STACK),
     # llm-foundry, A100 40GB (bf16, FSDP mixed precision PURE); seq 2048.
     _mpt("mpt-1b-a100-40", "1b", 2048, 24, 16, 1_315_950_592, "a100-40g", LF_A100_40, gpus=8, micro_batch=8,
          grad_accum=8, global_batch=512, seq_len=2048, checkpointing="none", tokens_per_s_per_gpu=19271,
@@ -234,6 +272,25 @@ RUNS: tuple[Run, ...] = (
         H100_96G, 256, 16, 1, 512, 8192, "full", 829, memory_gib=71.9, dp=32, tp=8,
         note="FSDP 32 x TP 8 (with sequence parallelism)",
         excluded="torch.compile and Float8; H100 96GB HBM2e at 500 W (planned with h100-sxm's peak)"),
+    # NVIDIA's DGX Cloud recipes, Megatron-Core with Transformer Engine in NeMo containers on DGX H100, BF16:
+    # distributed optimizer (ZeRO-1), no recomputation. MFU as the sources count it (model FLOPs per sequence:
+    # Llama 3 8B SFT 1.84e14, Nemotron-4 15B 3.85e14, sequence 4096; peak 989 TFLOP/s). What 2025 software reaches
+    # on an H100; out of the statistics, their runtime being another than pyplan's (DGXC_RUNTIME).
+    Run("llama3-8b-sft-h100", "DGXC", "Llama3 8b Finetuning SFT BF16", "Llama 3 8B", LLAMA3_8B_4K,
+        CASE["llama-3-8b"].published_params, 32, 4096, "h100-sxm", 8, 1, 4, 32, 4096, "none", 99296 / 8,
+        mfu=0.5638, peak_flops=989e12, flops_per_token=1.84e14 / 4096, zero_stage=1,
+        note="full SFT on SQuAD packed to 4096 tokens (attention within each packed sample; pyplan prices causal "
+        "attention over all 4096); step 1.32 s", excluded=DGXC_RUNTIME),
+    Run("nemotron4-15b-h100x16", "DGXC", "Nemotron4 15b BF16", "Nemotron-4 15B", NEMOTRON4_15B, 15_628_775_424,
+        32, 6144, "h100-sxm", 16, 2, 4, 64, 4096, "none", 98550 / 16, mfu=0.5854, peak_flops=989e12,
+        flops_per_token=3.85e14 / 4096, zero_stage=1, dp=8, tp=2,
+        note="TP 2 with sequence parallelism and TP communication overlapped with the GEMMs (userbuffers), which "
+        "pyplan's runtime does not do; step 2.66 s", excluded=DGXC_RUNTIME),
+    Run("nemotron4-15b-h100x64", "DGXC", "Nemotron4 15b BF16", "Nemotron-4 15B", NEMOTRON4_15B, 15_628_775_424,
+        32, 6144, "h100-sxm", 64, 2, 4, 256, 4096, "none", 392725 / 64, mfu=0.5832, peak_flops=989e12,
+        flops_per_token=3.85e14 / 4096, memory_gib=round(72972500992 / GiB, 1), zero_stage=1, dp=32, tp=2,
+        note="as the 16-GPU row, 8 nodes; memory: the README's example log line of this run (peak_memory_usage, "
+        "step 2.693 s), published step 2.67 s", excluded=DGXC_RUNTIME),
 )  # fmt: skip
 BY_NAME = {r.name: r for r in RUNS}
 
@@ -314,7 +371,11 @@ def plan_run(run: Run, zero_stage: int, *, memory_scale: float = 1.0) -> dict[st
             f"tp{lay.tp} pp{lay.pp} b{lay.micro_batch_size}x{lay.num_microbatches} {lay.schedule} "
             f"ZeRO-{lay.zero_stage}",
         }
-    best = min(same, key=lambda p: p.predicted.iteration_s)
+    # Schedules tie in one stage (GPipe keeps every micro-batch's activations there): the fastest, then the least
+    # memory, as a run without pipeline stages accumulates its micro-batches one after the other.
+    fastest = min(p.predicted.iteration_s for p in same)
+    tied = [p for p in same if p.predicted.iteration_s <= fastest * (1 + 1e-9)]
+    best = min(tied, key=lambda p: p.predicted.peak_memory_bytes)
     pred = best.predicted
     return {
         **out,
@@ -367,8 +428,9 @@ def _published_cell(run: Run) -> str:
 def _config(run: Run) -> str:
     fsdp = "FSDP FULL_SHARD" if run.zero_stage == 3 else f"ZeRO-{run.zero_stage}"
     tp = f" tp{run.tp}" if run.tp > 1 else ""
+    pp = run.gpus // run.replicas // run.tp
     return (
-        f"dp{run.replicas}{tp} pp1 b{run.micro_batch} GA{run.grad_accum}\n{fsdp}, AC {run.checkpointing}\n"
+        f"dp{run.replicas}{tp} pp{pp} b{run.micro_batch} GA{run.grad_accum}\n{fsdp}, AC {run.checkpointing}\n"
         f"seq {run.seq_len}, GB {run.global_batch}"
     )
 
