@@ -61,26 +61,6 @@ def test_accuracy_harness_runs_two_configurations(tmp_path: Path, capsys: pytest
     _check_report(acc, rows, summary, capsys)
 
 
-@pytest.mark.distributed
-def test_accuracy_harness_runs_one_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The one-device matrix (remat and micro-batch/GA on one process; on a GPU where one is), here on the CPU:
-    planned in a process of its own, run in a launch of one rank."""
-    acc = _benchmark()
-    calibration = tmp_path / "local.json"
-    calibration.write_text(json.dumps(CALIBRATION))
-    wanted = {"vgg-tiny 1x1 1F1B b8x4 remat=none", "vgg-tiny 1x1 1F1B b16x2 remat=none"}
-    rows, summary = acc.run(
-        [acc.Case("vgg-tiny", 32, (8, 16))],
-        remats=("none",),
-        protocol=acc.Protocol(steps=1, warmup=0, quiet_blocks=1, max_rounds=1, wait_s=0.0, launches=1),
-        calibration=str(calibration),
-        keep=lambda c: c.label in wanted,
-        matrix="one-cpu",
-    )
-    assert {r.config.label for r in rows} == wanted
-    _check_report(acc, rows, summary, capsys)
-
-
 def _check_report(acc: ModuleType, rows: list[Any], summary: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """Every field of every row and of the summary filled and finite, and the report printed."""
     for row in rows:
