@@ -65,10 +65,13 @@ STYLES = ("ColwiseParallel", "RowwiseParallel", "SequenceParallel")
 # dimension, by normalized name (`_name`): the output is sharded where the sharded inputs are, once shapes are
 # aligned from the right; a replicated operand must broadcast along it (size 1 or absent).
 ELEMENTWISE = frozenset({
-    "abs", "add", "alias", "bfloat16", "clamp", "clone", "contiguous", "detach", "div", "dropout", "erf", "exp",
-    "float", "gelu", "half", "iadd", "imul", "log", "masked_fill", "mul", "native_dropout", "neg", "pow", "relu",
-    "relu_", "rsqrt", "sigmoid", "silu", "sqrt", "sub", "tanh", "to", "truediv", "type_as", "where", "_to_copy",
-    "Dropout", "GELU", "SiLU", "ReLU", "Tanh", "Sigmoid", "Identity",
+    "abs", "add", "alias", "bfloat16", "clamp", "clone", "contiguous", "cos", "detach", "div", "dropout", "elu",
+    "erf", "exp", "expm1", "float", "gelu", "half", "hardsigmoid", "hardswish", "hardtanh", "iadd", "imul",
+    "leaky_relu", "log", "log1p", "masked_fill", "mish", "mul", "native_dropout", "neg", "pow", "reciprocal", "relu",
+    "relu_", "relu6", "rsqrt", "selu", "sigmoid", "silu", "sin", "softplus", "sqrt", "square", "sub", "tanh", "to",
+    "truediv", "type_as", "where", "_to_copy",
+    "Dropout", "ELU", "GELU", "Hardsigmoid", "Hardswish", "Hardtanh", "LeakyReLU", "Mish", "ReLU", "ReLU6", "SELU",
+    "SiLU", "Sigmoid", "Softplus", "Tanh", "Identity",
 })  # fmt: skip
 # How far back (in nodes) a value that must be sharded may lie from the Linears it comes from: farther is the
 # residual stream or an input, never a region's own value.

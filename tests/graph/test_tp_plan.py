@@ -92,6 +92,18 @@ def test_a_bert_splits_its_self_attention_and_intermediate_layers() -> None:
     assert "tied" in plan.replicated["cls.predictions.decoder"]
 
 
+def test_a_squared_relu_mlp_splits_like_any_other() -> None:
+    """Nemotron's MLP (up, squared ReLU, down; no gate): torch.square acts on each element, so the region stands."""
+    graph, _ = _graph(
+        "hf:nemotron:hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,head_dim=16,"
+        "num_key_value_heads=2,vocab_size=100,seq_len=8"
+    )
+    plan = derive_tp_plan(graph)
+    assert plan.styles(2)["model.layers.1.mlp.up_proj"] == "ColwiseParallel"
+    assert plan.styles(2)["model.layers.1.mlp.down_proj"] == "RowwiseParallel"
+    assert not any(name.endswith("mlp.up_proj") for name in plan.replicated)
+
+
 def test_what_has_no_megatron_pattern_stays_whole_with_the_reason() -> None:
     """nn.TransformerEncoder's attention projects Q, K and V with one packed weight and unflattens it: not
     followed, so it stays whole; its feed-forward layers split."""
