@@ -275,6 +275,7 @@ def test_inspect_shows_how_a_degree_splits_the_model(capsys: pytest.CaptureFixtu
     )
     assert tp["whole"]["transformer.h.0.attn.c_attn"] == "8 does not divide 4 (heads or features)"
     assert tp["sequence_parallel"] and "transformer.ln_f.weight" in tp["partial_gradients"]
+    assert tp["region_partial_gradients"] == []  # no norm inside a split region
     assert main(["inspect", "zoo:gpt-tiny", "--analytic", "--tp", "2"]) == 0
     out = capsys.readouterr().out
     assert "tensor parallelism 2: 10 modules split" in out and "3 fused pieces, each split" in out

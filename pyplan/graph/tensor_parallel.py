@@ -73,6 +73,9 @@ ELEMENTWISE = frozenset({
     "Dropout", "ELU", "GELU", "Hardsigmoid", "Hardswish", "Hardtanh", "LeakyReLU", "Mish", "ReLU", "ReLU6", "SELU",
     "SiLU", "Sigmoid", "Softplus", "Tanh", "Identity",
 })  # fmt: skip
+# Reductions over some dimensions, (input, dim, keepdim) as torch and aten take them: followed where they leave the
+# sharded dimension out (a norm over each head's features, Qwen3's QK-norm), refused where they reduce along it.
+REDUCTIONS = frozenset({"mean", "sum", "amax", "amin"})
 # How far back (in nodes) a value that must be sharded may lie from the Linears it comes from: farther is the
 # residual stream or an input, never a region's own value.
 _MAX_WALK = 200
@@ -94,7 +97,9 @@ class Region:
     equal pieces along the sharded dimension (a fused QKV) to their number: each rank takes the same slice of every
     piece. `inputs` are the replicated values the column Linears read (each one all-reduce of its gradient in
     backward), `outputs` the row Linears' nodes (each one all-reduce in forward); `edits` the nodes whose size
-    arguments a rank rewrites (node, argument index, or -1 for a fused split)."""
+    arguments a rank rewrites (node, argument index, or -1 for a fused split). `params` are the whole parameters its
+    operations read beside sharded values (Qwen3's per-head query and key norms): each rank's gradient is a partial
+    sum over its heads, summed over the ranks."""
 
     columns: tuple[str, ...]
     rows: tuple[str, ...]
@@ -104,6 +109,7 @@ class Region:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     edits: tuple[tuple[str, int], ...]
+    params: tuple[str, ...] = ()
 
     def splits_at(self, t: int) -> bool:
         return all(s % t == 0 for s in self.sizes)
@@ -153,6 +159,11 @@ class TpPlan:
         out.update({e.module: "RowwiseParallel" for e in self.embeddings if e.splits_at(t)})
         out.update({o.module: "ColwiseParallel" for o in self.output_layers if o.splits_at(t)})
         return out
+
+    def partial_params(self, t: int) -> tuple[str, ...]:
+        """The whole parameters the regions split at degree t read beside sharded values: each rank's gradient is a
+        partial sum, summed over the ranks."""
+        return tuple(p for r in self.regions if r.splits_at(t) for p in r.params)
 
     def degrees(self, most: int = 8) -> tuple[int, ...]:
         """Every degree up to `most` that splits at least one layer (1 always)."""
@@ -413,6 +424,15 @@ def _through(r: Reader, n: fx.Node, dims: Mapping[str, Any]) -> tuple[Any, int |
     if name == "unsqueeze":
         k = _dim(node_arg(n, 1, "dim"), len(src) + 1)
         return d + (k <= d), None, ()
+    if name in REDUCTIONS:
+        given = node_arg(n, 1, "dim")
+        if given is None or given == []:
+            raise NotSplit(f"'{n.name}' reduces every dimension, the sharded one too")
+        reduced = {_dim(k, len(src)) for k in (given if isinstance(given, (list, tuple)) else (given,))}
+        if d in reduced:
+            raise NotSplit(f"'{n.name}' reduces along the sharded dimension")
+        keepdim = node_arg(n, 2, "keepdim", False)
+        return (d if keepdim else d - sum(k < d for k in reduced)), None, ()
     if name in ("softmax", "_softmax", "log_softmax", "_log_softmax"):
         if _dim(node_arg(n, 1, "dim"), len(src)) == d:
             raise NotSplit(f"'{n.name}' normalizes along the sharded dimension")
@@ -534,6 +554,7 @@ def _follow(r: Reader, entries: set[str]) -> Region | set[str]:
     if not rows:
         raise NotSplit("its values never reach a Linear's input features")
     inputs = tuple(dict.fromkeys(r.linears[e].input.name for e in sorted(entries)))
+    params = _region_params(r, dims)
     return Region(
         columns=tuple(r.linears[e].module for e in sorted(entries, key=list(r.nodes).index)),
         rows=tuple(lin.module for lin in sorted(rows.values(), key=lambda x: list(r.nodes).index(x.node))),
@@ -543,7 +564,35 @@ def _follow(r: Reader, entries: set[str]) -> Region | set[str]:
         inputs=inputs,
         outputs=tuple(sorted(rows, key=list(r.nodes).index)),
         edits=tuple(edits),
+        params=params,
     )
+
+
+def _region_params(r: Reader, dims: Mapping[str, Any]) -> tuple[str, ...]:
+    """The whole parameters the region's operations (`dims`: its sharded nodes) read beside sharded values, by
+    qualified name, directly or through elementwise casts; NotSplit where one is also read outside the region (its
+    gradient there would be counted once per rank)."""
+    params: dict[str, None] = {}
+    reads: set[str] = set(dims)
+    for name in dims:
+        if name in r.linears:  # a column Linear's own weight and bias are split with it
+            continue
+        for a in r.tensor_inputs(r.nodes[name]):
+            chain, path = a, []
+            while chain.name not in dims and chain.op != "get_attr" and len(chain.all_input_nodes) == 1:
+                if op_name(chain, r.gm) not in ELEMENTWISE:
+                    break
+                path.append(chain.name)
+                chain = chain.all_input_nodes[0]
+            if chain.op == "get_attr" and isinstance(r.attr(chain), nn.Parameter):
+                params[str(chain.target)] = None
+                reads.update([chain.name, *path])
+    for n in r.gm.graph.nodes:
+        if n.op == "get_attr" and str(n.target) in params:
+            outside = [u.name for u in n.users if u.name not in reads]
+            if outside:
+                raise NotSplit(f"'{outside[0]}' reads the parameter '{n.target}' outside the region as well")
+    return tuple(params)
 
 
 def _needs_shard(r: Reader, user: fx.Node, a: fx.Node, dims: Mapping[str, Any]) -> bool:

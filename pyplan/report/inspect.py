@@ -138,6 +138,7 @@ def tensor_parallel_data(plan: TpPlan, zone: SequenceZone, degree: int, vocab_lo
         "sequence_parallel": bool(zone),
         "sequence_parallel_reason": zone.reason,
         "partial_gradients": list(zone.params),
+        "region_partial_gradients": list(plan.partial_params(degree)),
         "vocab_parallel_loss": vocab_loss,
     }
 
@@ -155,6 +156,11 @@ def render_tensor_parallel(data: dict[str, Any], console: Console) -> None:
         for module, why in data["whole"].items():
             table.add_row(module, "whole", why)
     console.print(table)
+    if data["region_partial_gradients"]:
+        console.print(
+            f"{len(data['region_partial_gradients'])} parameters read beside each rank's slice of the heads or "
+            "features (a norm per head) have their gradients summed over the ranks"
+        )
     if data["sequence_parallel"]:
         console.print(
             f"sequence parallelism: yes; the values between the split layers hold 1/{data['degree']} of the tokens "

@@ -427,7 +427,10 @@ def apply_tensor_parallel(
     tied = _holders(gm)
     parallelize_module(gm, mesh, styles)
     _tie_and_replicate(gm, mesh, tied)
-    partial = {id(p) for name, p in gm.named_parameters(remove_duplicate=False) if zone and name in zone.params}
+    # Parameters read on each rank's tokens (sequence parallelism) or beside its heads (a per-head norm inside a
+    # region): their gradients are partial sums.
+    summed = set(plan.partial_params(degree)) | set(zone.params if zone else ())
+    partial = {id(p) for name, p in gm.named_parameters(remove_duplicate=False) if name in summed}
     _read_locally(gm, set(styles), partial)
     if zone is not None:
         rewrite(gm, zone, _SeqCollectives(mesh), layers=False)

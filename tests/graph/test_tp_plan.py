@@ -104,6 +104,24 @@ def test_a_squared_relu_mlp_splits_like_any_other() -> None:
     assert not any(name.endswith("mlp.up_proj") for name in plan.replicated)
 
 
+def test_a_norm_over_each_heads_features_stays_inside_the_attention_region() -> None:
+    """Qwen3 normalizes each head's query and key (RMSNorm over the head size: a mean over the last dimension while
+    the heads are sharded), so its attention splits; OLMo-2 normalizes the whole projection (a mean along the
+    sharded dimension), so its attention stays whole, with the reason."""
+    tiny = "hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2," \
+           "vocab_size=100,seq_len=8"  # fmt: skip
+    qwen3 = derive_tp_plan(_graph(f"hf:qwen3:{tiny},head_dim=16")[0])
+    assert {qwen3.styles(2)[f"model.layers.1.self_attn.{x}_proj"] for x in "qkvo"} == {
+        "ColwiseParallel", "RowwiseParallel"}  # fmt: skip
+    assert qwen3.styles(2)["model.layers.1.self_attn.o_proj"] == "RowwiseParallel" and not qwen3.replicated
+    # Each rank normalizes its own heads with the whole norm weight: its gradient there is a partial sum.
+    assert set(qwen3.partial_params(2)) == {
+        f"model.layers.{i}.self_attn.{x}_norm.weight" for i in (0, 1) for x in "qk"}  # fmt: skip
+    olmo2 = derive_tp_plan(_graph(f"hf:olmo2:{tiny}")[0])
+    assert "model.layers.1.self_attn.q_proj" not in olmo2.styles(2)
+    assert "q_norm" in olmo2.replicated["model.layers.1.self_attn.q_proj"]
+
+
 def test_what_has_no_megatron_pattern_stays_whole_with_the_reason() -> None:
     """nn.TransformerEncoder's attention projects Q, K and V with one packed weight and unflattens it: not
     followed, so it stays whole; its feed-forward layers split."""
