@@ -433,6 +433,17 @@ def _through(r: Reader, n: fx.Node, dims: Mapping[str, Any]) -> tuple[Any, int |
             raise NotSplit(f"'{n.name}' reduces along the sharded dimension")
         keepdim = node_arg(n, 2, "keepdim", False)
         return (d if keepdim else d - sum(k < d for k in reduced)), None, ()
+    if name == "select":
+        k = _dim(node_arg(n, 1, "dim"), len(src))
+        if k == d:
+            raise NotSplit(f"'{n.name}' picks along the sharded dimension")
+        return d - (k < d), None, ()
+    if name in ("layer_norm", "LayerNorm"):
+        shape = node_arg(n, 1, "normalized_shape") if n.op != "call_module" else r.gm.get_submodule(
+            str(n.target)).normalized_shape  # fmt: skip
+        if not isinstance(shape, (list, tuple)) or d >= len(src) - len(shape):
+            raise NotSplit(f"'{n.name}' normalizes along the sharded dimension")
+        return d, None, ()
     if name in ("softmax", "_softmax", "log_softmax", "_log_softmax"):
         if _dim(node_arg(n, 1, "dim"), len(src)) == d:
             raise NotSplit(f"'{n.name}' normalizes along the sharded dimension")

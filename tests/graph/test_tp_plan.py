@@ -106,8 +106,8 @@ def test_a_squared_relu_mlp_splits_like_any_other() -> None:
 
 def test_a_norm_over_each_heads_features_stays_inside_the_attention_region() -> None:
     """Qwen3 normalizes each head's query and key (RMSNorm over the head size: a mean over the last dimension while
-    the heads are sharded), so its attention splits; OLMo-2 normalizes the whole projection (a mean along the
-    sharded dimension), so its attention stays whole, with the reason."""
+    the heads are sharded), Persimmon with a LayerNorm, so their attention splits; OLMo-2 normalizes the whole
+    projection (a mean along the sharded dimension), so its attention stays whole, with the reason."""
     tiny = "hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,num_key_value_heads=2," \
            "vocab_size=100,seq_len=8"  # fmt: skip
     qwen3 = derive_tp_plan(_graph(f"hf:qwen3:{tiny},head_dim=16")[0])
@@ -117,6 +117,12 @@ def test_a_norm_over_each_heads_features_stays_inside_the_attention_region() -> 
     # Each rank normalizes its own heads with the whole norm weight: its gradient there is a partial sum.
     assert set(qwen3.partial_params(2)) == {
         f"model.layers.{i}.self_attn.{x}_norm.weight" for i in (0, 1) for x in "qk"}  # fmt: skip
+    # Persimmon: its fused QKV viewed per head and picked by index, a LayerNorm over each head's query and key.
+    persimmon = derive_tp_plan(_graph(f"hf:persimmon:{tiny.replace(',num_key_value_heads=2', '')}")[0])
+    assert persimmon.styles(2)["model.layers.1.self_attn.query_key_value"] == "ColwiseParallel"
+    assert not persimmon.replicated
+    assert {"model.layers.1.self_attn.q_layernorm.weight", "model.layers.1.self_attn.q_layernorm.bias"} <= set(
+        persimmon.partial_params(2))  # fmt: skip
     olmo2 = derive_tp_plan(_graph(f"hf:olmo2:{tiny}")[0])
     assert "model.layers.1.self_attn.q_proj" not in olmo2.styles(2)
     assert "q_norm" in olmo2.replicated["model.layers.1.self_attn.q_proj"]

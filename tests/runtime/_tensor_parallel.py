@@ -69,8 +69,11 @@ NEMOTRON = "hf:nemotron:hidden_size=64,intermediate_size=128,num_hidden_layers=2
 # Qwen3: an RMSNorm over each head's query and key, inside the attention's region.
 QWEN3 = "hf:qwen3:hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4,head_dim=16," \
         "num_key_value_heads=2,vocab_size=100,seq_len=8"  # fmt: skip
+# Persimmon: a fused QKV viewed per head and picked by index (select), a LayerNorm over each head's query and key.
+PERSIMMON = "hf:persimmon:hidden_size=64,intermediate_size=128,num_hidden_layers=2,num_attention_heads=4," \
+            "vocab_size=100,seq_len=8"  # fmt: skip
 # Each tp pair's models: about the same work on both.
-PAIRS = ((LLAMA, LLAMA_TIED, NEMOTRON), (BERT, GPT, HF_GPT2, QWEN3))
+PAIRS = ((LLAMA, LLAMA_TIED, NEMOTRON, PERSIMMON), (BERT, GPT, HF_GPT2, QWEN3))
 BATCH = 4
 MAX_NORM = 0.05  # below every model's gradient norm here: the clipping scales
 LR = 1e-3
@@ -362,9 +365,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     # (GPT-2's Conv1D flattens the tokens before each row output: no sequence parallelism there.)
-    # (Nemotron and Qwen3 with sequence parallelism only: their MLP and norms are what is new there.)
+    # (Nemotron, Qwen3 and Persimmon with sequence parallelism only: their MLP and norms are what is new there.)
+    once = {HF_GPT2: (False,), NEMOTRON: (True,), QWEN3: (True,), PERSIMMON: (True,)}
     configs = [(ref, 1, sp) for ref in PAIRS[mesh["dp"].get_local_rank() % len(PAIRS)]
-               for sp in {HF_GPT2: (False,), NEMOTRON: (True,), QWEN3: (True,)}.get(ref, (False, True))]  # fmt: skip
+               for sp in once.get(ref, (False, True))]  # fmt: skip
     if world == 4:
         configs += [(GPT, 2, False), (GPT, 2, True)]
     results = [{"model": "dropout", "dp": 1, "tp": 2, "rank": rank, **dropout_agrees(mesh["tp"])}]
