@@ -28,7 +28,11 @@ def test_measured_times_are_positive_lines() -> None:
     chain = profile(linearize(trace(model, x)), x, batch_sizes=(4, 8), options=TimingOptions(warmup=1, repeats=3))
     for b in chain.blocks:
         assert b.fwd_time_s is not None and b.bwd_time_s is not None
-        assert b.fwd_time_s(8) > 0 and b.bwd_time_s(8) > 0
+        # A cheap block (the ReLU's backward) may time at 0 once the timer's cost is taken off on a loaded machine;
+        # never below, and the Linears never at 0.
+        assert b.fwd_time_s(8) >= 0 and b.bwd_time_s(8) >= 0
+        if b.param_numel:
+            assert b.fwd_time_s(8) > 0 and b.bwd_time_s(8) > 0
     assert all(p.grad is None for p in model.parameters())
 
 
