@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -19,6 +20,19 @@ EXAMPLES = os.path.join(ROOT, "examples")
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+def finite(value: object) -> bool:
+    """Whether every number in `value` (nested dicts, lists and tuples of numbers, booleans and strings) is finite."""
+    if isinstance(value, bool | str):
+        return True
+    if isinstance(value, int | float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(finite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(finite(v) for v in value)
+    return False
 
 
 def example(name: str) -> ModelSpec:

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import finite
+
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "accuracy.py"
 
 # Fixed figures for the `local` GPU and link: the test checks the harness, not the figures (the benchmark itself
@@ -30,18 +32,6 @@ def _benchmark() -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
-
-
-def _finite(value: object) -> bool:
-    if isinstance(value, bool | str):
-        return True
-    if isinstance(value, int | float):
-        return math.isfinite(value)
-    if isinstance(value, dict):
-        return all(_finite(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return all(_finite(v) for v in value)
-    return False
 
 
 @pytest.mark.distributed
@@ -65,7 +55,7 @@ def _check_report(acc: ModuleType, rows: list[Any], summary: Any, capsys: pytest
     """Every field of every row and of the summary filled and finite, and the report printed."""
     for row in rows:
         fields = dataclasses.asdict(row)
-        assert _finite(fields), fields
+        assert finite(fields), fields
         assert row.predicted_s > 0 and row.measured_s > 0 and row.steps == 1
         assert row.predicted_bytes > 0 and row.measured_bytes > 0 and row.measured_activation_bytes > 0
         assert math.isfinite(row.time_error) and math.isfinite(row.memory_error)

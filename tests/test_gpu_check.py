@@ -4,26 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import finite
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-
-
-def _finite(value: object) -> bool:
-    if isinstance(value, bool | str):
-        return True
-    if isinstance(value, int | float):
-        return math.isfinite(value)
-    if isinstance(value, dict):
-        return all(_finite(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return all(_finite(v) for v in value)
-    return False
 
 
 @pytest.mark.distributed
@@ -61,13 +50,13 @@ def test_every_check_runs_on_the_cpu_and_writes_its_result(tmp_path: Path) -> No
     report = results["accuracy"]["runs"]["vgg-tiny"]["report"]
     assert {(r["config"]["remat"], r["config"]["pp"]) for r in report["rows"]} == {("none", 1), ("full", 1)}
     for row in report["rows"]:
-        assert _finite(row), row
+        assert finite(row), row
         assert row["predicted_s"] > 0 and row["measured_s"] > 0 and row["steps"] == 1
         assert row["predicted_bytes"] > 0 and row["measured_bytes"] > 0 and row["measured_activation_bytes"] > 0
         assert len(row["rank_bytes_error"]) == 1
     summary = report["summary"]
     assert summary["decisions"] and len(summary["targets"]) == 4
-    assert all(_finite(summary[k]) for k in ("time_median", "time_worst", "memory_median", "memory_worst"))
+    assert all(finite(summary[k]) for k in ("time_median", "time_worst", "memory_median", "memory_worst"))
     # The table the script prints last names every check.
     assert all(check in done.stdout for check in results)
     # Priced again from the stored result (as after a change to the model, with no GPU): the same figures.

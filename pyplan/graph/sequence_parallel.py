@@ -41,7 +41,16 @@ import torch
 from torch import fx, nn
 
 from pyplan.graph.layergraph import LayerGraph
-from pyplan.graph.tensor_parallel import ELEMENTWISE, NotSplit, Reader, TpPlan, aligned_inputs, node_arg, op_name
+from pyplan.graph.tensor_parallel import (
+    ELEMENTWISE,
+    NotSplit,
+    Reader,
+    TpPlan,
+    aligned_inputs,
+    node_arg,
+    op_name,
+    source_through_casts,
+)
 
 __all__ = ["SeqOps", "SequenceZone", "ShapeOps", "rewrite", "sequence_zone"]
 
@@ -240,14 +249,11 @@ def _with_params(r: Reader, zone: SequenceZone) -> SequenceZone:
         for a in r.tensor_inputs(n):
             if a.name in zone.dims or a.name in zone.split.get(name, {}) or a.name not in needs_grad:
                 continue
-            chain = a
-            while chain.op != "get_attr" and len(chain.all_input_nodes) == 1 and op_name(chain, r.gm) in ELEMENTWISE:
-                reads.add(chain.name)
-                chain = chain.all_input_nodes[0]
-            if chain.op != "get_attr":
+            source, path = source_through_casts(r, a)
+            if source.op != "get_attr":
                 raise NotSplit(f"'{name}' combines its tokens with '{a.name}', which has a gradient of its own")
-            reads.add(chain.name)
-            params[str(chain.target)] = None
+            reads.update(path)
+            params[str(source.target)] = None
     zone_nodes = set(zone.dims) | reads
     for n in r.gm.graph.nodes:
         if n.name in zone_nodes:

@@ -439,8 +439,10 @@ def _through(r: Reader, n: fx.Node, dims: Mapping[str, Any]) -> tuple[Any, int |
             raise NotSplit(f"'{n.name}' picks along the sharded dimension")
         return d - (k < d), None, ()
     if name in ("layer_norm", "LayerNorm"):
-        shape = node_arg(n, 1, "normalized_shape") if n.op != "call_module" else r.gm.get_submodule(
-            str(n.target)).normalized_shape  # fmt: skip
+        if n.op == "call_module":
+            shape = r.gm.get_submodule(str(n.target)).normalized_shape
+        else:
+            shape = node_arg(n, 1, "normalized_shape")
         if not isinstance(shape, (list, tuple)) or d >= len(src) - len(shape):
             raise NotSplit(f"'{n.name}' normalizes along the sharded dimension")
         return d, None, ()
@@ -589,21 +591,28 @@ def _region_params(r: Reader, dims: Mapping[str, Any]) -> tuple[str, ...]:
         if name in r.linears:  # a column Linear's own weight and bias are split with it
             continue
         for a in r.tensor_inputs(r.nodes[name]):
-            chain, path = a, []
-            while chain.name not in dims and chain.op != "get_attr" and len(chain.all_input_nodes) == 1:
-                if op_name(chain, r.gm) not in ELEMENTWISE:
-                    break
-                path.append(chain.name)
-                chain = chain.all_input_nodes[0]
-            if chain.op == "get_attr" and isinstance(r.attr(chain), nn.Parameter):
-                params[str(chain.target)] = None
-                reads.update([chain.name, *path])
+            if a.name in dims:
+                continue
+            source, path = source_through_casts(r, a)
+            if source.op == "get_attr" and isinstance(r.attr(source), nn.Parameter):
+                params[str(source.target)] = None
+                reads.update(path)
     for n in r.gm.graph.nodes:
         if n.op == "get_attr" and str(n.target) in params:
             outside = [u.name for u in n.users if u.name not in reads]
             if outside:
                 raise NotSplit(f"'{outside[0]}' reads the parameter '{n.target}' outside the region as well")
     return tuple(params)
+
+
+def source_through_casts(r: Reader, a: fx.Node) -> tuple[fx.Node, list[str]]:
+    """The node `a` comes from through single-input elementwise operations (casts, a norm weight's `+ 1`), with
+    the names of the nodes on the way, itself and `a` included."""
+    path = [a.name]
+    while a.op != "get_attr" and len(a.all_input_nodes) == 1 and op_name(a, r.gm) in ELEMENTWISE:
+        a = a.all_input_nodes[0]
+        path.append(a.name)
+    return a, path
 
 
 def _needs_shard(r: Reader, user: fx.Node, a: fx.Node, dims: Mapping[str, Any]) -> bool:
