@@ -345,7 +345,9 @@ def test_quick_calibration_end_to_end(cache: Path, capsys: pytest.CaptureFixture
     # ~0.2 ms per micro-batch, ~50 us per message, ~0.5 ms per step, AdamW ~35 us per tensor).
     host = local_host_costs()
     assert host is not None and not host.sync_overlaps_backward
-    assert 0 < host.stage_forward_s < 0.01 and 0 < host.stage_backward_s < 0.01
+    # The forward chunk's extra is timed directly; the backward's is a difference of two step times, which a loaded
+    # 2-core host can bring to 0.
+    assert 0 < host.stage_forward_s < 0.01 and 0 <= host.stage_backward_s < 0.01
     assert 0 < host.message_s < 0.01 and 0 < host.step_s < 0.05
     assert set(host.optimizer) == {"sgd", "sgd-momentum", "adam", "adamw"}
     assert host.optimizer["adamw"].tensor_s > host.optimizer["sgd"].tensor_s > 0
