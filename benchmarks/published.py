@@ -137,6 +137,7 @@ class Run:
     excluded: str = ""
     tp: int = 1
     flops_per_token: float | None = None
+    precision: str = "bf16-mixed"
 
     def __post_init__(self) -> None:
         if self.replicas * self.micro_batch * self.grad_accum != self.global_batch:
@@ -278,7 +279,7 @@ RUNS: tuple[Run, ...] = (
     # on an H100; out of the statistics, their runtime being another than pyplan's (DGXC_RUNTIME).
     Run("llama3-8b-sft-h100", "DGXC", "Llama3 8b Finetuning SFT BF16", "Llama 3 8B", LLAMA3_8B_4K,
         CASE["llama-3-8b"].published_params, 32, 4096, "h100-sxm", 8, 1, 4, 32, 4096, "none", 99296 / 8,
-        mfu=0.5638, peak_flops=989e12, flops_per_token=1.84e14 / 4096, zero_stage=1,
+        mfu=0.5638, peak_flops=989e12, flops_per_token=1.84e14 / 4096, zero_stage=1, precision="bf16-master",
         note="full SFT on SQuAD packed to 4096 tokens (attention within each packed sample; pyplan prices causal "
         "attention over all 4096); step 1.32 s", excluded=DGXC_RUNTIME),
     Run("nemotron4-15b-h100x16", "DGXC", "Nemotron4 15b BF16", "Nemotron-4 15B", NEMOTRON4_15B, 15_628_775_424,
@@ -338,7 +339,7 @@ def plan_run(run: Run, zero_stage: int, *, memory_scale: float = 1.0) -> dict[st
             model,
             spec.example_inputs,
             Cluster.from_catalog(gpu, run.gpus),
-            Workload(global_batch=run.global_batch, precision="bf16-mixed"),
+            Workload(global_batch=run.global_batch, precision=run.precision),
             zero_stages=(zero_stage,),
             micro_batch_sizes=(run.micro_batch,),
             tensor_parallel=(run.tp,),

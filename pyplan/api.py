@@ -22,7 +22,7 @@ from pyplan.graph.tensor_parallel import TpPlan, derive_tp_plan, restrict_tp_pla
 from pyplan.graph.trace import ExampleInputs, Examples, LeafSpec
 from pyplan.hardware.catalog import GPU, Link
 from pyplan.hardware.cluster import Cluster, NodeGroup
-from pyplan.model_state import optimizer_step_bytes
+from pyplan.model_state import MASTER_PRECISIONS, optimizer_step_bytes
 from pyplan.plan import (
     OBJECTIVES,
     PLACEMENTS,
@@ -225,6 +225,7 @@ def search(
                    data_parallel=data_parallel, pipeline_ranks=pipeline_ranks, num_microbatches=num_microbatches,
                    micro_batch_sizes=micro_batch_sizes, stage_cuts=stage_cuts,
                    tensor_parallel=tensor_parallel)  # fmt: skip
+    zero_stages = _master_zero_stages(workload, zero_stages, tensor_parallel)
     profiled_on = "given chain"
     if chain is None:
         say("tracing and profiling")
@@ -247,7 +248,10 @@ def search(
     refiner = None
     if 1 in tensor_parallel:
         say("searching")
-        every, plain, relaxed, refiner = how.plans(chain, cluster, say)
+        # 16-bit weights' fp32 gradients are averaged after the backward (pyplan/runtime/master.py).
+        every, plain, relaxed, refiner = how.plans(
+            chain, cluster, say, sync_after_backward=workload.precision in MASTER_PRECISIONS
+        )
         runs.append((plain, relaxed))
     for degree, chain_t, cluster_t, styles, comm, sp in _tensor_parallel(bare, chain, tensor_parallel, tp_plan,
                                                                          sequence_parallel, how, cluster):  # fmt: skip
@@ -440,6 +444,19 @@ def _check_options(
     unknown = [s for s in schedules if s not in SEARCHED_SCHEDULES]
     if unknown:
         raise PlanError(f"schedule '{unknown[0]}' is not searched; choose from {', '.join(SEARCHED_SCHEDULES)}")
+
+
+def _master_zero_stages(workload: Workload, zero_stages: Sequence[int], tensor_parallel: Sequence[int]) -> list[int]:
+    """The ZeRO stages to search: beside 16-bit weights with fp32 master weights (pyplan/runtime/master.py) the
+    runtime trains ZeRO 0 and 1, without tensor parallelism; one line where nothing the options ask is left."""
+    if workload.precision not in MASTER_PRECISIONS:
+        return list(zero_stages)
+    if any(t > 1 for t in tensor_parallel):
+        raise PlanError(f"{workload.precision} runs without tensor parallelism; plan it with --tp 1, or bf16-mixed")
+    left = [z for z in zero_stages if z in (0, 1)]
+    if not left:
+        raise PlanError(f"{workload.precision} runs under ZeRO 0 or 1; plan it with --zero 1, or bf16-mixed")
+    return left
 
 
 def _trainable(chain: Chain, micro_batch_sizes: Sequence[int], workload: Workload) -> tuple[Chain, Sequence[int]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "MASTER_PRECISIONS",
     "OPTIMIZERS",
     "PRECISIONS",
     "ModelState",
@@ -28,14 +29,29 @@ _STEP_TENSOR = {"adam", "adamw"}
 # DeepSpeed). The totals agree; what ZeRO-1 shards does not: measured on gpt-tiny at dp = 2, 1,423,384 and
 # 1,421,400 bytes held per rank against 1,185,280 under the 2 + 2 + 12 convention, 1,422,336 under this one.
 # ZeRO-3 holds the same fp32 shards under mixed precision; only what it gathers is 16-bit (`ShardedUnitBytes`).
+# "bf16-master" is Megatron-LM's bf16 ("bf16 param, fp32 grads": 18 bytes, 6 + 12/d with its distributed optimizer;
+# Megatron-LM README.md, "Distributed Optimizer"): the model's weights are bf16, each gradient is accumulated in an
+# fp32 buffer, and the optimizer steps fp32 master weights and states (ZeRO-1 shards those 12 bytes).
+# "bf16-master-bf16-grads" accumulates and reduces the gradients in bf16 (NeMo's performance recipes,
+# grad_reduce_in_fp32=False: 4 + 12/d, and an fp32 copy of the replica's gradients while the optimizer steps).
 PRECISIONS: dict[str, tuple[int, int, int | None]] = {
     "fp32": (4, 4, None),
     "bf16-mixed": (4, 4, None),
     "fp16-mixed": (4, 4, None),
+    "bf16-master": (2, 4, 4),
+    "bf16-master-bf16-grads": (2, 2, 4),
 }
+# Precisions whose weights are 16-bit beside fp32 master weights in the optimizer (pyplan/runtime/master.py).
+MASTER_PRECISIONS = ("bf16-master", "bf16-master-bf16-grads")
 
 # 16-bit types of the mixed precisions: ZeRO-3 gathers its units' weights in them.
-_COMPUTE_BYTES: dict[str, int] = {"fp32": 4, "bf16-mixed": 2, "fp16-mixed": 2}
+_COMPUTE_BYTES: dict[str, int] = {
+    "fp32": 4,
+    "bf16-mixed": 2,
+    "fp16-mixed": 2,
+    "bf16-master": 2,
+    "bf16-master-bf16-grads": 2,
+}
 
 
 @dataclass(frozen=True)
@@ -106,13 +122,15 @@ def optimizer_step_bytes(
     them tensor by tensor: measured on mlp-tiny's one-device plans, the step peaked with two such temporaries of its
     largest tensors live beside the whole state (16,384 + 16,640 bytes). On a GPU the foreach path makes them for
     every tensor at once (`torch._foreach_sqrt` of the exp_avg_sq list; from torch's source, not measured here).
-    SGD, with or without momentum, updates in place."""
+    SGD, with or without momentum, updates in place. Beside 16-bit gradients the master weights step with an fp32
+    copy of them, made for all at once (pyplan/runtime/master.py)."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer '{optimizer}'; choose one of {', '.join(OPTIMIZERS)}")
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision '{precision}'; choose one of {', '.join(PRECISIONS)}")
+    weight, grad, master = PRECISIONS[precision]
+    copies = float(master * elements) if master is not None and grad < master else 0.0
     if optimizer not in _STEP_TENSOR:
-        return 0.0
-    weight, _, master = PRECISIONS[precision]
+        return copies
     master_bytes = master if master is not None else weight
-    return float(master_bytes * (elements if foreach else 2 * largest_tensor))
+    return copies + float(master_bytes * (elements if foreach else 2 * largest_tensor))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -334,6 +335,29 @@ def test_zero2_is_not_offered_and_zero3_only_without_pipeline_stages() -> None:
     )
     with pytest.raises(PlanError, match="ZeRO-2 is not offered"):
         Layout(dp=2, pp=1, micro_batch_size=1, num_microbatches=4, schedule="GPipe", cut_positions=(0, 3), zero_stage=2)
+
+
+def test_bf16_master_plans_what_its_runtime_trains() -> None:
+    """16-bit weights beside fp32 master weights: ZeRO 0 and 1 only, without tensor parallelism, the replicas'
+    gradients averaged after the backward; each stage holds 2 + 4 bytes a parameter and the 12 of the master weight
+    and AdamW's states, sharded by ZeRO-1 as the runtime shards them. What it cannot train is one line."""
+    spec = load_model("zoo:gpt-tiny")
+    model, cluster = spec.build(), Cluster.from_catalog("a100-80g", 4)
+    workload = Workload(global_batch=8, precision="bf16-master")
+    found = search(model, spec.example_inputs, cluster, workload, top_k=50)
+    plans = (found.best, *found.alternatives, *found.pareto)
+    assert {p.layout.zero_stage for p in plans} == {0, 1}
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    whole = [p for p in plans if p.layout.pp == 1 and p.layout.dp > 1]
+    assert whole and all(
+        p.stages[0].state_bytes == pytest.approx(stage_state_bytes(shapes, workload, p.layout.dp, p.layout.zero_stage))
+        for p in whole
+    )
+    assert stage_state_bytes(shapes, workload, 1, 0) == 18 * sum(map(math.prod, shapes)) + 4 * len(shapes)
+    with pytest.raises(PlanError, match="bf16-master runs under ZeRO 0 or 1"):
+        search(model, spec.example_inputs, cluster, workload, zero_stages=(3,))
+    with pytest.raises(PlanError, match="bf16-master runs without tensor parallelism"):
+        search(model, spec.example_inputs, cluster, workload, tensor_parallel=(1, 2))
 
 
 def test_a_precision_the_gpu_has_no_kernels_for_is_one_line() -> None:

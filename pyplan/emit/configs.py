@@ -29,6 +29,9 @@ from pyplan.remat_plan import Checkpoint, Keep, Selective, SelectiveCheckpoint
 __all__ = ["FORMATS", "render_config", "stage_starts"]
 
 Notes = list[str]
+# The precisions each tool's bf16 setting stands for: DeepSpeed's and Megatron-LM's bf16 are bf16 weights beside fp32
+# master weights (bf16-master); pyplan's bf16-mixed (autocast over fp32 weights) is written as the same setting.
+_BF16 = ("bf16-mixed", "bf16-master", "bf16-master-bf16-grads")
 
 
 def _remat_kind(layout: Layout) -> str:
@@ -83,7 +86,7 @@ def _torchtitan(doc: PlanFile, starts: Sequence[str]) -> tuple[str, Notes]:
         "[training]",
         f"local_batch_size = {local}",
         f"global_batch_size = {doc.workload.global_batch}",
-        f'mixed_precision_param = "{"bfloat16" if doc.workload.precision == "bf16-mixed" else "float32"}"',
+        f'mixed_precision_param = "{"bfloat16" if doc.workload.precision in _BF16 else "float32"}"',
         "",
         "[activation_checkpoint]",
         f'mode = "{mode}"',
@@ -92,6 +95,11 @@ def _torchtitan(doc: PlanFile, starts: Sequence[str]) -> tuple[str, Notes]:
         lines.append('selective_ac_option = "op"')
     if doc.workload.precision == "fp16-mixed":
         notes.append("fp16 mixed precision has no torchtitan setting: written as float32 parameters")
+    if doc.workload.precision in ("bf16-master", "bf16-master-bf16-grads"):
+        notes.append(
+            "torchtitan keeps fp32 weights and computes in bf16, not bf16 weights beside fp32 master weights: "
+            "written as its bf16 mixed precision, which holds 4 + 4 + 8 bytes a parameter"
+        )
     return "\n".join(lines) + "\n", notes
 
 
@@ -109,7 +117,7 @@ def _deepspeed(doc: PlanFile, starts: Sequence[str]) -> tuple[str, Notes]:
         "gradient_accumulation_steps": lay.num_microbatches,
         "zero_optimization": {"stage": lay.zero_stage},
     }
-    if doc.workload.precision == "bf16-mixed":
+    if doc.workload.precision in _BF16:
         config["bf16"] = {"enabled": True}
     elif doc.workload.precision == "fp16-mixed":
         config["fp16"] = {"enabled": True}
@@ -149,7 +157,7 @@ def _megatron(doc: PlanFile, starts: Sequence[str]) -> tuple[str, Notes]:
     elif lay.zero_stage == 3:
         flags.append("--use-torch-fsdp2")
         notes.append("ZeRO-3 is Megatron's --use-torch-fsdp2 (recent Megatron-LM); older versions have no ZeRO-3")
-    if doc.workload.precision == "bf16-mixed":
+    if doc.workload.precision in _BF16:
         flags.append("--bf16")
     elif doc.workload.precision == "fp16-mixed":
         flags.append("--fp16")

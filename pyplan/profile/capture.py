@@ -34,9 +34,21 @@ from pyplan.profile.tensor_parallel import collective_bytes, collective_times, l
 
 __all__ = ["add_loss", "chain_for", "is_local", "pricing", "timing_options"]
 
-_COMPUTE_DTYPE = {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}
+_COMPUTE_DTYPE = {
+    "fp32": None,
+    "bf16-mixed": "bfloat16",
+    "fp16-mixed": "float16",
+    "bf16-master": "bfloat16",
+    "bf16-master-bf16-grads": "bfloat16",
+}
 # The catalog peak each precision computes at.
-_PEAK_OF = {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "fp32": "fp32"}
+_PEAK_OF = {
+    "bf16-mixed": "bf16",
+    "fp16-mixed": "fp16",
+    "fp32": "fp32",
+    "bf16-master": "bf16",
+    "bf16-master-bf16-grads": "bf16",
+}
 
 
 def pricing(gpu: GPU, roofline: Roofline | None) -> Roofline | None:

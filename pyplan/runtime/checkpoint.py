@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from pyplan._torch import is_strided
 from pyplan.errors import PlanError
+from pyplan.runtime.master import MasterWeights
 from pyplan.runtime.tensor_parallel import full_value, local_value
 
 __all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
@@ -59,7 +60,9 @@ def _state_dict(trainer: _Trainer, step: int) -> tuple[dict[str, Any], dict[str,
     for name, t in tensors.items():
         names.setdefault(id(t), []).append(name)
     out: dict[str, Any] = {f"model.{name}": t for name, t in tensors.items()}
-    for param, state in _local_optimizer(trainer.optimizer).state.items():
+    optimizer = trainer.optimizer
+    held = optimizer.master_state if isinstance(optimizer, MasterWeights) else _local_optimizer(optimizer).state
+    for param, state in held.items():
         for name in names.get(id(param), []):
             for key, value in state.items():
                 out[f"optim.{name}.{key}"] = value
@@ -83,13 +86,19 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer, params: list[nn.Para
     local = _local_optimizer(optimizer)
     if local.state:
         return
-    lrs = [group["lr"] for group in local.param_groups]
-    for group in local.param_groups:
+    # The outer optimizer's groups too: ZeRO-1 over DTensors and MasterWeights hand theirs to `local` at each step.
+    groups = [*local.param_groups, *(optimizer.param_groups if optimizer is not local else [])]
+    lrs = [group["lr"] for group in groups]
+    for group in groups:
         group["lr"] = 0.0
     for p in params:
-        p.grad = torch.zeros_like(p)
+        if isinstance(optimizer, MasterWeights):
+            optimizer.main_grad(p, create=True)  # its gradients are fp32 beside the 16-bit weights
+        else:
+            p.grad = torch.zeros_like(p)
     optimizer.step()
-    for group, lr in zip(local.param_groups, lrs, strict=True):
+    optimizer.zero_grad()
+    for group, lr in zip(groups, lrs, strict=True):
         group["lr"] = lr
     for p in params:
         p.grad = None

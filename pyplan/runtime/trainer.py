@@ -34,6 +34,7 @@ from pyplan.plan import Layout
 from pyplan.runtime.affinity import pin_rank
 from pyplan.runtime.clip import clip_gradients
 from pyplan.runtime.heap import keep_freed_memory
+from pyplan.runtime.master import MasterWeights
 from pyplan.runtime.optim import OptimizerFactory, OptimizerSpec, optimizer_factory
 from pyplan.runtime.sharded import ShardedTrainer, build_sharded_trainer, remat_kind
 from pyplan.runtime.stages import cut_model, local_stages, stage_io, tied_parameters
@@ -66,7 +67,13 @@ __all__ = [
 # Schedules that compute weight gradients with autograd.grad, which skips DDP's and FSDP2's hooks (torch issue
 # #144530, TORCH_FACTS.md): gradients are averaged over dp by hand after the step, and ZeRO-3 is refused.
 _SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-_AUTOCAST = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+# Precisions whose stages hold 16-bit weights beside fp32 master weights in the optimizer (MasterWeights): the
+# weights' dtype and the gradients'.
+_MASTER = {
+    "bf16-master": (torch.bfloat16, torch.float32),
+    "bf16-master-bf16-grads": (torch.bfloat16, torch.bfloat16),
+}
+_AUTOCAST = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16, **dict.fromkeys(_MASTER)}
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
@@ -111,6 +118,7 @@ class PipelineTrainer:
     # 2 x 1: 4.21 MB freed, 3.73 MB in place, as a single process trains).
     zero_in_place: bool = False
     grad_norm: float = float("nan")  # the gradient's norm at the last step that clipped
+    input_dtype: torch.dtype | None = None  # floating inputs cast to the stages' 16-bit weights' dtype
 
     @property
     def dp_rank(self) -> int:
@@ -146,11 +154,14 @@ class PipelineTrainer:
     def _clipped_gradients(self) -> list[tuple[torch.Tensor, float]]:
         """Each gradient of this rank once, with its weight in the norm over the world (`clip_gradients`)."""
         later = {id(p) for params, _, first in self.tied_groups if not first for p in params}
-        return [
-            (p.grad, 0.0 if id(p) in later else self._norm_weight(p.grad))
-            for p in _unique_parameters(self.modules)
-            if p.grad is not None
-        ]
+        return [(g, 0.0 if id(p) in later else self._norm_weight(g)) for p, g in self._gradients()]
+
+    def _gradients(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Each parameter of this rank once with its gradient, where it has one: the fp32 one beside 16-bit
+        weights (MasterWeights)."""
+        if isinstance(self.optimizer, MasterWeights):
+            return self.optimizer.gradients()
+        return [(p, p.grad) for p in _unique_parameters(self.modules) if p.grad is not None]
 
     def _norm_weight(self, g: torch.Tensor) -> float:
         """The weight of a gradient's local square in the norm over the world: the ranks holding the same values
@@ -175,7 +186,7 @@ class PipelineTrainer:
                 samples = self.layout.micro_batch_size * self.layout.num_microbatches
                 target = torch.empty(samples, 0)
             kwargs = {"target": target.to(self.device), "losses": losses}
-        args = tuple(t.to(self.device).contiguous() for t in inputs) if self.has_first else ()
+        args = tuple(_input(t, self.device, self.input_dtype) for t in inputs) if self.has_first else ()
         # return_outputs=False: by default the last stage keeps every micro-batch's output and concatenates them
         # (2·m outputs alive at the end of the step, the logits of a language model); only the losses are needed.
         self.schedule.step(*args, return_outputs=False, **kwargs)
@@ -189,19 +200,25 @@ class PipelineTrainer:
         params = _unique_parameters(self.modules)
         if self.layout.tp > 1:
             sync_gradients(params)  # each gradient in its parameter's layout (pyplan/runtime/tensor_parallel.py)
+        master = self.optimizer if isinstance(self.optimizer, MasterWeights) else None
         if self.manual_grads:
-            # Mean over micro-batches and replicas, once per parameter (see build_trainer).
+            # Mean over micro-batches and replicas, once per parameter (see build_trainer). Every replica joins
+            # each all-reduce: beside 16-bit weights with zeros where its backward made no gradient.
             group = self.mesh["dp"].get_group()
             for p in params:
-                if p.grad is None:
+                g = master.main_grad(p, create=self.layout.dp > 1) if master is not None else p.grad
+                if g is None:
                     continue
-                local = _local(p.grad)
+                local = _local(g)
                 if self.layout.dp > 1:
                     dist.all_reduce(local, group=group)
                 local.div_(self.layout.dp * self.layout.num_microbatches)
         for tied, group, _ in self.tied_groups:
             for p in tied:
                 # Every member must join the collective, with zeros if its copy got no gradient.
+                if master is not None:
+                    dist.all_reduce(master.main_grad(p, create=True), group=group)
+                    continue
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(_local(p.grad), group=group)
@@ -249,6 +266,9 @@ def build_trainer(
     Call on every rank after `dist.init_process_group`, with the same model (same seed) everywhere.
     `precision` "bf16-mixed" or "fp16-mixed" runs every stage under autocast, weights and optimizer in fp32; a plan
     of one stage under ZeRO-3 runs FSDP2's mixed-precision policy instead (pyplan/runtime/sharded.py).
+    "bf16-master" holds bf16 weights, fp32 gradients and fp32 master weights in the optimizer
+    (pyplan/runtime/master.py), under ZeRO 0 or 1 without tensor parallelism; "bf16-master-bf16-grads" the same
+    with bf16 gradients.
     """
     device = device or torch.device("cpu")
     if layout.tp > 1 and layout.zero_stage == 3 and layout.num_stages > 1:
@@ -262,6 +282,10 @@ def build_trainer(
         )
     if precision not in _AUTOCAST:
         raise PlanError(f"unknown precision '{precision}'; choose one of {', '.join(_AUTOCAST)}")
+    if precision in _MASTER:
+        refused = master_refusal(layout)
+        if refused:
+            raise PlanError(f"{precision} {refused}")
     examples = example_inputs if example_inputs is not None else spec.example_inputs
     trainer: PipelineTrainer | ShardedTrainer
     if layout.zero_stage == 3 and layout.num_stages == 1 and layout.dp > 1:
@@ -304,6 +328,7 @@ def _pipeline_trainer(
     The plan is checked against the model (cut_model) before the world: a plan for another model fails the same
     anywhere."""
     split_backward = layout.schedule in _SPLIT_BACKWARD
+    weights, grads = _MASTER.get(precision, (None, None))
     # Tensor parallelism splits the traced graph before it is cut, over the mesh's tp axis: the mesh comes first.
     mesh = build_mesh(layout, device.type) if layout.tp > 1 else None
     losses: list[Any] = []  # the loss the split model trains with (_split_layers)
@@ -330,32 +355,99 @@ def _pipeline_trainer(
     # bypass DDP's hooks, or when two stages on this rank share a parameter (each stage would scale it, and each
     # DDP would reduce it).
     shared = len(_unique_parameters(stages[s] for s in mine)) < sum(len(list(stages[s].parameters())) for s in mine)
-    # DDP takes no DTensor parameters: with tensor parallelism the replicas' gradients are averaged by hand too.
-    manual_grads = split_backward or shared or layout.tp > 1
+    # DDP takes no DTensor parameters: with tensor parallelism the replicas' gradients are averaged by hand too;
+    # and 16-bit weights' fp32 gradients are not the parameters' own (MasterWeights).
+    manual_grads = split_backward or shared or layout.tp > 1 or weights is not None
     if manual_grads and layout.zero_stage == 3 and layout.dp > 1:
         raise PlanError("stages sharing parameters on one rank are not supported with ZeRO-3 yet; use ZeRO 0-1")
-    modules = [_data_parallel(stages[s].to(device), layout, mesh, manual_grads) for s in mine]
+    modules = [_data_parallel(stages[s].to(device, weights), layout, mesh, manual_grads) for s in mine]
     pipeline_stages = [
         PipelineStage(
             module,
             s,
             layout.num_stages,
             device,
-            input_args=tuple(_example(t) for t in io[s][0]),
-            output_args=tuple(_example(t) for t in io[s][1]),
+            input_args=tuple(_example(t, weights) for t in io[s][0]),
+            output_args=tuple(_example(t, weights) for t in io[s][1]),
             group=mesh["pp"].get_group(),
         )
         for s, module in zip(mine, modules)
     ]
-    optimizer = _optimizer(_unique_parameters(modules), layout, make_optimizer, mesh["dp"].get_group())
+    params, dp_group = _unique_parameters(modules), mesh["dp"].get_group()
+    optimizer = (
+        _master_weights(params, layout, make_optimizer, dp_group, grads or torch.float32)
+        if weights is not None
+        else _optimizer(params, layout, make_optimizer, dp_group)
+    )
     cls = get_schedule_class(layout.schedule)
     stage_arg = pipeline_stages[0] if issubclass(cls, PipelineScheduleSingle) else pipeline_stages
     loss_fn = losses[0] if losses else spec.loss or default_loss
+    if weights is not None:
+        loss_fn = _in_fp32(loss_fn)
     schedule = cls(stage_arg, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=not manual_grads)
-    bucket_views = any(isinstance(m, DistributedDataParallel) for m in modules)
+    # Gradients kept in place between steps where the plan counts them held (DDP's buckets; the fp32 gradients of
+    # 16-bit weights over replicas, as Megatron-LM's buffers), freed on one replica.
+    in_place = any(isinstance(m, DistributedDataParallel) for m in modules) or (weights is not None and layout.dp > 1)
     return PipelineTrainer(
-        layout, mesh, mine, modules, optimizer, schedule, device, tied_groups, manual_grads, bucket_views
+        layout,
+        mesh,
+        mine,
+        modules,
+        optimizer,
+        schedule,
+        device,
+        tied_groups,
+        manual_grads,
+        in_place,
+        input_dtype=weights,
     )
+
+
+def master_refusal(layout: Layout) -> str:
+    """Why a layout cannot train 16-bit weights beside fp32 master weights, or "": the runtime's MasterWeights
+    runs under ZeRO 0 and 1, without tensor parallelism, with schedules whose backward reaches autograd's
+    gradient accumulation (not the split-backward ones)."""
+    if layout.zero_stage not in (0, 1):
+        return f"runs under ZeRO 0 or 1, not {layout.zero_stage}; plan it with --zero 1, or with bf16-mixed"
+    if layout.tp > 1:
+        return "runs without tensor parallelism; plan it with --tp 1, or with bf16-mixed"
+    if layout.schedule in _SPLIT_BACKWARD:
+        return f"does not run {layout.schedule} (its weight gradients skip autograd's accumulation); choose another"
+    return ""
+
+
+def _master_weights(
+    params: list[nn.Parameter],
+    layout: Layout,
+    make_optimizer: OptimizerFactory,
+    dp_group: dist.ProcessGroup,
+    grads: torch.dtype,
+) -> MasterWeights:
+    """The optimizer of 16-bit weights: fp32 master weights, sharded over the replicas under ZeRO-1, with the
+    gradients in `grads`."""
+    if not isinstance(make_optimizer, OptimizerSpec):
+        raise PlanError("16-bit weights train through master weights: give the optimizer as an OptimizerSpec")
+    group = dp_group if layout.dp > 1 and layout.zero_stage == 1 else None
+    return MasterWeights(params, make_optimizer, group, grad_dtype=grads)
+
+
+def _in_fp32(loss: Any) -> Any:
+    """`loss` on the last stage's output in fp32 (16-bit logits' cross-entropy loses digits; Megatron-LM casts
+    them too)."""
+
+    def fp32_loss(output: Any, target: Any) -> Any:
+        if isinstance(output, torch.Tensor) and output.is_floating_point():
+            output = output.float()
+        return loss(output, target)
+
+    return fp32_loss
+
+
+def _input(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+    """An input as the first stage takes it: on its device, floating values in the weights' dtype."""
+    if dtype is not None and t.is_floating_point():
+        return t.to(device, dtype).contiguous()
+    return t.to(device).contiguous()
 
 
 def _split_layers(
@@ -413,7 +505,7 @@ def _optimizer(
     )
 
 
-def _example(t: torch.Tensor) -> torch.Tensor:
+def _example(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`t` as PipelineStage's example of a micro-batch: on the meta device, with the strides of a new contiguous
     tensor. Meta: torch up to 2.11 keeps the examples it is given for the life of the stage, and a language model's
     last stage was given a micro-batch of logits (gpt2-small on an H200: 206 MB a sample beyond the plan). Strides:
@@ -421,7 +513,8 @@ def _example(t: torch.Tensor) -> torch.Tensor:
     size-1 dimension (a (1, T) row cut from a (1, T + 1) draw keeps stride T + 1), while PipelineStage compares
     strides exactly on torch 2.11 (seen on an H200: gpt2-small at micro-batch 1, "stride mismatch: expected
     (1025, 1) actual (1024, 1)")."""
-    return t.to("meta").clone(memory_format=torch.contiguous_format)
+    floating = dtype is not None and t.is_floating_point()
+    return t.to("meta", dtype if floating else t.dtype).clone(memory_format=torch.contiguous_format)
 
 
 def _unique_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:

@@ -104,3 +104,12 @@ def test_mixed_precision_adam_is_sixteen_bytes_per_parameter() -> None:
     assert (s.param_bytes, s.grad_bytes, s.optimizer_bytes) == (4000, 4000, 8000 + 12)
     with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
         model_state_bytes(1, 1, optimizer="lion")
+
+
+def test_bf16_master_is_megatrons_eighteen_bytes_per_parameter() -> None:
+    # bf16 weights, fp32 gradients, fp32 master weight and Adam's two states: Megatron-LM's "bf16 param, fp32
+    # grads", 18 bytes (6 + 12/d with its distributed optimizer), plus Adam's step counters.
+    s = model_state_bytes(1000, 3, optimizer="adamw", precision="bf16-master")
+    assert (s.param_bytes, s.grad_bytes, s.optimizer_bytes) == (2000, 4000, 12000 + 12)
+    sgd = model_state_bytes(1000, 3, optimizer="sgd", precision="bf16-master")
+    assert sgd.optimizer_bytes == 4000  # the master weight alone

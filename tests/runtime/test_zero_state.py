@@ -63,3 +63,35 @@ def test_training_resumes_from_a_checkpoint_under_another_layout(launched: dict[
     assert len(resumed) == 4
     for case, (err, norm) in resumed.items():
         assert err < 1e-9 and norm < 1e-9, (case, err, norm)
+
+
+@pytest.mark.distributed
+def test_bf16_master_accumulates_and_averages_fp32_gradients_of_bf16_weights(launched: dict[str, Any]) -> None:
+    """bf16-master at dp 2 (ZeRO 0 and 1) and over 2 pipeline stages: each gradient is a bf16 model's, summed over
+    the micro-batches and averaged over the replicas in fp32. The tied embedding's two uses are summed in fp32 across
+    the pipeline's stages, in bf16 by one process's autograd: within bf16's rounding (2^-8) of it."""
+    master = launched["master"]
+    for case in ("dp 2 ZeRO-0", "dp 2 ZeRO-1", "pp 2"):
+        assert master[case] < 1e-5, (case, master[case])
+    assert master["pp 2 tied"] < 2**-7, master["pp 2 tied"]
+    assert master["dp 2 ZeRO-0 dtype"] == master["dp 2 ZeRO-1 dtype"] == "{torch.float32}"
+
+
+@pytest.mark.distributed
+def test_bf16_master_with_bf16_grads_accumulates_and_reduces_in_bf16(launched: dict[str, Any]) -> None:
+    """NeMo's performance recipes' bf16 (grad_reduce_in_fp32=False): the gradients are bf16, summed and averaged in
+    bf16, so within bf16's rounding (2^-8) of the fp32 sums, not at fp32's."""
+    master = launched["master"]
+    for zero in (0, 1):
+        case = f"dp 2 ZeRO-{zero} bf16 grads"
+        assert master[case + " dtype"] == "{torch.bfloat16}"
+        assert 1e-6 < master[case] < 2**-6, (case, master[case])
+
+
+@pytest.mark.distributed
+def test_bf16_master_resumes_its_fp32_master_weights(launched: dict[str, Any]) -> None:
+    """A checkpoint holds the master weights and their optimizer state, resharded between ZeRO-1 and ZeRO-0: the
+    third step after resuming is the uninterrupted run's (bf16 weights rounded up to fp32 would miss by ~2^-9)."""
+    resumed = launched["master_resumed"]
+    assert set(resumed) == {"dp 2 ZeRO-1 -> dp 2", "dp 2 -> dp 2 ZeRO-1"}
+    assert all(err < 1e-6 for err in resumed.values()), resumed
