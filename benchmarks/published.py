@@ -109,7 +109,8 @@ class Run:
     by, so that `mfu_from_throughput` (the source's formula, 6N + 12·layers·hidden·seq FLOPs per token) checks the
     transcription; where the source's MFU counts other FLOPs, `flops_per_token` is its model FLOPs per token.
     `excluded` says why a row stays out of the statistics; `tp` is the run's tensor-parallel degree (its dp replicas
-    of tp GPUs each).
+    of tp GPUs each); `precision` pyplan's name for the run's (bf16 autocast over fp32 weights unless it says
+    otherwise).
     """
 
     name: str
@@ -170,13 +171,12 @@ def _mpt(name: str, size: str, d: int, n: int, h: int, params: int, gpu: str, ta
 
 
 LF_H100, LF_A100_80, LF_A100_40 = "H100 80GB BF16", "A100 80GB", "A100 40GB"
-# Megatron-Core's runtime, which pyplan does not plan for: its ZeRO-1 keeps 16-bit weights and gradients with fp32
-# master weights in the sharded optimizer (pyplan's ZeRO-1 runs autocast over fp32 weights: 4 + 4 + 8/N bytes a
-# parameter), overlaps the replicas' gradient reduction with the backward (beside tp pyplan's runtime all-reduces
-# after it) and fuses the elementwise kernels (Transformer Engine).
+# Megatron-Core's runtime beside tensor parallelism, which pyplan does not plan for: 16-bit weights with fp32 master
+# weights in the sharded optimizer at tp 2 (pyplan trains them without tp: pyplan/runtime/master.py), and tp's
+# communication overlapped with the GEMMs (Transformer Engine's userbuffers).
 DGXC_RUNTIME = (
-    "Megatron-Core's runtime: 16-bit weights with fp32 master weights in the sharded optimizer, gradient "
-    "reduction overlapped with the backward beside tp, Transformer Engine's fused kernels"
+    "Megatron-Core's runtime beside tp: bf16 weights with fp32 master weights in the sharded optimizer at tp 2 "
+    "(pyplan plans them without tp; here planned as bf16-mixed) and tp's communication overlapped with the GEMMs"
 )
 # The 2023 H100 rows ran Hopper on software written for Ampere; pyplan prices a GPU as current software runs it.
 LF_H100_STACK = (
@@ -276,12 +276,16 @@ RUNS: tuple[Run, ...] = (
     # NVIDIA's DGX Cloud recipes, Megatron-Core with Transformer Engine in NeMo containers on DGX H100, BF16:
     # distributed optimizer (ZeRO-1), no recomputation. MFU as the sources count it (model FLOPs per sequence:
     # Llama 3 8B SFT 1.84e14, Nemotron-4 15B 3.85e14, sequence 4096; peak 989 TFLOP/s). What 2025 software reaches
-    # on an H100; out of the statistics, their runtime being another than pyplan's (DGXC_RUNTIME).
+    # on an H100. The Llama run holds bf16 weights and gradients beside fp32 master weights (NeMo v2.1.0's
+    # llama3_8b.finetune_performance_optimizations: grad_reduce_in_fp32=False, overlap_grad_reduce=True), which
+    # pyplan plans as bf16-master-bf16-grads; the Nemotron runs add tp 2 (DGXC_RUNTIME).
     Run("llama3-8b-sft-h100", "DGXC", "Llama3 8b Finetuning SFT BF16", "Llama 3 8B", LLAMA3_8B_4K,
         CASE["llama-3-8b"].published_params, 32, 4096, "h100-sxm", 8, 1, 4, 32, 4096, "none", 99296 / 8,
-        mfu=0.5638, peak_flops=989e12, flops_per_token=1.84e14 / 4096, zero_stage=1, precision="bf16-master",
+        mfu=0.5638, peak_flops=989e12, flops_per_token=1.84e14 / 4096, zero_stage=1, precision="bf16-master-bf16-grads",
         note="full SFT on SQuAD packed to 4096 tokens (attention within each packed sample; pyplan prices causal "
-        "attention over all 4096); step 1.32 s", excluded=DGXC_RUNTIME),
+        "attention over all 4096); bf16 weights and gradients, fp32 master weights (bf16-master-bf16-grads); "
+        "Megatron overlaps the gradients' reduce-scatter with the backward, pyplan's runtime reduces after it; "
+        "step 1.32 s"),
     Run("nemotron4-15b-h100x16", "DGXC", "Nemotron4 15b BF16", "Nemotron-4 15B", NEMOTRON4_15B, 15_628_775_424,
         32, 6144, "h100-sxm", 16, 2, 4, 64, 4096, "none", 98550 / 16, mfu=0.5854, peak_flops=989e12,
         flops_per_token=3.85e14 / 4096, zero_stage=1, dp=8, tp=2,
@@ -430,9 +434,10 @@ def _config(run: Run) -> str:
     fsdp = "FSDP FULL_SHARD" if run.zero_stage == 3 else f"ZeRO-{run.zero_stage}"
     tp = f" tp{run.tp}" if run.tp > 1 else ""
     pp = run.gpus // run.replicas // run.tp
+    precision = f"\n{run.precision}" if run.precision != "bf16-mixed" else ""
     return (
         f"dp{run.replicas}{tp} pp{pp} b{run.micro_batch} GA{run.grad_accum}\n{fsdp}, AC {run.checkpointing}\n"
-        f"seq {run.seq_len}, GB {run.global_batch}"
+        f"seq {run.seq_len}, GB {run.global_batch}{precision}"
     )
 
 
@@ -484,7 +489,8 @@ def throughput_table(rows: list[tuple[Run, dict[str, Any] | None]]) -> tuple[Tab
                "published tok/s/GPU\nMFU (from tok/s)", "published\nmemory", "pyplan\ntok/s/GPU", "pyplan\nmemory",
                "ratio", "note")  # fmt: skip
     table = new_table(
-        "pyplan vs published training throughput (bf16 mixed, AdamW; analytic profile on the meta device)",
+        "pyplan vs published training throughput (AdamW, bf16-mixed unless the config says; analytic profile on the "
+        "meta device)",
         columns,
         left=columns,
         show_lines=True,

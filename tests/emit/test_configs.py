@@ -72,3 +72,22 @@ def test_zero3_and_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     captured = capsys.readouterr()
     assert "--use-torch-fsdp2" in captured.out and "--recompute-granularity full" in captured.out
     assert "note: ZeRO-3 is Megatron's --use-torch-fsdp2" in captured.err
+
+
+def test_bf16_master_is_the_tools_bf16(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """DeepSpeed's and Megatron-LM's bf16 are bf16 weights beside fp32 master weights; torchtitan has none (a note)."""
+    out = tmp_path / "plan.json"
+    argv = ["plan", "zoo:gpt-tiny", "--gpus", "8", "--gpu", "a100-80g", "--global-batch", "64", "--json"]
+    assert main([*argv, "--precision", "bf16-master-bf16-grads", "--zero", "1", "--out", str(out)]) == 0
+    doc = read_plan_file(out)
+    assert doc.workload.precision == "bf16-master-bf16-grads" and doc.plan.layout.zero_stage == 1
+    assert json.loads(render_config(doc, "deepspeed")[0])["bf16"] == {"enabled": True}
+    assert "--bf16" in render_config(doc, "megatron")[0]
+    text, notes = render_config(doc, "torchtitan")
+    assert tomllib.loads(text)["training"]["mixed_precision_param"] == "bfloat16"
+    assert any("torchtitan keeps fp32 weights" in n for n in notes)
+    # What its runtime does not train is one line, exit 2.
+    capsys.readouterr()
+    assert main([*argv, "--precision", "bf16-master", "--zero", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "bf16-master runs under ZeRO 0 or 1" in err
