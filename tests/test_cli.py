@@ -53,7 +53,10 @@ def test_inspect_json_on_every_example(name: str, capsys: pytest.CaptureFixture[
 def test_inspect_times_beside_a_companion(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", os.path.join(EXAMPLES, "mlp.py"), "--corun", "1", "--repeats", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["blocks"] and all(b["fwd_time_s"] > 0 and b["bwd_time_s"] > 0 for b in data["blocks"])
+    # A block without parameters (a ReLU) may time at 0 once the timer's cost is taken off on a loaded machine;
+    # never below, and the Linears never at 0.
+    assert data["blocks"] and all(b["fwd_time_s"] >= 0 and b["bwd_time_s"] >= 0 for b in data["blocks"])
+    assert all(b["fwd_time_s"] > 0 and b["bwd_time_s"] > 0 for b in data["blocks"] if b["params"])
 
 
 def test_inspect_table(capsys: pytest.CaptureFixture[str]) -> None:
