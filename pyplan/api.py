@@ -248,10 +248,7 @@ def search(
     refiner = None
     if 1 in tensor_parallel:
         say("searching")
-        # 16-bit weights' fp32 gradients are averaged after the backward (pyplan/runtime/master.py).
-        every, plain, relaxed, refiner = how.plans(
-            chain, cluster, say, sync_after_backward=workload.precision in MASTER_PRECISIONS
-        )
+        every, plain, relaxed, refiner = how.plans(chain, cluster, say)
         runs.append((plain, relaxed))
     for degree, chain_t, cluster_t, styles, comm, sp in _tensor_parallel(bare, chain, tensor_parallel, tp_plan,
                                                                          sequence_parallel, how, cluster):  # fmt: skip

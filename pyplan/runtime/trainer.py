@@ -201,15 +201,19 @@ class PipelineTrainer:
         if self.layout.tp > 1:
             sync_gradients(params)  # each gradient in its parameter's layout (pyplan/runtime/tensor_parallel.py)
         master = self.optimizer if isinstance(self.optimizer, MasterWeights) else None
-        if self.manual_grads:
-            # Mean over micro-batches and replicas, once per parameter (see build_trainer). Every replica joins
-            # each all-reduce: beside 16-bit weights with zeros where its backward made no gradient.
+        if master is not None:
+            # Summed over the replicas while the backward ran (MasterWeights' buckets); the mean over micro-batches
+            # and replicas.
+            master.reduce_gradients()
+            for _, g in master.gradients():
+                g.div_(self.layout.dp * self.layout.num_microbatches)
+        elif self.manual_grads:
+            # Mean over micro-batches and replicas, once per parameter (see build_trainer).
             group = self.mesh["dp"].get_group()
             for p in params:
-                g = master.main_grad(p, create=self.layout.dp > 1) if master is not None else p.grad
-                if g is None:
+                if p.grad is None:
                     continue
-                local = _local(g)
+                local = _local(p.grad)
                 if self.layout.dp > 1:
                     dist.all_reduce(local, group=group)
                 local.div_(self.layout.dp * self.layout.num_microbatches)
@@ -375,7 +379,7 @@ def _pipeline_trainer(
     ]
     params, dp_group = _unique_parameters(modules), mesh["dp"].get_group()
     optimizer = (
-        _master_weights(params, layout, make_optimizer, dp_group, grads or torch.float32)
+        _master_weights(params, modules, layout, make_optimizer, dp_group, grads or torch.float32)
         if weights is not None
         else _optimizer(params, layout, make_optimizer, dp_group)
     )
@@ -418,17 +422,24 @@ def master_refusal(layout: Layout) -> str:
 
 def _master_weights(
     params: list[nn.Parameter],
+    modules: list[nn.Module],
     layout: Layout,
     make_optimizer: OptimizerFactory,
     dp_group: dist.ProcessGroup,
     grads: torch.dtype,
 ) -> MasterWeights:
     """The optimizer of 16-bit weights: fp32 master weights, sharded over the replicas under ZeRO-1, with the
-    gradients in `grads`."""
+    gradients in `grads`, summed over the replicas while the backward runs: each once it has had its accumulations
+    of a step, one per micro-batch of each of this rank's stages that holds it."""
     if not isinstance(make_optimizer, OptimizerSpec):
         raise PlanError("16-bit weights train through master weights: give the optimizer as an OptimizerSpec")
-    group = dp_group if layout.dp > 1 and layout.zero_stage == 1 else None
-    return MasterWeights(params, make_optimizer, group, grad_dtype=grads)
+    held = [{id(p) for p in m.parameters()} for m in modules]
+    accumulations = [layout.num_microbatches * sum(id(p) in h for h in held) for p in params]
+    replicas = dp_group if layout.dp > 1 else None
+    group = replicas if layout.zero_stage == 1 else None
+    return MasterWeights(
+        params, make_optimizer, group, grad_dtype=grads, replicas=replicas, accumulations=accumulations
+    )
 
 
 def _in_fp32(loss: Any) -> Any:

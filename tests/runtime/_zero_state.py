@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,8 @@ def main() -> None:
                 key = f"dp 2 ZeRO-{zero}" + (" bf16 grads" if precision.endswith("grads") else "")
                 master[key] = _bf16_gradient_error(spec, layout, grads_by_name, call, target)
                 master[key + " dtype"] = str({g.dtype for g in grads_by_name.values()})
+    # Buckets of 64 KiB: several, all-reduced in order as the backward makes them, most before it ends.
+    master["buckets"] = _small_buckets(spec, end, call, target)
     # A pipeline of 2 stages in bf16-master: its boundaries in bf16.
     points = cut_points(trace(spec.build(), spec.example_inputs, batch_size=MICRO))
     middle = [c.position for c in points.candidates if 0 < c.position < end]
@@ -91,6 +94,23 @@ def main() -> None:
             json.dump({"held": {k: [h[k] for h in everyone] for k in held}, "resumed": resumed, "mixed": mixed,
                        "master": master, "master_resumed": master_resumed}, f)  # fmt: skip
     dist.destroy_process_group()
+
+
+def _small_buckets(spec: ModelSpec, end: int, call: Any, target: torch.Tensor) -> list[float]:
+    """bf16-master at dp 2 with 64 KiB buckets: [buckets, buckets launched before the backward ended, the largest
+    relative gradient error against one process's bf16 arithmetic]."""
+    layout = Layout(2, 1, MICRO, BATCH // MICRO // 2, "1F1B", (0, end), zero_stage=1)
+    with mock.patch("pyplan.runtime.master._BUCKET_BYTES", 2**16):
+        torch.manual_seed(0)
+        trainer = build_trainer(spec, spec.build(), layout, optimizer_factory("adamw", 1e-3), precision="bf16-master")
+    buckets = trainer.optimizer._buckets
+    early: list[int] = []
+    finish = buckets.finish
+    buckets.finish = lambda: (early.append(len(buckets.launched)), finish())[1]
+    mine = replica_slice(layout, trainer.dp_rank)
+    trainer.step(tuple(t[mine] for t in input_tensors(call)), target[mine])
+    err = _bf16_gradient_error(spec, layout, _main_grads(trainer), call, target)
+    return [len(buckets.buffers), early[0], err]
 
 
 def _main_grads(trainer: Any) -> dict[str, torch.Tensor]:
