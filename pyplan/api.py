@@ -225,7 +225,7 @@ def search(
                    data_parallel=data_parallel, pipeline_ranks=pipeline_ranks, num_microbatches=num_microbatches,
                    micro_batch_sizes=micro_batch_sizes, stage_cuts=stage_cuts,
                    tensor_parallel=tensor_parallel)  # fmt: skip
-    zero_stages = _master_zero_stages(workload, zero_stages, tensor_parallel)
+    zero_stages = _master_zero_stages(workload, zero_stages)
     profiled_on = "given chain"
     if chain is None:
         say("tracing and profiling")
@@ -443,13 +443,11 @@ def _check_options(
         raise PlanError(f"schedule '{unknown[0]}' is not searched; choose from {', '.join(SEARCHED_SCHEDULES)}")
 
 
-def _master_zero_stages(workload: Workload, zero_stages: Sequence[int], tensor_parallel: Sequence[int]) -> list[int]:
+def _master_zero_stages(workload: Workload, zero_stages: Sequence[int]) -> list[int]:
     """The ZeRO stages to search: beside 16-bit weights with fp32 master weights (pyplan/runtime/master.py) the
-    runtime trains ZeRO 0 and 1, without tensor parallelism; one line where nothing the options ask is left."""
+    runtime trains ZeRO 0 and 1; one line where nothing the options ask is left."""
     if workload.precision not in MASTER_PRECISIONS:
         return list(zero_stages)
-    if any(t > 1 for t in tensor_parallel):
-        raise PlanError(f"{workload.precision} runs without tensor parallelism; plan it with --tp 1, or bf16-mixed")
     left = [z for z in zero_stages if z in (0, 1)]
     if not left:
         raise PlanError(f"{workload.precision} runs under ZeRO 0 or 1; plan it with --zero 1, or bf16-mixed")

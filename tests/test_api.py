@@ -338,9 +338,9 @@ def test_zero2_is_not_offered_and_zero3_only_without_pipeline_stages() -> None:
 
 
 def test_bf16_master_plans_what_its_runtime_trains() -> None:
-    """16-bit weights beside fp32 master weights: ZeRO 0 and 1 only, without tensor parallelism, the replicas'
-    gradients averaged after the backward; each stage holds 2 + 4 bytes a parameter and the 12 of the master weight
-    and AdamW's states, sharded by ZeRO-1 as the runtime shards them. What it cannot train is one line."""
+    """16-bit weights beside fp32 master weights: ZeRO 0 and 1 only, with tensor parallelism too; each stage holds
+    2 + 4 bytes a parameter and the 12 of the master weight and AdamW's states, sharded by ZeRO-1 as the runtime
+    shards them. What it cannot train is one line."""
     spec = load_model("zoo:gpt-tiny")
     model, cluster = spec.build(), Cluster.from_catalog("a100-80g", 4)
     workload = Workload(global_batch=8, precision="bf16-master")
@@ -356,8 +356,9 @@ def test_bf16_master_plans_what_its_runtime_trains() -> None:
     assert stage_state_bytes(shapes, workload, 1, 0) == 18 * sum(map(math.prod, shapes)) + 4 * len(shapes)
     with pytest.raises(PlanError, match="bf16-master runs under ZeRO 0 or 1"):
         search(model, spec.example_inputs, cluster, workload, zero_stages=(3,))
-    with pytest.raises(PlanError, match="bf16-master runs without tensor parallelism"):
-        search(model, spec.example_inputs, cluster, workload, tensor_parallel=(1, 2))
+    split = search(model, spec.example_inputs, cluster, workload, tensor_parallel=(2,), top_k=20)
+    tp_plans = (split.best, *split.alternatives)
+    assert all(p.layout.tp == 2 and p.layout.zero_stage in (0, 1) for p in tp_plans)
 
 
 def test_a_precision_the_gpu_has_no_kernels_for_is_one_line() -> None:

@@ -20,11 +20,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pyplan.runtime.optim import OptimizerSpec
+from pyplan.runtime.tensor_parallel import placed_like
 from pyplan.solve.state import zero1_shares
 
 __all__ = ["MasterWeights"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's own values on this rank (a DTensor's local shard)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
 
 _BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
 
@@ -118,7 +126,7 @@ class MasterWeights(torch.optim.Optimizer):
         self._index = {id(p): i for i, p in enumerate(self._all)}
         self._group, self._grad_dtype = group, grad_dtype
         sharing = dist.get_world_size(group) if group is not None else 1
-        shares = zero1_shares([p.numel() for p in self._all], sharing)
+        shares = zero1_shares([_local(p).numel() for p in self._all], sharing)
         self._owner = {i: r for r, share in enumerate(shares) for i in share}
         self._mine = sorted(shares[dist.get_rank(group)] if group is not None else range(len(self._all)))
         self._buckets = (
@@ -144,6 +152,8 @@ class MasterWeights(torch.optim.Optimizer):
             g = self.main_grads[i]
             if g is None:
                 self.main_grads[i] = p.grad.to(self._grad_dtype)  # autograd's own where the dtypes agree
+            elif isinstance(g, DTensor):
+                self.main_grads[i] = g + p.grad  # (tensor parallelism: the two may be laid out differently)
             else:
                 g.add_(p.grad)
             p.grad = None
@@ -168,6 +178,12 @@ class MasterWeights(torch.optim.Optimizer):
         """Wait for the replicas' sums of the gradients (launched while the backward ran; the rest now)."""
         if self._buckets is not None:
             self._buckets.finish()
+
+    def place(self) -> None:
+        """Give each gradient of a DTensor its parameter's placements (tensor parallelism: a partial sum reduced)."""
+        for i, g in enumerate(self.main_grads):
+            if g is not None:
+                self.main_grads[i] = placed_like(self._all[i], g)
 
     def gradients(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """Each parameter with its fp32 gradient, where it has one."""
@@ -203,4 +219,4 @@ class MasterWeights(torch.optim.Optimizer):
                 self._all[i].copy_(m)
         if self._group is not None:
             for i, p in enumerate(self._all):
-                dist.broadcast(p.data, group=self._group, group_src=self._owner[i])
+                dist.broadcast(_local(p.detach()), group=self._group, group_src=self._owner[i])

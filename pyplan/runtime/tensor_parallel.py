@@ -78,6 +78,7 @@ __all__ = [
     "full_value",
     "grad_norm_weight",
     "local_value",
+    "placed_like",
     "sync_gradients",
     "sync_rng_state",
     "tp_styles",
@@ -640,6 +641,13 @@ def _unique(params: nn.Module | Iterable[torch.Tensor]) -> Iterator[torch.Tensor
             yield p
 
 
+def placed_like(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """A gradient in its parameter's placements (itself where they agree, or where neither is a DTensor)."""
+    if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+        return g.redistribute(p.device_mesh, p.placements)
+    return g
+
+
 def sync_gradients(params: nn.Module | Iterable[torch.Tensor], *, dp_group: dist.ProcessGroup | None = None) -> None:
     """After backward: give every DTensor gradient its parameter's placements (a vocabulary-parallel embedding's
     gradient arrives replicated at full size, a gradient summed over several layouts arrives in one of them, a
@@ -647,11 +655,9 @@ def sync_gradients(params: nn.Module | Iterable[torch.Tensor], *, dp_group: dist
     gradient over the data-parallel replicas, each of which computed it on its own samples."""
     replicas = dist.get_world_size(dp_group) if dp_group is not None else 1
     for p in _unique(params):
-        g = p.grad
-        if g is None:
+        if p.grad is None:
             continue
-        if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
-            g = p.grad = g.redistribute(p.device_mesh, p.placements)
+        g = p.grad = placed_like(p, p.grad)
         if replicas > 1:
             local = g.to_local() if isinstance(g, DTensor) else g
             dist.all_reduce(local, group=dp_group)

@@ -202,11 +202,16 @@ class PipelineTrainer:
             sync_gradients(params)  # each gradient in its parameter's layout (pyplan/runtime/tensor_parallel.py)
         master = self.optimizer if isinstance(self.optimizer, MasterWeights) else None
         if master is not None:
-            # Summed over the replicas while the backward ran (MasterWeights' buckets); the mean over micro-batches
-            # and replicas.
+            # Summed over the replicas while the backward ran (MasterWeights' buckets), or beside tensor parallelism
+            # after it, once each gradient has its parameter's layout; the mean over micro-batches and replicas.
             master.reduce_gradients()
+            if self.layout.tp > 1:
+                master.place()
             for _, g in master.gradients():
-                g.div_(self.layout.dp * self.layout.num_microbatches)
+                local = _local(g)
+                if self.layout.tp > 1 and self.layout.dp > 1:
+                    dist.all_reduce(local, group=self.mesh["dp"].get_group())
+                local.div_(self.layout.dp * self.layout.num_microbatches)
         elif self.manual_grads:
             # Mean over micro-batches and replicas, once per parameter (see build_trainer).
             group = self.mesh["dp"].get_group()
@@ -271,8 +276,7 @@ def build_trainer(
     `precision` "bf16-mixed" or "fp16-mixed" runs every stage under autocast, weights and optimizer in fp32; a plan
     of one stage under ZeRO-3 runs FSDP2's mixed-precision policy instead (pyplan/runtime/sharded.py).
     "bf16-master" holds bf16 weights, fp32 gradients and fp32 master weights in the optimizer
-    (pyplan/runtime/master.py), under ZeRO 0 or 1 without tensor parallelism; "bf16-master-bf16-grads" the same
-    with bf16 gradients.
+    (pyplan/runtime/master.py), under ZeRO 0 or 1; "bf16-master-bf16-grads" the same with bf16 gradients.
     """
     device = device or torch.device("cpu")
     if layout.tp > 1 and layout.zero_stage == 3 and layout.num_stages > 1:
@@ -409,12 +413,10 @@ def _pipeline_trainer(
 
 def master_refusal(layout: Layout) -> str:
     """Why a layout cannot train 16-bit weights beside fp32 master weights, or "": the runtime's MasterWeights
-    runs under ZeRO 0 and 1, without tensor parallelism, with schedules whose backward reaches autograd's
-    gradient accumulation (not the split-backward ones)."""
+    runs under ZeRO 0 and 1, with schedules whose backward reaches autograd's gradient accumulation (not the
+    split-backward ones)."""
     if layout.zero_stage not in (0, 1):
         return f"runs under ZeRO 0 or 1, not {layout.zero_stage}; plan it with --zero 1, or with bf16-mixed"
-    if layout.tp > 1:
-        return "runs without tensor parallelism; plan it with --tp 1, or with bf16-mixed"
     if layout.schedule in _SPLIT_BACKWARD:
         return f"does not run {layout.schedule} (its weight gradients skip autograd's accumulation); choose another"
     return ""
@@ -435,8 +437,8 @@ def _master_weights(
         raise PlanError("16-bit weights train through master weights: give the optimizer as an OptimizerSpec")
     held = [{id(p) for p in m.parameters()} for m in modules]
     accumulations = [layout.num_microbatches * sum(id(p) in h for h in held) for p in params]
-    replicas = dp_group if layout.dp > 1 else None
-    group = replicas if layout.zero_stage == 1 else None
+    group = dp_group if layout.dp > 1 and layout.zero_stage == 1 else None
+    replicas = dp_group if layout.dp > 1 and layout.tp == 1 else None  # buckets of plain tensors, not DTensors
     return MasterWeights(
         params, make_optimizer, group, grad_dtype=grads, replicas=replicas, accumulations=accumulations
     )

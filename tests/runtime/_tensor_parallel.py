@@ -44,6 +44,7 @@ from pyplan.runtime.tensor_parallel import (
     apply_tensor_parallel,
     full_gradients,
     full_parameters,
+    full_value,
     grad_norm_weight,
     sync_gradients,
 )
@@ -354,6 +355,62 @@ def zero3_state(mesh: DeviceMesh, folder: str) -> dict[str, Any]:
     return {"ok": True, "held": held, "planned": planned, "resumed": resumed}
 
 
+def master_state(mesh: DeviceMesh) -> dict[str, Any]:
+    """gpt-tiny at dp 2 x tp 2 with sequence parallelism in bf16-master under ZeRO-1 (through build_trainer),
+    AdamW with the gradient clipped, one step: the model-state bytes this rank holds (bf16 weights, fp32 gradients,
+    its share's fp32 master weights and AdamW states, local shards) and the plan's count from the tp-local shapes;
+    the largest relative error of a gradient against one process's bf16 arithmetic (a bf16 copy of the model on
+    each replica's micro-batches, logits in fp32 for the loss, gradients summed in fp32); whether the replicas hold
+    equal weights after the step."""
+    spec = load_model(GPT)
+    end = len(cut_points(trace(spec.build(), Examples(spec.example_inputs), batch_size=2)).order)
+    plan = derive_tp_plan(trace(spec.build(), Examples(spec.example_inputs), batch_size=2)).styles(2)
+    layout = Layout(dp=2, pp=1, tp=2, tp_plan=plan, micro_batch_size=2, num_microbatches=2, schedule="1F1B",
+                    cut_positions=(0, end), zero_stage=1, sequence_parallel=True)  # fmt: skip
+    torch.manual_seed(0)
+    trainer = build_trainer(spec, spec.build(), layout, optimizer_factory("adamw", LR), precision="bf16-master")
+    call, target = call_at(spec.example_inputs, 8), spec.target(8)
+    mine = replica_slice(layout, trainer.dp_rank)
+    trainer.step(tuple(t[mine] for t in input_tensors(call)), target[mine])
+    optimizer = trainer.optimizer
+    params = list({id(p): p for m in trainer.modules for p in m.parameters()}.values())
+    tensors = [*params, *(g for _, g in optimizer.gradients())]
+    tensors += [v for st in optimizer.master_state.values() for v in st.values() if torch.is_tensor(v)]
+    held = sum(
+        {_local_tensor(t).untyped_storage().data_ptr(): _local_tensor(t).untyped_storage().nbytes() for t in tensors}
+        .values()
+    )  # fmt: skip
+    shapes = []
+    for p in params:  # the tp-local shape
+        shape = list(p.shape)
+        if hasattr(p.placements[0], "dim"):
+            shape[p.placements[0].dim] //= 2
+        shapes.append(tuple(shape))
+    planned = stage_state_bytes(shapes, Workload(global_batch=8, precision="bf16-master"), 2, 1)
+    # One process: the bf16 model's gradients, summed in fp32, the mean over the replicas' micro-batches.
+    torch.manual_seed(0)
+    reference = spec.build().to(torch.bfloat16)
+    named = dict(reference.named_parameters(remove_duplicate=False))
+    expected = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in named.items()}
+    inputs = input_tensors(call)
+    for k in range(4):
+        part = slice(2 * k, 2 * k + 2)
+        reference.zero_grad()
+        (spec.loss(reference(*(t[part] for t in inputs)).float(), target[part]) / 4).backward()
+        for n, p in named.items():
+            expected[n] += p.grad.float()
+    by_name = {n: p for m in trainer.modules for n, p in m.piece.named_parameters()}
+    grads = {n: full_value(optimizer.main_grad(p)) for n, p in by_name.items()}
+    grad_err = max(_error(grads[n], expected[n]) for n in grads)
+    mine_now = torch.cat([_local_tensor(p).detach().float().flatten() for p in params])
+    every = [torch.empty_like(mine_now) for _ in range(mesh["dp"].size())]
+    dist.all_gather(every, mine_now, group=mesh["dp"].get_group())
+    agree = all(torch.equal(every[0], x) for x in every)
+    dtypes = sorted({str(_local_tensor(p).dtype) for p in params})
+    return {"ok": True, "held": held, "planned": planned, "grad_err": grad_err, "replicas_agree": agree,
+            "dtypes": dtypes}  # fmt: skip
+
+
 def _local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -375,6 +432,7 @@ def main() -> None:
     results.append({"model": "vocab_loss", "dp": 1, "tp": 2, "rank": rank, **vocab_loss_agrees(mesh["tp"])})
     if world == 4:
         results.append({"model": "zero1", "dp": 2, "tp": 2, "rank": rank, **zero1_state(mesh)})
+        results.append({"model": "master", "dp": 2, "tp": 2, "rank": rank, **master_state(mesh)})
         folder = os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), "zero3-checkpoint")
         results.append({"model": "zero3", "dp": 2, "tp": 2, "rank": rank, **zero3_state(mesh, folder)})
     for ref, dp, sp in configs:
