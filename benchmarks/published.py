@@ -171,13 +171,6 @@ def _mpt(name: str, size: str, d: int, n: int, h: int, params: int, gpu: str, ta
 
 
 LF_H100, LF_A100_80, LF_A100_40 = "H100 80GB BF16", "A100 80GB", "A100 40GB"
-# Megatron-Core's runtime beside tensor parallelism, which pyplan does not plan for: 16-bit weights with fp32 master
-# weights in the sharded optimizer at tp 2 (pyplan trains them without tp: pyplan/runtime/master.py), and tp's
-# communication overlapped with the GEMMs (Transformer Engine's userbuffers).
-DGXC_RUNTIME = (
-    "Megatron-Core's runtime beside tp: bf16 weights with fp32 master weights in the sharded optimizer at tp 2 "
-    "(pyplan plans them without tp; here planned as bf16-mixed) and tp's communication overlapped with the GEMMs"
-)
 # The 2023 H100 rows ran Hopper on software written for Ampere; pyplan prices a GPU as current software runs it.
 LF_H100_STACK = (
     "2023 software on Hopper, which pyplan does not model: the image mosaicml/pytorch:2.0.1_cu118 "
@@ -276,26 +269,27 @@ RUNS: tuple[Run, ...] = (
     # NVIDIA's DGX Cloud recipes, Megatron-Core with Transformer Engine in NeMo containers on DGX H100, BF16:
     # distributed optimizer (ZeRO-1), no recomputation. MFU as the sources count it (model FLOPs per sequence:
     # Llama 3 8B SFT 1.84e14, Nemotron-4 15B 3.85e14, sequence 4096; peak 989 TFLOP/s). What 2025 software reaches
-    # on an H100. The Llama run holds bf16 weights and gradients beside fp32 master weights (NeMo v2.1.0's
-    # llama3_8b.finetune_performance_optimizations: grad_reduce_in_fp32=False, overlap_grad_reduce=True), which
-    # pyplan plans as bf16-master-bf16-grads; the Nemotron runs add tp 2 (DGXC_RUNTIME).
+    # on an H100. Each holds bf16 weights and gradients beside fp32 master weights (NeMo v2.1.0's
+    # llama3_8b.finetune_performance_optimizations and v2.2.0's nemotron4_15b performance mode set
+    # grad_reduce_in_fp32=False, which MegatronStrategy copies into the DDP config), which pyplan plans as
+    # bf16-master-bf16-grads.
     Run("llama3-8b-sft-h100", "DGXC", "Llama3 8b Finetuning SFT BF16", "Llama 3 8B", LLAMA3_8B_4K,
         CASE["llama-3-8b"].published_params, 32, 4096, "h100-sxm", 8, 1, 4, 32, 4096, "none", 99296 / 8,
         mfu=0.5638, peak_flops=989e12, flops_per_token=1.84e14 / 4096, zero_stage=1, precision="bf16-master-bf16-grads",
         note="full SFT on SQuAD packed to 4096 tokens (attention within each packed sample; pyplan prices causal "
         "attention over all 4096); bf16 weights and gradients, fp32 master weights (bf16-master-bf16-grads); "
-        "Megatron overlaps the gradients' reduce-scatter with the backward, pyplan's runtime reduces after it; "
         "step 1.32 s"),
     Run("nemotron4-15b-h100x16", "DGXC", "Nemotron4 15b BF16", "Nemotron-4 15B", NEMOTRON4_15B, 15_628_775_424,
         32, 6144, "h100-sxm", 16, 2, 4, 64, 4096, "none", 98550 / 16, mfu=0.5854, peak_flops=989e12,
-        flops_per_token=3.85e14 / 4096, zero_stage=1, dp=8, tp=2,
-        note="TP 2 with sequence parallelism and TP communication overlapped with the GEMMs (userbuffers), which "
-        "pyplan's runtime does not do; step 2.66 s", excluded=DGXC_RUNTIME),
+        flops_per_token=3.85e14 / 4096, zero_stage=1, dp=8, tp=2, precision="bf16-master-bf16-grads",
+        note="TP 2 with sequence parallelism; Megatron overlaps tp's communication with the GEMMs (userbuffers), "
+        "pyplan's runtime does not; bf16 weights and gradients, fp32 master weights; step 2.66 s"),
     Run("nemotron4-15b-h100x64", "DGXC", "Nemotron4 15b BF16", "Nemotron-4 15B", NEMOTRON4_15B, 15_628_775_424,
         32, 6144, "h100-sxm", 64, 2, 4, 256, 4096, "none", 392725 / 64, mfu=0.5832, peak_flops=989e12,
         flops_per_token=3.85e14 / 4096, memory_gib=round(72972500992 / GiB, 1), zero_stage=1, dp=32, tp=2,
+        precision="bf16-master-bf16-grads",
         note="as the 16-GPU row, 8 nodes; memory: the README's example log line of this run (peak_memory_usage, "
-        "step 2.693 s), published step 2.67 s", excluded=DGXC_RUNTIME),
+        "step 2.693 s), published step 2.67 s"),
 )  # fmt: skip
 BY_NAME = {r.name: r for r in RUNS}
 
