@@ -32,6 +32,11 @@ Notes = list[str]
 # The precisions each tool's bf16 setting stands for: DeepSpeed's and Megatron-LM's bf16 are bf16 weights beside fp32
 # master weights (bf16-master); pyplan's bf16-mixed (autocast over fp32 weights) is written as the same setting.
 _BF16 = ("bf16-mixed", "bf16-master", "bf16-master-bf16-grads")
+# What to say where the plan's bf16-mixed is written as a tool's bf16 (bf16 weights beside fp32 master weights).
+_BF16_MIXED_NOTE = (
+    "{tool}'s bf16 keeps bf16 weights beside fp32 master weights, not autocast over fp32 weights as this plan "
+    "(bf16-mixed) counts: its model state differs from the plan's; plan with --precision bf16-master to match it"
+)
 
 
 def _remat_kind(layout: Layout) -> str:
@@ -119,6 +124,8 @@ def _deepspeed(doc: PlanFile, starts: Sequence[str]) -> tuple[str, Notes]:
     }
     if doc.workload.precision in _BF16:
         config["bf16"] = {"enabled": True}
+    if doc.workload.precision == "bf16-mixed":
+        notes.append(_BF16_MIXED_NOTE.format(tool="DeepSpeed"))
     elif doc.workload.precision == "fp16-mixed":
         config["fp16"] = {"enabled": True}
     if lay.tp > 1:
@@ -159,6 +166,8 @@ def _megatron(doc: PlanFile, starts: Sequence[str]) -> tuple[str, Notes]:
         notes.append("ZeRO-3 is Megatron's --use-torch-fsdp2 (recent Megatron-LM); older versions have no ZeRO-3")
     if doc.workload.precision in _BF16:
         flags.append("--bf16")
+    if doc.workload.precision == "bf16-mixed":
+        notes.append(_BF16_MIXED_NOTE.format(tool="Megatron-LM"))
     elif doc.workload.precision == "fp16-mixed":
         flags.append("--fp16")
     kind = _remat_kind(lay)

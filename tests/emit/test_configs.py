@@ -52,10 +52,12 @@ def test_a_pipeline_with_selective_checkpointing(tmp_path: Path, capsys: pytest.
         "bf16": {"enabled": True},
     }
     assert any("PipelineModule(layers, num_stages=2)" in n for n in notes)
+    assert any("DeepSpeed's bf16 keeps bf16 weights beside fp32 master weights" in n for n in notes)
 
     text, notes = render_config(doc, "megatron")
     assert "--pipeline-model-parallel-size 2" in text and "--global-batch-size 64" in text and "--bf16" in text
     assert "--recompute-granularity selective" in text
+    assert any("Megatron-LM's bf16 keeps bf16 weights" in n for n in notes)
     assert any("attention core" in n for n in notes)
 
 
@@ -81,8 +83,10 @@ def test_bf16_master_is_the_tools_bf16(tmp_path: Path, capsys: pytest.CaptureFix
     assert main([*argv, "--precision", "bf16-master-bf16-grads", "--zero", "1", "--out", str(out)]) == 0
     doc = read_plan_file(out)
     assert doc.workload.precision == "bf16-master-bf16-grads" and doc.plan.layout.zero_stage == 1
-    assert json.loads(render_config(doc, "deepspeed")[0])["bf16"] == {"enabled": True}
-    assert "--bf16" in render_config(doc, "megatron")[0]
+    text, notes = render_config(doc, "deepspeed")
+    assert json.loads(text)["bf16"] == {"enabled": True} and not any("master" in n for n in notes)
+    text, notes = render_config(doc, "megatron")
+    assert "--bf16" in text and not any("master" in n for n in notes)
     text, notes = render_config(doc, "torchtitan")
     assert tomllib.loads(text)["training"]["mixed_precision_param"] == "bfloat16"
     assert any("torchtitan keeps fp32 weights" in n for n in notes)
