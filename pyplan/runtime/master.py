@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pyplan.runtime.optim import OptimizerSpec
+from pyplan.runtime.optim import OptimizerSpec, hand_hyperparameters
 from pyplan.runtime.tensor_parallel import placed_like
 from pyplan.solve.state import zero1_shares
 
@@ -208,8 +208,7 @@ class MasterWeights(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("MasterWeights takes no closure")
         if self.optim is not None:
-            for group in self.optim.param_groups:
-                group.update({k: v for k, v in self.param_groups[0].items() if k != "params"})
+            hand_hyperparameters(self, self.optim)
             for i, m in self.masters.items():
                 g = self.main_grads[i]
                 m.grad = g.float() if g is not None else None  # itself if fp32

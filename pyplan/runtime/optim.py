@@ -12,7 +12,7 @@ from torch import nn
 
 from pyplan.errors import PlanError
 
-__all__ = ["LR_DECAYS", "OptimizerFactory", "OptimizerSpec", "lr_factor", "optimizer_factory"]
+__all__ = ["LR_DECAYS", "OptimizerFactory", "OptimizerSpec", "hand_hyperparameters", "lr_factor", "optimizer_factory"]
 
 LR_DECAYS = ("none", "linear", "cosine")
 
@@ -41,6 +41,13 @@ def optimizer_factory(name: str, lr: float) -> OptimizerSpec:
     if name not in makers:
         raise PlanError(f"unknown optimizer '{name}'; choose one of {', '.join(makers)}")
     return makers[name]
+
+
+def hand_hyperparameters(outer: torch.optim.Optimizer, inner: torch.optim.Optimizer) -> None:
+    """Give `inner` (the optimizer over one replica's share) the hyperparameters of `outer`'s first group, which
+    learning-rate schedules change (ZeRO-1 over DTensors, master weights)."""
+    for group in inner.param_groups:
+        group.update({k: v for k, v in outer.param_groups[0].items() if k != "params"})
 
 
 def lr_factor(step: int, steps: int, warmup: int, decay: str, floor: float = 0.1) -> float:

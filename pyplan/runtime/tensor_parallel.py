@@ -65,7 +65,7 @@ from pyplan.errors import PlanError
 from pyplan.graph.layergraph import LayerGraph
 from pyplan.graph.sequence_parallel import SequenceZone, rewrite, sequence_zone
 from pyplan.graph.tensor_parallel import TpPlan, linear_operands, shard_sizes, weight_owner
-from pyplan.runtime.optim import OptimizerSpec
+from pyplan.runtime.optim import OptimizerSpec, hand_hyperparameters
 from pyplan.solve.state import zero1_shares
 
 __all__ = [
@@ -687,8 +687,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("Zero1Optimizer takes no closure")
         if self.optim is not None:
-            for group in self.optim.param_groups:
-                group.update({k: v for k, v in self.param_groups[0].items() if k != "params"})
+            hand_hyperparameters(self, self.optim)
             self.optim.step()
         for i, p in enumerate(self._all):
             dist.broadcast(_local(p.data), group=self._group, group_src=self._owner[i])
