@@ -52,9 +52,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import argument_parser, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS = ("env", "calibrate", "gpu_tests", "profile", "accuracy")
+CHECKS = ("env", "calibrate", "gpu_tests", "profile", "accuracy", "llm")
 # Each check's own limit, in seconds; the run as a whole stays within --budget-s.
-LIMITS_S = {"env": 60, "calibrate": 100, "gpu_tests": 120, "profile": 150, "accuracy": 250}
+LIMITS_S = {"env": 60, "calibrate": 100, "gpu_tests": 120, "profile": 150, "accuracy": 250, "llm": 200}
 DEFAULT_BUDGET_S = 470.0
 # The models the profile and accuracy checks run (--models); None: all of them.
 ONLY: set[str] | None = None
@@ -613,12 +613,193 @@ def check_accuracy(out: Path, device_name: str, deadline: float) -> str:
     return res.data["status"]
 
 
+# --- llm ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LlmCase:
+    """A language model planned for this GPU's catalog entry (the analytic roofline a user's `--gpu h200` plans
+    on) in `precision`, then trained as planned on the device: one plan per micro-batch size and remat policy."""
+
+    model: str
+    precision: str
+    global_batch: int
+    micro_batch_sizes: tuple[int, ...]
+    remats: tuple[str, ...] = ("none", "full")
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.precision}"
+
+
+LLM_CASES = {
+    "cuda": (
+        LlmCase("llama-1b-style", "bf16-master", 4, (1, 2, 4)),
+        LlmCase("gpt2-small", "bf16-mixed", 16, (4, 8, 16)),
+    ),
+    "cpu": (
+        LlmCase("gpt-tiny", "bf16-master", 8, (4, 8)),
+        LlmCase("gpt-tiny", "bf16-mixed", 8, (4, 8)),
+    ),
+}
+LLM_PROTOCOL = {"cuda": (2, 5), "cpu": (1, 1)}  # warm-up and timed steps
+
+
+def llm_plans(case: LlmCase, entry: str) -> list[dict[str, Any]]:
+    """The catalog plan of `case` for each micro-batch size and remat policy on one GPU of `entry` (1F1B on one
+    device: gradient accumulation), as `pyplan plan --gpu ENTRY --precision ...` would rank it first."""
+    import torch
+
+    from pyplan import load_model, search
+    from pyplan.errors import InfeasibleError
+    from pyplan.hardware import Cluster
+    from pyplan.plan import Workload
+
+    spec = load_model(f"zoo:{case.model}")
+    with torch.device("meta"):
+        model = spec.build()
+    rows = []
+    for remat in case.remats:
+        for b in case.micro_batch_sizes:
+            row: dict[str, Any] = {"micro_batch_size": b, "remat": remat}
+            t0 = time.perf_counter()
+            try:
+                found = search(
+                    model,
+                    spec.example_inputs,
+                    Cluster.from_catalog(entry, 1),
+                    Workload(global_batch=case.global_batch, precision=case.precision),
+                    schedules=("1F1B",),
+                    zero_stages=(0,),
+                    micro_batch_sizes=(b,),
+                    remat=remat,
+                    allow_fewer_gpus=False,
+                    loss=spec.loss,
+                    target=spec.target,
+                )
+            except InfeasibleError as exc:
+                row.update(status="infeasible", reason=str(exc))
+            else:
+                p = found.best
+                row.update(
+                    status="planned",
+                    plan=p.to_json(),
+                    predicted_s=p.predicted.iteration_s,
+                    predicted_bytes=p.predicted.peak_memory_bytes,
+                    predicted_recompute_s=p.predicted.recompute_s,
+                    predicted_optimizer_s=p.predicted.optimizer_s,
+                    num_microbatches=p.layout.num_microbatches,
+                )
+            row["search_s"] = round(time.perf_counter() - t0, 2)
+            rows.append(row)
+    return rows
+
+
+def llm_measure(case: LlmCase, row: dict[str, Any], device_name: str) -> None:
+    """Train `row`'s plan on the device as the emitted script does (`build_trainer` with the plan's precision):
+    the peak `max_memory_allocated` over a steady step, less what was allocated before, and the median step time
+    (the wall clock around a synchronize) of the timed steps; into `row`."""
+    import gc
+
+    import torch
+
+    from pyplan import load_model
+    from pyplan.plan import Plan
+    from pyplan.runtime.trainer import build_trainer, optimizer_factory
+
+    warmup, steps = LLM_PROTOCOL[device_name]
+    device = torch.device(device_name, 0) if device_name == "cuda" else torch.device("cpu")
+    spec = load_model(f"zoo:{case.model}")
+    layout = Plan.from_json(row["plan"]).layout
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    torch.manual_seed(0)
+    with device:  # initialized where it trains: a 1B model's fp32 init on the host takes longer than its steps
+        model = spec.build()
+    trainer = build_trainer(
+        spec, model, layout, optimizer_factory("adamw", 1e-4), device=device, precision=case.precision
+    )
+    del model
+    x = tuple(t.to(device) for t in spec.example_inputs(case.global_batch))
+    y = spec.target(case.global_batch).to(device)
+    times, losses = [], []
+    for k in range(warmup + steps):
+        if device.type == "cuda" and k == warmup - 1:
+            torch.cuda.reset_peak_memory_stats(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        out = trainer.step(x, y)
+        _sync(device)
+        if k == warmup - 1 and device.type == "cuda":
+            row["measured_bytes"] = torch.cuda.max_memory_allocated(device) - before
+        if k >= warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(sum(float(v) for v in out) / max(1, len(out))))
+    row.update(
+        measured_s=statistics.median(times),
+        step_s=times,
+        losses=losses,
+        time_error=row["predicted_s"] / statistics.median(times) - 1,
+    )
+    if "measured_bytes" in row:
+        row["memory_error"] = row["predicted_bytes"] / row["measured_bytes"] - 1
+    del trainer, x, y, out
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def check_llm(out: Path, device_name: str, deadline: float) -> str:
+    """Each LLM_CASES model planned for the GPU's catalog entry and trained as planned: predicted against measured
+    step time and peak memory, per configuration."""
+    import torch
+    import torch.distributed as dist
+
+    res = Result(out, "llm")
+    entry = catalog_gpu(device_name)
+    res.data.update(catalog_gpu=entry, models=[], errors={})
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if device_name == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if device_name == "cuda" else "gloo", rank=0, world_size=1)
+    failed = False
+    try:
+        for case in _chosen(LLM_CASES[device_name]):
+            entry_rows: dict[str, Any] = {"model": case.model, "precision": case.precision, "rows": []}
+            res.data["models"].append(entry_rows)
+            try:
+                entry_rows["rows"] = llm_plans(case, entry)
+                res.save()
+                for row in entry_rows["rows"]:
+                    if row["status"] != "planned" or time.time() > deadline - 20:
+                        continue
+                    try:
+                        llm_measure(case, row, device_name)
+                        row["status"] = "measured"
+                    except Exception as exc:
+                        row.update(status="failed", error=_error(exc))
+                        failed = True
+                    res.save()
+            except Exception as exc:
+                res.data["errors"][case.label] = _error(exc)
+                failed = True
+            res.save()
+    finally:
+        dist.destroy_process_group()
+    res.finish("failed" if failed else "ok")
+    return res.data["status"]
+
+
 CHECK_FUNCTIONS: dict[str, Callable[[Path, str, float], str]] = {
     "env": check_env,
     "calibrate": check_calibrate,
     "gpu_tests": check_gpu_tests,
     "profile": check_profile,
     "accuracy": check_accuracy,
+    "llm": check_llm,
 }
 
 
@@ -671,6 +852,17 @@ def summary_lines(out: Path) -> Iterator[str]:
                     f"{_fmt(s.get('time_worst', math.nan) * 100, '.1f')} %, memory worst "
                     f"{_fmt(s.get('memory_worst', math.nan) * 100, '.1f')} %, rc {run.get('rc')}"
                 )
+        elif check == "llm":
+            yield f"{head}  catalog entry {d.get('catalog_gpu')}; errors: {sorted(d.get('errors', {}))}"
+            for m in d.get("models", []):
+                for r in m["rows"]:
+                    yield (
+                        f"{'':10} {m['model']} {m['precision']} b={r['micro_batch_size']} remat {r['remat']:5} "
+                        f"{r['status']:10} time {_fmt(r.get('predicted_s', math.nan) * 1e3, '.1f')} / "
+                        f"{_fmt(r.get('measured_s', math.nan) * 1e3, '.1f')} ms, peak "
+                        f"{_fmt(r.get('predicted_bytes', math.nan) / 1e9)} / "
+                        f"{_fmt(r.get('measured_bytes', math.nan) / 1e9)} GB"
+                    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ def test_every_check_runs_on_the_cpu_and_writes_its_result(tmp_path: Path) -> No
         timeout=600,
     )
     results = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
-    assert set(results) == {"env", "calibrate", "gpu_tests", "profile", "accuracy"}, done.stdout + done.stderr
+    assert set(results) == {"env", "calibrate", "gpu_tests", "profile", "accuracy", "llm"}, done.stdout + done.stderr
     failed = {k: v for k, v in results.items() if v["status"] != "ok"}
     assert not failed, json.dumps(failed, indent=1)[-4000:]
     assert done.returncode == 0, done.stdout[-3000:]
@@ -57,6 +58,20 @@ def test_every_check_runs_on_the_cpu_and_writes_its_result(tmp_path: Path) -> No
     summary = report["summary"]
     assert summary["decisions"] and len(summary["targets"]) == 4
     assert all(finite(summary[k]) for k in ("time_median", "time_worst", "memory_median", "memory_worst"))
+    # The language models planned for the catalog entry in 16-bit precisions, each plan trained as planned.
+    llm = results["llm"]
+    assert [(m["model"], m["precision"]) for m in llm["models"]] == [
+        ("gpt-tiny", "bf16-master"),
+        ("gpt-tiny", "bf16-mixed"),
+    ]
+    for model in llm["models"]:
+        assert {(r["remat"], r["micro_batch_size"]) for r in model["rows"]} == {
+            (remat, b) for remat in ("none", "full") for b in (4, 8)
+        }
+        for row in model["rows"]:
+            assert row["status"] == "measured", row
+            assert row["predicted_s"] > 0 and row["measured_s"] > 0 and row["predicted_bytes"] > 0
+            assert all(math.isfinite(v) for v in row["losses"]), row
     # The table the script prints last names every check.
     assert all(check in done.stdout for check in results)
     # Priced again from the stored result (as after a change to the model, with no GPU): the same figures.
