@@ -716,8 +716,7 @@ def llm_measure(case: LlmCase, row: dict[str, Any], device_name: str) -> None:
         torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     torch.manual_seed(0)
-    with device:  # initialized where it trains: a 1B model's fp32 init on the host takes longer than its steps
-        model = spec.build()
+    model = spec.build()  # on the host, as the emitted script builds it (its stages are cut on the host)
     trainer = build_trainer(
         spec, model, layout, optimizer_factory("adamw", 1e-4), device=device, precision=case.precision
     )

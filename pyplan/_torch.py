@@ -110,9 +110,28 @@ def _conv_backward_flop(
     return forward * (int(output_mask[0]) + int(output_mask[1]))
 
 
-# Formulas that replace torch's, as FlopCounterMode's custom_mapping (shape-based, like torch's own).
-FLOP_FORMULAS = {torch.ops.aten.convolution_backward: _conv_backward_flop}
-_REGISTRY = {**flop_registry, **{k: shape_wrapper(v) for k, v in FLOP_FORMULAS.items()}}
+def _grouped_query_tolerant(packet: Any) -> Callable[..., float]:
+    """torch's formula for an attention op, counting grouped-query shapes as `_op_flops` does; given the op's
+    tensors (`_get_raw`), as FlopCounterMode passes them to such an entry."""
+    formula, name = flop_registry[packet], packet.__name__
+
+    def count(*args: Any, out_val: Any = None, **kwargs: Any) -> float:
+        return _op_flops(formula, name, args, kwargs, out_val)
+
+    count._get_raw = True  # type: ignore[attr-defined]
+    return count
+
+
+# Formulas that replace torch's, as FlopCounterMode's custom_mapping (shape-based, like torch's own, except the
+# attention entries, which take the tensors).
+FLOP_FORMULAS: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.convolution_backward: _conv_backward_flop,
+    **{k: _grouped_query_tolerant(k) for k in flop_registry if "scaled_dot_product" in k.__name__},
+}
+_REGISTRY = {
+    **flop_registry,
+    **{k: v if getattr(v, "_get_raw", False) else shape_wrapper(v) for k, v in FLOP_FORMULAS.items()},
+}
 
 # CPU's fused attention has no FLOP formula of its own; it does the work of the GPU flash kernel.
 _FLOP_ALIASES = {
@@ -132,12 +151,16 @@ def _op_flops(formula: Callable[..., Any], name: str, args: tuple, kwargs: dict,
     except AssertionError:
         if "scaled_dot_product" not in name:
             raise
-        heads = max(t.shape[1] for t in args if isinstance(t, torch.Tensor) and t.dim() == 4)
+        # The op's tensors, or their shapes where a FlopCounterMode passed shapes.
+        shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
+        heads = max(t[1] for t in shapes if isinstance(t, tuple) and len(t) == 4)
 
         def widen(t: Any) -> Any:
-            if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[1] < heads and heads % t.shape[1] == 0:
-                return t.new_empty((t.shape[0], heads, *t.shape[2:]))
-            return t
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else t
+            if not isinstance(shape, tuple) or len(shape) != 4 or shape[1] >= heads or heads % shape[1]:
+                return t
+            wide = (shape[0], heads, *shape[2:])
+            return t.new_empty(wide) if isinstance(t, torch.Tensor) else type(t)(wide)
 
         return float(formula(*(widen(a) for a in args), **kwargs, out_val=out))
 

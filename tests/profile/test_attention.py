@@ -121,16 +121,16 @@ def test_the_meta_devices_math_path_is_what_a_cpu_target_keeps() -> None:
     spec = pyplan.ModelSpec(
         name="g", build=lambda: GPT(cfg), example_inputs=lambda b: (torch.randint(0, 64, (b, seq)),)
     )
-    _, how = chain_for(
-        spec.build(), spec.example_inputs, Cluster.from_catalog("local", 1), Workload(global_batch=4)
-    )
+    _, how = chain_for(spec.build(), spec.example_inputs, Cluster.from_catalog("local", 1), Workload(global_batch=4))
     assert "attention" not in how
 
 
 def test_grouped_query_flops_repeat_the_key_value_heads() -> None:
     """Attention with 2 key/value heads for 8 query heads does the work of 8: counted so even by a formula that
     refuses such shapes, as torch's did before 2.13."""
-    from pyplan._torch import _REGISTRY, _op_flops
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pyplan._torch import _REGISTRY, FLOP_FORMULAS, _op_flops
 
     q, kv = torch.empty(2, 8, 16, 4), torch.empty(2, 2, 16, 4)
     expected = 2 * (2 * 2 * 8 * 16 * 16 * 4)  # two products of (16 x 4) @ (4 x 16) per batch and head
@@ -144,3 +144,20 @@ def test_grouped_query_flops_repeat_the_key_value_heads() -> None:
     assert _op_flops(flash, "_scaled_dot_product_flash_attention", (q, kv, kv), {}, None) == expected
     with pytest.raises(AssertionError):
         _op_flops(strict, "mm", (q, kv, kv), {}, None)
+
+    # Given shapes, as a shape-wrapped formula is.
+    def strict_shapes(query: tuple, key: tuple, value: tuple, out_val: object = None) -> int:
+        assert key[1] == query[1], "query/key/value shapes are incompatible"
+        return 2 * (2 * query[0] * query[1] * query[2] * key[2] * query[3])
+
+    assert _op_flops(strict_shapes, "_scaled_dot_product_flash_attention", (q.shape, kv.shape, kv.shape), {}, None) == (
+        expected
+    )
+    # FlopCounterMode, as block_flops counts, with pyplan's formulas (forward and backward).
+    q, kv = q.to("meta").requires_grad_(), kv.to("meta").requires_grad_()
+    with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as forward:
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, kv, kv, 0.0, False, False)[0]
+    assert forward.get_total_flops() == expected
+    with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as backward:
+        out.sum().backward()
+    assert backward.get_total_flops() == 2.5 * expected
