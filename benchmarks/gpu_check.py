@@ -44,7 +44,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -750,6 +750,36 @@ def llm_measure(case: LlmCase, row: dict[str, Any], device_name: str) -> None:
         torch.cuda.empty_cache()
 
 
+def reprice_llm(llm_file: Path) -> list[dict[str, Any]]:
+    """An llm check's result planned again with the model as it is now, on this machine (no GPU): per measured
+    configuration, the new prediction beside the recorded one and what was measured."""
+    data = json.loads(llm_file.read_text())
+    cases = {(c.model, c.precision): c for c in (*LLM_CASES["cuda"], *LLM_CASES["cpu"])}
+    rows = []
+    for m in data["models"]:
+        measured = [r for r in m["rows"] if r["status"] == "measured"]
+        if not measured:
+            continue
+        case = replace(
+            cases[(m["model"], m["precision"])],
+            micro_batch_sizes=tuple(sorted({r["micro_batch_size"] for r in measured})),
+            remats=tuple(dict.fromkeys(r["remat"] for r in measured)),
+        )
+        new = {(r["micro_batch_size"], r["remat"]): r for r in llm_plans(case, data["catalog_gpu"])}
+        for r in measured:
+            now = new[(r["micro_batch_size"], r["remat"])]
+            rows.append(
+                {
+                    "label": f"{case.label} b={r['micro_batch_size']} remat {r['remat']}",
+                    "time": now.get("predicted_s", math.nan) / r["measured_s"],
+                    "time_recorded": r["predicted_s"] / r["measured_s"],
+                    "memory": now.get("predicted_bytes", math.nan) / r["measured_bytes"],
+                    "memory_recorded": r["predicted_bytes"] / r["measured_bytes"],
+                }
+            )
+    return rows
+
+
 def check_llm(out: Path, device_name: str, deadline: float) -> str:
     """Each LLM_CASES model planned for the GPU's catalog entry and trained as planned: predicted against measured
     step time and peak memory, per configuration."""
@@ -879,12 +909,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--reprice",
         type=Path,
-        metavar="PROFILE_JSON",
-        help="price a profile check's result again with the model as it is now (no GPU; `out` is not written)",
+        metavar="RESULT_JSON",
+        help="price a profile or llm check's result again with the model as it is now (no GPU; `out` is not written)",
     )
     parser.add_argument("--check", choices=CHECKS, help=argparse.SUPPRESS)  # one check, in its own process
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.reprice is not None and json.loads(args.reprice.read_text()).get("check") == "llm":
+        for r in reprice_llm(args.reprice):
+            print(
+                f"{r['label']:44} predicted / measured: time {_fmt(r['time'], '.3f')} (recorded "
+                f"{_fmt(r['time_recorded'], '.3f')}), peak memory {_fmt(r['memory'], '.3f')} (recorded "
+                f"{_fmt(r['memory_recorded'], '.3f')})"
+            )
+        return 0
     if args.reprice is not None:
         for r in reprice(args.reprice, args.calibration):
             print(
