@@ -13,8 +13,10 @@ __all__ = [
     "PRECISIONS",
     "ModelState",
     "ShardedUnitBytes",
+    "activation_scale",
     "model_state_bytes",
     "optimizer_step_bytes",
+    "output_dtypes",
     "sharded_unit_bytes",
 ]
 
@@ -52,6 +54,22 @@ _COMPUTE_BYTES: dict[str, int] = {
     "bf16-master": 2,
     "bf16-master-bf16-grads": 2,
 }
+
+
+def activation_scale(precision: str) -> float:
+    """Saved activations and boundary tensors are traced in fp32; a 16-bit precision keeps most in 16 bits."""
+    return 0.5 if precision != "fp32" else 1.0
+
+
+def output_dtypes(precision: str) -> tuple[str | None, str | None]:
+    """The dtype (torch's name) of a model's floating output at `precision` (None: as traced) and the one the
+    runtime's loss takes it in (None: as it comes): autocast's last matrix product returns 16 bits and the
+    pipeline's loss, run outside autocast, takes them so; 16-bit weights' logits are cast to fp32 for the loss
+    (pyplan/runtime/trainer.py `_in_fp32`, as Megatron-LM does)."""
+    if precision == "fp32":
+        return None, None
+    compute = "float16" if precision == "fp16-mixed" else "bfloat16"
+    return compute, "float32" if precision in MASTER_PRECISIONS else None
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from pyplan.model_state import (
     PRECISIONS,
     ModelState,
     ShardedUnitBytes,
+    activation_scale,
     model_state_bytes,
     sharded_unit_bytes,
 )
@@ -75,7 +76,7 @@ class Workload:
     @property
     def activation_scale(self) -> float:
         """Saved activations and boundary tensors are traced in fp32; mixed precision keeps most in 16 bits."""
-        return 0.5 if self.precision != "fp32" else 1.0
+        return activation_scale(self.precision)
 
     def bytes_per_param(self) -> ModelState:
         """Bytes per parameter element of weights, gradients and optimizer state (step counters left out)."""

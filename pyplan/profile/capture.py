@@ -288,7 +288,7 @@ def _loss_cost(
     try:
         if measured:
             return loss_cost(chain, loss, target, sizes, options=timing_options(cluster))
-        return loss_cost(chain, loss, target, sizes, roofline=Roofline.from_gpu(gpu))
+        return loss_cost(chain, loss, target, sizes, roofline=Roofline.from_gpu(gpu), precision=workload.precision)
     except (RuntimeError, ValueError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PlanError(f"the loss cannot be computed on the model's output: {first}") from None

@@ -22,6 +22,7 @@ from torch import nn
 from pyplan._torch import OpRecorder, storage_key, torch_threads
 from pyplan.graph.chain import Chain, LossCost
 from pyplan.graph.layergraph import Affine, Piecewise
+from pyplan.model_state import activation_scale, output_dtypes
 from pyplan.profile.analytic import OpCost, Roofline, op_class
 from pyplan.profile.live import LiveMemory
 from pyplan.profile.measure import (
@@ -68,12 +69,21 @@ def _output_info(chain: Chain, batch_size: int) -> tuple[tuple[int, ...], torch.
 
 
 def _analytic(
-    chain: Chain, loss_fn: LossFn, target_fn: TargetFn | None, batch_size: int
-) -> tuple[int, list[OpCost], list[OpCost], int]:
+    chain: Chain, loss_fn: LossFn, target_fn: TargetFn | None, batch_size: int, precision: str = "fp32"
+) -> tuple[float, list[OpCost], list[OpCost], float]:
     """Saved bytes, the forward and backward aten ops of the loss at `batch_size` and its backward's peak of new
-    storages (the output's gradient included), on meta tensors shaped like the model's output (no model run)."""
+    storages (the output's gradient included), on meta tensors shaped like the model's output (no model run).
+
+    At a 16-bit `precision` the output is 16-bit, as the runtime's last stage returns it, and the loss runs as
+    the runtime runs it (`loss_dtype`); the bytes are given in the chain's units, fp32 as traced, which the search
+    scales by the precision's `activation_scale`: the loss's real bytes over that scale."""
     shape, dtype = _output_info(chain, batch_size)
+    compute, loss_dtype = output_dtypes(precision)
+    if dtype == torch.float32 and compute is not None:
+        dtype = getattr(torch, compute)
     out = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(dtype.is_floating_point)
+    if loss_dtype is not None and dtype.is_floating_point and dtype != getattr(torch, loss_dtype):
+        loss_fn = _cast_first(loss_fn, getattr(torch, loss_dtype))
     target = target_fn(batch_size).to("meta") if target_fn is not None else None
     saved: dict[int, int] = {}
 
@@ -91,7 +101,15 @@ def _analytic(
     def costs(rec: OpRecorder) -> list[OpCost]:
         return [OpCost(n, op_class(n), fl, nb, dt, view) for n, fl, nb, dt, view in rec.ops if not view]
 
-    return sum(saved.values()), costs(fwd), costs(bwd), live.peak_bytes
+    units = activation_scale(precision)
+    return sum(saved.values()) / units, costs(fwd), costs(bwd), live.peak_bytes / units
+
+
+def _cast_first(loss_fn: LossFn, dtype: torch.dtype) -> LossFn:
+    def cast(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_fn(output.to(dtype), target)
+
+    return cast
 
 
 def loss_cost(
@@ -103,12 +121,14 @@ def loss_cost(
     roofline: Roofline | None = None,
     device: torch.device | None = None,
     options: TimingOptions | None = None,
+    precision: str = "fp32",
 ) -> LossCost:
     """The loss's cost at each of `batch_sizes` (two or more), fitted: measured on `device` (default
     `local_device()`) when `roofline` is None, else the roofline time of its ops. `target_fn(b)` gives the target
-    of b samples (None: zeros like the output, pyplan.spec.default_target)."""
+    of b samples (None: zeros like the output, pyplan.spec.default_target). `precision` is the workload's: the
+    loss of a 16-bit output is priced and counted as the runtime computes it (`_analytic`)."""
     sizes = sorted(set(batch_sizes))
-    analytic = [_analytic(chain, loss_fn, target_fn, b) for b in sizes]
+    analytic = [_analytic(chain, loss_fn, target_fn, b, precision) for b in sizes]
     saved = Affine.fit(sizes, [float(a[0]) for a in analytic])
     peak = Affine.fit(sizes, [float(a[3]) for a in analytic])
     if roofline is not None:

@@ -57,6 +57,26 @@ def test_saved_bytes_are_what_cross_entropy_keeps(chain: object) -> None:
     assert mse.saved_bytes(3) == pytest.approx(2 * 3 * CLASSES * 4)
 
 
+@pytest.mark.parametrize(
+    ("precision", "log_softmax_bytes", "cast"),
+    [("bf16-mixed", 2, False), ("bf16-master", 4, True), ("fp16-mixed", 2, False)],
+)
+def test_a_16_bit_output_loses_as_the_runtime_computes_it(
+    chain: object, precision: str, log_softmax_bytes: int, cast: bool
+) -> None:
+    """The last stage returns 16-bit logits: autocast's loss takes them as they are, 16-bit weights' loss casts
+    them to fp32 first (the runtime's `_in_fp32`). The bytes come in the chain's units, fp32 as traced, which the
+    search halves at a 16-bit precision: the real bytes over activation_scale."""
+    gpu = Roofline.from_gpu(get_gpu("h100-sxm"))
+    cost = loss_cost(chain, F.cross_entropy, target, (1, 2, 4), roofline=gpu, precision=precision)
+    scale = Workload(global_batch=8, precision=precision).activation_scale
+    assert cost.saved_bytes.per_sample * scale == pytest.approx(CLASSES * log_softmax_bytes + 8)
+    assert cost.saved_bytes.fixed * scale == pytest.approx(log_softmax_bytes)  # the total weight, a scalar
+    # The fp32 copy of the logits and its 16-bit gradient: two more ops each way where it casts.
+    fp32 = loss_cost(chain, F.cross_entropy, target, (1, 2, 4), roofline=gpu)
+    assert cost.fwd_time_s(64) > fp32.fwd_time_s(64) if cast else cost.fwd_time_s(64) < fp32.fwd_time_s(64)
+
+
 def test_measured_times_grow_with_the_batch(chain: object) -> None:
     # A loss over one sample can time at 0 once the timer's own cost is taken off (on a loaded machine): the
     # times are never negative, and a large batch takes time.
@@ -89,6 +109,7 @@ def test_the_search_charges_the_loss_on_the_last_stage(chain: object) -> None:
     assert got.layout == bare.layout
     assert got.stages[-1].forward_s == pytest.approx(bare.stages[-1].forward_s + cost.fwd_time_s(2), rel=1e-9)
     assert got.stages[-1].backward_s == pytest.approx(bare.stages[-1].backward_s + cost.bwd_time_s(2), rel=1e-9)
+
     # GPipe keeps every micro-batch's loss state until its backward: at the peak (the first backward, once its own
     # loss state is freed, or the end of the forwards) m - 1 or m of them are live. (Compared in the pipeline, with
     # every gradient counted: the loss moves the peak, and with it the gradients not yet made there; and this
