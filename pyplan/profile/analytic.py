@@ -9,6 +9,7 @@ local device, and the defaults below are typical achieved fractions, to be repla
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,13 +18,14 @@ import torch
 from torch import fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pyplan._torch import OpRecorder, run_without_compute
+from pyplan._torch import OpRecorder, floating_state_as, run_without_compute
 from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import Affine
 from pyplan.graph.trace import ExampleInputs, inputs_at
 from pyplan.hardware.catalog import GPU, LOCAL, local_efficiency
 from pyplan.profile.attention import fused_work
+from pyplan.profile.autocast import CudaAutocast
 from pyplan.profile.pieces import RepeatedBlocks, backward, block_inputs, block_modules, forward, leaf_inputs
 
 __all__ = [
@@ -177,15 +179,10 @@ class Roofline:
         return max(compute / eff.compute[op.op_class], memory / eff.memory[op.op_class]) + eff.launch_s
 
 
-def _costs(recorder: OpRecorder, compute_dtype: str | None) -> list[OpCost]:
-    out = []
-    for name, flops, nbytes, dtype, is_view in recorder.ops:
-        if compute_dtype and dtype == "float32":
-            # Mixed precision: the op runs in the compute dtype and moves half (bf16/fp16) the bytes.
-            scale = torch.empty((), dtype=getattr(torch, compute_dtype)).element_size() / 4
-            dtype, nbytes = compute_dtype, nbytes * scale
-        out.append(OpCost(name, op_class(name), flops, nbytes, dtype, is_view))
-    return out
+def _costs(recorder: OpRecorder) -> list[OpCost]:
+    return [
+        OpCost(name, op_class(name), flops, nbytes, dtype, view) for name, flops, nbytes, dtype, view in recorder.ops
+    ]
 
 
 def block_op_costs(
@@ -194,21 +191,33 @@ def block_op_costs(
     batch_size: int,
     *,
     compute_dtype: str | None = None,
+    autocast: bool = False,
     mods: list[fx.GraphModule] | None = None,
 ) -> list[tuple[list[OpCost], list[OpCost]]]:
-    """The ops of each block's forward and backward at `batch_size`, recorded without computing.
-
-    `compute_dtype` ("bfloat16", "float16") models mixed precision: fp32 ops are costed in that dtype. `mods`
-    are the chain's `block_modules`, when the caller has them already.
+    """The ops of each block's forward and backward at `batch_size`, recorded without computing, in the dtypes
+    they run in: with `compute_dtype` ("bfloat16", "float16") and `autocast`, as under CUDA's autocast (mixed
+    precision; pyplan/profile/autocast.py); with `compute_dtype` alone, on the model's weights and floating inputs
+    in that dtype (16-bit weights, as the master-weight precisions train). `mods` are the chain's `block_modules`,
+    when the caller has them already.
     """
     mods = block_modules(chain) if mods is None else mods
     inputs = inputs_at(example_inputs, batch_size)
+    dtype = getattr(torch, compute_dtype) if compute_dtype is not None else None
+    weights = dtype if dtype is not None and not autocast else None  # 16-bit weights and floating inputs
+
+    def casts() -> CudaAutocast | contextlib.nullcontext[None]:
+        """The autocast emulation (a new one for each block: its casts are made once, for forward and backward)."""
+        return CudaAutocast(dtype) if autocast and dtype is not None else contextlib.nullcontext()
 
     def record(convert: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple[list[OpCost], list[OpCost]]]:
         result = []
         repeated = RepeatedBlocks(mods, chain.graph.module)
         done: dict[str, tuple[list[OpCost], list[OpCost]]] = {}
-        args = block_inputs(mods, [convert(t) for t in inputs], repeated)
+        first = [convert(t) for t in inputs]
+        if weights is not None:
+            first = [t.to(weights) if t.is_floating_point() else t for t in first]
+        with casts():
+            args = block_inputs(mods, first, repeated)
         # Fused attention where it applies, as on a GPU: the math kernel's (B, H, T, T) scores never exist there.
         attention = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
         attention.__enter__()
@@ -218,19 +227,30 @@ def block_op_costs(
             if key is not None and key in done:
                 result.append(done[key])
                 continue
-            with OpRecorder(fused_work) as fwd:
+            # The emulation above the recorder, so the recorder sees its casts.
+            block_casts = casts()
+            with OpRecorder(fused_work) as fwd, block_casts:
                 _, roots = forward(mod, leaves)
             # The incoming gradient is made outside, as measure.py times it: in a pipeline it comes from the next stage.
             grads = [torch.ones_like(t) for t in roots]
-            with OpRecorder(fused_work) as bwd:
+            with OpRecorder(fused_work) as bwd, block_casts:
                 backward(roots, grads)
-            result.append((_costs(fwd, compute_dtype), _costs(bwd, compute_dtype)))
+            result.append((_costs(fwd), _costs(bwd)))
             if key is not None:
                 done[key] = result[-1]
         attention.__exit__(None, None, None)
         return result
 
-    return run_without_compute(chain.graph.module, record)
+    module = chain.graph.module
+    if weights is None:
+        return run_without_compute(module, record)
+
+    def in_weights(convert: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple[list[OpCost], list[OpCost]]]:
+        # The blocks' own modules too: a block holds the tensors it reads with get_attr (rotary tables) itself.
+        with floating_state_as([module, *mods], weights):
+            return record(convert)
+
+    return run_without_compute(module, in_weights)
 
 
 def block_times_analytic(
@@ -240,11 +260,16 @@ def block_times_analytic(
     batch_sizes: Sequence[int] = (1, 2),
     *,
     compute_dtype: str | None = None,
+    autocast: bool = False,
 ) -> list[tuple[Affine, Affine]]:
-    """Forward and backward seconds of every block on `device` as `α·b + β`, least squares over `batch_sizes`."""
+    """Forward and backward seconds of every block on `device` as `α·b + β`, least squares over `batch_sizes`;
+    `compute_dtype` and `autocast` as `block_op_costs` takes them."""
     sizes = sorted(set(batch_sizes))
     mods = block_modules(chain)
-    per_size = [block_op_costs(chain, example_inputs, b, compute_dtype=compute_dtype, mods=mods) for b in sizes]
+    per_size = [
+        block_op_costs(chain, example_inputs, b, compute_dtype=compute_dtype, autocast=autocast, mods=mods)
+        for b in sizes
+    ]
 
     def total(ops: list[OpCost]) -> float:
         return sum(device.op_time_s(op) for op in ops)

@@ -151,9 +151,9 @@ def _leaf_names(leaf_modules: Iterable[LeafSpec]) -> list[str]:
     return [f"{x.__module__}.{x.__qualname__}" if isinstance(x, type) else x for x in leaf_modules]
 
 
-def analytic_target(gpu: GPU, roofline: Roofline, compute_dtype: str | None) -> dict[str, Any]:
+def analytic_target(gpu: GPU, roofline: Roofline, compute_dtype: str | None, autocast: bool) -> dict[str, Any]:
     """The target of an analytic profile: the GPU with its figures, the roofline's efficiencies (calibrated ones
-    for `local`) and the dtype mixed precision computes in."""
+    for `local`), the dtype a 16-bit precision computes in and whether under autocast."""
     return {
         "mode": "analytic",
         "gpu": gpu.to_json(),
@@ -161,6 +161,7 @@ def analytic_target(gpu: GPU, roofline: Roofline, compute_dtype: str | None) -> 
         "mem_bw_bytes_per_s": roofline.mem_bw_bytes_per_s,
         "efficiency": roofline.efficiency.to_json(),
         "compute_dtype": compute_dtype,
+        "autocast": autocast,
     }
 
 

@@ -41,6 +41,8 @@ _COMPUTE_DTYPE = {
     "bf16-master": "bfloat16",
     "bf16-master-bf16-grads": "bfloat16",
 }
+# The precisions that train under autocast (the others' 16-bit weights compute in their own dtype).
+_AUTOCAST = ("bf16-mixed", "fp16-mixed")
 # The catalog peak each precision computes at.
 _PEAK_OF = {
     "bf16-mixed": "bf16",
@@ -125,12 +127,13 @@ def chain_for(
 @dataclass(frozen=True)
 class _Target:
     """Where and how a chain is timed: measured on this machine (`roofline` None), or on the roofline of a catalog
-    GPU computing in `compute_dtype`, at the micro-batch sizes `sizes`."""
+    GPU computing in `compute_dtype` (under autocast, or in 16-bit weights), at the micro-batch sizes `sizes`."""
 
     gpu: GPU
     sizes: tuple[int, ...]
     roofline: Roofline | None
     compute_dtype: str | None
+    autocast: bool
     timing: TimingOptions
 
     @staticmethod
@@ -154,13 +157,16 @@ class _Target:
                 f"{workload.precision} kernels); plan it with --precision {' or '.join(others) or 'another GPU'}"
             )
         roofline = None if measured else Roofline.from_gpu(gpu)
-        return _Target(gpu, tuple(sizes), roofline, _COMPUTE_DTYPE[workload.precision], timing_options(cluster))
+        autocast = workload.precision in _AUTOCAST
+        return _Target(
+            gpu, tuple(sizes), roofline, _COMPUTE_DTYPE[workload.precision], autocast, timing_options(cluster)
+        )
 
     def describe(self) -> dict[str, Any]:
         """The target as the profile cache keys it."""
         if self.roofline is None:
             return measured_target(self.gpu, local_device(), self.timing)
-        return analytic_target(self.gpu, self.roofline, self.compute_dtype)
+        return analytic_target(self.gpu, self.roofline, self.compute_dtype, self.autocast)
 
     def profile(self, chain: Chain, examples: Examples) -> tuple[Chain, str]:
         """The chain profiled at the target's sizes; a model with a BatchNorm over a 1x1 map, which cannot train on
@@ -197,7 +203,9 @@ class _Target:
                 how = "measured on this machine"
             else:
                 profiled = profile(chain, examples, measure=False, batch_sizes=sizes)
-                times = block_times_analytic(profiled, examples, roofline, sizes, compute_dtype=self.compute_dtype)
+                times = block_times_analytic(
+                    profiled, examples, roofline, sizes, compute_dtype=self.compute_dtype, autocast=self.autocast
+                )
                 blocks = [replace(b, fwd_time_s=f, bwd_time_s=g) for b, (f, g) in zip(profiled.blocks, times)]
                 profiled, how = replace(profiled, blocks=blocks), f"analytic roofline of {gpu.name}"
             # The blocks' working memory, for the exact replay of every plan's stages (search); cached with the

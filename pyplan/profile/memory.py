@@ -22,6 +22,7 @@ from pyplan.graph.trace import ExampleInputs, inputs_at
 
 __all__ = ["SavedBytes", "SavedRecorder", "saved_bytes"]
 
+
 class SavedRecorder(fx.Interpreter):
     """Runs the graph and charges each storage saved for backward to the node that produced it."""
 

@@ -27,7 +27,6 @@ __all__ = ["node_profile"]
 _NOMINAL_FLOP_PER_BYTE = 10.0
 
 
-
 class _NodeRecorder(SavedRecorder):
     """Runs the traced graph and charges each aten op to the fx node it runs for: forward ops to the node being
     run, backward ops to the node whose forward made the autograd node running them; and each storage saved for
