@@ -33,6 +33,7 @@ resnet-tiny in fp32, gpt-tiny in bf16.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -695,10 +696,12 @@ def llm_plans(case: LlmCase, entry: str) -> list[dict[str, Any]]:
     return rows
 
 
-def llm_measure(case: LlmCase, row: dict[str, Any], device_name: str) -> None:
-    """Train `row`'s plan on the device as the emitted script does (`build_trainer` with the plan's precision):
-    the peak `max_memory_allocated` over a steady step, less what was allocated before, and the median step time
-    (the wall clock around a synchronize) of the timed steps; into `row`."""
+def llm_measure(case: LlmCase, row: dict[str, Any], device_name: str, model: Any) -> None:
+    """Train `row`'s plan on the device as the emitted script does (`build_trainer` with the plan's precision) from
+    a copy of `model` (built on the host, as the emitted script builds it: its stages are cut on the host): the
+    peak `max_memory_allocated` over a steady step, less what was allocated before, and the median step time (the
+    wall clock around a synchronize) of the timed steps; into `row`."""
+    import copy
     import gc
 
     import torch
@@ -715,12 +718,9 @@ def llm_measure(case: LlmCase, row: dict[str, Any], device_name: str) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    torch.manual_seed(0)
-    model = spec.build()  # on the host, as the emitted script builds it (its stages are cut on the host)
     trainer = build_trainer(
-        spec, model, layout, optimizer_factory("adamw", 1e-4), device=device, precision=case.precision
+        spec, copy.deepcopy(model), layout, optimizer_factory("adamw", 1e-4), device=device, precision=case.precision
     )
-    del model
     x = tuple(t.to(device) for t in spec.example_inputs(case.global_batch))
     y = spec.target(case.global_batch).to(device)
     times, losses = [], []
@@ -744,6 +744,8 @@ def llm_measure(case: LlmCase, row: dict[str, Any], device_name: str) -> None:
     )
     if "measured_bytes" in row:
         row["memory_error"] = row["predicted_bytes"] / row["measured_bytes"] - 1
+    if device.type == "cuda":
+        row["device"] = _device_busy(functools.partial(trainer.step, x, y), device)
     del trainer, x, y, out
     gc.collect()
     if device.type == "cuda":
@@ -780,11 +782,35 @@ def reprice_llm(llm_file: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _device_busy(step: Callable[[], object], device: Any) -> dict[str, Any]:
+    """One more step under torch.profiler: the kernels it launched and the GPU's busy time (their durations, one
+    stream) beside the step's wall time. Busy time near the wall time: the GPU's work sets the step's time; far
+    under it: the host, launching kernels, does."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        _sync(device)
+        t0 = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - t0
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        busy = sum(e.device_time_total for e in kernels) / 1e6
+        return {"kernels": len(kernels), "busy_s": busy, "profiled_wall_s": wall}
+    except Exception as exc:  # the profile is extra: its failure leaves the row measured
+        return {"error": _error(exc)}
+
+
 def check_llm(out: Path, device_name: str, deadline: float) -> str:
     """Each LLM_CASES model planned for the GPU's catalog entry and trained as planned: predicted against measured
     step time and peak memory, per configuration."""
     import torch
     import torch.distributed as dist
+
+    from pyplan import load_model
 
     res = Result(out, "llm")
     entry = catalog_gpu(device_name)
@@ -802,11 +828,14 @@ def check_llm(out: Path, device_name: str, deadline: float) -> str:
             try:
                 entry_rows["rows"] = llm_plans(case, entry)
                 res.save()
+                # Built once (a 1B model's random init takes longer on the host than its steps on the GPU).
+                torch.manual_seed(0)
+                model = load_model(f"zoo:{case.model}").build()
                 for row in entry_rows["rows"]:
                     if row["status"] != "planned" or time.time() > deadline - 20:
                         continue
                     try:
-                        llm_measure(case, row, device_name)
+                        llm_measure(case, row, device_name, model)
                         row["status"] = "measured"
                     except Exception as exc:
                         row.update(status="failed", error=_error(exc))
