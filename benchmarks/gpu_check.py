@@ -9,7 +9,8 @@ OUT_DIR/<check>.json with at least {"check", "status" ("ok", "failed", "timeout"
 that dies or runs out of time still leaves its file, with what it had finished. In order:
 
   env        torch, CUDA, the device; two ceilings measured as METHOD says: a large bf16 (fp32 on the CPU) matrix
-             product's FLOP/s on random data and a device-to-device copy's bytes/s (read + written).
+             product's FLOP/s on random data and a device-to-device copy's bytes/s (read + written); and a language
+             model head's three products at GPT-2's odd vocabulary and padded to a multiple of 64.
   calibrate  `pyplan calibrate --no-link --quick` on the device (one GPU has no link to measure) into a private
              cache directory, then the full calibration in the time left, kept when it finishes; the files are
              embedded in the result, and the later checks plan with the one kept as the `local` GPU.
@@ -24,10 +25,14 @@ that dies or runs out of time still leaves its file, with what it had finished. 
   accuracy   `benchmarks/accuracy.py --matrices one-cuda` (remat none/full and micro-batch/GA choices on one GPU)
              with the calibration above, one model per process, a short protocol (one launch, no waiting for a
              quiet machine: a GPU host's other cores do not stretch the GPU's steps); its rows and summary.
+  llm        language models in 16-bit precisions (LLM_CASES: the Llama-style 1B in bf16-master, gpt2-small in
+             bf16-mixed) planned for the GPU's catalog entry, as `pyplan plan --gpu h200 --precision ...` plans
+             them, and each plan trained as planned on the device: predicted against measured step time and peak
+             memory, and one step under torch.profiler (kernels launched, the GPU's busy time beside the wall time).
 
-The models: gpt2-small and resnet50 in fp32, and the 1B Llama-style model built in bf16 (its weights and
+The profile's models: gpt2-small and resnet50 in fp32, and the 1B Llama-style model built in bf16 (its weights and
 activations bf16, no autocast: the analytic model prices its ops in their own dtype). On the CPU: gpt-tiny and
-resnet-tiny in fp32, gpt-tiny in bf16.
+resnet-tiny in fp32, gpt-tiny in bf16; the llm check runs gpt-tiny in both precisions.
 """
 
 from __future__ import annotations
@@ -238,8 +243,32 @@ def check_env(out: Path, device_name: str, deadline: float) -> str:
     dst = torch.empty_like(src)
     copy_s = _median_s(lambda: dst.copy_(src), device, warmup=3, repeats=10)
     data["copy"] = {"bytes": 2 * src.nbytes, "s": copy_s, "bytes_per_s": 2 * src.nbytes / copy_s}
+    res.save()
+    data["head"] = _head_products(device)
     res.finish("ok" if "pyplan_error" not in data else "failed")
     return res.data["status"]
+
+
+def _head_products(device: Any) -> list[dict[str, Any]]:
+    """A language-model head's three matrix products (forward, input and weight gradients) in 16 bits, at GPT-2's
+    vocabulary (50,257, odd: rows not 16-byte aligned) and padded to a multiple of 64 (50,304, as nanoGPT pads it):
+    FLOP/s of each, median of 10 after 3 warm-ups, random data. On the CPU, in fp32 at a small size."""
+    import torch
+
+    tokens, width = (16384, 768) if device.type == "cuda" else (256, 64)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for vocab in (50257, 50304) if device.type == "cuda" else (1001, 1024):
+        x = torch.randn(tokens, width, device=device, dtype=dtype, generator=gen)
+        w = torch.randn(vocab, width, device=device, dtype=dtype, generator=gen)
+        g = torch.randn(tokens, vocab, device=device, dtype=dtype, generator=gen)
+        flops = 2 * tokens * width * vocab
+        products = (("forward", x, w.t()), ("input_grad", g, w), ("weight_grad", g.t(), x))
+        for name, left, right in products:
+            t = _median_s(functools.partial(torch.matmul, left, right), device, warmup=3, repeats=10)
+            rows.append({"vocab": vocab, "product": name, "s": t, "flops_per_s": flops / t})
+    return rows
 
 
 def _driver() -> str | None:
@@ -884,6 +913,8 @@ def summary_lines(out: Path) -> Iterator[str]:
                 f"{_fmt(mm.get('flops_per_s', math.nan) / 1e12, '.0f')} TFLOP/s, copy "
                 f"{_fmt(cp.get('bytes_per_s', math.nan) / 1e12, '.2f')} TB/s"
             )
+            heads = " ".join(f"{r['vocab']}/{r['product']} {r['flops_per_s'] / 1e12:.0f}" for r in d.get("head", []))
+            yield f"{'':10} head products TFLOP/s: {heads}"
         elif check == "calibrate":
             gpu = d.get("calibration", {}).get("gpu", {})
             peaks = {k: round(v / 1e12, 1) for k, v in gpu.get("peak_flops_per_s", {}).items()}

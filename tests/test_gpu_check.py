@@ -30,6 +30,7 @@ def test_every_check_runs_on_the_cpu_and_writes_its_result(tmp_path: Path) -> No
     assert not failed, json.dumps(failed, indent=1)[-4000:]
     assert done.returncode == 0, done.stdout[-3000:]
     assert results["env"]["pyplan"] and results["env"]["copy"]["bytes_per_s"] > 0
+    assert len(results["env"]["head"]) == 6 and all(r["flops_per_s"] > 0 for r in results["env"]["head"])
     assert results["calibrate"]["calibration"]["gpu"]["peak_flops_per_s"]["fp32"] > 0
     assert results["gpu_tests"]["counts"]["skipped"] >= 1  # the gpu tests, collected and skipped without a GPU
     profile = results["profile"]
