@@ -362,13 +362,10 @@ def _tensor_parallel(
         zone = sequence_zone(bare.graph, plan, t) if sequence_parallel else None
         zone = zone if zone else None
         chain_t = chain_at_degree(bare, plan, t, how.examples, cluster, how.workload, zone)
-        # The loss on each rank's slice of the logits where it can (torchtitan's loss_parallel), else on the whole;
-        # the runtime's slice computes in fp32 (pyplan/runtime/tensor_parallel.py).
+        # The loss on each rank's slice of the logits where it can (torchtitan's loss_parallel), else on the whole.
         vocab = chain.loss is not None and vocab_parallel_loss(bare.graph, plan, t, how.loss)
         if vocab:
-            chain_t = add_loss(
-                chain_t, how.model, how.examples, cluster, how.workload, cross_entropy, how.target, fp32_loss=True
-            )
+            chain_t = add_loss(chain_t, how.model, how.examples, cluster, how.workload, cross_entropy, how.target)
         elif chain.loss is not None:
             chain_t = with_loss(chain_t, chain.loss)
         comm = tp_comm_times(bare, plan, t, cluster, how.workload, zone, vocab_parallel=vocab)

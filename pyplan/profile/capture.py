@@ -273,13 +273,10 @@ def add_loss(
     workload: Workload,
     loss: LossFn,
     target: TargetFn | None = None,
-    *,
-    fp32_loss: bool = False,
 ) -> Chain:
     """`chain` (from chain_for) with the loss in its last block, timed as chain_for times the blocks: measured on
-    this machine, or on the roofline of the cluster's GPU (pyplan/profile/loss.py); `fp32_loss`: a loss that
-    computes in fp32 whatever the output's dtype."""
-    return with_loss(chain, _loss_cost(chain, model, example_inputs, cluster, workload, loss, target, fp32_loss))
+    this machine, or on the roofline of the cluster's GPU (pyplan/profile/loss.py)."""
+    return with_loss(chain, _loss_cost(chain, model, example_inputs, cluster, workload, loss, target))
 
 
 def _loss_cost(
@@ -290,7 +287,6 @@ def _loss_cost(
     workload: Workload,
     loss: LossFn,
     target: TargetFn | None,
-    fp32_loss: bool = False,
 ) -> LossCost:
     gpu = cluster.gpu
     measured = is_local(gpu) and not is_meta_module(model)
@@ -300,10 +296,7 @@ def _loss_cost(
     try:
         if measured:
             return loss_cost(chain, loss, target, sizes, options=timing_options(cluster))
-        roofline = Roofline.from_gpu(gpu)
-        return loss_cost(
-            chain, loss, target, sizes, roofline=roofline, precision=workload.precision, fp32_loss=fp32_loss
-        )
+        return loss_cost(chain, loss, target, sizes, roofline=Roofline.from_gpu(gpu), precision=workload.precision)
     except (RuntimeError, ValueError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PlanError(f"the loss cannot be computed on the model's output: {first}") from None

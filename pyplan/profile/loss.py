@@ -69,24 +69,16 @@ def _output_info(chain: Chain, batch_size: int) -> tuple[tuple[int, ...], torch.
 
 
 def _analytic(
-    chain: Chain,
-    loss_fn: LossFn,
-    target_fn: TargetFn | None,
-    batch_size: int,
-    precision: str = "fp32",
-    fp32_loss: bool = False,
+    chain: Chain, loss_fn: LossFn, target_fn: TargetFn | None, batch_size: int, precision: str = "fp32"
 ) -> tuple[float, list[OpCost], list[OpCost], float]:
     """Saved bytes, the forward and backward aten ops of the loss at `batch_size` and its backward's peak of new
     storages (the output's gradient included), on meta tensors shaped like the model's output (no model run).
 
     At a 16-bit `precision` the output is 16-bit, as the runtime's last stage returns it, and the loss runs as
-    the runtime runs it (`output_dtypes`; in fp32 with `fp32_loss`, as the vocabulary-parallel loss computes); the
-    bytes are given in the chain's units, fp32 as traced, which the search scales by the precision's
-    `activation_scale`: the loss's real bytes over that scale."""
+    the runtime runs it, after a cast to fp32 (`output_dtypes`); the bytes are given in the chain's units, fp32 as
+    traced, which the search scales by the precision's `activation_scale`: the loss's real bytes over that scale."""
     shape, dtype = _output_info(chain, batch_size)
     compute, loss_dtype = output_dtypes(precision)
-    if fp32_loss and compute is not None:
-        loss_dtype = "float32"
     if dtype == torch.float32 and compute is not None:
         dtype = getattr(torch, compute)
     out = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(dtype.is_floating_point)
@@ -130,15 +122,13 @@ def loss_cost(
     device: torch.device | None = None,
     options: TimingOptions | None = None,
     precision: str = "fp32",
-    fp32_loss: bool = False,
 ) -> LossCost:
     """The loss's cost at each of `batch_sizes` (two or more), fitted: measured on `device` (default
     `local_device()`) when `roofline` is None, else the roofline time of its ops. `target_fn(b)` gives the target
     of b samples (None: zeros like the output, pyplan.spec.default_target). `precision` is the workload's: the
-    loss of a 16-bit output is priced and counted as the runtime computes it (`_analytic`), in fp32 with
-    `fp32_loss`."""
+    loss of a 16-bit output is priced and counted as the runtime computes it (`_analytic`)."""
     sizes = sorted(set(batch_sizes))
-    analytic = [_analytic(chain, loss_fn, target_fn, b, precision, fp32_loss) for b in sizes]
+    analytic = [_analytic(chain, loss_fn, target_fn, b, precision) for b in sizes]
     saved = Affine.fit(sizes, [float(a[0]) for a in analytic])
     peak = Affine.fit(sizes, [float(a[3]) for a in analytic])
     if roofline is not None:
