@@ -205,9 +205,9 @@ def block_op_costs(
     dtype = getattr(torch, compute_dtype) if compute_dtype is not None else None
     weights = dtype if dtype is not None and not autocast else None  # 16-bit weights and floating inputs
 
-    def casts() -> CudaAutocast | contextlib.nullcontext[None]:
+    def casts() -> CudaAutocast | None:
         """The autocast emulation (a new one for each block: its casts are made once, for forward and backward)."""
-        return CudaAutocast(dtype) if autocast and dtype is not None else contextlib.nullcontext()
+        return CudaAutocast(dtype) if autocast and dtype is not None else None
 
     def record(convert: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple[list[OpCost], list[OpCost]]]:
         result = []
@@ -216,7 +216,7 @@ def block_op_costs(
         first = [convert(t) for t in inputs]
         if weights is not None:
             first = [t.to(weights) if t.is_floating_point() else t for t in first]
-        with casts():
+        with casts() or contextlib.nullcontext():
             args = block_inputs(mods, first, repeated)
         # Fused attention where it applies, as on a GPU: the math kernel's (B, H, T, T) scores never exist there.
         attention = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
@@ -229,11 +229,11 @@ def block_op_costs(
                 continue
             # The emulation above the recorder, so the recorder sees its casts.
             block_casts = casts()
-            with OpRecorder(fused_work) as fwd, block_casts:
+            with OpRecorder(fused_work) as fwd, block_casts or contextlib.nullcontext():
                 _, roots = forward(mod, leaves)
             # The incoming gradient is made outside, as measure.py times it: in a pipeline it comes from the next stage.
             grads = [torch.ones_like(t) for t in roots]
-            with OpRecorder(fused_work) as bwd, block_casts:
+            with OpRecorder(fused_work) as bwd, block_casts.backward() if block_casts else contextlib.nullcontext():
                 backward(roots, grads)
             result.append((_costs(fwd), _costs(bwd)))
             if key is not None:

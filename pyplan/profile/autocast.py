@@ -7,9 +7,10 @@ analytic profile runs on meta or fake tensors, where autocast does nothing (it a
 a machine without CUDA). `CudaAutocast` applies the same policy below autograd: the lists of ATen's CUDA autocast
 kernels (aten/src/ATen/autocast_mode.h, torch 2.13: AT_FORALL_LOWER_PRECISION_FP, AT_FORALL_FP32,
 AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE), by the names of the aten ops those composites reach. Each cast is
-a `Tensor.to`, recorded as the `_to_copy` kernel autocast launches; a tensor is cast once per recording (autocast
+the `_to_copy` kernel autocast launches; a tensor is cast once per recording (autocast
 saves its 16-bit copies for the backward; here autograd saves the originals, and the backward finds their casts
-made). Autograd casts each gradient to the dtype of its tensor, as under autocast.
+made). The backward runs without autocast, as it does in training (`CudaAutocast.backward`); autograd casts each
+gradient to the dtype of its tensor, as under autocast.
 """
 
 from __future__ import annotations
@@ -63,30 +64,48 @@ _ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)  # autocast leaves fl
 
 class CudaAutocast(TorchDispatchMode):
     """While active, aten ops run as under `torch.autocast("cuda", dtype)`: see the module's docstring. Enter it
-    above an OpRecorder (after it), so the recorder sees the casts and the ops as they run."""
+    above an OpRecorder (after it), so the recorder sees the casts and the ops as they run.
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    Autocast acts on the forward only: the backward's ops run in the dtypes of what they are given. There, enter
+    `backward()`, which casts only the fp32 originals autograd saved where autocast saves their 16-bit copies (a
+    16-bit product given one), to the copies the forward made."""
+
+    def __init__(self, dtype: torch.dtype, casts: dict | None = None, *, in_backward: bool = False) -> None:
         super().__init__()
         self.dtype = dtype
-        self._casts: dict[tuple[Any, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.in_backward = in_backward
+        self._casts: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {} if casts is None else casts
+
+    def backward(self) -> CudaAutocast:
+        """The same emulation for the backward, with the forward's casts."""
+        return CudaAutocast(self.dtype, self._casts, in_backward=True)
 
     def _cast(self, t: Any, dtype: torch.dtype) -> Any:
         if not isinstance(t, torch.Tensor) or t.dtype not in _ELIGIBLE or t.dtype == dtype:
             return t
-        key = (storage_key(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), dtype)
+        key = (storage_key(t), t.storage_offset(), t.numel(), dtype)
         if key not in self._casts:
-            self._casts[key] = (t, t.to(dtype))  # the source is kept, so its storage is not reused by another
-        return self._casts[key][1]
+            # The kernel itself: below autograd, `Tensor.to` reaches the modes beneath as `to`, a view of nothing.
+            # The source is kept, so its storage is not reused by another.
+            self._casts[key] = (t, torch.ops.aten._to_copy.default(t, dtype=dtype))
+        source, cast = self._casts[key]
+        if t.shape == source.shape and t.stride() == source.stride():
+            return cast
+        # The same elements seen another way (a weight's transpose in the backward): the same view of the cast,
+        # which keeps its source's strides.
+        return cast.as_strided(t.shape, t.stride(), cast.storage_offset())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name in LOWER:
-            target: torch.dtype | None = self.dtype
+        floats = {t.dtype for t in tensor_leaves((args, kwargs)) if t.dtype in _ELIGIBLE}
+        if self.in_backward:
+            target: torch.dtype | None = self.dtype if name in LOWER and len(floats) > 1 else None
+        elif name in LOWER:
+            target = self.dtype
         elif name in FP32 and kwargs.get("dtype") is None:  # an op given its dtype runs as asked
             target = torch.float32
         elif name in PROMOTE:
-            floats = [t.dtype for t in tensor_leaves((args, kwargs)) if t.dtype in _ELIGIBLE]
             target = max(floats, key=lambda d: torch.finfo(d).bits) if floats else None
         else:
             target = None

@@ -1,0 +1,92 @@
+"""CUDA autocast's policy on meta tensors (pyplan/profile/autocast.py), as the analytic profile of a mixed-precision
+plan records a block's ops."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyplan._torch import OpRecorder
+from pyplan.graph.linearize import linearize
+from pyplan.graph.trace import trace
+from pyplan.profile.analytic import block_op_costs
+from pyplan.profile.autocast import FP32, LOWER, PROMOTE, CudaAutocast
+
+
+class _PreNorm(nn.Module):
+    """x + W2 gelu(W1 layer_norm(x)), the residual stream in fp32 under autocast."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def _recorded(module: nn.Module, x: torch.Tensor) -> tuple[list[tuple[str, str]], list[tuple[str, str]], torch.Tensor]:
+    forward, backward = OpRecorder(), OpRecorder()
+    casts = CudaAutocast(torch.bfloat16)
+    with forward, casts:
+        out = module(x)
+    with backward, casts.backward():
+        out.sum().backward()
+    keep = lambda ops: [(name, dtype) for name, _, _, dtype, view in ops if not view]  # noqa: E731
+    return keep(forward.ops), keep(backward.ops), out
+
+
+def test_the_policy_lists_are_apart() -> None:
+    assert not (LOWER & FP32) and not (LOWER & PROMOTE) and not (FP32 & PROMOTE)
+
+
+def test_a_pre_norm_block_runs_as_under_cuda_autocast() -> None:
+    """On CUDA, autocast runs layer_norm in fp32, the linears in bf16 on cast copies of their inputs and weights,
+    GELU in bf16 (its input's dtype) and the residual add in fp32 (type promotion); the weights' gradients come
+    back in fp32."""
+    with torch.device("meta"):
+        module = _PreNorm()
+        x = torch.empty(8, 16, 64, requires_grad=True)
+    forward, backward, out = _recorded(module, x)
+    names = [name for name, _ in forward]
+    assert ("native_layer_norm", "float32") in forward
+    assert [dtype for name, dtype in forward if name == "addmm"] == ["bfloat16", "bfloat16"]
+    assert ("gelu", "bfloat16") in forward
+    assert forward[-1] == ("add", "float32") and out.dtype == torch.float32
+    # Each linear casts its weight and bias, the first its fp32 input too (GELU's output is bf16 already): five
+    # casts, each made once.
+    assert names.count("_to_copy") == 5
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in module.parameters())
+    assert x.grad is not None and x.grad.dtype == torch.float32
+    # The backward's products in bf16 on the casts the forward made (no new cast of a weight or an input).
+    assert {dtype for name, dtype in backward if name == "mm"} == {"bfloat16"}
+    # The backward casts each forward cast's gradient back (five) and the residual's fp32 gradient to the bf16 of
+    # the product it reaches (one), as under autocast; it computes the bias gradients in bf16 (no autocast there).
+    assert sum(name == "_to_copy" for name, _ in backward) == 6
+    assert {dtype for name, dtype in backward if name == "sum"} == {"float32", "bfloat16"}
+
+
+def test_fp32_ops_given_a_dtype_run_as_asked() -> None:
+    with torch.device("meta"):
+        x = torch.empty(4, 8, dtype=torch.bfloat16)
+    with CudaAutocast(torch.bfloat16):
+        assert torch.softmax(x, -1).dtype == torch.float32  # AT_FORALL_FP32_SET_OPT_DTYPE
+        assert torch.sum(x, -1, dtype=torch.bfloat16).dtype == torch.bfloat16
+        assert torch.exp(x).dtype == torch.float32
+        assert torch.relu(x).dtype == torch.bfloat16  # not in a list: its input's dtype
+        assert torch.addcmul(x, x, x.float()).dtype == torch.float32  # promote
+
+
+def test_mixed_precision_blocks_are_priced_on_the_ops_autocast_runs() -> None:
+    """block_op_costs with autocast: 16-bit products, fp32 norms and residuals, and the casts between; without it
+    and with a compute dtype, the same block on bf16 weights computes every op in bf16."""
+    example = lambda b: (torch.randn(b, 16, 64),)  # noqa: E731
+    chain = linearize(trace(_PreNorm(), example, batch_size=2), min_blocks=1)
+    mixed = [op for fwd, _ in block_op_costs(chain, example, 4, compute_dtype="bfloat16", autocast=True) for op in fwd]
+    weights = [op for fwd, _ in block_op_costs(chain, example, 4, compute_dtype="bfloat16") for op in fwd]
+    assert {op.dtype for op in mixed if op.op_class == "matmul"} == {"bfloat16"}
+    assert {op.dtype for op in mixed if op.name == "native_layer_norm"} == {"float32"}
+    assert any(op.name == "_to_copy" for op in mixed)
+    assert {op.dtype for op in weights if not op.is_view and op.name != "_to_copy"} == {"bfloat16"}
