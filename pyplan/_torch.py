@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -22,7 +22,6 @@ __all__ = [
     "FLOP_FORMULAS",
     "OpRecorder",
     "TorchDispatchMode",
-    "floating_state_as",
     "is_meta_module",
     "is_strided",
     "is_view",
@@ -87,32 +86,6 @@ def run_without_compute(module: torch.nn.Module, fn: Callable[[Convert], T]) -> 
     except (DataDependentOutputException, DynamicOutputShapeException):
         with _grads_kept(module):
             return fn(lambda t: t)
-
-
-@contextlib.contextmanager
-def floating_state_as(modules: Sequence[torch.nn.Module], dtype: torch.dtype) -> Iterator[None]:
-    """Inside, the floating parameters and buffers of `modules` are leaves of `dtype` made from the present ones
-    (as `Module.to(dtype)` would make them; a tensor the modules share, one leaf), the present ones back after.
-    On meta or fake tensors (run_without_compute) nothing is allocated."""
-    made: dict[int, torch.Tensor] = {}
-
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        if not t.is_floating_point() or t.dtype == dtype:
-            return t
-        if id(t) not in made:
-            made[id(t)] = t.detach().to(dtype).requires_grad_(t.requires_grad)
-        return made[id(t)]
-
-    with contextlib.ExitStack() as stack:
-        for module in modules:
-            state = {
-                **dict(module.named_parameters(remove_duplicate=False)),
-                **dict(module.named_buffers(remove_duplicate=False)),
-            }
-            stack.enter_context(
-                _reparametrize_module(module, {name: cast(t) for name, t in state.items()}, tie_weights=True)
-            )
-        yield
 
 
 def tensor_leaves(value: Any) -> list[torch.Tensor]:

@@ -42,6 +42,7 @@ from pyplan.profile.measure import CheckpointCosts, checkpoint_call_s, checkpoin
 from pyplan.profile.nodes import node_profile
 from pyplan.profile.remat import remat_bytes
 from pyplan.runtime.sharded import gathered_bytes, remat_kind, unit_segments, zero3_overlap
+from pyplan.runtime.tensor_parallel import vocab_slice_loss
 from pyplan.solve.dag_search import dag_plans
 from pyplan.solve.remat import RematProfile
 from pyplan.solve.remat_search import (
@@ -61,7 +62,6 @@ from pyplan.solve.tied import (
     with_tied_state,
     with_tied_sync,
 )
-from pyplan.spec import cross_entropy
 
 __all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "add_loss", "chain_for", "memory_per_process", "plan", "search"]
 
@@ -362,10 +362,11 @@ def _tensor_parallel(
         zone = sequence_zone(bare.graph, plan, t) if sequence_parallel else None
         zone = zone if zone else None
         chain_t = chain_at_degree(bare, plan, t, how.examples, cluster, how.workload, zone)
-        # The loss on each rank's slice of the logits where it can (torchtitan's loss_parallel), else on the whole.
+        # The loss on each rank's slice of the logits where it can (torchtitan's loss_parallel), else on the whole;
+        # recorded as the runtime computes its slice (in fp32, the softmax kept and its gradient made in place).
         vocab = chain.loss is not None and vocab_parallel_loss(bare.graph, plan, t, how.loss)
         if vocab:
-            chain_t = add_loss(chain_t, how.model, how.examples, cluster, how.workload, cross_entropy, how.target)
+            chain_t = add_loss(chain_t, how.model, how.examples, cluster, how.workload, vocab_slice_loss, how.target)
         elif chain.loss is not None:
             chain_t = with_loss(chain_t, chain.loss)
         comm = tp_comm_times(bare, plan, t, cluster, how.workload, zone, vocab_parallel=vocab)

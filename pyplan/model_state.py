@@ -63,12 +63,13 @@ def activation_scale(precision: str) -> float:
 
 def output_dtypes(precision: str) -> tuple[str | None, str | None]:
     """The dtype (torch's name) of a model's floating output at `precision` (None: as traced) and the one the
-    runtime's loss takes it in (None: as it comes): autocast's last matrix product and 16-bit weights return 16
-    bits, which the runtime casts to fp32 for the loss (pyplan/runtime/trainer.py `_in_fp32`, as Megatron-LM and
-    torchtitan do)."""
+    runtime's loss takes it in (None: as it comes): autocast's last matrix product returns 16 bits and the
+    pipeline's loss, run outside autocast, takes them so; 16-bit weights' logits are cast to fp32 for the loss
+    (pyplan/runtime/trainer.py `_in_fp32`, as Megatron-LM does)."""
     if precision == "fp32":
         return None, None
-    return ("float16" if precision == "fp16-mixed" else "bfloat16"), "float32"
+    compute = "float16" if precision == "fp16-mixed" else "bfloat16"
+    return compute, "float32" if precision in MASTER_PRECISIONS else None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch
 from torch import fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pyplan._torch import OpRecorder, floating_state_as, run_without_compute
+from pyplan._torch import OpRecorder, run_without_compute
 from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import Affine
@@ -179,10 +179,15 @@ class Roofline:
         return max(compute / eff.compute[op.op_class], memory / eff.memory[op.op_class]) + eff.launch_s
 
 
-def _costs(recorder: OpRecorder) -> list[OpCost]:
-    return [
-        OpCost(name, op_class(name), flops, nbytes, dtype, view) for name, flops, nbytes, dtype, view in recorder.ops
-    ]
+def _costs(recorder: OpRecorder, weights: str | None = None) -> list[OpCost]:
+    """The recorded ops as costs; with `weights` (a 16-bit dtype's name), the fp32 ones as that dtype computes them,
+    moving half the bytes: a model of 16-bit weights, recorded on the fp32 model."""
+    out = []
+    for name, flops, nbytes, dtype, is_view in recorder.ops:
+        if weights and dtype == "float32":
+            dtype, nbytes = weights, nbytes * torch.empty((), dtype=getattr(torch, weights)).element_size() / 4
+        out.append(OpCost(name, op_class(name), flops, nbytes, dtype, is_view))
+    return out
 
 
 def block_op_costs(
@@ -194,16 +199,19 @@ def block_op_costs(
     autocast: bool = False,
     mods: list[fx.GraphModule] | None = None,
 ) -> list[tuple[list[OpCost], list[OpCost]]]:
-    """The ops of each block's forward and backward at `batch_size`, recorded without computing, in the dtypes
-    they run in: with `compute_dtype` ("bfloat16", "float16") and `autocast`, as under CUDA's autocast (mixed
-    precision; pyplan/profile/autocast.py); with `compute_dtype` alone, on the model's weights and floating inputs
-    in that dtype (16-bit weights, as the master-weight precisions train). `mods` are the chain's `block_modules`,
-    when the caller has them already.
+    """The ops of each block's forward and backward at `batch_size`, recorded without computing: with
+    `compute_dtype` ("bfloat16", "float16") and `autocast`, as under CUDA's autocast (mixed precision, each op in
+    the dtype it runs in; pyplan/profile/autocast.py); with `compute_dtype` alone, as 16-bit weights compute (the
+    master-weight precisions): recorded on the model as it is, every fp32 op costed in that dtype. `mods` are the
+    chain's `block_modules`, when the caller has them already.
+
+    (Converting the weights and recording the model in 16 bits would also see the ops a model keeps in fp32, but a
+    model's fp32 constants and its own casts, a Hugging Face rotary embedding's, break it on real models.)
     """
     mods = block_modules(chain) if mods is None else mods
     inputs = inputs_at(example_inputs, batch_size)
     dtype = getattr(torch, compute_dtype) if compute_dtype is not None else None
-    weights = dtype if dtype is not None and not autocast else None  # 16-bit weights and floating inputs
+    weights = compute_dtype if dtype is not None and not autocast else None
 
     def casts() -> CudaAutocast | None:
         """The autocast emulation (a new one for each block: its casts are made once, for forward and backward)."""
@@ -213,11 +221,8 @@ def block_op_costs(
         result = []
         repeated = RepeatedBlocks(mods, chain.graph.module)
         done: dict[str, tuple[list[OpCost], list[OpCost]]] = {}
-        first = [convert(t) for t in inputs]
-        if weights is not None:
-            first = [t.to(weights) if t.is_floating_point() else t for t in first]
         with casts() or contextlib.nullcontext():
-            args = block_inputs(mods, first, repeated)
+            args = block_inputs(mods, [convert(t) for t in inputs], repeated)
         # Fused attention where it applies, as on a GPU: the math kernel's (B, H, T, T) scores never exist there.
         attention = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
         attention.__enter__()
@@ -235,22 +240,13 @@ def block_op_costs(
             grads = [torch.ones_like(t) for t in roots]
             with OpRecorder(fused_work) as bwd, block_casts.backward() if block_casts else contextlib.nullcontext():
                 backward(roots, grads)
-            result.append((_costs(fwd), _costs(bwd)))
+            result.append((_costs(fwd, weights), _costs(bwd, weights)))
             if key is not None:
                 done[key] = result[-1]
         attention.__exit__(None, None, None)
         return result
 
-    module = chain.graph.module
-    if weights is None:
-        return run_without_compute(module, record)
-
-    def in_weights(convert: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple[list[OpCost], list[OpCost]]]:
-        # The blocks' own modules too: a block holds the tensors it reads with get_attr (rotary tables) itself.
-        with floating_state_as([module, *mods], weights):
-            return record(convert)
-
-    return run_without_compute(module, in_weights)
+    return run_without_compute(chain.graph.module, record)
 
 
 def block_times_analytic(

@@ -75,8 +75,8 @@ def _analytic(
     storages (the output's gradient included), on meta tensors shaped like the model's output (no model run).
 
     At a 16-bit `precision` the output is 16-bit, as the runtime's last stage returns it, and the loss runs as
-    the runtime runs it, after a cast to fp32 (`output_dtypes`); the bytes are given in the chain's units, fp32 as
-    traced, which the search scales by the precision's `activation_scale`: the loss's real bytes over that scale."""
+    the runtime runs it (`loss_dtype`); the bytes are given in the chain's units, fp32 as traced, which the search
+    scales by the precision's `activation_scale`: the loss's real bytes over that scale."""
     shape, dtype = _output_info(chain, batch_size)
     compute, loss_dtype = output_dtypes(precision)
     if dtype == torch.float32 and compute is not None:

@@ -586,20 +586,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup, start: int
+        ctx: Any, logits: torch.Tensor, target: torch.Tensor, group: dist.ProcessGroup | None, start: int
     ) -> torch.Tensor:
         x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # in fp32 under autocast, as F.cross_entropy
         top = x.detach().amax(dim=-1)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        if group is not None:  # (None: one rank's ops alone, as the plan records them; pyplan.profile.loss)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
         exp = (x - top[:, None]).exp_()
         total = exp.sum(dim=-1)
-        dist.all_reduce(total, group=group)
+        if group is not None:
+            dist.all_reduce(total, group=group)
         valid = target != -100
         local = target - start
         mine = valid & (local >= 0) & (local < x.shape[-1])
         index = local.clamp(0, x.shape[-1] - 1)[:, None]
         picked = torch.where(mine, x.gather(-1, index).squeeze(-1) - top, 0.0)
-        dist.all_reduce(picked, group=group)
+        if group is not None:
+            dist.all_reduce(picked, group=group)
         count = valid.sum()
         loss = torch.where(valid, total.log() - picked, 0.0).sum() / count
         exp.div_(total[:, None])  # the softmax slice
@@ -613,6 +616,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax.scatter_add_(-1, index, -mine[:, None].to(softmax.dtype))
         softmax.mul_((valid.to(softmax.dtype) * grad / count)[:, None])
         return softmax.to(ctx.dtype), None, None, None
+
+
+def vocab_slice_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """One rank's share of `VocabParallelLoss` on its slice of the logits, without the collectives: the ops and
+    storages the plan records for it (its values are not the loss)."""
+    return _VocabParallelCrossEntropy.apply(output.flatten(0, -2), target.flatten(), None, 0)
 
 
 class VocabParallelLoss:

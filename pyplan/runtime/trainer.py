@@ -390,7 +390,7 @@ def _pipeline_trainer(
     cls = get_schedule_class(layout.schedule)
     stage_arg = pipeline_stages[0] if issubclass(cls, PipelineScheduleSingle) else pipeline_stages
     loss_fn = losses[0] if losses else spec.loss or default_loss
-    if precision != "fp32":
+    if weights is not None:
         loss_fn = _in_fp32(loss_fn)
     schedule = cls(stage_arg, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=not manual_grads)
     # Gradients kept in place between steps where the plan counts them held (DDP's buckets; the fp32 gradients of
@@ -445,9 +445,9 @@ def _master_weights(
 
 
 def _in_fp32(loss: Any) -> Any:
-    """`loss` on the last stage's output in fp32: 16-bit logits' cross-entropy loses digits, and Megatron-LM,
-    torchtitan and FSDP2's policy here (pyplan/runtime/sharded.py) all cast them. The schedule computes the loss
-    outside the stage, so outside its autocast region too."""
+    """`loss` on the last stage's output in fp32 (16-bit logits' cross-entropy loses digits; Megatron-LM casts
+    them too). Under autocast the schedule computes the loss outside the stage's autocast region, on the 16-bit
+    logits as they come."""
 
     def fp32_loss(output: Any, target: Any) -> Any:
         if isinstance(output, torch.Tensor) and output.is_floating_point():

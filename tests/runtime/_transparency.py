@@ -373,8 +373,6 @@ def run(cfg: dict) -> dict:
             args, kwargs = _sliced(call, sl)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
                 out = output_tensors(reference(*args, **kwargs))
-            if mixed and isinstance(out, torch.Tensor) and out.is_floating_point():
-                out = out.float()  # the loss of 16-bit logits in fp32, as the runtime computes it
             loss = loss_fn(out, target[sl] if target is not None else None)
             (loss / (B // b)).backward()
             step_losses.append(loss.detach())
