@@ -227,22 +227,26 @@ def search(
                    tensor_parallel=tensor_parallel)  # fmt: skip
     zero_stages = _master_zero_stages(workload, zero_stages)
     profiled_on = "given chain"
+    # A mixed precision computes under autocast but in ZeRO-3's one-stage FSDP (FSDP2's 16-bit policy).
+    under_autocast = set(zero_stages) != {3}
     if chain is None:
         say("tracing and profiling")
-        chain, profiled_on = chain_for(model, examples, cluster, workload, leaf_modules=leaf_modules)
+        chain, profiled_on = chain_for(
+            model, examples, cluster, workload, leaf_modules=leaf_modules, autocast=under_autocast
+        )
     chain, micro_batch_sizes = _trainable(chain, micro_batch_sizes, workload)
     fixed_cuts = _fixed_cuts(stage_cuts, len(chain.blocks))
     bare = chain
     if loss is not None and chain.loss is None and not chain.graph.returns_loss:
         # (A model that returns its own loss computes it in its last block, which the profile timed already.)
-        chain = add_loss(chain, model, examples, cluster, workload, loss, target)
+        chain = add_loss(chain, model, examples, cluster, workload, loss, target, autocast=under_autocast)
     # The candidate space as the C++ search takes it: the pins, and what ranks the candidates.
     pins = dict(micro_batch_sizes=list(micro_batch_sizes), data_parallel=list(data_parallel),
                 pipeline_ranks=list(pipeline_ranks), num_microbatches=list(num_microbatches), schedules=list(schedules),
                 zero_stages=list(zero_stages), placements=list(placements), allow_fewer_gpus=allow_fewer_gpus,
                 objective=objective, weight=weight, fixed_cuts=fixed_cuts)  # fmt: skip
     how = _How(model, examples, workload, objective, memory_fraction, pins, max(4 * top_k, 20), remat, offload,
-               offload_bw_bytes_per_s, loss, target)  # fmt: skip
+               offload_bw_bytes_per_s, loss, target, autocast=under_autocast)  # fmt: skip
     every: list[Plan] = []
     runs: list[tuple[Any, list[Any]]] = []  # each search's plain and relaxed results
     refiner = None
@@ -289,6 +293,7 @@ class _How:
     offload_bw_bytes_per_s: float
     loss: LossFn | None = None
     target: TargetFn | None = None
+    autocast: bool = True  # a mixed precision computes under autocast (not ZeRO-3's FSDP alone): chain_for's
 
     def plans(
         self,
@@ -361,12 +366,13 @@ def _tensor_parallel(
             continue
         zone = sequence_zone(bare.graph, plan, t) if sequence_parallel else None
         zone = zone if zone else None
-        chain_t = chain_at_degree(bare, plan, t, how.examples, cluster, how.workload, zone)
+        chain_t = chain_at_degree(bare, plan, t, how.examples, cluster, how.workload, zone, autocast=how.autocast)
         # The loss on each rank's slice of the logits where it can (torchtitan's loss_parallel), else on the whole;
         # recorded as the runtime computes its slice (in fp32, the softmax kept and its gradient made in place).
         vocab = chain.loss is not None and vocab_parallel_loss(bare.graph, plan, t, how.loss)
         if vocab:
-            chain_t = add_loss(chain_t, how.model, how.examples, cluster, how.workload, vocab_slice_loss, how.target)
+            chain_t = add_loss(chain_t, how.model, how.examples, cluster, how.workload, vocab_slice_loss, how.target,
+                               autocast=how.autocast)  # fmt: skip
         elif chain.loss is not None:
             chain_t = with_loss(chain_t, chain.loss)
         comm = tp_comm_times(bare, plan, t, cluster, how.workload, zone, vocab_parallel=vocab)

@@ -61,15 +61,16 @@ def activation_scale(precision: str) -> float:
     return 0.5 if precision != "fp32" else 1.0
 
 
-def output_dtypes(precision: str) -> tuple[str | None, str | None]:
+def output_dtypes(precision: str, autocast: bool = True) -> tuple[str | None, str | None]:
     """The dtype (torch's name) of a model's floating output at `precision` (None: as traced) and the one the
     runtime's loss takes it in (None: as it comes): autocast's last matrix product returns 16 bits and the
-    pipeline's loss, run outside autocast, takes them so; 16-bit weights' logits are cast to fp32 for the loss
-    (pyplan/runtime/trainer.py `_in_fp32`, as Megatron-LM does)."""
+    pipeline's loss, run outside autocast, takes them so; 16-bit weights' logits, and a mixed precision's where it
+    runs without autocast (ZeRO-3's FSDP2 policy, whose output dtype is fp32), are cast to fp32 for the loss
+    (pyplan/runtime/trainer.py `_in_fp32`, as Megatron-LM does; pyplan/runtime/sharded.py)."""
     if precision == "fp32":
         return None, None
     compute = "float16" if precision == "fp16-mixed" else "bfloat16"
-    return compute, "float32" if precision in MASTER_PRECISIONS else None
+    return compute, "float32" if precision in MASTER_PRECISIONS or not autocast else None
 
 
 @dataclass(frozen=True)

@@ -90,16 +90,18 @@ def chain_for(
     min_blocks: int = 16,
     max_blocks: int = 128,
     cache: ProfileCache | None = None,
+    autocast: bool = True,
 ) -> tuple[Chain, str]:
     """Trace, linearize and profile `model` for the cluster's GPU: measured on this machine for `local`,
     analytic (a roofline over the recorded ops) for a catalog GPU. Returns the chain and how it was timed.
 
     With `cache`, a profile made before for the same model, inputs and target is reused (the model is traced
     symbolically again and checked against the cached graph, see pyplan/profile/cache.py), and a new one is
-    stored."""
+    stored. `autocast`: a mixed precision computes under autocast, as every layout but ZeRO-3's one-stage FSDP
+    runs it; False prices it as FSDP2's policy computes, in its 16-bit weights (a search of ZeRO-3 alone)."""
     leaf_modules = tuple(leaf_modules)
     trace_batch = min(4, workload.global_batch)
-    target = _Target.of(model, cluster, workload)
+    target = _Target.of(model, cluster, workload, autocast)
     key = None
     if cache is not None:
         key = ProfileKey.of(
@@ -137,7 +139,7 @@ class _Target:
     timing: TimingOptions
 
     @staticmethod
-    def of(model: nn.Module, cluster: Cluster, workload: Workload) -> _Target:
+    def of(model: nn.Module, cluster: Cluster, workload: Workload, autocast: bool = True) -> _Target:
         gpu = cluster.gpu
         measured = is_local(gpu) and not is_meta_module(model)
         # Measured times at the sizes plans use (they are not linear in b); analytic ones are (FLOPs and bytes are).
@@ -157,7 +159,7 @@ class _Target:
                 f"{workload.precision} kernels); plan it with --precision {' or '.join(others) or 'another GPU'}"
             )
         roofline = None if measured else Roofline.from_gpu(gpu)
-        autocast = workload.precision in _AUTOCAST
+        autocast = autocast and workload.precision in _AUTOCAST
         return _Target(
             gpu, tuple(sizes), roofline, _COMPUTE_DTYPE[workload.precision], autocast, timing_options(cluster)
         )
@@ -227,12 +229,14 @@ def chain_at_degree(
     cluster: Cluster,
     workload: Workload,
     zone: SequenceZone | None = None,
+    *,
+    autocast: bool = True,
 ) -> Chain:
     """`chain` (chain_for's, before its loss) as one rank of tensor-parallel degree `degree` runs it on the
     cluster's catalog GPU: every block profiled on the rank's shards (and, with a sequence-parallel `zone`, on its
     tokens between the split layers), its times with the collectives on the link inside a node
-    (pyplan/profile/tensor_parallel.py)."""
-    target = _Target.of(chain.graph.module, cluster, workload)
+    (pyplan/profile/tensor_parallel.py); `autocast` as chain_for takes it."""
+    target = _Target.of(chain.graph.module, cluster, workload, autocast)
     if target.roofline is None:
         raise PlanError("tensor parallelism is planned on a catalog GPU's analytic profile; give --gpu NAME")
     if degree == 1:
@@ -273,10 +277,13 @@ def add_loss(
     workload: Workload,
     loss: LossFn,
     target: TargetFn | None = None,
+    *,
+    autocast: bool = True,
 ) -> Chain:
     """`chain` (from chain_for) with the loss in its last block, timed as chain_for times the blocks: measured on
-    this machine, or on the roofline of the cluster's GPU (pyplan/profile/loss.py)."""
-    return with_loss(chain, _loss_cost(chain, model, example_inputs, cluster, workload, loss, target))
+    this machine, or on the roofline of the cluster's GPU (pyplan/profile/loss.py); `autocast` as chain_for
+    takes it."""
+    return with_loss(chain, _loss_cost(chain, model, example_inputs, cluster, workload, loss, target, autocast))
 
 
 def _loss_cost(
@@ -287,6 +294,7 @@ def _loss_cost(
     workload: Workload,
     loss: LossFn,
     target: TargetFn | None,
+    autocast: bool = True,
 ) -> LossCost:
     gpu = cluster.gpu
     measured = is_local(gpu) and not is_meta_module(model)
@@ -296,7 +304,9 @@ def _loss_cost(
     try:
         if measured:
             return loss_cost(chain, loss, target, sizes, options=timing_options(cluster))
-        return loss_cost(chain, loss, target, sizes, roofline=Roofline.from_gpu(gpu), precision=workload.precision)
+        return loss_cost(
+            chain, loss, target, sizes, roofline=Roofline.from_gpu(gpu), precision=workload.precision, autocast=autocast
+        )
     except (RuntimeError, ValueError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PlanError(f"the loss cannot be computed on the model's output: {first}") from None

@@ -69,7 +69,12 @@ def _output_info(chain: Chain, batch_size: int) -> tuple[tuple[int, ...], torch.
 
 
 def _analytic(
-    chain: Chain, loss_fn: LossFn, target_fn: TargetFn | None, batch_size: int, precision: str = "fp32"
+    chain: Chain,
+    loss_fn: LossFn,
+    target_fn: TargetFn | None,
+    batch_size: int,
+    precision: str = "fp32",
+    autocast: bool = True,
 ) -> tuple[float, list[OpCost], list[OpCost], float]:
     """Saved bytes, the forward and backward aten ops of the loss at `batch_size` and its backward's peak of new
     storages (the output's gradient included), on meta tensors shaped like the model's output (no model run).
@@ -78,7 +83,7 @@ def _analytic(
     the runtime runs it (`loss_dtype`); the bytes are given in the chain's units, fp32 as traced, which the search
     scales by the precision's `activation_scale`: the loss's real bytes over that scale."""
     shape, dtype = _output_info(chain, batch_size)
-    compute, loss_dtype = output_dtypes(precision)
+    compute, loss_dtype = output_dtypes(precision, autocast)
     if dtype == torch.float32 and compute is not None:
         dtype = getattr(torch, compute)
     out = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(dtype.is_floating_point)
@@ -122,13 +127,15 @@ def loss_cost(
     device: torch.device | None = None,
     options: TimingOptions | None = None,
     precision: str = "fp32",
+    autocast: bool = True,
 ) -> LossCost:
     """The loss's cost at each of `batch_sizes` (two or more), fitted: measured on `device` (default
     `local_device()`) when `roofline` is None, else the roofline time of its ops. `target_fn(b)` gives the target
     of b samples (None: zeros like the output, pyplan.spec.default_target). `precision` is the workload's: the
-    loss of a 16-bit output is priced and counted as the runtime computes it (`_analytic`)."""
+    loss of a 16-bit output is priced and counted as the runtime computes it (`_analytic`; `autocast` as
+    chain_for takes it)."""
     sizes = sorted(set(batch_sizes))
-    analytic = [_analytic(chain, loss_fn, target_fn, b, precision) for b in sizes]
+    analytic = [_analytic(chain, loss_fn, target_fn, b, precision, autocast) for b in sizes]
     saved = Affine.fit(sizes, [float(a[0]) for a in analytic])
     peak = Affine.fit(sizes, [float(a[3]) for a in analytic])
     if roofline is not None:

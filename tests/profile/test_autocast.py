@@ -90,3 +90,29 @@ def test_mixed_precision_blocks_are_priced_on_the_ops_autocast_runs() -> None:
     assert {op.dtype for op in mixed if op.name == "native_layer_norm"} == {"float32"}
     assert any(op.name == "_to_copy" for op in mixed)
     assert {op.dtype for op in weights if not op.is_view and op.name != "_to_copy"} == {"bfloat16"}
+
+
+def test_zero3_alone_is_priced_as_fsdp2s_policy_computes() -> None:
+    """Under bf16-mixed every layout computes under autocast but ZeRO-3's one-stage FSDP, whose FSDP2 policy computes
+    in 16-bit weights and hands the loss fp32 logits: a search of ZeRO-3 alone profiles that, any other the
+    autocast emulation (its fp32 norms and residuals and its casts take longer)."""
+    import pyplan
+    from pyplan.api import chain_for
+    from pyplan.hardware import Cluster
+    from pyplan.plan import Workload
+
+    spec = pyplan.load_model("zoo:gpt-tiny")
+    cluster, workload = Cluster.from_catalog("h100-sxm", 2), Workload(global_batch=8, precision="bf16-mixed")
+    with torch.device("meta"):
+        model = spec.build()
+    under, _ = chain_for(model, spec.example_inputs, cluster, workload, autocast=True)
+    policy, _ = chain_for(model, spec.example_inputs, cluster, workload, autocast=False)
+    assert sum(b.fwd_time_s(4) for b in under.blocks) > sum(b.fwd_time_s(4) for b in policy.blocks)
+    kw = dict(loss=spec.loss, target=spec.target, top_k=1, stage_dag=False)
+    zero3 = pyplan.search(model, spec.example_inputs, cluster, workload, zero_stages=(3,), **kw)
+    every = pyplan.search(model, spec.example_inputs, cluster, workload, **kw)
+    body = lambda chain: sum(b.fwd_time_s(4) for b in chain.blocks[:-1])  # noqa: E731  (the loss joins the last)
+    assert body(zero3.chain) == body(policy) and body(every.chain) == body(under)
+    assert body(policy) < body(under)
+    # The loss on fp32 logits under FSDP2's policy, on the bf16 ones under autocast.
+    assert zero3.chain.loss.saved_bytes(4) > every.chain.loss.saved_bytes(4)
