@@ -23,15 +23,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pyplan.runtime.optim import OptimizerSpec, hand_hyperparameters
-from pyplan.runtime.tensor_parallel import placed_like
+from pyplan.runtime.tensor_parallel import own_values, placed_like
 from pyplan.solve.state import zero1_shares
 
 __all__ = ["MasterWeights"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's own values on this rank (a DTensor's local shard)."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 _BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb
@@ -126,7 +121,7 @@ class MasterWeights(torch.optim.Optimizer):
         self._index = {id(p): i for i, p in enumerate(self._all)}
         self._group, self._grad_dtype = group, grad_dtype
         sharing = dist.get_world_size(group) if group is not None else 1
-        shares = zero1_shares([_local(p).numel() for p in self._all], sharing)
+        shares = zero1_shares([own_values(p).numel() for p in self._all], sharing)
         self._owner = {i: r for r, share in enumerate(shares) for i in share}
         self._mine = sorted(shares[dist.get_rank(group)] if group is not None else range(len(self._all)))
         self._buckets = (
@@ -218,4 +213,4 @@ class MasterWeights(torch.optim.Optimizer):
                 self._all[i].copy_(m)
         if self._group is not None:
             for i, p in enumerate(self._all):
-                dist.broadcast(_local(p.detach()), group=self._group, group_src=self._owner[i])
+                dist.broadcast(own_values(p.detach()), group=self._group, group_src=self._owner[i])

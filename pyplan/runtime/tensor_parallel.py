@@ -78,6 +78,7 @@ __all__ = [
     "full_value",
     "grad_norm_weight",
     "local_value",
+    "own_values",
     "placed_like",
     "sync_gradients",
     "sync_rng_state",
@@ -668,7 +669,7 @@ def sync_gradients(params: nn.Module | Iterable[torch.Tensor], *, dp_group: dist
             continue
         g = p.grad = placed_like(p, p.grad)
         if replicas > 1:
-            local = g.to_local() if isinstance(g, DTensor) else g
+            local = own_values(g)
             dist.all_reduce(local, group=dp_group)
             local.div_(replicas)
 
@@ -685,7 +686,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable[nn.Parameter], spec: OptimizerSpec, group: dist.ProcessGroup) -> None:
         self._all = list(params)
         self._group, replicas = group, dist.get_world_size(group)
-        shares = zero1_shares([_local(p.data).numel() for p in self._all], replicas)
+        shares = zero1_shares([own_values(p.data).numel() for p in self._all], replicas)
         self._owner = {i: r for r, share in enumerate(shares) for i in share}
         mine = [self._all[i] for i in sorted(shares[dist.get_rank(group)])]
         super().__init__(self._all, dict(spec.kwargs))
@@ -699,10 +700,11 @@ class Zero1Optimizer(torch.optim.Optimizer):
             hand_hyperparameters(self, self.optim)
             self.optim.step()
         for i, p in enumerate(self._all):
-            dist.broadcast(_local(p.data), group=self._group, group_src=self._owner[i])
+            dist.broadcast(own_values(p.data), group=self._group, group_src=self._owner[i])
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def own_values(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's own values on this rank: a DTensor's local shard, a plain tensor itself."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 

@@ -43,6 +43,7 @@ from pyplan.runtime.tensor_parallel import (
     Zero1Optimizer,
     apply_tensor_parallel,
     grad_norm_weight,
+    own_values,
     sync_gradients,
 )
 from pyplan.solve.schedules import stage_placement
@@ -208,7 +209,7 @@ class PipelineTrainer:
             if self.layout.tp > 1:
                 master.place()
             for _, g in master.gradients():
-                local = _local(g)
+                local = own_values(g)
                 if self.layout.tp > 1 and self.layout.dp > 1:
                     dist.all_reduce(local, group=self.mesh["dp"].get_group())
                 local.div_(self.layout.dp * self.layout.num_microbatches)
@@ -218,7 +219,7 @@ class PipelineTrainer:
             for p in params:
                 if p.grad is None:
                     continue
-                local = _local(p.grad)
+                local = own_values(p.grad)
                 if self.layout.dp > 1:
                     dist.all_reduce(local, group=group)
                 local.div_(self.layout.dp * self.layout.num_microbatches)
@@ -230,7 +231,7 @@ class PipelineTrainer:
                     continue
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(_local(p.grad), group=group)
+                dist.all_reduce(own_values(p.grad), group=group)
 
 
 def _tied_groups(
@@ -484,11 +485,6 @@ def _split_layers(
     if found is not None:
         found.append(loss_fn)
     return loss_fn
-
-
-def _local(g: torch.Tensor) -> torch.Tensor:
-    """A gradient's own values on this rank (a DTensor's local shard)."""
-    return g.to_local() if isinstance(g, DTensor) else g
 
 
 def _data_parallel(module: nn.Module, layout: Layout, mesh: DeviceMesh, manual_grads: bool) -> nn.Module:
