@@ -128,9 +128,10 @@ FLOP_FORMULAS: dict[Any, Callable[..., Any]] = {
     torch.ops.aten.convolution_backward: _conv_backward_flop,
     **{k: _grouped_query_tolerant(k) for k in flop_registry if "scaled_dot_product" in k.__name__},
 }
+# OpRecorder's formulas: torch's with the shape-based replacements (it counts attention through `_op_flops` itself).
 _REGISTRY = {
     **flop_registry,
-    **{k: v if getattr(v, "_get_raw", False) else shape_wrapper(v) for k, v in FLOP_FORMULAS.items()},
+    **{k: shape_wrapper(v) for k, v in FLOP_FORMULAS.items() if not getattr(v, "_get_raw", False)},
 }
 
 # CPU's fused attention has no FLOP formula of its own; it does the work of the GPU flash kernel.

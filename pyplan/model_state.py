@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "AUTOCAST_PRECISIONS",
+    "COMPUTE_DTYPES",
     "MASTER_PRECISIONS",
     "OPTIMIZERS",
     "PRECISIONS",
@@ -56,6 +58,18 @@ _COMPUTE_BYTES: dict[str, int] = {
 }
 
 
+# The dtype (torch's name) each precision computes in (None: as the model is), and those that compute under
+# autocast (the others' 16-bit weights compute in their own dtype).
+COMPUTE_DTYPES: dict[str, str | None] = {
+    "fp32": None,
+    "bf16-mixed": "bfloat16",
+    "fp16-mixed": "float16",
+    "bf16-master": "bfloat16",
+    "bf16-master-bf16-grads": "bfloat16",
+}
+AUTOCAST_PRECISIONS = ("bf16-mixed", "fp16-mixed")
+
+
 def activation_scale(precision: str) -> float:
     """Saved activations and boundary tensors are traced in fp32; a 16-bit precision keeps most in 16 bits."""
     return 0.5 if precision != "fp32" else 1.0
@@ -67,9 +81,9 @@ def output_dtypes(precision: str, autocast: bool = True) -> tuple[str | None, st
     pipeline's loss, run outside autocast, takes them so; 16-bit weights' logits, and a mixed precision's where it
     runs without autocast (ZeRO-3's FSDP2 policy, whose output dtype is fp32), are cast to fp32 for the loss
     (pyplan/runtime/trainer.py `_in_fp32`, as Megatron-LM does; pyplan/runtime/sharded.py)."""
-    if precision == "fp32":
+    compute = COMPUTE_DTYPES[precision]
+    if compute is None:
         return None, None
-    compute = "float16" if precision == "fp16-mixed" else "bfloat16"
     return compute, "float32" if precision in MASTER_PRECISIONS or not autocast else None
 
 

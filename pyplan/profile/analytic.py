@@ -182,10 +182,11 @@ class Roofline:
 def _costs(recorder: OpRecorder, weights: str | None = None) -> list[OpCost]:
     """The recorded ops as costs; with `weights` (a 16-bit dtype's name), the fp32 ones as that dtype computes them,
     moving half the bytes: a model of 16-bit weights, recorded on the fp32 model."""
+    scale = getattr(torch, weights).itemsize / 4 if weights else 1.0
     out = []
     for name, flops, nbytes, dtype, is_view in recorder.ops:
         if weights and dtype == "float32":
-            dtype, nbytes = weights, nbytes * torch.empty((), dtype=getattr(torch, weights)).element_size() / 4
+            dtype, nbytes = weights, nbytes * scale
         out.append(OpCost(name, op_class(name), flops, nbytes, dtype, is_view))
     return out
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pyplan._torch import TorchDispatchMode, storage_key, tensor_leaves
+from pyplan._torch import TorchDispatchMode, storage_key, tensor_leaves, tree_map_only
 
 __all__ = ["CudaAutocast"]
 
@@ -98,26 +98,20 @@ class CudaAutocast(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        floats = {t.dtype for t in tensor_leaves((args, kwargs)) if t.dtype in _ELIGIBLE}
+
+        def floats() -> set[torch.dtype]:
+            return {t.dtype for t in tensor_leaves((args, kwargs)) if t.dtype in _ELIGIBLE}
+
         if self.in_backward:
-            target: torch.dtype | None = self.dtype if name in LOWER and len(floats) > 1 else None
+            target: torch.dtype | None = self.dtype if name in LOWER and len(floats()) > 1 else None
         elif name in LOWER:
             target = self.dtype
         elif name in FP32 and kwargs.get("dtype") is None:  # an op given its dtype runs as asked
             target = torch.float32
         elif name in PROMOTE:
-            target = max(floats, key=lambda d: torch.finfo(d).bits) if floats else None
+            target = max(floats(), key=lambda d: torch.finfo(d).bits, default=None)
         else:
             target = None
         if target is not None:
-            args = tuple(_map(a, lambda t, d=target: self._cast(t, d)) for a in args)
-            kwargs = {k: _map(v, lambda t, d=target: self._cast(t, d)) for k, v in kwargs.items()}
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: self._cast(t, target), (args, kwargs))
         return func(*args, **kwargs)
-
-
-def _map(value: Any, fn: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map(v, fn) for v in value)
-    return value

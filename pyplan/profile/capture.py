@@ -22,6 +22,7 @@ from pyplan.graph.tensor_parallel import TpPlan
 from pyplan.graph.trace import ExampleInputs, Examples, LeafSpec, trace
 from pyplan.hardware.catalog import GPU, LOCAL
 from pyplan.hardware.cluster import Cluster
+from pyplan.model_state import AUTOCAST_PRECISIONS, COMPUTE_DTYPES
 from pyplan.plan import Workload
 from pyplan.profile import default_batch_sizes, measured_batch_sizes, profile
 from pyplan.profile.analytic import Roofline, block_times_analytic
@@ -34,15 +35,6 @@ from pyplan.profile.tensor_parallel import collective_bytes, collective_times, l
 
 __all__ = ["add_loss", "chain_for", "is_local", "pricing", "timing_options"]
 
-_COMPUTE_DTYPE = {
-    "fp32": None,
-    "bf16-mixed": "bfloat16",
-    "fp16-mixed": "float16",
-    "bf16-master": "bfloat16",
-    "bf16-master-bf16-grads": "bfloat16",
-}
-# The precisions that train under autocast (the others' 16-bit weights compute in their own dtype).
-_AUTOCAST = ("bf16-mixed", "fp16-mixed")
 # The catalog peak each precision computes at.
 _PEAK_OF = {
     "bf16-mixed": "bf16",
@@ -159,9 +151,9 @@ class _Target:
                 f"{workload.precision} kernels); plan it with --precision {' or '.join(others) or 'another GPU'}"
             )
         roofline = None if measured else Roofline.from_gpu(gpu)
-        autocast = autocast and workload.precision in _AUTOCAST
+        autocast = autocast and workload.precision in AUTOCAST_PRECISIONS
         return _Target(
-            gpu, tuple(sizes), roofline, _COMPUTE_DTYPE[workload.precision], autocast, timing_options(cluster)
+            gpu, tuple(sizes), roofline, COMPUTE_DTYPES[workload.precision], autocast, timing_options(cluster)
         )
 
     def describe(self) -> dict[str, Any]:
