@@ -80,7 +80,8 @@ def output_dtypes(precision: str, autocast: bool = True) -> tuple[str | None, st
     runtime's loss takes it in (None: as it comes): autocast's last matrix product returns 16 bits and the
     pipeline's loss, run outside autocast, takes them so; 16-bit weights' logits, and a mixed precision's where it
     runs without autocast (ZeRO-3's FSDP2 policy, whose output dtype is fp32), are cast to fp32 for the loss
-    (pyplan/runtime/trainer.py `_in_fp32`, as Megatron-LM does; pyplan/runtime/sharded.py)."""
+    (pyplan/runtime/trainer.py `_in_fp32`, as Megatron-LM does; pyplan/runtime/sharded.py), unless the loss
+    computes in fp32 by itself (`pyplan.spec.upcasts_itself`: pyplan's cross-entropy takes them as they come)."""
     compute = COMPUTE_DTYPES[precision]
     if compute is None:
         return None, None

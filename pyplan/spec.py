@@ -9,7 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ExampleBatch", "Inputs", "ModelSpec", "cross_entropy", "default_loss", "default_target"]
+from pyplan.cross_entropy import fused_cross_entropy
+
+__all__ = ["ExampleBatch", "Inputs", "ModelSpec", "cross_entropy", "default_loss", "default_target", "upcasts_itself"]
 
 Inputs = tuple[torch.Tensor, ...]
 # What example_inputs(b) may return: a tensor, a tuple of tensors (positional), a dict (keyword arguments), or
@@ -21,10 +23,22 @@ def cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every position, the classes along the logits' last dimension (B·T positions for a
     language model's (B, T, V) logits, B for a classifier's (B, C)); `output` is the logits, or an output holding
     them as `.logits` (a transformers ModelOutput). Beside tensor parallelism it runs on each rank's slice of the
-    vocabulary (pyplan.runtime.tensor_parallel.VocabParallelLoss), as torchtitan's `loss_parallel` does."""
+    vocabulary (pyplan.runtime.tensor_parallel.VocabParallelLoss), as torchtitan's `loss_parallel` does.
+
+    It computes in fp32 on 16-bit logits, over chunks of rows, and keeps no copy of the logits for the backward
+    (pyplan.cross_entropy): the runtime hands it the logits as the model makes them (`upcasts_itself`). Targets of
+    -100 count for nothing, as `torch.nn.functional.cross_entropy`'s `ignore_index`."""
     # (A Proxy when torch.fx traces the loss with the model: the logits themselves.)
     logits = output if isinstance(output, (torch.Tensor, torch.fx.Proxy)) else output.logits
-    return torch.nn.functional.cross_entropy(logits.flatten(0, -2), target.flatten())
+    if isinstance(logits, torch.fx.Proxy):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, -2), target.flatten())
+    return fused_cross_entropy(logits.flatten(0, -2), target.flatten())
+
+
+def upcasts_itself(loss: Any) -> bool:
+    """Whether `loss` computes in fp32 on 16-bit logits by itself, so that the runtime gives it the logits as they
+    come, not a copy cast to fp32 for it (pyplan's `cross_entropy`)."""
+    return loss is cross_entropy
 
 
 def default_target(output: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """pyplan's imports follow its layers, read from the source (every import outside `if TYPE_CHECKING:`).
 
-    base      errors, _files, _torch, _version, units, spec, the C++ core
+    base      errors, _files, _torch, _version, units, cross_entropy, spec, the C++ core
     data      graph, hardware (catalog, clusters), zoo (model definitions), load, hub, plan, model_state, remat_plan
     solve     the solvers, over data only
     runtime   what runs a plan under torchrun
@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "pyplan"
 
 LAYERS: list[set[str]] = [
-    {"errors", "_files", "_torch", "_version", "_core", "units", "spec"},
+    {"errors", "_files", "_torch", "_version", "_core", "units", "cross_entropy", "spec"},
     {"graph", "hardware", "zoo", "load", "hub", "plan", "model_state", "remat_plan"},
     {"solve"},
     {"runtime"},

@@ -124,15 +124,16 @@ def test_the_loss_runs_on_each_ranks_slice_of_the_vocabulary() -> None:
     kw = dict(target=spec.target, stage_dag=False, top_k=1, tensor_parallel=(2,), sequence_parallel=False, **pins)
     b, vocab = 8, model.lm_head.out_features
     logits = b * spec.example_inputs(1)[0].shape[1] * vocab * 4  # fp32
-    for workload, kept in ((replace(WORKLOAD, precision="fp32"), 3), (WORKLOAD, 3 / 2)):
+    for workload, kept in ((replace(WORKLOAD, precision="fp32"), 2), (WORKLOAD, 3 / 2)):
         split, whole = (search(model, spec.example_inputs, CLUSTER, workload, loss=fn, **kw) for fn in
                         (cross_entropy, lambda out, target: cross_entropy(out, target)))  # fmt: skip
-        # The whole loss keeps its log-softmax and makes two gradients of the logits' size (in fp32, or in bf16
-        # under bf16-mixed: `kept` fp32 logits' worth); the slice keeps half the logits' softmax in fp32 and, in
-        # bf16, its gradient cast (a quarter), beside a few per-row tensors.
+        # The whole loss (pyplan's fused cross-entropy, pyplan/cross_entropy.py) keeps the logits, which the stage
+        # holds anyway, and in its backward makes their gradient in their dtype beside an fp32 copy of one chunk of
+        # rows, here all of them: `kept` fp32 logits' worth; the slice keeps half the logits' softmax in fp32 and,
+        # in bf16, its gradient cast (a quarter); both beside a few per-row tensors (a row of logits: 512 bytes).
         saved = whole.best.stages[0].activation_bytes - split.best.stages[0].activation_bytes
         slice_ = 1 / 2 + (1 / 4 if workload.precision != "fp32" else 0)
-        assert (kept - slice_ - 0.3) * logits < saved < (kept - slice_) * logits, workload.precision
+        assert (kept - slice_ - 0.3) * logits < saved < (kept - slice_ + 0.05) * logits, workload.precision
     # On the link: no all-gather of the logits, three all-reduces of one number per position instead.
     on, off = (collective_bytes(split.chain, plan, 2, vocab_parallel=v)[-1] for v in (True, False))
     tokens = spec.example_inputs(1)[0].shape[1]

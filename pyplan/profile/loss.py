@@ -7,8 +7,9 @@ the model's output at each micro-batch size, and added to the chain's last block
 
 Times: measured on this machine (the thread's CPU time on a CPU with one thread, less the call overhead a piece
 timed alone pays, as pyplan/profile/measure.py times blocks), or the roofline time of the aten ops the loss runs
-on a catalog GPU. Saved bytes: the storages autograd saves during the loss's forward, the model's output included
-when the loss saves it, recorded on fake (or meta) tensors.
+on a catalog GPU. Saved bytes: the storages autograd saves during the loss's forward, recorded on fake (or meta)
+tensors, less the model's output where the loss saves it (pyplan's cross-entropy, a mean squared error): its stage
+holds it anyway, and the chain's last block counts it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pyplan.profile.measure import (
     local_device,
 )
 from pyplan.solve.remat import RematProfile
+from pyplan.spec import upcasts_itself
 
 __all__ = ["LossCost", "LossFn", "TargetFn", "loss_cost", "remat_with_loss", "with_loss"]
 
@@ -80,14 +82,20 @@ def _analytic(
     storages (the output's gradient included), on meta tensors shaped like the model's output (no model run).
 
     At a 16-bit `precision` the output is 16-bit, as the runtime's last stage returns it, and the loss runs as
-    the runtime runs it (`loss_dtype`); the bytes are given in the chain's units, fp32 as traced, which the search
-    scales by the precision's `activation_scale`: the loss's real bytes over that scale."""
+    the runtime runs it (on logits cast to `loss_dtype`, unless the loss `upcasts_itself`); the bytes are given in
+    the chain's units, fp32 as traced, which the search scales by the precision's `activation_scale`: the loss's
+    real bytes over that scale."""
     shape, dtype = _output_info(chain, batch_size)
     compute, loss_dtype = output_dtypes(precision, autocast)
     if dtype == torch.float32 and compute is not None:
         dtype = getattr(torch, compute)
     out = torch.empty(shape, dtype=dtype, device="meta").requires_grad_(dtype.is_floating_point)
-    if loss_dtype is not None and dtype.is_floating_point and dtype != getattr(torch, loss_dtype):
+    if (
+        loss_dtype is not None
+        and dtype.is_floating_point
+        and dtype != getattr(torch, loss_dtype)
+        and not upcasts_itself(loss_fn)
+    ):
         loss_fn = _cast_first(loss_fn, getattr(torch, loss_dtype))
     target = target_fn(batch_size).to("meta") if target_fn is not None else None
     saved: dict[int, int] = {}
@@ -106,6 +114,7 @@ def _analytic(
     def costs(rec: OpRecorder) -> list[OpCost]:
         return [OpCost(n, op_class(n), fl, nb, dt, view) for n, fl, nb, dt, view in rec.ops if not view]
 
+    saved.pop(storage_key(out), None)  # the model's output: its stage holds it anyway, with the chain's last block
     units = activation_scale(precision)
     return sum(saved.values()) / units, costs(fwd), costs(bwd), live.peak_bytes / units
 

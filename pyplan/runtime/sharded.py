@@ -43,6 +43,7 @@ from pyplan.remat_plan import Checkpoint, Keep, SelectiveCheckpoint
 from pyplan.runtime.clip import clip_gradients
 from pyplan.runtime.optim import OptimizerFactory
 from pyplan.runtime.tensor_parallel import full_value, grad_norm_weight
+from pyplan.spec import upcasts_itself
 
 __all__ = [
     "ShardedTrainer",
@@ -377,7 +378,8 @@ def build_sharded_trainer(
 
     Mixed precision (`compute_dtype` 16-bit) is FSDP2's policy, as torchtitan runs it: each unit gathered and
     computed in `compute_dtype`, its gradients reduce-scattered in fp32 into the fp32 shards the optimizer steps,
-    the model's outputs cast to fp32 for the loss; no autocast (`pyplan.model_state.ShardedUnitBytes`)."""
+    the model's outputs cast to fp32 for the loss unless it computes in fp32 by itself (`upcasts_itself`); no
+    autocast (`pyplan.model_state.ShardedUnitBytes`)."""
     model = model.to(device)
     if graph is None:
         root, units, outermost = model, shard_units(model), [u for _, u in _outermost(model)]
@@ -391,7 +393,7 @@ def build_sharded_trainer(
     unit_policy = root_policy = MixedPrecisionPolicy()
     if compute_dtype is not None:
         unit_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        root_policy = replace(unit_policy, output_dtype=torch.float32)
+        root_policy = unit_policy if upcasts_itself(loss_fn) else replace(unit_policy, output_dtype=torch.float32)
     for unit in units:
         fully_shard(unit, mesh=mesh["dp"], mp_policy=unit_policy)
     fully_shard(root, mesh=mesh["dp"], mp_policy=root_policy)

@@ -47,7 +47,7 @@ from pyplan.runtime.tensor_parallel import (
     sync_gradients,
 )
 from pyplan.solve.schedules import stage_placement
-from pyplan.spec import ModelSpec, default_loss
+from pyplan.spec import ModelSpec, default_loss, upcasts_itself
 
 with warnings.catch_warnings():
     # torch.distributed.optim scripts its functional optimizers with torch.jit.script when imported, which
@@ -447,8 +447,11 @@ def _master_weights(
 
 def _in_fp32(loss: Any) -> Any:
     """`loss` on the last stage's output in fp32 (16-bit logits' cross-entropy loses digits; Megatron-LM casts
-    them too). Under autocast the schedule computes the loss outside the stage's autocast region, on the 16-bit
+    them too), unless it computes in fp32 by itself (`upcasts_itself`: pyplan's cross-entropy takes the 16-bit
+    logits). Under autocast the schedule computes the loss outside the stage's autocast region, on the 16-bit
     logits as they come."""
+    if upcasts_itself(loss):
+        return loss
 
     def fp32_loss(output: Any, target: Any) -> Any:
         if isinstance(output, torch.Tensor) and output.is_floating_point():

@@ -40,7 +40,8 @@ meets the live peak of a training step to the byte, tests/runtime/test_remat.py)
     and by an add after it dies with that add).
   - A backward never holds the block's outputs unless the block saves them (their consumers' backwards are all
     done), except the chain's outputs in its first pass, which the caller holds: bwd_peak counts every output
-    held, so the outputs dead by then are taken off.
+    held, so the outputs dead by then are taken off. A stage's caller holds its outputs until the whole backward
+    is done: `with_outputs_held` charges them to every other block's backward peak.
   - torch's non-reentrant checkpoint recomputes until the last tensor its first pass saved is back (early
     stop): the blocks at the end of a segment that save nothing are not run again, and their backward, which
     needs nothing saved, runs before the recomputation. A checkpoint of blocks that save nothing at all is never
@@ -226,6 +227,18 @@ class RematChain:
 
     def __len__(self) -> int:
         return len(self.fwd_s)
+
+    def with_outputs_held(self) -> RematChain:
+        """The chain as a stage runs it: its outputs (the values live at its last cut) held by the caller through
+        the whole backward, as a PipelineStage keeps a micro-batch's output until its backward is done and a
+        trainer keeps the model's output beside the loss. The last block's backward peak counts them already;
+        every other block's is charged them (the model above frees them with the last block's saved tensors).
+        Measured on gpt-tiny with every block checkpointed, at 16 samples: the step peaks in an MLP block's
+        backward with the 524 KB of logits still live, 501 KB above the chain's own figures."""
+        n = len(self)
+        held = sum(b for values in self.out_values for b, last in values if last == n)
+        peaks = tuple(p + held if i < n - 1 else p for i, p in enumerate(self.bwd_peak_bytes))
+        return replace(self, bwd_peak_bytes=peaks)
 
     def sub(self, start: int, stop: int) -> RematChain:
         """Blocks [start, stop) as a chain of their own: values live past `stop` are its outputs."""

@@ -484,7 +484,8 @@ def _stage_chain(
     hi: int, scale: float,
 ) -> RematChain:  # fmt: skip
     """The RematChain of a stage over blocks [lo, hi), the blocks' memory at the micro-batch scaled to the
-    precision, values and savers beyond the stage cut at its end."""
+    precision, values and savers beyond the stage cut at its end; its outputs held through its backward (a
+    PipelineStage keeps a micro-batch's output until its backward is done: `RematChain.with_outputs_held`)."""
     return RematChain(
         fwd_s=tuple(fwd_s),
         bwd_s=tuple(bwd_s),
@@ -502,7 +503,7 @@ def _stage_chain(
         selective_kept_bytes=tuple(m.selective_kept_bytes * scale for m in blocks),
         selective_recompute_s=tuple(m.selective_share * f for m, f in zip(blocks, fwd_s)),
         selective_holds=tuple(m.selective_holds for m in blocks),
-    )
+    ).with_outputs_held()
 
 
 def _stage_grads(params: StageParams, lo: int, hi: int) -> list[float]:

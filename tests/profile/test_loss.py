@@ -18,6 +18,7 @@ from pyplan.hardware.cluster import Cluster
 from pyplan.plan import Plan, Workload
 from pyplan.profile.analytic import Roofline
 from pyplan.profile.loss import LossCost, loss_cost, with_loss
+from pyplan.spec import cross_entropy
 
 CLASSES = 10
 
@@ -52,9 +53,10 @@ def test_saved_bytes_are_what_cross_entropy_keeps(chain: object) -> None:
     assert cost.saved_bytes.per_sample == pytest.approx(CLASSES * 4 + 8)
     assert cost.saved_bytes.fixed == pytest.approx(4)
     assert cost.fwd_time_s(4) > 0 and cost.bwd_time_s(4) > 0
-    # Mean squared error to zeros (the default loss) saves the output and the target, both b x classes fp32.
+    # Mean squared error to zeros (the default loss) saves the output and the target, both b x classes fp32; the
+    # output is counted with the chain's last block (its stage holds it), so the loss adds the target.
     mse = loss_cost(chain, F.mse_loss, None, (1, 2), roofline=Roofline.from_gpu(get_gpu("a100-80g")))
-    assert mse.saved_bytes(3) == pytest.approx(2 * 3 * CLASSES * 4)
+    assert mse.saved_bytes(3) == pytest.approx(3 * CLASSES * 4)
 
 
 @pytest.mark.parametrize(
@@ -75,6 +77,22 @@ def test_a_16_bit_output_loses_as_the_runtime_computes_it(
     # The fp32 copy of the logits and its 16-bit gradient: two more ops each way where it casts.
     fp32 = loss_cost(chain, F.cross_entropy, target, (1, 2, 4), roofline=gpu)
     assert cost.fwd_time_s(64) > fp32.fwd_time_s(64) if cast else cost.fwd_time_s(64) < fp32.fwd_time_s(64)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-master"])
+def test_pyplans_cross_entropy_takes_the_16_bit_logits_as_they_come(chain: object, precision: str) -> None:
+    """pyplan's cross-entropy computes in fp32 by itself (pyplan/cross_entropy.py): the runtime gives it the 16-bit
+    logits, cast for no precision, and it keeps nothing of their size (the logits are the stage's); its backward
+    makes their 16-bit gradient beside an fp32 copy of one chunk of rows (here all of them)."""
+    gpu = Roofline.from_gpu(get_gpu("h100-sxm"))
+    cost = loss_cost(chain, cross_entropy, target, (1, 2, 4), roofline=gpu, precision=precision)
+    scale = Workload(global_batch=8, precision=precision).activation_scale
+    # Per row: the log-sum-exp (fp32), the target as an index (int64) and whether it counts (bool).
+    assert cost.saved_bytes.per_sample * scale == pytest.approx(4 + 8 + 1)
+    assert CLASSES * (2 + 4) <= cost.bwd_peak_bytes.per_sample * scale < CLASSES * (2 + 4) + 40
+    cast = loss_cost(chain, lambda out, t: cross_entropy(out, t), target, (1, 2, 4), roofline=gpu, precision=precision)
+    if precision == "bf16-master":  # another loss gets an fp32 copy, whose log-sum-exp chunk is fp32 already
+        assert cast.bwd_peak_bytes.per_sample * scale == pytest.approx(CLASSES * (4 + 4 + 2), abs=40)
 
 
 def test_measured_times_grow_with_the_batch(chain: object) -> None:

@@ -153,6 +153,28 @@ def test_gpipe_peaks_before_the_gradients_are_made(
     assert -SLACK <= over <= (SLACK if exact else block_grads), (plan.predicted.peak_memory_bytes, measured)
 
 
+@pytest.mark.parametrize("micro_batch_size", [8, 16])
+def test_a_stage_holds_its_output_through_its_backward(one_rank: None, micro_batch_size: int) -> None:
+    """Every block of gpt-tiny checkpointed: the step peaks in an MLP block's backward (its recomputed hidden
+    layer and its gradient), with the logits still held by the stage; the plan once freed them with the last
+    block's saved tensors and came out 501 KB (10 %) under at 16 samples."""
+    spec, model, cluster, workload, chain = _chain("gpt-tiny")
+    found = search(
+        model,
+        spec.example_inputs,
+        cluster,
+        workload,
+        chain=chain,
+        schedules=("1F1B",),
+        micro_batch_sizes=(micro_batch_size,),
+        remat="full",
+        loss=spec.loss,
+        target=spec.target,
+    )
+    measured = _steady_peak("gpt-tiny", found.best)
+    assert found.best.predicted.peak_memory_bytes == pytest.approx(measured, rel=0.04)
+
+
 def test_stages_expect_the_strides_of_the_micro_batches_they_get(one_rank: None) -> None:
     """A language model's example row at micro-batch 1 is cut from a draw of T + 1 tokens and keeps stride T + 1
     (is_contiguous ignores a size-1 dimension's stride); the micro-batches step() splits off a batch are contiguous.
