@@ -46,18 +46,19 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _logsumexp(x: torch.Tensor, *, in_place: bool) -> torch.Tensor:
-    """torch.logsumexp over the last dimension as its GPU composite computes it (the meta device's single kernel
-    would allocate nothing), shifting `x` itself where `in_place` (a copy of ours) rather than a copy of it."""
-    top = x.amax(dim=1, keepdim=True)
+def _logsumexp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """log-sum-exp of each row of `x` in `dtype`, in the kernels torch's GPU composite launches (the meta
+    device's single kernel would allocate nothing), the shift made in `dtype` from `x` as it is (one pass that
+    reads 16 bits and writes 32, not a copy and a shift)."""
+    top = x.amax(dim=1, keepdim=True).to(dtype)  # the maximum is exact in any dtype
     top.masked_fill_(top.abs() == float("inf"), 0)
-    shifted = x.sub_(top) if in_place else x - top
-    return shifted.exp_().sum(dim=1).log_().add_(top.squeeze(1))
+    return torch.sub(x, top).exp_().sum(dim=1).log_().add_(top.squeeze(1))
 
 
 class _FusedCrossEntropy(torch.autograd.Function):
     """forward: lse[i] = logsumexp(x[i]), loss = sum over kept rows of (lse[i] - x[i, t[i]]) / kept;
-    backward: dx[i] = (softmax(x[i]) - onehot(t[i])) · grad / kept for kept rows, 0 for the others."""
+    backward: dx[i] = (softmax(x[i]) - onehot(t[i])) · grad / kept for kept rows, 0 for the others, the softmax
+    exp(x[i] - lse[i]) shifted from the logits as they are, the factor and the cast to their dtype in one pass."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, rows: int) -> torch.Tensor:
@@ -65,13 +66,9 @@ class _FusedCrossEntropy(torch.autograd.Function):
         kept = target != ignore_index
         index = target.where(kept, 0).unsqueeze(1)
         lse = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
-        picked = torch.empty_like(lse)
         for start in range(0, logits.shape[0], rows):
-            stop = start + rows
-            x = logits[start:stop].to(dtype)  # a copy, or the chunk itself where the logits are already `dtype`
-            picked[start:stop] = x.gather(1, index[start:stop]).squeeze(1)
-            lse[start:stop] = _logsumexp(x, in_place=logits.dtype != dtype)
-            del x  # before the next chunk is made: one chunk at a time
+            lse[start : start + rows] = _logsumexp(logits[start : start + rows], dtype)
+        picked = logits.gather(1, index).squeeze(1).to(dtype)
         count = kept.sum()
         ctx.save_for_backward(logits, index, kept, lse, count)
         ctx.rows = rows
@@ -81,14 +78,12 @@ class _FusedCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         logits, index, kept, lse, count = ctx.saved_tensors
         dtype = _compute_dtype(logits.dtype)
-        scale = (grad.to(dtype) / count) * kept  # each row's factor: 0 for the rows left out
+        scale = ((grad.to(dtype) / count) * kept).unsqueeze(1)  # each row's factor: 0 for the rows left out
         out = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.rows):
             stop = start + ctx.rows
-            x = logits[start:stop].to(dtype, copy=True)
-            x.sub_(lse[start:stop].unsqueeze(1)).exp_()  # softmax
-            x.scatter_add_(1, index[start:stop], torch.full_like(index[start:stop], -1, dtype=dtype))
-            x.mul_(scale[start:stop].unsqueeze(1))
-            out[start:stop].copy_(x)
-            del x
+            p = torch.sub(logits[start:stop], lse[start:stop].unsqueeze(1)).exp_()
+            p.scatter_add_(1, index[start:stop], torch.full_like(index[start:stop], -1, dtype=dtype))
+            torch.mul(p, scale[start:stop], out=out[start:stop])
+            del p  # before the next chunk is made: one chunk at a time
         return out, None, None, None

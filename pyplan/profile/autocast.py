@@ -11,6 +11,11 @@ the `_to_copy` kernel autocast launches; a tensor is cast once per recording (au
 saves its 16-bit copies for the backward; here autograd saves the originals, and the backward finds their casts
 made). The backward runs without autocast, as it does in training (`CudaAutocast.backward`); autograd casts each
 gradient to the dtype of its tensor, as under autocast.
+
+Below autograd, autograd saves the fp32 originals: right for the kernels a step launches, not for the memory it
+holds. `AutocastAbove` applies the same lists above autograd, to the torch functions a model calls, as autocast's
+dispatch key does: the products save their 16-bit copies, a weight's copy lives until the backward, and the memory
+profile of a mixed-precision plan (pyplan/profile/remat.py) is recorded under it.
 """
 
 from __future__ import annotations
@@ -18,10 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from pyplan._torch import TorchDispatchMode, storage_key, tensor_leaves, tree_map_only
 
-__all__ = ["CudaAutocast"]
+__all__ = ["AutocastAbove", "CudaAutocast"]
 
 # Ops that compute in the 16-bit dtype (AT_FORALL_LOWER_PRECISION_FP), with the aten ops their composites reach on
 # a GPU (the fused attention kernels; a convolution's backward, whose saved inputs are the fp32 originals here).
@@ -110,6 +116,53 @@ class CudaAutocast(TorchDispatchMode):
             target = torch.float32
         elif name in PROMOTE:
             target = max(floats(), key=lambda d: torch.finfo(d).bits, default=None)
+        else:
+            target = None
+        if target is not None:
+            args, kwargs = tree_map_only(torch.Tensor, lambda t: self._cast(t, target), (args, kwargs))
+        return func(*args, **kwargs)
+
+
+# Torch functions whose names differ from the aten ops of the lists.
+_FUNCTION_NAMES = {"__matmul__": "matmul", "__rmatmul__": "matmul"}
+
+
+class AutocastAbove(TorchFunctionMode):
+    """While active, the torch functions a model calls run as under `torch.autocast("cuda", dtype)`, with their
+    inputs cast before autograd sees them, as autocast's dispatch key casts them: autograd then saves the 16-bit
+    copies a product reads, not their fp32 originals, and a leaf tensor that requires grad (a weight) is cast once
+    while the mode is active, as autocast caches it for its region. For the memory a mixed-precision forward holds
+    (pyplan/profile/remat.py); the recorded kernels come from `CudaAutocast`. It sees the functions by the names
+    of the same lists (`F.linear`, `torch.matmul`, `@`, `F.layer_norm`, ...), not the aten ops inside a torch
+    function written in Python that calls others (`F.multi_head_attention_forward`: its products stay fp32)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self._weights: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if t.dtype not in _ELIGIBLE or t.dtype == dtype:
+            return t
+        if not (t.is_leaf and t.requires_grad):
+            return t.to(dtype)
+        key = (id(t), dtype)
+        if key not in self._weights:
+            self._weights[key] = (t, t.to(dtype))  # the source kept, so that its id is not reused
+        return self._weights[key][1]
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        packet = getattr(func, "overloadpacket", None)
+        name = packet.__name__ if packet is not None else getattr(func, "__name__", "")
+        name = _FUNCTION_NAMES.get(name, name)
+        if name in LOWER:
+            target: torch.dtype | None = self.dtype
+        elif name in FP32 and kwargs.get("dtype") is None:
+            target = torch.float32
+        elif name in PROMOTE:
+            floats = {t.dtype for t in tensor_leaves((args, kwargs)) if t.dtype in _ELIGIBLE}
+            target = max(floats, key=lambda d: torch.finfo(d).bits, default=None)
         else:
             target = None
         if target is not None:

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from pyplan._torch import is_meta_module
@@ -162,17 +163,17 @@ class _Target:
             return measured_target(self.gpu, local_device(), self.timing)
         return analytic_target(self.gpu, self.roofline, self.compute_dtype, self.autocast)
 
-    def profile(self, chain: Chain, examples: Examples) -> tuple[Chain, str]:
+    def profile(self, chain: Chain, examples: Examples, *, cast_memory: bool = True) -> tuple[Chain, str]:
         """The chain profiled at the target's sizes; a model with a BatchNorm over a 1x1 map, which cannot train on
         one sample, profiled from 2 samples, its plans' micro-batches of 2 or more."""
         try:
-            return self._at(chain, examples, self.sizes)
+            return self._at(chain, examples, self.sizes, cast_memory)
         except ValueError as exc:
             if "Expected more than 1 value per channel" not in str(exc):
                 raise
         try:
             from_two = sorted({max(2, b) for b in self.sizes})
-            profiled, how = self._at(chain, examples, tuple(from_two if len(from_two) > 1 else [2, 4]))
+            profiled, how = self._at(chain, examples, tuple(from_two if len(from_two) > 1 else [2, 4]), cast_memory)
         except ValueError as again:
             if "Expected more than 1 value per channel" not in str(again):
                 raise
@@ -182,7 +183,9 @@ class _Target:
             ) from None
         return replace(profiled, min_micro_batch=2), how
 
-    def _at(self, chain: Chain, examples: Examples, sizes: tuple[int, ...]) -> tuple[Chain, str]:
+    def _at(
+        self, chain: Chain, examples: Examples, sizes: tuple[int, ...], cast_memory: bool = True
+    ) -> tuple[Chain, str]:
         """Times, saved bytes and the blocks' working memory at `sizes`. A catalog GPU runs fused attention where
         torch would select it there (pyplan/profile/attention.py)."""
         gpu, roofline = self.gpu, self.roofline
@@ -207,7 +210,13 @@ class _Target:
             # of its input at 2 keeps the input itself at 1 (nn.TransformerEncoder), which no line through both
             # describes.
             low = max(2, min(sizes))
-            memory = remat_bytes(profiled, examples, (low, 2 * low), roofline=pricing(gpu, roofline))
+            # Under autocast as the step holds its tensors (16-bit copies, fp32 norms and residuals), on a catalog
+            # GPU (this machine's measured profile runs as this machine trains), unless `cast_memory` is off: a
+            # tensor-parallel rank's chain, whose collectives' stand-ins hold what the runtime's do not once cast,
+            # keeps the traced bytes halved.
+            use = self.autocast and roofline is not None and cast_memory
+            casts = getattr(torch, self.compute_dtype) if use else None
+            memory = remat_bytes(profiled, examples, (low, 2 * low), roofline=pricing(gpu, roofline), autocast=casts)
         if attention is not None and attention.chosen:
             how = f"{how}, attention {', '.join(sorted(attention.chosen))}"
         return replace(profiled, memory=memory), how
@@ -234,7 +243,7 @@ def chain_at_degree(
     if degree == 1:
         return chain
     examples = Examples(example_inputs)
-    profiled, _ = target.profile(local_chain(chain, plan, degree, examples, zone), examples)
+    profiled, _ = target.profile(local_chain(chain, plan, degree, examples, zone), examples, cast_memory=False)
     times = tp_comm_times(chain, plan, degree, cluster, workload, zone)
     blocks = [
         replace(b, fwd_time_s=b.fwd_time_s + f, bwd_time_s=b.bwd_time_s + g)

@@ -62,6 +62,7 @@ from pyplan.graph.layergraph import Affine
 from pyplan.graph.split import pieces
 from pyplan.graph.trace import ExampleInputs, inputs_at
 from pyplan.profile.analytic import OpCost, Roofline, op_class
+from pyplan.profile.autocast import AutocastAbove
 from pyplan.profile.live import LiveMemory
 from pyplan.profile.pieces import RepeatedBlocks, block_inputs, leaf_inputs
 from pyplan.solve.remat import BlockMemory, RematBytes, RematChain, RematProfile, remat_chain_of
@@ -81,6 +82,8 @@ def _never_unpacked(packed: None) -> torch.Tensor:
 # hands its output's gradient to both its inputs, a split's are views of one): groups of positions among the cut's
 # values, with the bytes of each group's storage.
 Gradients = tuple[tuple[tuple[int, ...], int], ...]
+# A new context for each forward a block runs (autocast's casts, or nothing).
+Casts = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
 class _OutputGradients(torch.autograd.Function):
@@ -192,6 +195,7 @@ def _measure_block(
     lasts: Iterable[int],
     incoming: Gradients | None,
     roofline: Roofline,
+    casts: Casts = contextlib.nullcontext,
 ) -> tuple[BlockMemory, Gradients, _Saves, int]:
     """One block's figures (savers not yet known), how the gradients of its input cut come out of its backward,
     what it saves, and the bytes of its output cut's gradients. `lasts[v]` is the last cut where output v is
@@ -207,7 +211,8 @@ def _measure_block(
     ]
     read = _read_inputs(mod)
     with LiveMemory() as mem:
-        out = mod(*inputs)
+        with casts():
+            out = mod(*inputs)
         kept = mem.current_bytes
         fwd_peak = mem.peak_bytes
         outs = _values(out, incoming is None)
@@ -242,9 +247,9 @@ def _measure_block(
     for p in params:
         p.grad = None
 
-    nosave_peak, out_values = _nosave_forward(mod, args, first, lasts)
+    nosave_peak, out_values = _nosave_forward(mod, args, first, lasts, casts)
     out_bytes = sum(size for size, _, _ in out_values)
-    selective_kept, holds, recorded = _selective_forward(mod, args, first)
+    selective_kept, holds, recorded = _selective_forward(mod, args, first, casts)
     if len(holds) != len(out_values):
         raise RuntimeError(f"selective checkpointing changed the block's outputs ({len(holds)}, not {len(out_values)})")
     memory = BlockMemory(
@@ -258,16 +263,16 @@ def _measure_block(
         selective_share=_selective_share(recorded, roofline),
         selective_holds=holds,
     )
-    return memory, made, _saved_by(mod, args, first), sum(size for _, size in groups)
+    return memory, made, _saved_by(mod, args, first, casts), sum(size for _, size in groups)
 
 
 def _nosave_forward(
-    mod: fx.GraphModule, args: Sequence[Any], first: bool, lasts: Iterable[int]
+    mod: fx.GraphModule, args: Sequence[Any], first: bool, lasts: Iterable[int], casts: Casts
 ) -> tuple[int, tuple[tuple[int, int, tuple[int, ...]], ...]]:
     """A non-saving forward's peak, and the outputs it leaves, value by value with the last cut each is live at:
     new storages only (a value passed through, or a view of an input, is held by whoever made it)."""
     leaves = leaf_inputs(args, first=first)
-    with LiveMemory() as mem, torch.autograd.graph.saved_tensors_hooks(_discard, _never_unpacked):
+    with LiveMemory() as mem, torch.autograd.graph.saved_tensors_hooks(_discard, _never_unpacked), casts():
         out = mod(*leaves)
         nosave_peak = mem.peak_bytes
     before = {storage_key(t) for t in tensor_leaves(list(leaves))}
@@ -282,7 +287,7 @@ def _nosave_forward(
 
 
 def _selective_forward(
-    mod: fx.GraphModule, args: Sequence[Any], first: bool
+    mod: fx.GraphModule, args: Sequence[Any], first: bool, casts: Casts
 ) -> tuple[int, tuple[bool, ...], list[Any]]:
     """Selective checkpointing: what the forward leaves (its outputs and the outputs of the ops it saves; the
     checkpoint holds the block's inputs, made before), whether it holds each new output, and the ops it ran (its
@@ -291,7 +296,8 @@ def _selective_forward(
     before = {storage_key(t) for t in tensor_leaves(list(leaves))}
     recorder = OpRecorder()
     with LiveMemory() as mem, recorder:
-        out = checkpoint(mod, *leaves, use_reentrant=False, context_fn=selective_contexts)
+        with casts():
+            out = checkpoint(mod, *leaves, use_reentrant=False, context_fn=selective_contexts)
         selective_kept = mem.current_bytes
         keys = list(dict.fromkeys(k for t in tensor_leaves(out) if (k := storage_key(t)) not in before))
         graph = [t.grad_fn for t in tensor_leaves(out)]  # the checkpoint lives on with the graph, the outputs not
@@ -310,12 +316,12 @@ def _read_inputs(mod: fx.GraphModule) -> set[int]:
     }
 
 
-def _saved_by(mod: fx.GraphModule, args: Sequence[Any], first: bool) -> _Saves:
+def _saved_by(mod: fx.GraphModule, args: Sequence[Any], first: bool, casts: Casts) -> _Saves:
     """Which storages the block's saving forward saves: a forward whose saved-tensors hook collects each tensor
     it is given (held until compared, so that no storage identity is reused meanwhile)."""
     saved: list[torch.Tensor] = []
     leaves = leaf_inputs(args, first=first)
-    with torch.autograd.graph.saved_tensors_hooks(saved.append, _never_unpacked):
+    with torch.autograd.graph.saved_tensors_hooks(saved.append, _never_unpacked), casts():
         out = mod(*leaves)
     keys = {storage_key(t) for t in saved}
     ins = tensor_leaves(list(leaves))
@@ -387,14 +393,23 @@ def block_memory(
     *,
     fake: bool = True,
     roofline: Roofline | None = None,
+    autocast: torch.dtype | None = None,
 ) -> tuple[list[BlockMemory], list[int]]:
     """Every block's bytes at `batch_size`, and the gradient bytes per cut (index 0: the model's inputs, none).
 
     `fake` runs on fake tensors (meta for a model built on the meta device): nothing is computed or allocated;
     otherwise the blocks really run, on the model's own weights (left as they were, gradients and buffers
     included). Inputs go to the device of the model's parameters. `roofline` prices the ops of each block for
-    the share of its forward a selective recomputation takes (default: `NOMINAL_ROOFLINE`).
+    the share of its forward a selective recomputation takes (default: `NOMINAL_ROOFLINE`). With `autocast` (a
+    16-bit dtype) every forward runs under CUDA autocast's casts (`AutocastAbove`): the bytes are the ones a
+    mixed-precision step holds, its 16-bit copies of the weights and inputs of products, its fp32 norms and
+    residuals.
     """
+
+    def casts() -> contextlib.AbstractContextManager[Any]:
+        """A new cast cache for each forward, as autocast's lives for its region."""
+        return AutocastAbove(autocast) if autocast is not None else contextlib.nullcontext()
+
     roof = roofline or NOMINAL_ROOFLINE
     inputs = inputs_at(example_inputs, batch_size)
     gm = chain.graph.module
@@ -402,7 +417,8 @@ def block_memory(
 
     def measure(convert: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[BlockMemory], list[int]]:
         mods = pieces(chain)  # inside the fake context: get_attr values are copied from the stand-ins
-        args = block_inputs(mods, [convert(t.to(device)) for t in inputs])
+        with casts():
+            args = block_inputs(mods, [convert(t.to(device)) for t in inputs])
         # A block that repeats an earlier one (a transformer layer, a ResNet bottleneck; meta models only) on
         # inputs of the same kind, whose values live as far past it, has the same figures: measured once. Every
         # block still runs once in block_inputs, so the cuts' live values are the real ones.
@@ -427,7 +443,7 @@ def block_memory(
                     fig, made[i], saves[i], grads[i + 1] = done[reuse]
                     fig = replace(fig, out_values=tuple((b, last + i, ()) for b, last, _ in fig.out_values))
                 else:
-                    fig, made[i], saves[i], grads[i + 1] = _measure_block(mod, a, i == 0, lasts, incoming, roof)
+                    fig, made[i], saves[i], grads[i + 1] = _measure_block(mod, a, i == 0, lasts, incoming, roof, casts)
                     if reuse is not None:
                         relative = tuple((b, c - i, ()) for b, c, _ in fig.out_values)
                         done[reuse] = (replace(fig, out_values=relative), made[i], saves[i], grads[i + 1])
@@ -452,17 +468,26 @@ def remat_bytes(
     *,
     fake: bool = True,
     roofline: Roofline | None = None,
+    autocast: torch.dtype | None = None,
 ) -> RematProfile:
     """Every block's bytes as `per_sample·b + fixed`, from two batch sizes (exact: bytes are affine in b); the
-    selective recomputation's share of each forward at the larger size, priced by `roofline`."""
+    selective recomputation's share of each forward at the larger size, priced by `roofline`.
+
+    Bytes are in the chain's units, fp32 as traced, which the search scales by the precision's activation scale
+    (a 16-bit precision: 1/2). With `autocast` (as `block_memory` takes it) they are recorded as the step holds
+    them, so they are given over that scale: the real bytes once the search has scaled them."""
     b1, b2 = batch_sizes
     if b1 == b2:
         raise ValueError(f"two distinct batch sizes are needed, got {b1} twice")
-    m1, g1 = block_memory(chain, example_inputs, b1, fake=fake, roofline=roofline)
-    m2, g2 = block_memory(chain, example_inputs, b2, fake=fake, roofline=roofline)
+    m1, g1 = block_memory(chain, example_inputs, b1, fake=fake, roofline=roofline, autocast=autocast)
+    m2, g2 = block_memory(chain, example_inputs, b2, fake=fake, roofline=roofline, autocast=autocast)
+    units = 1.0 if autocast is None else autocast.itemsize / 4  # a 16-bit precision's activation_scale
+
+    def from_two(x: float, y: float) -> Affine:
+        return Affine.from_two(b1, x / units, b2, y / units)
 
     def line(name: str, x: BlockMemory, y: BlockMemory) -> Affine:
-        return Affine.from_two(b1, getattr(x, name), b2, getattr(y, name))
+        return from_two(getattr(x, name), getattr(y, name))
 
     others = ("out_values", "saves", "selective_share", "selective_holds")
     names = [n for n in BlockMemory.__dataclass_fields__ if n not in others]
@@ -471,8 +496,7 @@ def remat_bytes(
         if [v[1:] for v in x.out_values] != [v[1:] for v in y.out_values] or x.saves != y.saves:
             raise ValueError("a block's outputs differ between the two batch sizes")
         return tuple(
-            (Affine.from_two(b1, bx, b2, by), last, saver)
-            for (bx, last, saver), (by, _, _) in zip(x.out_values, y.out_values)
+            (from_two(bx, by), last, saver) for (bx, last, saver), (by, _, _) in zip(x.out_values, y.out_values)
         )
 
     blocks = tuple(
@@ -485,7 +509,7 @@ def remat_bytes(
         )
         for x, y in zip(m1, m2)
     )
-    return RematProfile(blocks, tuple(Affine.from_two(b1, x, b2, y) for x, y in zip(g1, g2)))
+    return RematProfile(blocks, tuple(from_two(x, y) for x, y in zip(g1, g2)))
 
 
 def _times(chain: Chain, batch_size: int, time_scale: float) -> tuple[list[float], list[float]]:

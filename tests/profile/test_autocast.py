@@ -116,3 +116,38 @@ def test_zero3_alone_is_priced_as_fsdp2s_policy_computes() -> None:
     assert body(policy) < body(under)
     # pyplan's cross-entropy takes the bf16 logits under either (FSDP2's policy casts them to fp32 for other losses).
     assert zero3.chain.loss.saved_bytes(4) == every.chain.loss.saved_bytes(4)
+
+
+def test_autocast_above_autograd_saves_the_16_bit_copies() -> None:
+    """`AutocastAbove` casts before autograd sees an op, as autocast's dispatch key does: the pre-norm block saves
+    its fp32 input for the norm (with two fp32 numbers a row), and 16-bit copies for the products: the norm's
+    output and each weight (cast once however often it is read), the up-projection's output for the GELU and
+    the GELU's output for the down-projection; the residual sum comes out fp32. These are the bytes a
+    mixed-precision step holds (under `CudaAutocast`, below autograd, it would save the fp32 originals)."""
+    from pyplan._torch import storage_key
+    from pyplan.profile.autocast import AutocastAbove
+
+    rows, width = 8, 64
+    block = _PreNorm(width).to("meta")
+    x = torch.empty(rows, width, device="meta", requires_grad=True)
+    saved: dict[int, tuple[int, torch.dtype]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[storage_key(t)] = (t.untyped_storage().nbytes(), t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), AutocastAbove(torch.bfloat16) as casts:
+        out = block(x)
+        again = casts._cast(block.up.weight, torch.bfloat16)
+    assert out.dtype == torch.float32
+    assert again is casts._cast(block.up.weight, torch.bfloat16)  # the weight's copy, cached
+    products = {storage_key(p) for p in (block.up.weight, block.down.weight)}
+    assert not products & saved.keys()  # the products keep no fp32 weight (the norm keeps its own, no new bytes)
+    params = {storage_key(p) for p in block.parameters()}
+    by_dtype: dict[torch.dtype, int] = {}
+    for key, (nbytes, dtype) in saved.items():
+        if key not in params:
+            by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
+    weights = 2 * (4 * width * width) * 2  # two bf16 copies of 4·w² elements
+    activations = (rows * width + 2 * rows * 4 * width) * 2  # norm output, up output, GELU output, in bf16
+    assert by_dtype == {torch.float32: (rows * width + 2 * rows) * 4, torch.bfloat16: weights + activations}
