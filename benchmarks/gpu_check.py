@@ -245,6 +245,7 @@ def check_env(out: Path, device_name: str, deadline: float) -> str:
     data["copy"] = {"bytes": 2 * src.nbytes, "s": copy_s, "bytes_per_s": 2 * src.nbytes / copy_s}
     res.save()
     data["head"] = _head_products(device)
+    data["host_per_op"] = _host_per_op(device)
     res.finish("ok" if "pyplan_error" not in data else "failed")
     return res.data["status"]
 
@@ -269,6 +270,35 @@ def _head_products(device: Any) -> list[dict[str, Any]]:
             t = _median_s(functools.partial(torch.matmul, left, right), device, warmup=3, repeats=10)
             rows.append({"vocab": vocab, "product": name, "s": t, "flops_per_s": flops / t})
     return rows
+
+
+def _host_per_op(device: Any) -> dict[str, float]:
+    """The host's time to issue one aten op (the analytic model's `host_s`): wall time per op of a long run of
+    tiny ops whose kernels take far less than their launch, forward (an elementwise op and a view each, under
+    autograd, as a model's forward issues them) and backward (autograd's engine issuing them), synchronized once
+    at the end. Median of 5 runs of 2,000 ops."""
+    import torch
+
+    def forward_and_backward() -> tuple[float, float]:
+        x = torch.ones(16, device=device, requires_grad=True)
+        y = x
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(1000):
+            y = (y * 1.0001).view(16)  # a kernel and a view
+        _sync(device)
+        t1 = time.perf_counter()
+        y.sum().backward()
+        _sync(device)
+        t2 = time.perf_counter()
+        return (t1 - t0) / 2000, (t2 - t1) / 1000
+
+    forward_and_backward()  # warm-up
+    runs = [forward_and_backward() for _ in range(5)]
+    return {
+        "forward_s_per_op": statistics.median(f for f, _ in runs),
+        "backward_s_per_op": statistics.median(b for _, b in runs),
+    }
 
 
 def _driver() -> str | None:

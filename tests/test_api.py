@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from pyplan import InfeasibleError, PlanError, load_model
-from pyplan.api import chain_for, search
+from pyplan.api import TIE, chain_for, search
 from pyplan.cli.main import main
 from pyplan.emit.planfile import PlanFile, read_plan_file, write_plan_file
 from pyplan.hardware import Cluster
@@ -45,7 +46,9 @@ def test_search_returns_consistent_plans(gpt_tiny: tuple) -> None:
         assert p.predicted.samples_per_s == pytest.approx(32 / p.predicted.iteration_s)
         assert p.predicted.peak_memory_bytes <= cluster.gpu.memory_bytes * 0.9
     times = [p.predicted.iteration_s for p in plans]
-    assert times == sorted(times)
+    # Increasing, but for ties (within TIE of each other: gpt-tiny is the host's pace at these micro-batches),
+    # which go to fewer GPUs.
+    assert all(later >= earlier / (1 + TIE) for earlier, later in itertools.pairwise(times))
     # The frontier is sorted by time, and its cheapest point is no costlier than the fastest plan.
     frontier = [(p.predicted.iteration_s, p.predicted.cost_per_iteration) for p in result.pareto]
     assert frontier == sorted(frontier)
@@ -78,7 +81,7 @@ def test_pins_restrict_the_search_to_what_they_name(gpt_tiny: tuple) -> None:
 
         assert all(matches(p) for p in (found.best, *found.alternatives)), pins
         same = min((p for p in plans if matches(p)), key=lambda p: p.predicted.iteration_s)
-        assert found.best.predicted.iteration_s == pytest.approx(same.predicted.iteration_s), pins
+        assert found.best.predicted.iteration_s == pytest.approx(same.predicted.iteration_s, rel=TIE), pins
     # A pinned partition: stages start at blocks 4 and 9, whatever the search would choose.
     positions = (0, chain.cuts[4].position, chain.cuts[9].position, chain.cuts[-1].position)
     found = search(model, spec.example_inputs, cluster, workload, chain=chain, top_k=3, stage_cuts=(4, 9))

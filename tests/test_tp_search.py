@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import pyplan
-from pyplan.api import _local_numel, search
+from pyplan.api import _local_numel, rank_ties, search
 from pyplan.cli.main import main
 from pyplan.emit.planfile import read_plan_file
 from pyplan.errors import PlanError
@@ -60,9 +60,12 @@ def test_the_search_over_degrees_is_the_best_of_each_degree() -> None:
                 "ColwiseParallel",
                 "RowwiseParallel",
             }
-    merged = sorted(
-        (p for f in alone.values() for p in (f.best, *f.alternatives)), key=_objective
-    )  # the tie-break of `search` after the objective: fewer GPUs, less memory
+    # The ranking of `search`: by time, where times within TIE are ties, fewer GPUs then less memory first.
+    merged = rank_ties(
+        [p for f in alone.values() for p in (f.best, *f.alternatives)],
+        lambda p: p.predicted.iteration_s,
+        lambda p: (p.layout.num_gpus, p.predicted.peak_memory_bytes),
+    )
     got = [every.best, *every.alternatives]
     assert [_objective(p) for p in got] == [_objective(p) for p in merged[: len(got)]]
     assert every.candidates == sum(f.candidates for f in alone.values())

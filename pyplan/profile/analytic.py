@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from pyplan._torch import OpRecorder, run_without_compute
 from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
-from pyplan.graph.layergraph import Affine
+from pyplan.graph.layergraph import Affine, Piecewise
 from pyplan.graph.trace import ExampleInputs, inputs_at
 from pyplan.hardware.catalog import GPU, LOCAL, local_efficiency
 from pyplan.profile.attention import fused_work
@@ -85,12 +85,20 @@ class OpEfficiency:
     latency_s: float
 
 
+# The host's time to issue one aten op, views included, to a GPU's queue (Python, the dispatcher, autograd, the
+# launch) in eager PyTorch, from an H200's host (benchmarks/GPU.md, "Since the third run"): gpt2-small in
+# bf16-mixed at micro-batch 4 bounds it at 17.9 µs, the 1B Llama-style model's rows at about 11 µs (higher prices
+# them more than 6 % slow). `pyplan calibrate` does not measure it yet; 0 turns the floor off.
+HOST_S = 1.1e-5
+
+
 @dataclass(frozen=True)
 class Efficiency:
     """Achieved fraction of peak FLOP/s and of memory bandwidth per op class, and the launch cost of an op.
 
     Defaults are typical of large dense kernels on datacenter GPUs (matmuls reach 60-80 % of peak, memory-bound
-    kernels 70-90 % of bandwidth); calibration replaces them with measured values. `op` refines a class by aten op
+    kernels 70-90 % of bandwidth); calibration replaces them with measured values. `host_s` is the host's time to
+    issue one op to a GPU's queue (`Roofline.sequence_time_s`). `op` refines a class by aten op
     name (e.g. "native_batch_norm"): the fit calibration made for that op alone, its efficiency used for both
     roofs. Kernels of one class differ several-fold on a CPU, and small ones fall short of large ones.
     """
@@ -103,10 +111,17 @@ class Efficiency:
     )
     launch_s: float = 4e-6
     op: Mapping[str, OpEfficiency] = field(default_factory=dict)
+    host_s: float = HOST_S
 
     def to_json(self) -> dict[str, Any]:
         ops = {name: {"efficiency": f.efficiency, "latency_s": f.latency_s} for name, f in self.op.items()}
-        return {"compute": dict(self.compute), "memory": dict(self.memory), "launch_s": self.launch_s, "op": ops}
+        return {
+            "compute": dict(self.compute),
+            "memory": dict(self.memory),
+            "launch_s": self.launch_s,
+            "host_s": self.host_s,
+            "op": ops,
+        }
 
     @staticmethod
     def from_json(data: Mapping[str, Any], what: str = "efficiency") -> Efficiency:
@@ -130,11 +145,15 @@ class Efficiency:
         launch = data.get("launch_s", default.launch_s)
         if not (_positive(launch) or launch == 0):
             raise PlanError(f"{what}: 'launch_s' must be zero or positive, got {launch!r}")
+        host = data.get("host_s", default.host_s)
+        if not (_positive(host) or host == 0):
+            raise PlanError(f"{what}: 'host_s' must be zero or positive, got {host!r}")
         return Efficiency(
             compute=parts["compute"],
             memory=parts["memory"],
             launch_s=float(launch),
             op={name: OpEfficiency(float(v["efficiency"]), float(v["latency_s"])) for name, v in ops.items()},
+            host_s=float(host),
         )
 
 
@@ -156,6 +175,8 @@ class Roofline:
         if efficiency is None:
             measured = local_efficiency() if gpu.name == LOCAL else None
             efficiency = Efficiency() if measured is None else Efficiency.from_json(measured, "calibrated efficiency")
+        if gpu.device_type != "cuda":  # the host runs the ops itself: no queue to get ahead in
+            efficiency = replace(efficiency, host_s=0.0)
         return Roofline(dict(gpu.peak_flops_per_s), gpu.hbm_bw_bytes_per_s, efficiency)
 
     def peak(self, dtype: str) -> float:
@@ -163,6 +184,19 @@ class Roofline:
         if key not in self.peak_flops_per_s:
             raise ValueError(f"the device has no {key} peak; known: {', '.join(self.peak_flops_per_s)}")
         return self.peak_flops_per_s[key]
+
+    def sequence_time_s(self, ops: Sequence[OpCost]) -> float:
+        """The time of `ops` run in order from an idle GPU: the host issues one op every `host_s` (none on a device
+        without a queue: `host_s` 0), views included, which launch nothing; the GPU starts each kernel once it is
+        issued and the one before is done. A run of short kernels waits on the host; behind a long one the host
+        gets ahead and the next ones queue."""
+        host_s = self.efficiency.host_s
+        issued = done = 0.0
+        for op in ops:
+            issued += host_s
+            if not op.is_view:
+                done = max(done, issued) + self.op_time_s(op)
+        return max(done, issued)
 
     def op_time_s(self, op: OpCost) -> float:
         """Roofline time of one op; a view launches no kernel and costs nothing, an allocation only its launch."""
@@ -268,13 +302,36 @@ def block_times_analytic(
         for b in sizes
     ]
 
-    def total(ops: list[OpCost]) -> float:
-        return sum(device.op_time_s(op) for op in ops)
+    def times(k: int) -> list[Affine]:
+        """Block i's forward (k 0) or backward (k 1) seconds: `α·b + β` over the recorded sizes where the host
+        sets no floor; with one (`host_s`), the ops' time in sequence at every EVALUATED_SIZES (each op's FLOPs
+        and bytes are affine in b: the two largest recorded sizes give them), as the host's floor gives way to
+        the GPU's work as b grows."""
+        runs = [[per_size[j][i][k] for j in range(len(sizes))] for i in range(len(chain))]
+        if device.efficiency.host_s == 0:
+            return [Affine.fit(sizes, [sum(device.op_time_s(op) for op in ops) for ops in r]) for r in runs]
+        return [_sequence_curve(device, sizes, r) for r in runs]
 
-    return [
-        (
-            Affine.fit(sizes, [total(per_size[k][i][0]) for k in range(len(sizes))]),
-            Affine.fit(sizes, [total(per_size[k][i][1]) for k in range(len(sizes))]),
-        )
-        for i in range(len(chain))
-    ]
+    return list(zip(times(0), times(1), strict=True))
+
+
+# Micro-batch sizes at which a block's time with the host's floor is evaluated (beyond the last: along the last
+# segment, where the GPU's work sets the time).
+EVALUATED_SIZES = tuple(1 << k for k in range(10))
+
+
+def _sequence_curve(device: Roofline, sizes: Sequence[int], runs: Sequence[list[OpCost]]) -> Piecewise:
+    """`Roofline.sequence_time_s` of one block's ops as a curve in b: through EVALUATED_SIZES when the ops
+    recorded at the two largest sizes match one for one (their FLOPs and bytes interpolated), else through the
+    recorded sizes."""
+    (b1, low), (b2, high) = sorted(zip(sizes, runs))[-2:]
+    if [(o.name, o.dtype, o.is_view) for o in low] != [(o.name, o.dtype, o.is_view) for o in high]:
+        return Piecewise.through(list(sizes), [device.sequence_time_s(r) for r in runs])
+
+    def at(b: int) -> list[OpCost]:
+        def line(x: float, y: float) -> float:
+            return max(0.0, x + (y - x) * (b - b1) / (b2 - b1))
+
+        return [replace(x, flops=line(x.flops, y.flops), bytes=line(x.bytes, y.bytes)) for x, y in zip(low, high)]
+
+    return Piecewise.through(list(EVALUATED_SIZES), [device.sequence_time_s(at(b)) for b in EVALUATED_SIZES])

@@ -148,8 +148,8 @@ def loss_cost(
     saved = Affine.fit(sizes, [float(a[0]) for a in analytic])
     peak = Affine.fit(sizes, [float(a[3]) for a in analytic])
     if roofline is not None:
-        fwd = [sum(roofline.op_time_s(op) for op in a[1]) for a in analytic]
-        bwd = [sum(roofline.op_time_s(op) for op in a[2]) for a in analytic]
+        fwd = [roofline.sequence_time_s(a[1]) for a in analytic]
+        bwd = [roofline.sequence_time_s(a[2]) for a in analytic]
         return LossCost(Affine.fit(sizes, fwd), Affine.fit(sizes, bwd), saved, peak)
     device = device or local_device()
     options = options or TimingOptions()

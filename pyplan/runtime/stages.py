@@ -87,12 +87,7 @@ def cut_model(
     graph = trace(model, example_inputs, leaf_modules=leaf_modules, batch_size=layout.micro_batch_size)
     if transform is not None:
         transform(graph)
-    end = len(operations(graph))
-    if layout.cut_positions[0] != 0 or layout.cut_positions[-1] != end:
-        raise PlanError(
-            f"the plan's cut positions {list(layout.cut_positions)} do not span this model's {end} nodes; "
-            "was the plan made for another model?"
-        )
+    check_span(graph, layout)
     order = _stage_order(graph, layout.stage_of_node) if layout.stage_of_node else None
     chain = linearize(graph, positions=layout.cut_positions[1:-1], order=order)
     if len(chain) != layout.num_stages:
@@ -107,6 +102,16 @@ def cut_model(
         )
         for s, module in enumerate(_stage_modules(graph, chain, layout))
     ]
+
+
+def check_span(graph: LayerGraph, layout: Layout) -> None:
+    """The plan's cut positions span the traced model's operations, or one line: the plan is another model's."""
+    end = len(operations(graph))
+    if layout.cut_positions[0] != 0 or layout.cut_positions[-1] != end:
+        raise PlanError(
+            f"the plan's cut positions {list(layout.cut_positions)} do not span this model's {end} nodes; "
+            "was the plan made for another model?"
+        )
 
 
 def _stage_order(graph: LayerGraph, stage_of_node: dict[str, int]) -> list[str]:

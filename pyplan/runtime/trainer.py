@@ -37,7 +37,7 @@ from pyplan.runtime.heap import keep_freed_memory
 from pyplan.runtime.master import MasterWeights
 from pyplan.runtime.optim import OptimizerFactory, OptimizerSpec, optimizer_factory
 from pyplan.runtime.sharded import ShardedTrainer, build_sharded_trainer, remat_kind
-from pyplan.runtime.stages import cut_model, local_stages, stage_io, tied_parameters
+from pyplan.runtime.stages import check_span, cut_model, local_stages, stage_io, tied_parameters
 from pyplan.runtime.tensor_parallel import (
     VocabParallelLoss,
     Zero1Optimizer,
@@ -304,14 +304,23 @@ def build_trainer(
                 "ZeRO-3 without pipeline stages trains the model's own modules: it checkpoints every unit or none, "
                 "not nested checkpoints or offloading; plan it with pyplan, or with ZeRO-1"
             )
+        # The plan checked against the model before the world, as cut_model checks a pipeline's.
+        graph = trace(model, examples, leaf_modules=leaf_modules, batch_size=layout.micro_batch_size)
+        check_span(graph, layout)
         mesh = build_mesh(layout, device.type)
-        graph = None
         loss_fn = spec.loss or default_loss
         if layout.tp > 1:  # the traced model split over the tp axis, sharded piece by piece
-            graph = trace(model, examples, leaf_modules=leaf_modules, batch_size=layout.micro_batch_size)
             loss_fn = _split_layers(graph, layout=layout, mesh=mesh, loss=spec.loss)
         trainer = build_sharded_trainer(
-            model, layout, mesh, make_optimizer, examples, device, loss_fn, _AUTOCAST[precision], graph
+            model,
+            layout,
+            mesh,
+            make_optimizer,
+            examples,
+            device,
+            loss_fn,
+            _AUTOCAST[precision],
+            graph if layout.tp > 1 else None,
         )
     else:
         trainer = _pipeline_trainer(

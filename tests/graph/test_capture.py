@@ -73,11 +73,11 @@ def test_plans_for_this_machine_and_for_a_catalog_gpu(tmp_path: Path, monkeypatc
     assert local.best.predicted.iteration_s > 0 and local.profiled_on == "measured on this machine"
     with torch.device("meta"):
         meta = spec.build()
+    # Pinned to two pipeline ranks: a model this small is the host's pace on one GPU, which more GPUs do not beat.
     catalog = search(meta, spec.example_inputs, Cluster.from_catalog("a100-80g", 4), Workload(global_batch=64),
-                     **options)  # fmt: skip
+                     pipeline_ranks=(2,), **options)  # fmt: skip
     assert catalog.best.predicted.iteration_s > 0 and "a100" in catalog.profiled_on
-    pipelined = [p for p in (catalog.best, *catalog.alternatives) if p.layout.pp > 1]
-    assert pipelined or catalog.best.layout.dp > 1
+    assert catalog.best.layout.pp == 2 and len(catalog.best.stages) == 2
 
 
 class _Gate(nn.Module):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pyplan import linearize, trace
-from pyplan.profile.analytic import Efficiency, Roofline, block_op_costs, block_times_analytic, op_class
+from pyplan.profile.analytic import Efficiency, OpCost, Roofline, block_op_costs, block_times_analytic, op_class
 
 DEVICE = Roofline(
     {"fp32": 10e12, "bf16": 100e12},
@@ -16,6 +16,7 @@ DEVICE = Roofline(
         compute=dict.fromkeys(("matmul", "attention", "norm", "elementwise"), 1.0),
         memory=dict.fromkeys(("matmul", "attention", "norm", "elementwise"), 1.0),
         launch_s=0.0,
+        host_s=0.0,
     ),
 )
 
@@ -57,3 +58,47 @@ def test_views_cost_nothing() -> None:
     chain = linearize(trace(nn.Flatten(), torch.randn(2, 3, 4)))
     ((fwd, _),) = block_op_costs(chain, torch.randn(2, 3, 4), 2)
     assert fwd and all(op.is_view and DEVICE.op_time_s(op) == 0.0 for op in fwd)
+
+
+def test_the_host_issues_ops_while_the_gpu_runs_them() -> None:
+    """Each op waits to be issued (host_s apart, views too) and for the GPU to finish the one before: behind a
+    long kernel the host gets ahead and short ones queue; a run of short ones waits on the host."""
+    from dataclasses import replace
+
+    device = replace(DEVICE, efficiency=replace(DEVICE.efficiency, host_s=10e-6))
+
+    def kernel(seconds: float) -> OpCost:
+        return OpCost("add", "elementwise", 0.0, seconds * 1e12, "float32")
+
+    view = OpCost("view", "elementwise", 0.0, 0.0, "float32", is_view=True)
+    # Issued at 10, 20, 30, 40 µs; the first runs 10-110, the next two queue (110-112, 112-114), the view delays
+    # the last issue to 50, which still runs at once after the third: 114-116.
+    assert device.sequence_time_s([kernel(100e-6), kernel(2e-6), kernel(2e-6), view, kernel(2e-6)]) == (
+        pytest.approx(116e-6)
+    )
+    # Short kernels alone: the host's pace (ten issues, the last kernel 2 µs after it).
+    assert device.sequence_time_s([kernel(2e-6)] * 10) == pytest.approx(102e-6)
+    assert DEVICE.sequence_time_s([kernel(2e-6)] * 10) == pytest.approx(20e-6)  # no host floor: their sum
+
+
+def test_a_blocks_time_has_the_hosts_floor_at_small_batches() -> None:
+    """On a GPU with a host floor, a block costs at least the host's time to issue its ops, and at most that plus
+    the GPU's work: at one sample the host's pace, at 512 the GPU's product. The curve goes through the evaluated
+    sizes with each op's FLOPs and bytes at that size: a line through the recorded sizes (1, 2, 4), where the
+    weight's bytes bound the product, would miss its FLOPs at 512 (25 µs for 430)."""
+    from dataclasses import replace
+
+    from pyplan.graph.layergraph import Piecewise
+
+    model = nn.Sequential(nn.Linear(2048, 2048), nn.GELU())
+    x = torch.randn(4, 2048)
+    chain = linearize(trace(model, x))
+    host = replace(DEVICE, efficiency=replace(DEVICE.efficiency, host_s=20e-6))
+    ((floored, _), *_) = block_times_analytic(chain, x, host, (1, 2, 4))
+    ((one, _), *_) = block_op_costs(chain, x, 1)  # the Linear's block
+    ((many, _), *_) = block_op_costs(chain, x, 512)
+    floor = len(one) * 20e-6
+    gpu = [sum(DEVICE.op_time_s(op) for op in ops) for ops in (one, many)]
+    assert isinstance(floored, Piecewise) and 512 in floored.sizes
+    assert gpu[0] < floor <= floored(1) <= floor + gpu[0]
+    assert gpu[1] > floor and gpu[1] <= floored(512) <= gpu[1] + floor
