@@ -80,10 +80,11 @@ class _FusedCrossEntropy(torch.autograd.Function):
         dtype = _compute_dtype(logits.dtype)
         scale = ((grad.to(dtype) / count) * kept).unsqueeze(1)  # each row's factor: 0 for the rows left out
         out = torch.empty_like(logits)
+        minus_one = torch.full_like(index, -1, dtype=dtype)  # the one-hot target, subtracted row by row
         for start in range(0, logits.shape[0], ctx.rows):
             stop = start + ctx.rows
             p = torch.sub(logits[start:stop], lse[start:stop].unsqueeze(1)).exp_()
-            p.scatter_add_(1, index[start:stop], torch.full_like(index[start:stop], -1, dtype=dtype))
+            p.scatter_add_(1, index[start:stop], minus_one[start:stop])
             torch.mul(p, scale[start:stop], out=out[start:stop])
             del p  # before the next chunk is made: one chunk at a time
         return out, None, None, None

@@ -86,9 +86,9 @@ class OpEfficiency:
 
 
 # The host's time to issue one aten op, views included, to a GPU's queue (Python, the dispatcher, autograd, the
-# launch) in eager PyTorch, from an H200's host (benchmarks/GPU.md, "Since the third run"): gpt2-small in
-# bf16-mixed at micro-batch 4 bounds it at 17.9 µs, the 1B Llama-style model's rows at about 11 µs (higher prices
-# them more than 6 % slow). `pyplan calibrate` does not measure it yet; 0 turns the floor off.
+# launch) in eager PyTorch, from an H200's host (benchmarks/GPU.md, "Changes priced against the measurements of
+# 2026-11-27"): gpt2-small in bf16-mixed at micro-batch 4 bounds it at 17.9 µs, the 1B Llama-style model's rows at
+# about 11 µs (higher prices them more than 6 % slow). `pyplan calibrate` does not measure it yet; 0 turns it off.
 HOST_S = 1.1e-5
 
 

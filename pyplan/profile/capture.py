@@ -122,7 +122,9 @@ def chain_for(
 @dataclass(frozen=True)
 class _Target:
     """Where and how a chain is timed: measured on this machine (`roofline` None), or on the roofline of a catalog
-    GPU computing in `compute_dtype` (under autocast, or in 16-bit weights), at the micro-batch sizes `sizes`."""
+    GPU computing in `compute_dtype` (under autocast, or in 16-bit weights), at the micro-batch sizes `sizes`.
+    `cast_memory`: under autocast, the memory recorded as autocast holds it (off for a tensor-parallel rank's chain,
+    whose collectives' stand-ins hold what the runtime's do not once cast: its traced bytes are halved)."""
 
     gpu: GPU
     sizes: tuple[int, ...]
@@ -130,6 +132,7 @@ class _Target:
     compute_dtype: str | None
     autocast: bool
     timing: TimingOptions
+    cast_memory: bool = True
 
     @staticmethod
     def of(model: nn.Module, cluster: Cluster, workload: Workload, autocast: bool = True) -> _Target:
@@ -163,17 +166,17 @@ class _Target:
             return measured_target(self.gpu, local_device(), self.timing)
         return analytic_target(self.gpu, self.roofline, self.compute_dtype, self.autocast)
 
-    def profile(self, chain: Chain, examples: Examples, *, cast_memory: bool = True) -> tuple[Chain, str]:
+    def profile(self, chain: Chain, examples: Examples) -> tuple[Chain, str]:
         """The chain profiled at the target's sizes; a model with a BatchNorm over a 1x1 map, which cannot train on
         one sample, profiled from 2 samples, its plans' micro-batches of 2 or more."""
         try:
-            return self._at(chain, examples, self.sizes, cast_memory)
+            return self._at(chain, examples, self.sizes)
         except ValueError as exc:
             if "Expected more than 1 value per channel" not in str(exc):
                 raise
         try:
             from_two = sorted({max(2, b) for b in self.sizes})
-            profiled, how = self._at(chain, examples, tuple(from_two if len(from_two) > 1 else [2, 4]), cast_memory)
+            profiled, how = self._at(chain, examples, tuple(from_two if len(from_two) > 1 else [2, 4]))
         except ValueError as again:
             if "Expected more than 1 value per channel" not in str(again):
                 raise
@@ -183,9 +186,7 @@ class _Target:
             ) from None
         return replace(profiled, min_micro_batch=2), how
 
-    def _at(
-        self, chain: Chain, examples: Examples, sizes: tuple[int, ...], cast_memory: bool = True
-    ) -> tuple[Chain, str]:
+    def _at(self, chain: Chain, examples: Examples, sizes: tuple[int, ...]) -> tuple[Chain, str]:
         """Times, saved bytes and the blocks' working memory at `sizes`. A catalog GPU runs fused attention where
         torch would select it there (pyplan/profile/attention.py)."""
         gpu, roofline = self.gpu, self.roofline
@@ -211,10 +212,8 @@ class _Target:
             # describes.
             low = max(2, min(sizes))
             # Under autocast as the step holds its tensors (16-bit copies, fp32 norms and residuals), on a catalog
-            # GPU (this machine's measured profile runs as this machine trains), unless `cast_memory` is off: a
-            # tensor-parallel rank's chain, whose collectives' stand-ins hold what the runtime's do not once cast,
-            # keeps the traced bytes halved.
-            use = self.autocast and roofline is not None and cast_memory
+            # GPU (this machine's measured profile runs as this machine trains).
+            use = self.autocast and roofline is not None and self.cast_memory
             casts = getattr(torch, self.compute_dtype) if use else None
             memory = remat_bytes(profiled, examples, (low, 2 * low), roofline=pricing(gpu, roofline), autocast=casts)
         if attention is not None and attention.chosen:
@@ -243,7 +242,8 @@ def chain_at_degree(
     if degree == 1:
         return chain
     examples = Examples(example_inputs)
-    profiled, _ = target.profile(local_chain(chain, plan, degree, examples, zone), examples, cast_memory=False)
+    local = local_chain(chain, plan, degree, examples, zone)
+    profiled, _ = replace(target, cast_memory=False).profile(local, examples)
     times = tp_comm_times(chain, plan, degree, cluster, workload, zone)
     blocks = [
         replace(b, fwd_time_s=b.fwd_time_s + f, bwd_time_s=b.bwd_time_s + g)
