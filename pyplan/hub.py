@@ -6,8 +6,9 @@ reference names them (`pip install 'pyplan[hf]'`, `pip install 'pyplan[timm]'`).
 
 An `hf:` reference picks the model's head from transformers' own MODEL_FOR_*_MAPPING_NAMES tables (see `_HEADS`):
 an encoder-decoder gets its sequence-to-sequence LM head, an encoder its masked-LM head, a decoder its causal-LM
-head, a vision model its image-classification head. Each head's output, with no labels passed, is its logits alone
-(use_cache=False and output_router_logits=False make sure of it), so the loss is a cross-entropy over the logits.
+head, a vision model its image-classification head, a speech model its speech-to-text (whisper) or CTC (wav2vec2)
+head. Each head's output, with no labels passed, is its logits alone (use_cache=False and output_router_logits=False
+make sure of it), so the loss is a cross-entropy over the logits.
 """
 
 from __future__ import annotations
@@ -31,7 +32,15 @@ from torch import nn
 from pyplan.errors import ModelLoadError
 from pyplan.spec import ModelSpec, cross_entropy
 
-__all__ = ["DEFAULT_IMAGE_SIZE", "DEFAULT_SEQ_LEN", "Seq2SeqLogits", "hf_model", "parse_options", "timm_model"]
+__all__ = [
+    "DEFAULT_AUDIO_SAMPLES",
+    "DEFAULT_IMAGE_SIZE",
+    "DEFAULT_SEQ_LEN",
+    "Seq2SeqLogits",
+    "hf_model",
+    "parse_options",
+    "timm_model",
+]
 
 # Inputs and targets come from fixed seeds (the caller seeds everything else); targets from a seed of their own.
 _INPUT_SEED = 0
@@ -41,6 +50,10 @@ _TARGET_SEED = 1
 DEFAULT_SEQ_LEN = 128
 # The example image size when a vision config names none (the ImageNet size most of them default to).
 DEFAULT_IMAGE_SIZE = 224
+# The example audio of a speech model that takes raw audio (wav2vec2's `input_values`): one second at 16 kHz, the
+# rate the wav2vec2 family is trained at; a model that takes features gets the frames of that second (10 ms each).
+DEFAULT_AUDIO_SAMPLES = 16_000
+_FRAMES_PER_SECOND = 100
 
 # Config values pyplan plans with: no key/value cache (training; torch.export cannot return a DynamicCache) and the
 # logits as the only output (a Mixture-of-Experts head would add its router logits and auxiliary loss). A reference
@@ -54,6 +67,10 @@ _FIXED: dict[str, bool] = {
     "return_dict": True,
 }
 _PASSED = ("use_cache", "output_router_logits")
+# Config values that draw at random in every training step which layers run (LayerDrop) or which frames are masked
+# (SpecAugment): no captured graph holds such a choice, and speech models (wav2vec2, speecht5) turn them on by
+# default. Each that a config sets above 0 is passed as 0; a reference that sets one is refused.
+_RANDOM_OFF = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop", "mask_time_prob", "mask_feature_prob")
 # Keys that transformers' PretrainedConfig takes as keyword arguments without a field of that name.
 _CONFIG_KWARGS = ("attn_implementation", "experts_implementation")
 
@@ -92,6 +109,20 @@ def _seq2seq_inputs(b: int, *, vocab: int, seq_len: int) -> dict[str, torch.Tens
     return {"input_ids": ids, "decoder_input_ids": torch.randint(vocab, (b, seq_len), generator=g)}
 
 
+def _audio(b: int, *, name: str, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """A speech model's audio input `name`: random samples or features of `shape` after the batch."""
+    return {name: torch.randn(b, *shape, generator=_generator(_INPUT_SEED))}
+
+
+def _speech_seq2seq_inputs(
+    b: int, *, name: str, shape: tuple[int, ...], vocab: int, seq_len: int
+) -> dict[str, torch.Tensor]:
+    """The encoder's audio input `name` and seq_len decoder token ids."""
+    g = _generator(_INPUT_SEED)
+    audio = torch.randn(b, *shape, generator=g)
+    return {name: audio, "decoder_input_ids": torch.randint(vocab, (b, seq_len), generator=g)}
+
+
 def _random_tokens(b: int, *, vocab: int, seq_len: int) -> torch.Tensor:
     return torch.randint(vocab, (b, seq_len), generator=_generator(_TARGET_SEED))
 
@@ -120,16 +151,24 @@ class Seq2SeqLogits(nn.Module):
     """An encoder-decoder LM that returns its logits alone.
 
     transformers' Seq2SeqLMOutput always carries the encoder's last hidden state beside the logits, whatever the
-    config says, and pyplan's loss takes one tensor; the wrapped model's names gain the prefix `model.`."""
+    config says, and pyplan's loss takes one tensor; the wrapped model's names gain the prefix `model.`. The
+    encoder's input is token ids (t5, bart), or audio features or samples for a speech model (whisper)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
     def forward(
-        self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor, labels: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor | None = None,
+        decoder_input_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        input_features: torch.Tensor | None = None,
+        input_values: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        out = self.model(input_ids=input_ids, decoder_input_ids=decoder_input_ids, labels=labels)
+        given = {"input_ids": input_ids, "input_features": input_features, "input_values": input_values}
+        encoder = {k: v for k, v in given.items() if v is not None}
+        out = self.model(**encoder, decoder_input_ids=decoder_input_ids, labels=labels)
         return out.logits if labels is None else (out.loss, out.logits)
 
 
@@ -143,13 +182,17 @@ class _Head:
     auto_class: str
 
 
-# In this order: an encoder-decoder (bart) is listed as a causal and a masked LM too, and an encoder (bert) as a
-# causal LM (its decoder variant), so the first table that lists a model type names its head.
+# In this order: an encoder-decoder (bart) is listed as a causal and a masked LM too, an encoder (bert) as a causal
+# LM (its decoder variant), perceiver as a masked LM and an image classifier, and whisper as a causal LM (its decoder
+# alone, for assisted generation) beside its speech-to-text model, so the first table that lists a model type names
+# its head. A multimodal LLM listed as a sequence-to-sequence LM and a speech model (voxtral) keeps the former.
 _HEADS = (
     _Head("sequence-to-sequence LM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM"),
     _Head("masked LM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "AutoModelForMaskedLM"),
-    _Head("causal LM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM"),
     _Head("image classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "AutoModelForImageClassification"),
+    _Head("speech-to-text", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "AutoModelForSpeechSeq2Seq"),
+    _Head("CTC speech recognition", "MODEL_FOR_CTC_MAPPING_NAMES", "AutoModelForCTC"),
+    _Head("causal LM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM"),
 )
 
 
@@ -207,7 +250,10 @@ def _head_of(ref: str, model_type: str, transformers: types.ModuleType) -> tuple
     for head in _HEADS:
         table = getattr(modeling_auto, head.table)
         if model_type in table:
-            return head, table[model_type]
+            # Some entries name several classes (deit: the plain head, then one with a distillation token); the
+            # first is the plain head, the one the Auto class builds from a config that names no architecture.
+            names = table[model_type]
+            return head, names if isinstance(names, str) else names[0]
     tasks = ", ".join(h.task for h in _HEADS)
     raise ModelLoadError(
         f"model type '{model_type}' in '{ref}' has none of the heads pyplan builds ({tasks}) in transformers "
@@ -281,6 +327,11 @@ def _config_overrides(ref: str, config_class: type, options: dict[str, tuple[str
                 f"'{ref}' sets {key}={text}; pyplan plans training on the logits alone with {key}={_FIXED[key]}: "
                 f"leave {key} out"
             )
+        if key in _RANDOM_OFF and value != 0:
+            raise ModelLoadError(
+                f"'{ref}' sets {key}={text}; pyplan plans a graph that runs every layer on every frame, with "
+                f"{key}=0: leave {key} out"
+            )
         field = aliases.get(key, key)
         if field in overrides:
             raise ModelLoadError(f"'{ref}' sets {field} twice (as {key} and as {field}); give it once")
@@ -288,26 +339,89 @@ def _config_overrides(ref: str, config_class: type, options: dict[str, tuple[str
     return overrides
 
 
-def _max_positions(config: Any) -> int | None:
-    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
-    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+def _max_positions(config: Any) -> tuple[str, int] | None:
+    """The config's limit on the token positions, and its key: max_position_embeddings, or a speech model's decoder's
+    max_target_positions (whisper)."""
+    text = config.get_text_config()
+    for key in ("max_position_embeddings", "max_target_positions"):
+        limit = getattr(text, key, None)
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            return key, limit
+    return None
 
 
 def _seq_len(ref: str, config: Any, given: tuple[str, Value] | None) -> int:
     """seq_len= if given (at most the config's max_position_embeddings), else min(max_position_embeddings, 128),
     or 128 for a config with no such limit (t5's relative positions)."""
-    limit = _max_positions(config)
+    found = _max_positions(config)
     if given is None:
-        return min(limit, DEFAULT_SEQ_LEN) if limit else DEFAULT_SEQ_LEN
+        return min(found[1], DEFAULT_SEQ_LEN) if found else DEFAULT_SEQ_LEN
     text, value = given
     if type(value) is not int or value < 1:
         raise ModelLoadError(f"seq_len={text} in '{ref}' is not a positive int; write e.g. seq_len=512")
-    if limit is not None and value > limit:
+    if found is not None and value > found[1]:
+        key, limit = found
         raise ModelLoadError(
-            f"seq_len={value} in '{ref}' exceeds the config's max_position_embeddings={limit}; "
-            f"set max_position_embeddings={value} too, or a shorter seq_len"
+            f"seq_len={value} in '{ref}' exceeds the config's {key}={limit}; set {key}={value} too, or a shorter "
+            "seq_len"
         )
     return value
+
+
+def _whisper_features(config: Any) -> tuple[int, int]:
+    """Whisper's log-mel features, (num_mel_bins, frames): its encoder takes exactly 2 x max_source_positions frames
+    (30 s of audio; its second convolution halves them)."""
+    return config.num_mel_bins, 2 * config.max_source_positions
+
+
+def _speech_to_text_features(config: Any) -> tuple[int, int]:
+    """Speech2Text's filter-bank features, (frames, features): one second of 10 ms frames."""
+    return _FRAMES_PER_SECOND, config.input_feat_per_channel * config.input_channels
+
+
+# The audio features (`input_features`) of the speech models whose layout pyplan knows, by model type.
+_FEATURES: dict[str, Callable[[Any], tuple[int, int]]] = {
+    "whisper": _whisper_features,
+    "speech_to_text": _speech_to_text_features,
+}
+
+
+def _audio_input(ref: str, model_type: str, config: Any, model_class: type) -> tuple[str, tuple[int, ...]]:
+    """The name and shape (after the batch) of a speech model's audio input: raw samples (`input_values`,
+    DEFAULT_AUDIO_SAMPLES of them) or features (`input_features`, laid out as `_FEATURES` says)."""
+    name = getattr(model_class, "main_input_name", "")
+    if name == "input_values":
+        return name, (DEFAULT_AUDIO_SAMPLES,)
+    if name == "input_features" and model_type in _FEATURES:
+        return name, _FEATURES[model_type](config)
+    known = ", ".join(sorted(_FEATURES))
+    raise ModelLoadError(
+        f"pyplan does not know the audio input of '{ref}' ({model_class.__name__} takes {name or 'no named input'}); "
+        f"it builds speech models that take raw audio (input_values: wav2vec2, hubert) or the features of {known}"
+    )
+
+
+def _frames(ref: str, build: Callable[[], nn.Module], inputs: dict[str, torch.Tensor]) -> int:
+    """The frames of a CTC model's logits (batch, frames, vocabulary) for `inputs` (of one sample), built on the meta
+    device: from the lengths of its convolutional feature encoder (the wav2vec2 family's
+    `_get_feat_extract_output_lengths`, as its own CTC loss counts them), else from a run on meta tensors."""
+    ((name, audio),) = inputs.items()
+    try:
+        with torch.device("meta"):
+            probe = build().eval()
+    except Exception as exc:
+        raise ModelLoadError(f"'{ref}' does not build: {type(exc).__name__}: {_first_line(exc)}") from exc
+    try:
+        lengths = getattr(probe, "_get_feat_extract_output_lengths", None)
+        if lengths is not None:
+            return int(lengths(torch.tensor([audio.shape[-1]])).item())
+        with torch.no_grad():
+            return int(probe(**{name: audio.to("meta")}).logits.shape[1])
+    except Exception as exc:
+        raise ModelLoadError(
+            f"'{ref}' does not run on its example audio ({name} {tuple(audio.shape)}): {type(exc).__name__}: "
+            f"{_first_line(exc)}"
+        ) from exc
 
 
 def _image_shape(config: Any) -> tuple[int, int, int]:
@@ -340,6 +454,28 @@ def _model_class(ref: str, transformers: types.ModuleType, name: str) -> type:
         ) from exc
 
 
+def _check_pad_token(ref: str, config: Any) -> None:
+    """A padding token within the vocabulary (its embedding's padding_idx): a reference that shrinks vocab_size below
+    the config's default token ids (whisper's 50256) names them too."""
+    text = config.get_text_config()
+    pad, vocab = getattr(text, "pad_token_id", None), getattr(text, "vocab_size", None)
+    if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
+        raise ModelLoadError(
+            f"the config of '{ref}' pads with token {pad}, outside its vocab_size={vocab}; set pad_token_id= (and "
+            "bos_token_id=, eos_token_id=, decoder_start_token_id= where the config has them) below vocab_size"
+        )
+
+
+def _config(ref: str, transformers: types.ModuleType, model_type: str, kwargs: dict[str, Value]) -> Any:
+    """`transformers.AutoConfig.for_model(model_type, **kwargs)`, its refusal one line."""
+    try:
+        return transformers.AutoConfig.for_model(model_type, **kwargs)
+    except Exception as exc:
+        # transformers' strict dataclasses: "Validation error for field 'x':\n    TypeError: ..."
+        reason = str(exc).strip().splitlines()[-1].strip() if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"transformers rejects the config of '{ref}': {reason}") from exc
+
+
 def hf_model(ref: str) -> ModelSpec:
     """The ModelSpec of `hf:MODEL_TYPE[:key=value,...]`: `transformers.AutoConfig.for_model(MODEL_TYPE, **overrides)`
     with use_cache=False, its head built by the Auto class `_HEADS` names, random weights.
@@ -351,7 +487,10 @@ def hf_model(ref: str) -> ModelSpec:
     `{"input_ids"}` and next tokens as its target; a masked LM `{"input_ids", "attention_mask"}` (int64) and random
     tokens; a sequence-to-sequence LM `{"input_ids", "decoder_input_ids"}` (seq_len each) and random tokens at the
     decoder's positions; an image classifier `{"pixel_values"}` at the config's image size and channels and random
-    class labels. The loss is the mean cross-entropy of the logits."""
+    class labels; a speech-to-text model its audio (`_audio_input`) and `decoder_input_ids`, and random tokens at the
+    decoder's positions; a CTC model its audio, and one random label per frame of its logits. The loss is the mean
+    cross-entropy of the logits (for a CTC model a per-frame cross-entropy, not a CTC loss: the model runs the same,
+    only the loss itself differs). LayerDrop and SpecAugment are off (`_RANDOM_OFF`)."""
     model_type, _, text = ref.removeprefix("hf:").partition(":")
     if not model_type:
         raise ModelLoadError(f"'{ref}' names no model type; write hf:MODEL_TYPE[:key=value,...], e.g. hf:llama")
@@ -367,28 +506,54 @@ def hf_model(ref: str) -> ModelSpec:
     kwargs = _config_overrides(ref, config_class, options)
     keys = _config_keys(config_class)
     kwargs.update({k: _FIXED[k] for k in _PASSED if k in keys})
-    try:
-        config = transformers.AutoConfig.for_model(model_type, **kwargs)
-    except Exception as exc:
-        # transformers' strict dataclasses: "Validation error for field 'x':\n    TypeError: ..."
-        reason = str(exc).strip().splitlines()[-1].strip() if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"transformers rejects the config of '{ref}': {reason}") from exc
+    config = _config(ref, transformers, model_type, kwargs)
+    random_on = {k: 0.0 for k in _RANDOM_OFF if getattr(config, k, None) not in (None, 0)}
+    if random_on:
+        kwargs.update(random_on)
+        config = _config(ref, transformers, model_type, kwargs)
+    # The class the Auto class builds where its table names several (deit): it picks by the config's architectures.
+    config.architectures = [class_name]
     auto_class = getattr(transformers, head.auto_class)
     model_class = _model_class(ref, transformers, class_name)
-    wrap = head.auto_class == "AutoModelForSeq2SeqLM"
+    wrap = head.auto_class in ("AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq")
+
+    _check_pad_token(ref, config)
 
     def build() -> nn.Module:
-        # A copy: the config is shared by every build, and a model may set attributes on its own.
-        model = auto_class.from_config(copy.deepcopy(config))
+        try:
+            # A copy: the config is shared by every build, and a model may set attributes on its own.
+            model = auto_class.from_config(copy.deepcopy(config))
+        except Exception as exc:
+            raise ModelLoadError(
+                f"transformers cannot build {model_class.__name__} for '{ref}': "
+                f"{type(exc).__name__}: {_first_line(exc)}"
+            ) from exc
         return Seq2SeqLogits(model) if wrap else model
 
     example_inputs: Callable[[int], Any]
+    target: Callable[[int], torch.Tensor]
     if head.auto_class == "AutoModelForImageClassification":
         if seq_len_option is not None:
             raise ModelLoadError(f"seq_len applies to text models, not to '{ref}'; set image_size= instead")
         channels, height, width = _image_shape(config)
         example_inputs = partial(_pixels, channels=channels, height=height, width=width)
-        target: Callable[[int], torch.Tensor] = partial(_labels, classes=config.num_labels)
+        target = partial(_labels, classes=config.num_labels)
+    elif head.auto_class == "AutoModelForCTC":
+        if seq_len_option is not None:
+            raise ModelLoadError(f"seq_len applies to text models, not to '{ref}' (a CTC model's input is audio)")
+        if with_labels:
+            # Its own loss is a CTC loss, infinite on one random label per frame (a repeated label needs a blank).
+            raise ModelLoadError(f"labels=true does not apply to the CTC model of '{ref}'; leave labels out")
+        name, shape = _audio_input(ref, model_type, config, model_class)
+        example_inputs = partial(_audio, name=name, shape=shape)
+        vocab = config.get_text_config().vocab_size
+        frames = _frames(ref, lambda: auto_class.from_config(copy.deepcopy(config)), example_inputs(1))
+        target = partial(_random_tokens, vocab=vocab, seq_len=frames)
+    elif head.auto_class == "AutoModelForSpeechSeq2Seq":
+        name, shape = _audio_input(ref, model_type, config, model_class)
+        tokens = {"vocab": config.get_text_config().vocab_size, "seq_len": _seq_len(ref, config, seq_len_option)}
+        example_inputs = partial(_speech_seq2seq_inputs, name=name, shape=shape, **tokens)
+        target = partial(_random_tokens, **tokens)
     else:
         tokens = {"vocab": config.get_text_config().vocab_size, "seq_len": _seq_len(ref, config, seq_len_option)}
         inputs_of = {"AutoModelForSeq2SeqLM": _seq2seq_inputs, "AutoModelForMaskedLM": _masked_inputs}

@@ -64,6 +64,27 @@ def _required(module: ModuleType, name: str, path: str) -> Callable[..., Any]:
     return fn
 
 
+# Config flags of a transformers model that make it return more than training reads: its key/value cache (a
+# DynamicCache, which torch.export cannot return), every layer's attention weights and hidden states. An `hf:`
+# reference builds with them off (pyplan.hub); a model file builds as its author wrote it, so they are turned off here.
+_INFERENCE_OUTPUTS = ("use_cache", "output_attentions", "output_hidden_states")
+
+
+def _for_training(module: nn.Module) -> None:
+    """Turn off the inference outputs of a transformers model (`_INFERENCE_OUTPUTS`) in the config of each of its
+    modules; transformers is imported only by the model itself, so a module is one of its models only if it is."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(module, transformers.PreTrainedModel):
+        return
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if not isinstance(config, transformers.PretrainedConfig):
+            continue
+        for flag in _INFERENCE_OUTPUTS:
+            if getattr(config, flag, False) is True:
+                setattr(config, flag, False)
+
+
 def _checked_builder(fn: Callable[[], Any], where: str) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         try:
@@ -72,6 +93,7 @@ def _checked_builder(fn: Callable[[], Any], where: str) -> Callable[[], nn.Modul
             raise ModelLoadError(f"{where}() raised {type(exc).__name__}: {exc}") from exc
         if not isinstance(module, nn.Module):
             raise ModelLoadError(f"{where}() returned {type(module).__name__}, not an nn.Module; {EXPECTED_SHAPE}")
+        _for_training(module)
         return module
 
     return build

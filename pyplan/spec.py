@@ -11,7 +11,16 @@ from torch import nn
 
 from pyplan.cross_entropy import fused_cross_entropy
 
-__all__ = ["ExampleBatch", "Inputs", "ModelSpec", "cross_entropy", "default_loss", "default_target", "upcasts_itself"]
+__all__ = [
+    "ExampleBatch",
+    "Inputs",
+    "ModelSpec",
+    "cross_entropy",
+    "default_loss",
+    "default_target",
+    "own_loss",
+    "upcasts_itself",
+]
 
 Inputs = tuple[torch.Tensor, ...]
 # What example_inputs(b) may return: a tensor, a tuple of tensors (positional), a dict (keyword arguments), or
@@ -46,13 +55,19 @@ def default_target(output: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(output)
 
 
+def own_loss(output: Any) -> torch.Tensor | None:
+    """The loss a model computed itself: the first floating-point scalar among its output tensors (labels or
+    targets among its inputs; transformers' models return `loss` first, nanoGPT's `(logits, loss)` second)."""
+    tensors = output if isinstance(output, (tuple, list)) else (output,)
+    return next((t for t in tensors if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()), None)
+
+
 def default_loss(output: Any, target: torch.Tensor | None) -> torch.Tensor:
-    """The loss of a model that defines none: its own when it computes one (its first output a scalar: labels among
-    its inputs, as a transformers model returns `loss` first), else the mean squared error against `target` (zeros
-    when there is none, or an empty placeholder)."""
-    first = output[0] if isinstance(output, (tuple, list)) else output
-    if isinstance(first, torch.Tensor) and first.dim() == 0:
-        return first
+    """The loss of a model that defines none: its own when it computes one (`own_loss`), else the mean squared error
+    against `target` (zeros when there is none, or an empty placeholder)."""
+    own = own_loss(output)
+    if own is not None:
+        return own
     if target is None or target.numel() == 0:
         target = default_target(output)
     return torch.nn.functional.mse_loss(output, target)

@@ -148,3 +148,38 @@ def test_version_and_written_files(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main([*argv, "--json"]) == 0
     captured = capsys.readouterr()
     assert f"wrote {out}" in captured.err and json.loads(captured.out)
+
+
+REAL = os.path.join(os.path.dirname(__file__), "models", "real")
+
+
+def test_inspect_profiles_a_batch_norm_over_1x1_maps_at_two_samples_or_more(capsys: pytest.CaptureFixture[str]) -> None:
+    small_maps = os.path.join(REAL, "small_maps.py")
+    quick = ["--warmup", "0", "--repeats", "1"]
+    assert main(["inspect", small_maps, "--batch-size", "4", "--json", *quick]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["batch_size"] == 4 and all(b["fwd_time_s"] is not None for b in data["blocks"])
+    # At one sample the last BatchNorm cannot run: one line naming it and the fix, for --analytic too.
+    for extra in ([], ["--analytic"]):
+        assert main(["inspect", small_maps, "--batch-size", "1", *extra, *quick]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: module '8' (BatchNorm2d) sees one value per channel at --batch-size 1")
+        assert err.endswith("inspect it with --batch-size 2 or more") and "\n" not in err
+
+
+def test_json_and_configs_on_stdout_stay_parsable_when_the_model_prints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    own_loss = os.path.join(REAL, "own_loss.py")  # prints "number of parameters: ..." when built
+    assert main(["inspect", own_loss, "--analytic", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["model"] == "own_loss.py" and "number of parameters" in captured.err
+    out = tmp_path / "plan.json"
+    plan = ["plan", own_loss, "--gpus", "2", "--gpu", "a100-80g", "--global-batch", "8", "--pp", "2", "--out", str(out)]
+    assert main([*plan, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["plan"]["pp"] == 2 and "number of parameters" in captured.err
+    # A pipeline's configuration traces the model again for its split points; on stdout only the configuration.
+    assert main(["emit", str(out), "--format", "deepspeed"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) and "number of parameters" in captured.err

@@ -23,6 +23,23 @@ REFS = {
     "t5": f"hf:t5:{TINY},d_ff=128,{TOKENS}",
     "vit": f"hf:vit:{TINY},intermediate_size=128,image_size=32,patch_size=8,num_labels=10",
 }
+# More heads, built and run here (tests/test_hub_plans.py captures and plans REFS alone).
+MORE_REFS = {
+    # Its table names two classes: the plain head first, then one with a distillation token.
+    "deit": f"hf:deit:{TINY},intermediate_size=128,image_size=32,patch_size=8,num_labels=10",
+    # 16 mel bins, 64 frames (twice max_source_positions); token ids within the vocabulary.
+    "whisper": (
+        "hf:whisper:encoder_layers=2,decoder_layers=2,d_model=64,encoder_attention_heads=4,decoder_attention_heads=4,"
+        "encoder_ffn_dim=128,decoder_ffn_dim=128,num_mel_bins=16,max_source_positions=32,pad_token_id=0,"
+        f"bos_token_id=1,eos_token_id=2,decoder_start_token_id=3,{TOKENS}"
+    ),
+    "speech_to_text": (
+        "hf:speech_to_text:encoder_layers=2,decoder_layers=2,d_model=64,encoder_attention_heads=4,"
+        f"decoder_attention_heads=4,encoder_ffn_dim=128,decoder_ffn_dim=128,{TOKENS}"
+    ),
+    # One second of 16 kHz audio: 49 frames of logits.
+    "wav2vec2": f"hf:wav2vec2:{TINY},intermediate_size=128,vocab_size=32",
+}
 # What example_inputs(b) holds for each family: name -> (shape after the batch, dtype).
 IDS = ((16,), torch.int64)
 INPUTS = {
@@ -32,7 +49,13 @@ INPUTS = {
     "mixtral": {"input_ids": IDS},
     "t5": {"input_ids": IDS, "decoder_input_ids": IDS},
     "vit": {"pixel_values": ((3, 32, 32), torch.float32)},
+    "deit": {"pixel_values": ((3, 32, 32), torch.float32)},
+    "whisper": {"input_features": ((16, 64), torch.float32), "decoder_input_ids": IDS},
+    "speech_to_text": {"input_features": ((100, 80), torch.float32), "decoder_input_ids": IDS},
+    "wav2vec2": {"input_values": ((16_000,), torch.float32)},
 }
+# What target(b) holds after the batch: the decoder's tokens, the CTC logits' frames (per-frame labels).
+TARGETS = {"whisper": (16,), "speech_to_text": (16,), "wav2vec2": (49,)}
 HEADS = {
     "gpt2": "GPT2LMHeadModel",
     "bert": "BertForMaskedLM",
@@ -40,6 +63,10 @@ HEADS = {
     "mixtral": "MixtralForCausalLM",
     "t5": "T5ForConditionalGeneration",
     "vit": "ViTForImageClassification",
+    "deit": "DeiTForImageClassification",
+    "whisper": "WhisperForConditionalGeneration",  # not WhisperForCausalLM, its decoder alone
+    "speech_to_text": "Speech2TextForConditionalGeneration",
+    "wav2vec2": "Wav2Vec2ForCTC",
 }
 
 
@@ -52,10 +79,11 @@ def _head(model: torch.nn.Module) -> torch.nn.Module:
     return model.model if isinstance(model, Seq2SeqLogits) else model
 
 
-@pytest.mark.parametrize("family", list(REFS))
+@pytest.mark.parametrize("family", [*REFS, *MORE_REFS])
 def test_builds_runs_and_has_a_finite_loss(transformers: ModuleType, family: str) -> None:
-    spec = load_model(REFS[family])
-    assert spec.name == REFS[family] and spec.published_params is None
+    ref = {**REFS, **MORE_REFS}[family]
+    spec = load_model(ref)
+    assert spec.name == ref and spec.published_params is None
     assert spec.source.startswith(f"Hugging Face transformers {transformers.__version__} ")
     with torch.device("meta"):
         meta = spec.build()
@@ -77,8 +105,44 @@ def test_builds_runs_and_has_a_finite_loss(transformers: ModuleType, family: str
     assert isinstance(output, torch.Tensor) or list(output.keys()) == ["logits"]
     target = spec.target(2)
     assert torch.equal(target, spec.target(2)) and target.dtype == torch.int64
+    if family in TARGETS:
+        assert target.shape == (2, *TARGETS[family]) and target.shape == logits.shape[:-1]
     loss = spec.loss(logits, target)
     assert loss.dim() == 0 and torch.isfinite(loss)
+
+
+def test_tables_naming_several_classes_build_the_first(transformers: ModuleType) -> None:
+    from transformers.models.auto import modeling_auto
+
+    from pyplan.hub import _HEADS, _head_of
+
+    several = {
+        (head.table, model_type): names
+        for head in _HEADS
+        for model_type, names in getattr(modeling_auto, head.table).items()
+        if not isinstance(names, str)
+    }
+    assert ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "deit") in several
+    for (table, model_type), names in several.items():
+        head, name = _head_of(f"hf:{model_type}", model_type, transformers)
+        assert name == names[0] or head.table != table, (model_type, name)
+    with torch.device("meta"):
+        levit = load_model("hf:levit").build()
+    assert type(levit).__name__ == "LevitForImageClassification"
+
+
+def test_speech_models_capture_with_every_layer_and_frame(transformers: ModuleType) -> None:
+    from pyplan import trace
+
+    spec = load_model(MORE_REFS["wav2vec2"])
+    assert "layerdrop=0.0, mask_time_prob=0.0" in spec.source  # the wav2vec2 family's defaults are 0.1 and 0.05
+    model = spec.build()
+    assert model.config.layerdrop == 0 and model.config.mask_time_prob == 0
+    graph = trace(model, spec.example_inputs, batch_size=2)
+    assert any(n.module_path.startswith("wav2vec2.encoder.layers.1.") for n in graph.nodes)  # no layer dropped
+    with torch.device("meta"):
+        speecht5 = load_model("hf:speecht5:encoder_layers=2,decoder_layers=2").build()
+    assert speecht5.model.config.encoder_layerdrop == speecht5.model.config.decoder_layerdrop == 0
 
 
 def test_causal_target_is_the_next_token(transformers: ModuleType) -> None:
@@ -126,6 +190,12 @@ def test_an_int_is_taken_for_a_float_field(transformers: ModuleType) -> None:
         ("hf:gpt2:seq_len=2048", r"^seq_len=2048 .* exceeds the config's max_position_embeddings=1024"),
         ("hf:vit:seq_len=16", r"^seq_len applies to text models"),
         ("hf:clip_text_model", r"^model type 'clip_text_model' .* has none of the heads pyplan builds"),
+        ("hf:wav2vec2:layerdrop=0.1", r"sets layerdrop=0.1; pyplan plans a graph that runs every layer .* out$"),
+        ("hf:wav2vec2:seq_len=16", r"^seq_len applies to text models, not to 'hf:wav2vec2:seq_len=16'"),
+        ("hf:wav2vec2:labels=true", r"^labels=true does not apply to the CTC model of 'hf:wav2vec2:labels=true'"),
+        ("hf:whisper:seq_len=449", r"^seq_len=449 .* exceeds the config's max_target_positions=448"),
+        ("hf:whisper:vocab_size=128", r"^the config of .* pads with token 50256, outside its vocab_size=128; set pad"),
+        ("hf:canary", r"^pyplan does not know the audio input of 'hf:canary' \(CanaryForConditionalGeneration takes"),
         ("hf:", r"names no model type"),
     ],
 )

@@ -94,3 +94,32 @@ def test_a_model_file_that_exits_at_import_is_one_line(tmp_path: Path) -> None:
     path.write_text("import sys\nsys.exit(0)\n")
     with pytest.raises(ModelLoadError, match=r"called sys.exit\(0\); put the file's script part under"):
         load_model(str(path))
+
+
+REAL = os.path.join(os.path.dirname(__file__), "models", "real")
+
+
+def test_a_transformers_model_file_builds_without_its_cache() -> None:
+    pytest.importorskip("transformers")
+    spec = load_model(os.path.join(REAL, "hf_cache.py"))
+    model = spec.build()
+    configs = [m.config for m in model.modules() if hasattr(m, "config")]
+    assert configs and all(c.use_cache is False for c in configs)  # LlamaConfig's default is True
+    assert all(not c.output_attentions and not c.output_hidden_states for c in configs)
+    graph = trace(model, spec.example_inputs, batch_size=2)  # no DynamicCache in the output
+    out = graph.module(*[v for v in spec.example_inputs(2).values()])
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 16, 128)
+
+
+def test_a_plain_model_file_keeps_its_config(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        "import torch, types\n"
+        "class Cached(torch.nn.Linear):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(2, 2)\n"
+        "        self.config = types.SimpleNamespace(use_cache=True)\n"
+        "def model():\n    return Cached()\n"
+        "def example_inputs(b):\n    return (torch.randn(b, 2),)\n",
+    )
+    assert load_model(path).build().config.use_cache is True  # not a transformers model: left as written

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -26,15 +27,16 @@ from pyplan.emit.configs import render_config
 from pyplan.emit.planfile import PlanFile, read_plan_file, write_plan_file
 from pyplan.emit.script import write_script
 from pyplan.errors import PlanError
+from pyplan.graph.chain import Chain
 from pyplan.graph.linearize import linearize
 from pyplan.graph.sequence_parallel import sequence_zone
 from pyplan.graph.tensor_parallel import derive_tp_plan, read_tp_plan, vocab_parallel_loss
-from pyplan.graph.trace import trace
+from pyplan.graph.trace import ExampleInputs, trace
 from pyplan.hardware.cluster import Cluster
 from pyplan.load import load_model
 from pyplan.model_state import OPTIMIZERS, PRECISIONS
 from pyplan.plan import ZERO_STAGES, Plan, Workload
-from pyplan.profile import TimingOptions, local_device, profile
+from pyplan.profile import TimingOptions, default_batch_sizes, local_device, profile
 from pyplan.report.console import make_console, spinner
 from pyplan.report.html import write_html_report
 from pyplan.report.inspect import inspect_data, render_inspect, render_tensor_parallel, tensor_parallel_data
@@ -54,6 +56,78 @@ _INSPECT_EXAMPLES = """examples:
 """
 
 
+def _user_code(args: argparse.Namespace) -> contextlib.AbstractContextManager[Any]:
+    """Around the work that runs the user's code (importing, building, tracing and profiling the model): under --json
+    what it prints goes to stderr, so that stdout holds pyplan's JSON alone."""
+    return contextlib.redirect_stdout(sys.stderr) if getattr(args, "json", False) else contextlib.nullcontext()
+
+
+# What torch's batch_norm says when a BatchNorm in training mode sees one value per channel (a 1x1 map of one sample).
+_ONE_VALUE = "Expected more than 1 value per channel"
+
+
+def _one_value_per_channel(exc: BaseException) -> BaseException | None:
+    """The BatchNorm's own error among `exc` and the exceptions it was raised from (not pyplan's, which quotes it),
+    if there is one."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ValueError) and not isinstance(seen, PlanError) and _ONE_VALUE in str(seen):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _norm_named(exc: BaseException, model: torch.nn.Module) -> str:
+    """The BatchNorm that raised `exc`, by its name in `model` and its class (read off the traceback's frames)."""
+    names = {id(m): name for name, m in model.named_modules()}
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        module = frame.f_locals.get("self")
+        if isinstance(module, torch.nn.modules.batchnorm._NormBase) and id(module) in names:
+            return f"module '{names[id(module)]}' ({type(module).__name__})"
+    return "a BatchNorm"
+
+
+def _cannot_run_at(exc: BaseException, model: torch.nn.Module, batch_size: int) -> PlanError:
+    """One line for a model that cannot train at --batch-size: the BatchNorm that sees one value per channel."""
+    return PlanError(
+        f"{_norm_named(exc, model)} sees one value per channel at --batch-size {batch_size}, and a BatchNorm in "
+        "training mode needs more than one; inspect it with --batch-size 2 or more"
+    )
+
+
+def _inspect_sizes(batch_size: int, *, from_two: bool = False) -> tuple[int, ...]:
+    """The batch sizes inspect profiles at to fit each block's time as a line: a quarter, half and all of
+    --batch-size (`default_batch_sizes`); `from_two`: none below 2, for a model that cannot train on one sample
+    (as `pyplan plan` profiles it)."""
+    sizes = default_batch_sizes(batch_size)
+    if not from_two:
+        return sizes
+    kept = sorted({max(2, b) for b in sizes})
+    return tuple(kept) if len(kept) > 1 else (kept[0], 2 * kept[0])
+
+
+def _profiled(
+    chain: Chain, model: torch.nn.Module, example_inputs: ExampleInputs, args: argparse.Namespace, options: Any
+) -> Chain:
+    """`chain` profiled at `_inspect_sizes(--batch-size)`; from 2 samples where a BatchNorm cannot train on one."""
+    measure = not args.analytic
+    try:
+        return profile(
+            chain, example_inputs, measure=measure, options=options, batch_sizes=_inspect_sizes(args.batch_size)
+        )
+    except Exception as exc:
+        if _one_value_per_channel(exc) is None:
+            raise
+    try:
+        sizes = _inspect_sizes(args.batch_size, from_two=True)
+        return profile(chain, example_inputs, measure=measure, options=options, batch_sizes=sizes)
+    except Exception as exc:
+        cause = _one_value_per_channel(exc)
+        if cause is None:
+            raise
+        raise _cannot_run_at(cause, model, args.batch_size) from exc
+
+
 def _inspect(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise PlanError(f"--batch-size must be at least 1, got {args.batch_size}")
@@ -71,21 +145,28 @@ def _inspect(args: argparse.Namespace) -> int:
     for flag, value in (("--repeats", args.repeats), ("--warmup", args.warmup), ("--threads", args.threads)):
         if value > 10_000:
             raise PlanError(f"{flag} must be at most 10,000 (each block runs that many times), got {value}")
-    spec = load_model(args.model)
-    if args.analytic:
-        with torch.device("meta"):
-            model = spec.build()
-    else:
-        model = spec.build()
     if args.corun < 0:
         raise PlanError(f"--corun must be 0 or more, got {args.corun}")
     options = TimingOptions(warmup=args.warmup, repeats=args.repeats, threads=args.threads, corun=args.corun)
-    with spinner(f"inspecting {args.model}") as say:
-        say("tracing")
-        graph = trace(model, spec.example_inputs, leaf_modules=args.leaf, batch_size=args.batch_size)
-        chain = linearize(graph, min_blocks=args.min_blocks, max_blocks=args.max_blocks)
-        say("profiling")
-        chain = profile(chain, spec.example_inputs, measure=not args.analytic, options=options)
+    with _user_code(args):
+        spec = load_model(args.model)
+        if args.analytic:
+            with torch.device("meta"):
+                model = spec.build()
+        else:
+            model = spec.build()
+        with spinner(f"inspecting {args.model}") as say:
+            say("tracing")
+            try:
+                graph = trace(model, spec.example_inputs, leaf_modules=args.leaf, batch_size=args.batch_size)
+            except PlanError as exc:
+                cause = _one_value_per_channel(exc)
+                if cause is None:
+                    raise
+                raise _cannot_run_at(cause, model, args.batch_size) from exc
+            chain = linearize(graph, min_blocks=args.min_blocks, max_blocks=args.max_blocks)
+            say("profiling")
+            chain = _profiled(chain, model, spec.example_inputs, args, options)
     data = inspect_data(
         chain,
         model=spec.name,
@@ -96,9 +177,11 @@ def _inspect(args: argparse.Namespace) -> int:
         precision=args.precision,
     )
     if args.tp is not None:
-        plan = derive_tp_plan(graph)
-        vocab = vocab_parallel_loss(graph, plan, args.tp, spec.loss)
-        data["tensor_parallel"] = tensor_parallel_data(plan, sequence_zone(graph, plan, args.tp), args.tp, vocab)
+        with _user_code(args):
+            plan = derive_tp_plan(graph)
+            vocab = vocab_parallel_loss(graph, plan, args.tp, spec.loss)
+            zone = sequence_zone(graph, plan, args.tp)
+        data["tensor_parallel"] = tensor_parallel_data(plan, zone, args.tp, vocab)
     if args.json:
         print(json.dumps(data, indent=2))
     else:
@@ -242,12 +325,13 @@ def _plan(args: argparse.Namespace) -> int:
         precision=args.precision,
         dataset_samples=args.dataset_size,
     )
-    spec = load_model(args.model)
-    if cluster.gpu.name != "local":
-        with torch.device("meta"):
+    with _user_code(args):
+        spec = load_model(args.model)
+        if cluster.gpu.name != "local":
+            with torch.device("meta"):
+                model = spec.build()
+        else:
             model = spec.build()
-    else:
-        model = spec.build()
     options: dict[str, Any] = dict(
         objective=args.objective,
         weight=args.weight,
@@ -264,7 +348,7 @@ def _plan(args: argparse.Namespace) -> int:
     options.update(_tensor_parallel(args, cluster))
     # The answer comes from one search whatever is shown: the best of the plans refined from the core's first
     # candidates. More rows (--top) or the pictures refine more candidates, in a second search on the same profile.
-    with spinner(f"planning {args.model}") as say:
+    with _user_code(args), spinner(f"planning {args.model}") as say:
 
         def searched(**extra: Any) -> Any:
             return search(model, spec.example_inputs, cluster, workload, **options, progress=say, **extra)
@@ -278,7 +362,8 @@ def _plan(args: argparse.Namespace) -> int:
     document = PlanFile(
         model=_portable(args.model), workload=workload, cluster=cluster, plan=result.best, leaf_modules=tuple(args.leaf)
     )
-    written = _write_outputs(args, document, more)
+    with _user_code(args):  # the training script and the HTML report load the model again
+        written = _write_outputs(args, document, more)
     if args.json:
         data = {"model": args.model, "workload": workload.to_json(), "cluster": cluster.to_json(), **result.to_json()}
         data["alternatives"] = [p.to_json() for p in rows[1 : args.top]]
@@ -328,7 +413,10 @@ def _emit(args: argparse.Namespace) -> int:
         make_console().print(f"wrote {args.out}; run it with torchrun (see its docstring)")
         return 0
 
-    text, notes = render_config(document, args.format)
+    # The configuration is checked against the model, loaded and traced again: what its code prints goes to stderr,
+    # so that the configuration written to stdout is the tool's alone.
+    with contextlib.redirect_stdout(sys.stderr):
+        text, notes = render_config(document, args.format)
     if args.out == "train.py":  # the default belongs to the script
         print(text, end="")
     else:

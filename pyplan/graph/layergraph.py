@@ -109,11 +109,14 @@ class Piecewise(Affine):
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor produced by a node: shape and dtype at the traced batch size, and its bytes."""
+    """One tensor produced by a node: shape and dtype at the traced batch size, and its bytes. `batch_dim` is the
+    dimension whose size grows with the batch (the batch itself, or tokens flattened from batch and sequence:
+    `shape[batch_dim]` is a multiple of the batch size), None where none does."""
 
     shape: tuple[int, ...]
     dtype: str
     bytes: Affine
+    batch_dim: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -121,6 +124,7 @@ class TensorInfo:
             "dtype": self.dtype,
             "bytes_per_sample": self.bytes.per_sample,
             "fixed_bytes": self.bytes.fixed,
+            "batch_dim": self.batch_dim,
         }
 
 
@@ -191,13 +195,12 @@ class LayerGraph:
 
     @property
     def returns_loss(self) -> bool:
-        """Whether the model computes its own loss: its first output is a floating-point scalar (labels among its
-        inputs, as transformers' models return `loss` first when given `labels`)."""
+        """Whether the model computes its own loss: one of its outputs is a floating-point scalar (labels or targets
+        among its inputs; transformers' models return `loss` first, nanoGPT's `(logits, loss)` second)."""
         out = next((n for n in self.nodes if n.op == "output"), None)
-        if out is None or not out.outputs:
+        if out is None:
             return False
-        first = out.outputs[0]
-        return first.shape == () and first.dtype.startswith(("float", "bfloat"))
+        return any(t.shape == () and t.dtype.startswith(("float", "bfloat")) for t in out.outputs)
 
     def edges(self) -> list[tuple[str, str, Affine]]:
         """Every (producer, consumer, bytes) edge; bytes are the producer's output bytes."""

@@ -16,6 +16,8 @@ import torch
 from pyplan.errors import TraceError
 from pyplan.graph.chain import Block, Chain, Cut
 from pyplan.graph.layergraph import Affine, LayerGraph
+from pyplan.graph.masks import is_batch_size
+from pyplan.graph.split import batch_carrier
 
 __all__ = ["CutPoints", "cut_points", "linearize", "operations", "static_closure"]
 
@@ -75,6 +77,7 @@ class CutPoints:
         for name, p in position.items():
             if name in last_use and last_use[name] > p:
                 by_def.setdefault(p, []).append(name)
+        last_batch_read = _last_batch_read(graph, position)
         live: dict[str, int] = {}
         self.cuts: list[Cut] = []
         self.invalid: dict[int, str] = {}
@@ -93,6 +96,8 @@ class CutPoints:
                 node = graph.node(bad)
                 kind = "no tensor" if not node.outputs else f"{len(node.outputs)} tensors in a container"
                 self.invalid[c] = f"value '{bad}' ({node.op} {node.target}, {kind}) is live across it"
+            elif 0 < c <= last_batch_read and c < n_pos and batch_carrier(graph, names) is None:
+                self.invalid[c] = "the batch size is read after it, and no value live across it grows with the batch"
 
     def valid(self, c: int) -> bool:
         return c not in self.invalid
@@ -100,6 +105,23 @@ class CutPoints:
     @property
     def candidates(self) -> list[Cut]:
         return [cut for cut in self.cuts if self.valid(cut.position)]
+
+
+def _last_batch_read(graph: LayerGraph, position: dict[str, int]) -> int:
+    """The last position whose node reads the batch size off a model input (directly, or through values computed
+    from it alone), -1 where none does: a piece after a cut reads it off a value it receives."""
+    if graph.module is None:
+        return -1
+    derived = {n.name for n in graph.module.graph.nodes if is_batch_size(n)}
+    last = -1
+    for n in graph.nodes:
+        if not any(i in derived for i in n.inputs):
+            continue
+        if n.static and n.op != "output":
+            derived.add(n.name)
+        elif n.name in position:
+            last = max(last, position[n.name])
+    return last
 
 
 def cut_points(graph: LayerGraph, order: Sequence[str] | None = None) -> CutPoints:

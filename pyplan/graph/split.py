@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,9 +11,10 @@ import torch
 from torch import fx
 
 from pyplan.graph.chain import Chain
+from pyplan.graph.layergraph import LayerGraph
 from pyplan.graph.masks import is_batch_size
 
-__all__ = ["piece", "pieces", "run_pieces"]
+__all__ = ["batch_carrier", "piece", "pieces", "run_pieces"]
 
 
 def piece(chain: Chain, start: int, stop: int) -> fx.GraphModule:
@@ -49,21 +51,22 @@ def piece(chain: Chain, start: int, stop: int) -> fx.GraphModule:
             if not chain.graph.node(n.name).static:
                 raise RuntimeError(f"node '{n.name}' is neither live at cut {start} nor inside the piece")
             if is_batch_size(n) and n.args[0] not in env:
-                env[n] = graph.call_function(torch.ops.aten.sym_size.int, (env[batched_input()], 0))
+                env[n] = batch_size()
                 return env[n]
             for a in n.all_input_nodes:
                 copy(a)
             env[n] = graph.node_copy(n, lambda a: env[a])
         return env[n]
 
-    def batched_input() -> fx.Node:
-        """A value live at cut `start` whose dim 0 is the batch, to read the batch size off."""
-        b = chain.graph.batch_size
-        for name in chain.cuts[start].live:
-            out = chain.graph.node(name).outputs
-            if len(out) == 1 and out[0].shape[:1] == (b,) and out[0].bytes.per_sample > 0:
-                return by_name[name]
-        raise RuntimeError(f"no value live at cut {start} carries the batch, which the piece needs")
+    def batch_size() -> fx.Node:
+        """The batch size read off a value live at cut `start`: its dim 0 where that is the batch, else its size
+        along the dimension that grows with the batch over the multiple of the batch it is (flattened tokens)."""
+        value = batch_carrier(chain.graph, chain.cuts[start].live)
+        if value is None:
+            raise RuntimeError(f"no value live at cut {start} carries the batch, which the piece needs")
+        name, dim, factor = value
+        size = graph.call_function(torch.ops.aten.sym_size.int, (env[by_name[name]], dim))
+        return size if factor == 1 else graph.call_function(operator.floordiv, (size, factor))
 
     lo, hi = chain.cuts[start].position, chain.cuts[stop].position
     for name in chain.order[lo:hi]:
@@ -81,6 +84,23 @@ def piece(chain: Chain, start: int, stop: int) -> fx.GraphModule:
         graph.output(tuple(copy(by_name[name]) for name in chain.cuts[stop].live))
     graph.lint()
     return fx.GraphModule(gm, graph, f"{type(gm).__name__}_{start}_{stop}")
+
+
+def batch_carrier(graph: LayerGraph, live: Sequence[str]) -> tuple[str, int, int] | None:
+    """A value among `live` to read the batch size off: (its name, the dimension that grows with the batch, that
+    dimension's size over the batch size); one with the batch as dim 0 first. None where no live value has one."""
+    b = graph.batch_size
+    found = []
+    for name in live:
+        out = graph.node(name).outputs
+        if len(out) != 1 or out[0].bytes.per_sample <= 0:
+            continue
+        info = out[0]
+        if info.shape[:1] == (b,):
+            return name, 0, 1
+        if info.batch_dim is not None and info.shape[info.batch_dim] % b == 0:
+            found.append((name, info.batch_dim, info.shape[info.batch_dim] // b))
+    return found[0] if found else None
 
 
 def _mutated(n: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:

@@ -16,6 +16,7 @@ from torch.export import Dim, export
 
 from pyplan._torch import is_meta_module, plain_codegen, run_without_compute, tree_flatten, tree_map_only
 from pyplan.errors import TraceError
+from pyplan.graph.functions import kept_whole
 from pyplan.graph.layergraph import Affine, GraphNode, LayerGraph, TensorInfo
 from pyplan.graph.masks import is_batch_size, simplify_attention_masks
 
@@ -136,6 +137,11 @@ class Examples:
         return self._calls[batch_size]
 
 
+# torch.nn modules that hold a stack of layers: torch.fx would keep one whole (it keeps torch.nn's modules as
+# leaves), leaving no cut between its layers.
+_LAYER_STACKS = (nn.TransformerEncoder, nn.TransformerDecoder, nn.Transformer)
+
+
 class _Tracer(fx.Tracer):
     """fx.Tracer with configurable leaves, remembering which module it is inside when tracing fails."""
 
@@ -152,6 +158,8 @@ class _Tracer(fx.Tracer):
             return True
         if type(m).__name__ in self.leaf_names or module_qualified_name in self.leaf_names:
             return True
+        if isinstance(m, _LAYER_STACKS):
+            return False  # traced into, so each layer is a block of its own
         return super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -181,14 +189,66 @@ class _FxFailure(Exception):
         self.path, self.cls, self.error = path, cls, error
 
 
-def _symbolic_trace(model: nn.Module, leaves: Iterable[LeafSpec]) -> fx.GraphModule:
-    tracer = _Tracer(leaves)
+def _unpassed_defaults(model: nn.Module, call: Call) -> dict[str, Any]:
+    """The forward's parameters that `call` leaves at their defaults, with those defaults: torch.fx would make each
+    a placeholder and trace `if targets is None` as False."""
     try:
-        graph = tracer.trace(model)
+        params = inspect.signature(model.forward).parameters
+        bound = inspect.signature(model.forward).bind(*call[0], **call[1]).arguments
+    except (TypeError, ValueError):
+        return {}
+    return {
+        name: p.default
+        for name, p in params.items()
+        if name not in bound
+        and p.default is not inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+
+
+def _symbolic_trace(model: nn.Module, leaves: Iterable[LeafSpec], call: Call) -> fx.GraphModule:
+    """torch.fx's trace of `model` called as `call`, user autograd Functions kept whole (else _FxFailure)."""
+    tracer = _Tracer(leaves)
+    defaults = _unpassed_defaults(model, call)
+    try:
+        with kept_whole():
+            graph = tracer.trace(model, concrete_args=defaults or None)
     except Exception as exc:
         path, cls = tracer.path_stack[-1] if tracer.path_stack else ("", type(model).__name__)
         raise _FxFailure(path, cls, exc) from exc
+    for n in [n for n in graph.nodes if n.op == "placeholder"]:
+        checks = _specialization_checks(n)
+        if checks:  # a default taken at capture: not an input
+            for check in reversed(checks):
+                graph.erase_node(check)
+            graph.erase_node(n)
+    _flatten_output(graph)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _specialization_checks(placeholder: fx.Node) -> list[fx.Node] | None:
+    """The nodes torch.fx adds to check that a concrete argument has its value (`_assert_is_none`, `== value`
+    then `torch._assert`), in graph order, when nothing else reads the placeholder; else None."""
+    seen: list[fx.Node] = []
+    todo = list(placeholder.users)
+    while todo:
+        n = todo.pop()
+        name = getattr(n.target, "__name__", "")
+        if n.op != "call_function" or name not in ("_assert_is_none", "_assert", "eq"):
+            return None
+        if n not in seen:
+            seen.append(n)
+            todo.extend(n.users)
+    order = {n: i for i, n in enumerate(placeholder.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def _flatten_output(graph: fx.Graph) -> None:
+    """The graph returns its output's tensors alone (one as itself, several as a tuple), as `output_tensors` gives a
+    model's output: a None or a flag among the outputs (`(logits, None)`) is dropped."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    flat = [a for a in tree_flatten(out.args[0])[0] if isinstance(a, fx.Node)]
+    out.args = (flat[0] if len(flat) == 1 else tuple(flat),)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -275,14 +335,18 @@ def _export(model: nn.Module, call: Call) -> fx.GraphModule:
     for n in list(graph.nodes):
         if n.op == "call_module" and not n.users:  # torch.export's input guards: the inputs are ours
             graph.erase_node(n)
+        elif n.op == "call_function" and n.target is torch.ops.aten.view.default:
+            # `y.transpose(1, 2).contiguous().view(b, t, c)` is captured without the `contiguous`, a no-op on the
+            # strides the capture saw; another kernel (SDPA's math path, a fake tensor) gives other strides, where
+            # the view fails. reshape is the same view wherever the view holds, and the copy that `contiguous`
+            # made where it does not.
+            n.target = torch.ops.aten.reshape.default
     for n in [n for n in graph.nodes if n.op == "placeholder"]:
         if not (isinstance(n.meta.get("val"), torch.Tensor) or n.users):
             graph.erase_node(n)  # a constant input (None, a flag): taken at capture
         elif not isinstance(n.meta.get("val"), torch.Tensor):
             raise TraceError(f"the model reads its non-tensor input '{n.name}' as a value; pass tensors only")
-    out = next(n for n in graph.nodes if n.op == "output")
-    flat = [a for a in tree_flatten(out.args[0])[0] if isinstance(a, fx.Node)]
-    out.args = (flat[0] if len(flat) == 1 else tuple(flat),)
+    _flatten_output(graph)
     for n in graph.nodes:
         stack = n.meta.get("nn_module_stack") or {}
         if stack and next(reversed(stack.values()))[0] == _NO_MODULE:
@@ -312,17 +376,18 @@ def _capture(model: nn.Module, example: ExampleInputs, leaves: tuple[LeafSpec, .
     module calls whole and leaf modules as asked), else torch.export's (`_export`)."""
     call = call_at(example, max(2, batch_size))  # torch.export takes a batch of 1 for a constant
     fx_failure = None
-    if _is_positional(call):
+    with kept_whole():  # a user's autograd Function stays one op, run as written
+        if _is_positional(call):
+            try:
+                return _symbolic_trace(model, leaves, call)
+            except _FxFailure as failure:
+                fx_failure = failure
         try:
-            return _symbolic_trace(model, leaves)
-        except _FxFailure as failure:
-            fx_failure = failure
-    try:
-        return _export(model, call)
-    except TraceError:
-        raise
-    except Exception as exc:
-        raise _capture_error(model, exc, fx_failure) from exc
+            return _export(model, call)
+        except TraceError:
+            raise
+        except Exception as exc:
+            raise _capture_error(model, exc, fx_failure) from exc
 
 
 def _leaves(value: Any) -> list[Any]:
@@ -386,6 +451,13 @@ def trace(
     return graph_of(gm, example_inputs, batch_size, tuple(x if isinstance(x, str) else x.__name__ for x in leaves))
 
 
+def _batch_dim(at_b: tuple[int, ...], at_2b: tuple[int, ...]) -> int | None:
+    """The first dimension that doubles when the batch does (the batch, or tokens of batch x sequence)."""
+    if len(at_b) != len(at_2b):
+        return None
+    return next((d for d, (x, y) in enumerate(zip(at_b, at_2b)) if x > 0 and y == 2 * x), None)
+
+
 def graph_of(
     gm: fx.GraphModule, example_inputs: ExampleInputs, batch_size: int, leaf_modules: tuple[str, ...] = ()
 ) -> LayerGraph:
@@ -418,8 +490,10 @@ def graph_of(
             module_path = str(n.target)
         outs1, outs2 = r1.seen.get(n.name, []), r2.seen.get(n.name, [])
         outputs = tuple(
-            TensorInfo(shape=s1, dtype=d1, bytes=Affine.from_two(b1, float(n1), b2, float(n2)))
-            for (s1, d1, n1), (_, _, n2) in zip(outs1, outs2)
+            TensorInfo(
+                shape=s1, dtype=d1, bytes=Affine.from_two(b1, float(n1), b2, float(n2)), batch_dim=_batch_dim(s1, s2)
+            )
+            for (s1, d1, n1), (s2, _, n2) in zip(outs1, outs2)
         )
         nodes.append(
             GraphNode(

@@ -46,7 +46,7 @@ from pyplan.errors import PlanError
 from pyplan.graph.chain import Block, Chain
 from pyplan.graph.layergraph import Affine, GraphNode, LayerGraph, Piecewise, TensorInfo
 from pyplan.graph.linearize import linearize
-from pyplan.graph.trace import ExampleInputs, LeafSpec, _symbolic_trace, inputs_at
+from pyplan.graph.trace import Call, ExampleInputs, LeafSpec, _FxFailure, _symbolic_trace, inputs_at
 from pyplan.hardware.catalog import GPU, cache_dir
 from pyplan.profile.analytic import Roofline
 from pyplan.profile.measure import TimingOptions
@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 # Version of the entry layout; an entry of another format is a miss.
-FORMAT = 2
+FORMAT = 3
 
 _PYPLAN_DIR = Path(__file__).resolve().parents[1]
 _TORCH_DIR = Path(torch.__file__).resolve().parent
@@ -72,7 +72,7 @@ _TORCH_DIR = Path(torch.__file__).resolve().parent
 _PROFILING_CODE = ("_torch.py", "graph/*.py", "profile/*.py")
 # The fields of GraphNode and TensorInfo, in the order an entry lists them.
 _NODE_FIELDS = ("name", "op", "target", "module_path", "inputs", "outputs", "is_tensor", "static")
-_TENSOR_FIELDS = ("shape", "dtype", "bytes")
+_TENSOR_FIELDS = ("shape", "dtype", "bytes", "batch_dim")
 # Chain fields that are structure, checked rather than stored.
 _CHAIN_STRUCTURE = frozenset({"blocks", "cuts", "order", "candidates", "graph"})
 
@@ -407,7 +407,7 @@ def _check_fields(cls: type, expected: tuple[str, ...]) -> None:
 
 
 def _node_row(n: GraphNode) -> list[Any]:
-    outputs = [[list(t.shape), t.dtype, t.bytes.per_sample, t.bytes.fixed] for t in n.outputs]
+    outputs = [[list(t.shape), t.dtype, t.bytes.per_sample, t.bytes.fixed, t.batch_dim] for t in n.outputs]
     return [n.name, n.op, n.target, n.module_path, list(n.inputs), outputs, n.is_tensor, n.static]
 
 
@@ -415,8 +415,13 @@ def _node(row: Any) -> GraphNode:
     try:
         name, op, target, module_path, inputs, outputs, is_tensor, static = row
         infos = tuple(
-            TensorInfo(tuple(int(d) for d in shape), str(dtype), Affine(_number(ps), _number(fixed)))
-            for shape, dtype, ps, fixed in outputs
+            TensorInfo(
+                tuple(int(d) for d in shape),
+                str(dtype),
+                Affine(_number(ps), _number(fixed)),
+                None if batch_dim is None else int(batch_dim),
+            )
+            for shape, dtype, ps, fixed, batch_dim in outputs
         )
         return GraphNode(
             str(name),
@@ -514,14 +519,15 @@ class ProfileCache:
         self,
         key: ProfileKey,
         model: nn.Module,
+        call: Call,
         *,
         leaf_modules: Iterable[LeafSpec] = (),
         min_blocks: int,
         max_blocks: int,
     ) -> tuple[Chain, str] | None:
-        """The cached profile of `key` as a chain of `model` (traced symbolically, its shapes not recorded
-        again, linearized with `min_blocks` and `max_blocks`), and how it was profiled; None when there is none.
-        An entry that cannot be read or does not match the model is deleted (and counted)."""
+        """The cached profile of `key` as a chain of `model` called as `call` (traced symbolically, its shapes not
+        recorded again, linearized with `min_blocks` and `max_blocks`), and how it was profiled; None when there is
+        none. An entry that cannot be read or does not match the model is deleted (and counted)."""
         path = self.path(key)
         try:
             text = path.read_text()
@@ -539,7 +545,12 @@ class ProfileCache:
             payload = entry.get("payload")
             if not isinstance(payload, dict) or entry.get("sha256") != _sha256(_canonical(payload)):
                 raise _Invalid("its checksum does not match")
-            graph = _graph(payload, _symbolic_trace(model, tuple(leaf_modules)))
+            try:
+                traced = _symbolic_trace(model, tuple(leaf_modules), call)
+            except _FxFailure:  # captured by torch.export: not checked again here, so profiled anew
+                self.stats.misses += 1
+                return None
+            graph = _graph(payload, traced)
             result = _apply(payload, linearize(graph, min_blocks=min_blocks, max_blocks=max_blocks))
         except json.JSONDecodeError as exc:
             return self._discard(path, f"not valid JSON ({exc})")

@@ -20,7 +20,7 @@ from pyplan.graph.layergraph import Affine
 from pyplan.graph.linearize import linearize
 from pyplan.graph.sequence_parallel import SequenceZone
 from pyplan.graph.tensor_parallel import TpPlan
-from pyplan.graph.trace import ExampleInputs, Examples, LeafSpec, trace
+from pyplan.graph.trace import ExampleInputs, Examples, LeafSpec, call_at, trace
 from pyplan.hardware.catalog import GPU, LOCAL
 from pyplan.hardware.cluster import Cluster
 from pyplan.model_state import AUTOCAST_PRECISIONS, COMPUTE_DTYPES
@@ -107,7 +107,8 @@ def chain_for(
             min_blocks=min_blocks,
             max_blocks=max_blocks,
         )
-        hit = cache.load(key, model, leaf_modules=leaf_modules, min_blocks=min_blocks, max_blocks=max_blocks)
+        call = call_at(example_inputs, max(2, trace_batch))
+        hit = cache.load(key, model, call, leaf_modules=leaf_modules, min_blocks=min_blocks, max_blocks=max_blocks)
         if hit is not None:
             return hit
     examples = Examples(example_inputs)

@@ -73,6 +73,14 @@ BRANCHY = os.path.join(MODELS_DIR, "branchy.py")
 PLAIN = tuple(
     f"{os.path.join(MODELS_DIR, 'plain.py')}:{name}" for name in ("relu_inplace", "lstm", "transformer_encoder")
 )
+# What real model code does (tests/models/real/): a padding mask into torch's encoder, tokens flattened between
+# layers, a view valid only on a contiguous copy, a custom autograd Function, a model returning its own loss (and
+# `(logits, None)` beside a file's loss), BatchNorm over 1x1 maps, a Hugging Face model built with its cache on.
+REAL = tuple(
+    os.path.join(MODELS_DIR, "real", f"{name}.py")
+    for name in ("padded_encoder", "flat_tokens", "stride_views", "scan_function", "own_loss", "own_loss_none",
+                 "small_maps", *(("hf_cache",) if importlib.util.find_spec("transformers") else ()))
+)  # fmt: skip
 TOL = 1e-9  # float64: the rounding noise of reordered sums is ~1e-12 here
 TOL_MIXED = 1e-5  # bf16 autocast: the same ops in the same order, fp32 gradients summed in another order
 TOL_FLOAT32 = 1e-5  # float32 throughout: rounding of reordered sums, SGD
@@ -202,7 +210,7 @@ def configs(world: int) -> list[dict]:
         # each stage reads the batch size off its own input.
         for schedule, opt in (("1F1B", "adamw"), ("GPipe", "sgd")):
             out.append(dict(model=BRANCHY, dp=1, pp=2, schedule=schedule, v=1, m=4, b=2, optimizer=opt, zero=0))
-        for model in PLAIN:
+        for model in (*PLAIN, *REAL):
             out.append(dict(model=model, dp=1, pp=2, schedule="1F1B", v=1, m=4, b=2, optimizer="adamw", zero=0))
         # Hugging Face transformers models built from tiny configs, without dropout (its random masks differ between
         # a pipeline and one process): tied embeddings (gpt2), a mask input (bert), an encoder-decoder of two inputs

@@ -40,7 +40,12 @@ def test_pipelines_train_like_one_process(world: int, tmp_path: Path) -> None:
     # Face families (where transformers is installed).
     hf = {"gpt2", "bert", "llama", "mixtral", "t5", "vit"} if importlib.util.find_spec("transformers") else set()
     plain = {"relu_inplace", "lstm", "transformer_encoder"}
-    exported = {"branchy.py", *plain, *hf} if world == 2 else set()
+    # What real model code does (tests/models/real/): flattened tokens, stride-dependent views, a custom autograd
+    # Function, loss-returning forwards, BatchNorm over 1x1 maps, a padding mask into torch's encoder, a Hugging
+    # Face model built with its cache on.
+    real = {"padded_encoder.py", "flat_tokens.py", "stride_views.py", "scan_function.py", "own_loss.py",
+            "own_loss_none.py", "small_maps.py", *({"hf_cache.py"} if hf else set())}  # fmt: skip
+    exported = {"branchy.py", *plain, *real, *hf} if world == 2 else set()
     names = {r["model"].split(":")[1] if ":" in r["model"] else os.path.basename(r["model"]) for r in results
              if r.get("tp", 1) == 1}  # fmt: skip
     assert names == {"resnet-tiny", "gpt-tiny", *dag_models, *exported}

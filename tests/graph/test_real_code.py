@@ -1,0 +1,155 @@
+"""What real model code does, captured and cut: torch's encoder with a padding mask, flattened tokens, views valid
+only on a contiguous copy, custom autograd Functions and loss-returning forwards (tests/models/real/). Pipelines of
+them train like one process in tests/runtime/test_transparency.py."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from pyplan import linearize, load_model, trace
+from pyplan.graph.functions import is_kept_whole
+from pyplan.graph.linearize import cut_points
+from pyplan.graph.split import batch_carrier, pieces, run_pieces
+from pyplan.graph.trace import call_at, input_tensors, output_tensors
+from pyplan.spec import default_loss
+
+REAL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "real")
+
+
+def _spec(name: str):
+    return load_model(os.path.join(REAL, f"{name}.py"))
+
+
+def _pieces_match(name: str, batch: int = 3) -> tuple[list[torch.fx.GraphModule], nn.Module]:
+    """The model cut into one piece per block, run in float64 at another batch size than traced: forward and
+    gradients equal the model's."""
+    spec = _spec(name)
+    torch.manual_seed(0)
+    model = spec.build().double()
+    chain = linearize(trace(model, spec.example_inputs, batch_size=2))
+    mods = pieces(chain)
+    call = call_at(spec.example_inputs, batch)
+    inputs = tuple(t.double() if t.is_floating_point() else t for t in input_tensors(call))
+    args, kwargs = call
+    args = tuple(t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in args)
+    kwargs = {k: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for k, t in kwargs.items()}
+    want = output_tensors(model(*args, **kwargs))
+    want = want[0] if isinstance(want, tuple) else want
+    want.square().sum().backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    got = run_pieces(mods, *inputs)
+    got = got[0] if isinstance(got, tuple) else got
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    got.square().sum().backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[k], rtol=1e-10, atol=1e-12, msg=k)
+    return mods, model
+
+
+def test_torch_encoder_with_a_padding_mask_splits_between_its_layers() -> None:
+    spec = _spec("padded_encoder")
+    chain = linearize(trace(spec.build(), spec.example_inputs, batch_size=2))
+    layers = [b.name for b in chain.blocks if b.name.startswith("enc.layers.")]
+    assert {name.split(".")[2] for name in layers} == {str(i) for i in range(6)}
+    _pieces_match("padded_encoder")
+
+
+def test_flattened_tokens_carry_the_batch_size_across_cuts() -> None:
+    spec = _spec("flat_tokens")
+    graph = trace(spec.build(), spec.example_inputs, batch_size=2)
+    chain = linearize(graph)
+    carriers = [batch_carrier(graph, cut.live) for cut in chain.cuts[1:-1]]
+    # Some cuts carry only the tokens (batch x 6 rows): the batch is their first size over 6.
+    assert any(c is not None and c[1:] == (0, 6) for c in carriers)
+    assert all(c is not None for c in carriers)
+    _pieces_match("flat_tokens")
+
+
+class _Pooled(nn.Module):
+    """A layer pools over the batch, then the batch size read at the top is used again: no cut between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        batch = x.shape[0]
+        pooled = self.a(x).mean(0)
+        return self.b(pooled).expand(batch, 4) * scale
+
+
+def test_a_cut_where_no_value_grows_with_the_batch_is_never_offered() -> None:
+    model = _Pooled()
+    graph = trace(model, lambda b: ((torch.randn(b, 4),), {"scale": torch.ones(b, 1)}), batch_size=2)
+    points = cut_points(graph)
+    reasons = [points.invalid.get(c.position, "") for c in points.cuts]
+    # Between the pooling and the expand only the pooled (batch-free) value and the scale... which grows with the
+    # batch: every cut keeps a carrier here; without `scale`, the cut after the mean is refused.
+    assert all("batch size" not in r for r in reasons)
+    bare = trace(_PooledBare(), lambda b: (torch.randn(b, 4),), batch_size=2)
+    bare_points = cut_points(bare)
+    refused = [c for c, why in bare_points.invalid.items() if "batch size" in why]
+    assert refused, bare_points.invalid
+    for c in refused:
+        assert batch_carrier(bare, bare_points.cuts[c].live) is None
+
+
+class _PooledBare(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._check(x.shape[0] >= 1)
+        batch = x.shape[0]
+        if x.shape[1] > 1:  # a branch on a size: torch.export captures it, not torch.fx
+            x = x * 2
+        pooled = self.b(self.a(x).mean(0))
+        return pooled.expand(batch, 4)
+
+
+def test_a_view_of_a_contiguous_copy_runs_on_other_strides() -> None:
+    spec = _spec("stride_views")
+    gm = trace(spec.build(), spec.example_inputs, batch_size=2).module
+    ops = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.view.default not in ops  # captured by torch.export, views as reshapes
+    _pieces_match("stride_views")
+
+
+def test_a_custom_autograd_function_is_one_op_with_its_own_backward() -> None:
+    spec = _spec("scan_function")
+    gm = trace(spec.build(), spec.example_inputs, batch_size=2).module
+    assert sum(is_kept_whole(n) for n in gm.graph.nodes) == 4  # one per layer
+    _pieces_match("scan_function")
+    # Its forward (in-place writes into views of its output) is not differentiable by autograd: capturing its ops
+    # instead of the Function would fail in the backward.
+    from tests.models.real.scan_function import Scan
+
+    a, x = torch.rand(2, 5, 3, dtype=torch.float64), torch.randn(2, 5, 3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="inplace"):
+        ctx = types.SimpleNamespace(save_for_backward=lambda *saved: None)
+        Scan.forward(ctx, a.requires_grad_(), x.requires_grad_()).sum().backward()
+
+
+def test_a_model_that_returns_its_loss_second_is_trained_on_it() -> None:
+    spec = _spec("own_loss")
+    graph = trace(spec.build(), spec.example_inputs, batch_size=2)
+    assert graph.returns_loss
+    logits, loss = torch.randn(2, 3), torch.tensor(1.5)
+    assert default_loss((logits, loss), None) is loss
+
+
+def test_a_none_beside_the_logits_is_dropped_from_the_output() -> None:
+    spec = _spec("own_loss_none")
+    gm = trace(spec.build(), spec.example_inputs, batch_size=2).module
+    assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["idx"]
+    assert not linearize(trace(spec.build(), spec.example_inputs, batch_size=2)).graph.returns_loss
+    _pieces_match("own_loss_none")
