@@ -444,6 +444,10 @@ def trace(
     """
     leaves = tuple(leaf_modules)
     _check_leaves(model, leaves)
+    if is_meta_module(model):
+        # A model built under `torch.device("meta")` can hold tensors made elsewhere: torch.normal(mean, std, size)
+        # ignores the device context (DiffLlama's lambdas), and a graph mixing them copies out of meta.
+        model.to("meta")
     if batch_size is None:
         batch_size = 2 if callable(example_inputs) else _flat_tensors(_as_call(example_inputs))[0].shape[0]
     gm = _capture(model, example_inputs, leaves, batch_size)

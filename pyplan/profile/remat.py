@@ -219,6 +219,8 @@ def _measure_block(
         wanted = [k for k, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.requires_grad]
         groups = incoming if incoming is not None else tuple(((k,), _nbytes(outs[k])) for k in wanted)
         group = {k: g for g, (members, _) in enumerate(groups) for k in members}
+        # An output no later block backpropagates into (a float mask the layers read without grad) gets none.
+        wanted = [k for k in wanted if k in group]
         # An input only passed on is not backpropagated through the block: its gradient (made by later blocks)
         # lives on beside it. Every other output's gradient is handed to autograd, which sums the block's share
         # into it where the block also reads that input (out of place under a dispatch mode such as LiveMemory's).

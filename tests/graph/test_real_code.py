@@ -12,10 +12,13 @@ import torch
 from torch import nn
 
 from pyplan import linearize, load_model, trace
+from pyplan.api import chain_for
 from pyplan.graph.functions import is_kept_whole
 from pyplan.graph.linearize import cut_points
 from pyplan.graph.split import batch_carrier, pieces, run_pieces
 from pyplan.graph.trace import call_at, input_tensors, output_tensors
+from pyplan.hardware import Cluster
+from pyplan.plan import Workload
 from pyplan.spec import default_loss
 
 REAL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "real")
@@ -153,3 +156,36 @@ def test_a_none_beside_the_logits_is_dropped_from_the_output() -> None:
     assert [n.target for n in gm.graph.nodes if n.op == "placeholder"] == ["idx"]
     assert not linearize(trace(spec.build(), spec.example_inputs, batch_size=2)).graph.returns_loss
     _pieces_match("own_loss_none")
+
+
+def test_a_float_mask_no_layer_backpropagates_into_is_profiled() -> None:
+    # The mask crosses every cut as a float a stage receives, and no gradient comes back for it: the memory
+    # profile's backward of each block starts from the outputs that get one.
+    spec = _spec("float_mask")
+    with torch.device("meta"):
+        model = spec.build()
+    cluster = Cluster.from_catalog("a100-80g", 2)
+    chain, _ = chain_for(model, spec.example_inputs, cluster, Workload(global_batch=8))
+    assert chain.memory is not None and len(chain.blocks) >= 4
+
+
+class _Lambdas(nn.Module):
+    """A scale made with torch.normal(mean, std, size), which ignores `with torch.device("meta")` (DiffLlama)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.normal(0.0, 0.1, size=(8,)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lam = torch.exp(torch.sum(self.scale * self.scale, dim=-1, dtype=torch.float32)).to(x.dtype)
+        return self.fc(x) * lam
+
+
+def test_a_model_built_on_meta_with_a_tensor_made_elsewhere_is_profiled_on_meta() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(_Lambdas(), _Lambdas())
+    assert model[0].scale.device.type == "cpu"  # torch's quirk this guards against
+    cluster = Cluster.from_catalog("a100-80g", 2)
+    chain, _ = chain_for(model, lambda b: (torch.randn(b, 8),), cluster, Workload(global_batch=4))
+    assert all(p.is_meta for p in model.parameters()) and chain.blocks[0].flops_fwd is not None

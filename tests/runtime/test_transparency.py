@@ -44,7 +44,7 @@ def test_pipelines_train_like_one_process(world: int, tmp_path: Path) -> None:
     # Function, loss-returning forwards, BatchNorm over 1x1 maps, a padding mask into torch's encoder, a Hugging
     # Face model built with its cache on.
     real = {"padded_encoder.py", "flat_tokens.py", "stride_views.py", "scan_function.py", "own_loss.py",
-            "own_loss_none.py", "small_maps.py", *({"hf_cache.py"} if hf else set())}  # fmt: skip
+            "own_loss_none.py", "small_maps.py", "float_mask.py", *({"hf_cache.py"} if hf else set())}  # fmt: skip
     exported = {"branchy.py", *plain, *real, *hf} if world == 2 else set()
     names = {r["model"].split(":")[1] if ":" in r["model"] else os.path.basename(r["model"]) for r in results
              if r.get("tp", 1) == 1}  # fmt: skip
