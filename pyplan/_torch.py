@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -25,6 +26,7 @@ __all__ = [
     "is_meta_module",
     "is_strided",
     "is_view",
+    "one_value_per_channel",
     "plain_codegen",
     "run_without_compute",
     "storage_key",
@@ -51,6 +53,26 @@ def is_view(t: torch.Tensor) -> bool:
 
 def is_meta_module(module: torch.nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters()) or any(b.is_meta for b in module.buffers())
+
+
+# What F.batch_norm says when a BatchNorm in training mode sees one value per channel (a 1x1 map of one sample).
+_ONE_VALUE = "Expected more than 1 value per channel"
+
+
+def one_value_per_channel(exc: BaseException) -> BaseException | None:
+    """The error among `exc` and the exceptions it was raised from that says a BatchNorm in training mode saw one
+    value per channel: F.batch_norm's ValueError, or, where a captured graph calls the aten op on fake tensors
+    (no such check there), the division by n - 1 in torch's batch-norm decomposition."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ValueError) and _ONE_VALUE in str(seen) and type(seen).__module__ == "builtins":
+            return seen
+        if isinstance(seen, ZeroDivisionError) and any(
+            frame.f_code.co_name.startswith("native_batch_norm") for frame, _ in traceback.walk_tb(seen.__traceback__)
+        ):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from rich.text import Text
 
 from pyplan import _core
 from pyplan._files import check_writable, write_atomic
+from pyplan._torch import one_value_per_channel
 from pyplan._version import __version__
 from pyplan.api import memory_per_process, search
 from pyplan.cli.calibrate import add_calibrate_parser
@@ -62,21 +63,6 @@ def _user_code(args: argparse.Namespace) -> contextlib.AbstractContextManager[An
     return contextlib.redirect_stdout(sys.stderr) if getattr(args, "json", False) else contextlib.nullcontext()
 
 
-# What torch's batch_norm says when a BatchNorm in training mode sees one value per channel (a 1x1 map of one sample).
-_ONE_VALUE = "Expected more than 1 value per channel"
-
-
-def _one_value_per_channel(exc: BaseException) -> BaseException | None:
-    """The BatchNorm's own error among `exc` and the exceptions it was raised from (not pyplan's, which quotes it),
-    if there is one."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, ValueError) and not isinstance(seen, PlanError) and _ONE_VALUE in str(seen):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
 def _norm_named(exc: BaseException, model: torch.nn.Module) -> str:
     """The BatchNorm that raised `exc`, by its name in `model` and its class (read off the traceback's frames)."""
     names = {id(m): name for name, m in model.named_modules()}
@@ -116,13 +102,13 @@ def _profiled(
             chain, example_inputs, measure=measure, options=options, batch_sizes=_inspect_sizes(args.batch_size)
         )
     except Exception as exc:
-        if _one_value_per_channel(exc) is None:
+        if one_value_per_channel(exc) is None:
             raise
     try:
         sizes = _inspect_sizes(args.batch_size, from_two=True)
         return profile(chain, example_inputs, measure=measure, options=options, batch_sizes=sizes)
     except Exception as exc:
-        cause = _one_value_per_channel(exc)
+        cause = one_value_per_channel(exc)
         if cause is None:
             raise
         raise _cannot_run_at(cause, model, args.batch_size) from exc
@@ -160,7 +146,7 @@ def _inspect(args: argparse.Namespace) -> int:
             try:
                 graph = trace(model, spec.example_inputs, leaf_modules=args.leaf, batch_size=args.batch_size)
             except PlanError as exc:
-                cause = _one_value_per_channel(exc)
+                cause = one_value_per_channel(exc)
                 if cause is None:
                     raise
                 raise _cannot_run_at(cause, model, args.batch_size) from exc

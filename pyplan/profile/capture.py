@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pyplan._torch import is_meta_module
+from pyplan._torch import is_meta_module, one_value_per_channel
 from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import Affine
@@ -172,14 +172,14 @@ class _Target:
         one sample, profiled from 2 samples, its plans' micro-batches of 2 or more."""
         try:
             return self._at(chain, examples, self.sizes)
-        except ValueError as exc:
-            if "Expected more than 1 value per channel" not in str(exc):
+        except (ValueError, ZeroDivisionError) as exc:
+            if one_value_per_channel(exc) is None:
                 raise
         try:
             from_two = sorted({max(2, b) for b in self.sizes})
             profiled, how = self._at(chain, examples, tuple(from_two if len(from_two) > 1 else [2, 4]))
-        except ValueError as again:
-            if "Expected more than 1 value per channel" not in str(again):
+        except (ValueError, ZeroDivisionError) as again:
+            if one_value_per_channel(again) is None:
                 raise
             raise PlanError(
                 "the model cannot train on micro-batches of 1 or 2 samples (a BatchNorm sees one value per "

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pyplan import linearize, load_model, trace
+from pyplan._torch import one_value_per_channel
 from pyplan.api import chain_for
 from pyplan.graph.functions import is_kept_whole
 from pyplan.graph.linearize import cut_points
@@ -189,3 +190,25 @@ def test_a_model_built_on_meta_with_a_tensor_made_elsewhere_is_profiled_on_meta(
     cluster = Cluster.from_catalog("a100-80g", 2)
     chain, _ = chain_for(model, lambda b: (torch.randn(b, 8),), cluster, Workload(global_batch=4))
     assert all(p.is_meta for p in model.parameters()) and chain.blocks[0].flops_fwd is not None
+
+
+def test_a_batch_norm_over_one_value_per_channel_is_recognized_on_fake_tensors() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, weight, bias = torch.empty(1, 4, 1, 1), torch.ones(4), torch.zeros(4)
+        with pytest.raises(ZeroDivisionError) as caught:  # torch's decomposition divides by n - 1
+            torch.ops.aten.native_batch_norm(x, weight, bias, torch.zeros(4), torch.ones(4), True, 0.1, 1e-5)
+    assert one_value_per_channel(caught.value) is caught.value
+    assert one_value_per_channel(ZeroDivisionError("elsewhere")) is None
+
+
+def test_an_exported_batch_norm_over_1x1_maps_is_profiled_from_two_samples() -> None:
+    spec = _spec("small_maps")
+    with torch.device("meta"):
+        model = spec.build()
+    # Keyword inputs: torch.export captures it and calls the aten op, whose fake run divides by zero at one sample.
+    examples = lambda b: ((), {"input": spec.example_inputs(b)[0]})  # noqa: E731
+    cluster = Cluster.from_catalog("a100-80g", 2)
+    chain, _ = chain_for(model, examples, cluster, Workload(global_batch=8))
+    assert chain.min_micro_batch == 2
