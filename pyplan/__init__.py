@@ -8,6 +8,31 @@ data at the bottom (`graph`, `hardware`, `zoo`, `load`, `plan`), the solvers (`s
 
 from __future__ import annotations
 
+try:
+    from pyplan import _core  # noqa: F401 (the compiled core: where it is missing, say why in one line)
+except ImportError:
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("pyplan._core") is not None:
+        raise
+    # Run from a checkout after `pip install .`, the checkout's pyplan/ sources come first on the import path and
+    # hide the installed package, which alone holds the compiled core.
+    _here = Path(__file__).resolve().parent
+    _installed = [
+        Path(entry or ".").resolve() / "pyplan"
+        for entry in sys.path
+        if Path(entry or ".").resolve() != _here.parent and any(Path(entry or ".", "pyplan").glob("_core.*"))
+    ]
+    if _installed:
+        raise ImportError(
+            f"pyplan was imported from the source tree {_here}, which has no compiled core, instead of the installed "
+            f"{_installed[0]}: run from another folder, or install this checkout with `pip install -e .`"
+        ) from None
+    raise ImportError(
+        f"pyplan's compiled core (_core) is missing from {_here}: install pyplan with `pip install .`"
+    ) from None
 from pyplan._version import __version__
 from pyplan.api import plan, search
 from pyplan.errors import InfeasibleError, ModelLoadError, PlanError, TraceError

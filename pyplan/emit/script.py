@@ -44,12 +44,15 @@ Run it with one process per GPU:
 
 Each step rank 0 prints the replicas' mean loss, the slowest rank's step time, samples/s (tokens/s for a model of
 token ids) and the largest peak memory of any rank, each beside the plan's prediction; at the end, the median step
-after the warm-up against the prediction. Memory is what the plan counts: on a GPU the most the CUDA allocator held;
-on a CPU the live tensor bytes of a steady step (the second), counted by pyplan's LiveMemory from the first step on,
-with the rank's parameters and batch: the two counted steps run slower and are left out of the median.
+after the warm-up against the prediction. On a device other than the plan's (a CPU for a GPU's plan, another GPU)
+the run checks that the plan trains: no time is set against the plan's. Memory is what the plan counts: on a GPU
+the most the CUDA allocator held; on a CPU the live tensor bytes of a steady step (the second), counted by pyplan's
+LiveMemory from the first step on, with the rank's parameters and batch: the two counted steps run slower and are
+left out of the median.
 """
 
 import argparse
+import glob
 import importlib.util
 import inspect
 import json
@@ -57,6 +60,12 @@ import os
 import sys
 import time
 from datetime import timedelta
+
+# Run from a checkout of pyplan (the README's tour runs from its root), this folder's pyplan/ sources, which lack the
+# compiled core that `pip install .` put beside the installed package, would hide that package: leave it off the path.
+HERE = os.path.dirname(os.path.realpath(__file__))
+if os.path.isdir(os.path.join(HERE, "pyplan")) and not glob.glob(os.path.join(HERE, "pyplan", "_core.*")):
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != HERE]
 
 import torch
 import torch.distributed as dist
@@ -114,6 +123,34 @@ def memory_pair(measured, planned):
     """Measured and planned bytes in one unit: GiB, or MiB when both are below a GiB."""
     unit, scale = ("GiB", 2**30) if max(measured, planned) >= 2**30 else ("MiB", 2**20)
     return f"{{measured / scale:.2f}} {{unit}} (plan {{planned / scale:.2f}})"
+
+
+def other_device(gpu, device):
+    """This run's device by name where it is not the kind of GPU the plan was made for (another device type,
+    architecture or memory size), else None: only on the plan's device are its predicted times a yardstick."""
+    if device.type == "cpu":
+        return None if gpu.device_type == "cpu" else "CPU"
+    props = torch.cuda.get_device_properties(device)
+    arch = props.gcnArchName.split(":")[0] if torch.version.hip else f"sm{{props.major}}{{props.minor}}"
+    same = (
+        gpu.device_type == "cuda"
+        and gpu.arch in (None, arch)
+        and (not gpu.memory_bytes or abs(props.total_memory / gpu.memory_bytes - 1) < 0.1)
+    )
+    return None if same else props.name
+
+
+def summary(times, warmup, start, planned_s, other, planned_on):
+    """The run's last line: the median step after the warm-up, against the plan's time on the plan's device;
+    elsewhere (`other`), what the run shows instead."""
+    steady = sorted(times[warmup:])[len(times[warmup:]) // 2]
+    median = f"median step {{steady * 1e3:.1f}} ms over steps {{start + warmup}}..{{start + len(times) - 1}}"
+    if other is not None:
+        return (
+            f"{{median}} on {{other}}, not the plan's {{planned_on}}: this run checks that the plan trains; it does "
+            "not measure the plan's time"
+        )
+    return f"{{median}}: {{(steady / planned_s - 1) * 100:+.1f}} % against the plan's {{planned_s * 1e3:.1f}} ms"
 
 
 def throughput(tensors, global_batch, step_s):
@@ -215,6 +252,8 @@ def train(args):
     else:
         batches, shared = synthetic_batches(spec, workload.global_batch), False
     predicted = document.plan.predicted
+    other = other_device(document.cluster.gpu, device)
+    planned_time = f"(plan {{predicted.iteration_s * 1e3:.1f}}) " if other is None else ""
     times = []
     memory = None if cuda else CpuMemory(trainer)
     warmup = 1 if cuda else min(2, args.steps - start)  # steps left out of the median
@@ -255,8 +294,7 @@ def train(args):
             loss = summed[0].item() / max(summed[1].item(), 1.0)
             norm = f"grad norm {{trainer.grad_norm:.4g}} " if args.clip_grad_norm is not None else ""
             print(
-                f"step {{step}} loss {{loss:.6f}} {{norm}}time {{step_s * 1e3:.1f}} ms "
-                f"(plan {{predicted.iteration_s * 1e3:.1f}}) "
+                f"step {{step}} loss {{loss:.6f}} {{norm}}time {{step_s * 1e3:.1f}} ms {{planned_time}}"
                 f"{{throughput(tensors, workload.global_batch, step_s)}} "
                 f"peak memory {{memory_pair(peak, predicted.peak_memory_bytes)}}",
                 flush=True,
@@ -265,13 +303,8 @@ def train(args):
         if args.checkpoint and (done == args.steps or args.checkpoint_every and done % args.checkpoint_every == 0):
             save_checkpoint(trainer, done, args.checkpoint, args.keep_checkpoints)
     if dist.get_rank() == 0 and len(times) > warmup and predicted.iteration_s > 0:
-        steady = sorted(times[warmup:])[len(times[warmup:]) // 2]  # the median step after the warm-up
-        print(
-            f"median step {{steady * 1e3:.1f}} ms over steps {{start + warmup}}..{{start + len(times) - 1}}: "
-            f"{{(steady / predicted.iteration_s - 1) * 100:+.1f}} % against the plan's "
-            f"{{predicted.iteration_s * 1e3:.1f}} ms",
-            flush=True,
-        )
+        gpu = document.cluster.gpu.name
+        print(summary(times, warmup, start, predicted.iteration_s, other, gpu), flush=True)
     if args.save_params:
         torch.save(trainer.parameters(), f"{{args.save_params}}.rank{{dist.get_rank()}}.pt")
     dist.barrier()

@@ -1,10 +1,17 @@
-"""`pyplan inspect`: the blocks of a profiled chain with time, FLOPs, parameters and bytes."""
+"""`pyplan inspect`: the blocks of a profiled chain with time, FLOPs, parameters and bytes.
+
+The tables fit the console without cutting a figure: times only where measured, FLOP columns dropped where the
+names would otherwise have too little room, and a name too long for its column keeps its distinguishing tail
+(`…layers.12.mlp`), or where the tails would collide, is folded over lines.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from pyplan.graph.chain import Chain
@@ -77,42 +84,89 @@ def inspect_data(
     }
 
 
-def render_inspect(data: dict[str, Any], console: Console) -> None:
-    """Print the inspect table: one row per block and a total row."""
+MIN_NAME = 12  # the fewest columns a name is given before figures are dropped for it
+
+
+def shortened(names: Sequence[str], room: int) -> list[str] | None:
+    """`names` fitted to `room` columns: each too long keeps its tail from a dot (`…layers.12.mlp`), or its last
+    characters; None where two different names would then read the same."""
+    out = []
+    for name in names:
+        if len(name) <= room:
+            out.append(name)
+            continue
+        parts = name.split(".")
+        tails = (".".join(parts[k:]) for k in range(1, len(parts)))
+        tail = next((t for t in tails if len(t) < room), name[len(name) - room + 1 :])
+        out.append(f"…{tail}")
+    return out if len(set(out)) == len(set(names)) else None
+
+
+def _width(table: Table, console: Console) -> int:
+    """The columns the table takes with no cell wrapped."""
+    return Measurement.get(console, console.options.update_width(10**4), table).maximum
+
+
+def _inspect_table(data: dict[str, Any], columns: Sequence[str], names: Sequence[str], fold: bool) -> Table:
     b = data["batch_size"]
     where = f"{data['device']}, {data['threads']} thread(s)" if data["measured"] else data["device"]
     table = Table(
         title=f"{data['model']}: {len(data['blocks'])} blocks, batch {b}, {where}",
         caption="act: bytes saved for backward; cut: bytes live across the cut after the block (a stage boundary)",
     )
-    for col in ("#", "block", "params", "fwd FLOPs", "bwd FLOPs", "act", "cut", "fwd", "bwd"):
-        table.add_column(col, justify="left" if col == "block" else "right")
-    for x in data["blocks"]:
+    for col in columns:
+        if col == "block":
+            table.add_column(col, overflow="fold" if fold else "ellipsis", no_wrap=not fold)
+        else:
+            table.add_column(col.replace(" ", "\n"), justify="right", no_wrap=True)
+    for x, name in zip(data["blocks"], names):
         act = x["activation_bytes_per_sample"] * b + x["activation_fixed_bytes"]
         cut = x["cut_bytes_per_sample"] * b + x["cut_fixed_bytes"]
-        table.add_row(
-            str(x["index"]),
-            x["name"],
-            fmt_count(x["params"]),
-            fmt_count(x["flops_fwd"]),
-            fmt_count(x["flops_bwd"]),
-            fmt_bytes(act),
-            fmt_bytes(cut),
-            fmt_seconds(x["fwd_time_s"]),
-            fmt_seconds(x["bwd_time_s"]),
-        )
+        cells = {
+            "#": str(x["index"]),
+            "block": name,
+            "params": fmt_count(x["params"]),
+            "fwd FLOPs": fmt_count(x["flops_fwd"]),
+            "bwd FLOPs": fmt_count(x["flops_bwd"]),
+            "act": fmt_bytes(act),
+            "cut": fmt_bytes(cut),
+            "fwd": fmt_seconds(x["fwd_time_s"]),
+            "bwd": fmt_seconds(x["bwd_time_s"]),
+        }
+        table.add_row(*(cells[c] for c in columns))
     table.add_section()
-    table.add_row(
-        "",
-        "total",
-        fmt_count(data["params"]),
-        fmt_count(data["flops_fwd"]),
-        fmt_count(data["flops_bwd"]),
-        fmt_bytes(data["activation_bytes"]),
-        "",
-        fmt_seconds(data["fwd_time_s"]),
-        fmt_seconds(data["bwd_time_s"]),
-    )
+    total = {
+        "block": "total",
+        "params": fmt_count(data["params"]),
+        "fwd FLOPs": fmt_count(data["flops_fwd"]),
+        "bwd FLOPs": fmt_count(data["flops_bwd"]),
+        "act": fmt_bytes(data["activation_bytes"]),
+        "fwd": fmt_seconds(data["fwd_time_s"]),
+        "bwd": fmt_seconds(data["bwd_time_s"]),
+    }
+    table.add_row(*(total.get(c, "") for c in columns))
+    return table
+
+
+def render_inspect(data: dict[str, Any], console: Console) -> None:
+    """Print the inspect table, one row per block and a total row, fitted to the console (see the module)."""
+    columns = ["#", "block", "params", "fwd FLOPs", "bwd FLOPs", "act", "cut"]
+    columns += ["fwd", "bwd"] if data["measured"] else []
+    droppable = ["bwd FLOPs", "fwd FLOPs"]
+    names = [x["name"] for x in data["blocks"]]
+    longest = max(map(len, names), default=0)
+    while True:
+        # The block column's room: the console less the other columns (those of a table whose names are blank).
+        room = console.width - _width(_inspect_table(data, columns, [""] * len(names), fold=False), console)
+        room += len("total")
+        if room >= min(longest, MIN_NAME) or not droppable:
+            break
+        columns.remove(droppable.pop(0))
+    short = shortened(names, max(room, len("total")))
+    table = _inspect_table(data, columns, short or names, fold=short is None)
+    dropped = [c for c in ("fwd FLOPs", "bwd FLOPs") if c not in columns]
+    if dropped:
+        table.caption = f"{table.caption}; not shown for the width: {', '.join(dropped)} (--json has every figure)"
     console.print(table)
 
 
@@ -144,17 +198,29 @@ def tensor_parallel_data(plan: TpPlan, zone: SequenceZone, degree: int, vocab_lo
 
 
 def render_tensor_parallel(data: dict[str, Any], console: Console) -> None:
-    """Print how the model splits: one row per module, split or whole, then sequence parallelism."""
-    table = Table(title=f"tensor parallelism {data['degree']}: {len(data['styles'])} modules split")
-    for col in ("module", "style", "note"):
-        table.add_column(col, justify="left")
+    """Print how the model splits: one row per module, split or whole, then sequence parallelism. Module names and
+    styles stay on one line (a long name keeps its tail, as in `render_inspect`); the notes wrap."""
+    rows = []
     for module, style in data["styles"].items():
         n = data["pieces"].get(module)
-        table.add_row(module, style, f"{n} fused pieces, each split" if n else "")
-    if data["whole"]:
+        rows.append((module, style, f"{n} fused pieces, each split" if n else ""))
+    whole = [(module, "whole", why) for module, why in data["whole"].items()]
+    style_width = max((len(r[1]) for r in rows + whole), default=0)
+    note_width = min(max((len(r[2]) for r in rows + whole), default=0), len("3 fused pieces, each split"))
+    room = console.width - style_width - max(note_width, len("note")) - 10  # three columns' padding and borders
+    modules = [r[0] for r in rows + whole]
+    short = shortened(modules, max(room, MIN_NAME))
+    names = short or modules
+    table = Table(title=f"tensor parallelism {data['degree']}: {len(data['styles'])} modules split")
+    table.add_column("module", no_wrap=short is not None, overflow="fold")
+    table.add_column("style", no_wrap=True)
+    table.add_column("note", overflow="fold")
+    for name, (_, style, note) in zip(names, rows):
+        table.add_row(name, style, note)
+    if whole:
         table.add_section()
-        for module, why in data["whole"].items():
-            table.add_row(module, "whole", why)
+        for name, (_, style, note) in zip(names[len(rows) :], whole):
+            table.add_row(name, style, note)
     console.print(table)
     if data["region_partial_gradients"]:
         console.print(

@@ -1,5 +1,9 @@
 """`pyplan plan`: the chosen plan and its alternatives as a table that fits the terminal.
 
+A plan of one pipeline stage has no schedule, placement or bubble to show: `-` there, and no such columns when no
+row has a pipeline. The planner ranks plans predicted within a tie of each other by fewer GPUs, then less memory, so
+a row can be a little faster than one ranked above it: the caption then says so.
+
 Where the full table is wider than the console, it is narrowed step by step, never by cutting a number: short
 headers first, then short schedule and placement names, then `v` folded into `pp` (4x2), then the columns a
 decision needs least dropped (bubble, GPUs, samples/s, placement), each change named in the caption.
@@ -30,6 +34,7 @@ _SHORT_HEADERS = {
 _SHORT_SCHEDULES = {"Interleaved1F1B": "I1F1B", "LoopedBFS": "LBFS"}  # the searched schedules with long names
 _SHORT_PLACEMENTS = {"pp-inner": "pp", "dp-inner": "dp"}
 _DROPPED_LAST = ("bubble", "GPUs", "samples/s", "placement")  # dropped in this order where the table is too wide
+_PIPELINE_ONLY = ("v", "schedule", "placement", "bubble")  # `-` on a row of one stage, gone when every row has one
 
 
 def _cost(plan: Plan) -> str:
@@ -53,6 +58,7 @@ def _columns(plans: Sequence[Plan], *, short_names: bool, fold_v: bool) -> list[
     placement: Callable[[str], str] = (lambda s: _SHORT_PLACEMENTS.get(s, s)) if short_names else (lambda s: s)
     lays, preds = [p.layout for p in plans], [p.predicted for p in plans]
     pp = [f"{x.pp}x{x.stages_per_rank}" if fold_v and x.stages_per_rank > 1 else str(x.pp) for x in lays]
+    piped = [x.pp > 1 for x in lays]
     columns = [
         _Column("#", ["best" if i == 0 else str(i) for i in range(len(plans))]),
         _Column("GPUs", [str(x.num_gpus) for x in lays]),
@@ -71,6 +77,11 @@ def _columns(plans: Sequence[Plan], *, short_names: bool, fold_v: bool) -> list[
         _Column("bubble", [f"{p.bubble_fraction:.1%}" for p in preds]),
         _Column("cost/iter", [_cost(p) for p in plans]),
     ]
+    for c in columns:
+        if c.name in _PIPELINE_ONLY:
+            c.cells = [cell if pipe else "-" for cell, pipe in zip(c.cells, piped)]
+    if not any(piped):
+        columns = [c for c in columns if c.name not in _PIPELINE_ONLY]
     if fold_v:
         columns = [c for c in columns if c.name != "v"]
     if all(x.tp == 1 for x in lays):
@@ -105,10 +116,13 @@ def _fitted(plans: Sequence[Plan], width: int) -> tuple[list[_Column], list[str]
             notes.append("b = micro-batch, Z = ZeRO stage")
         elif step == "names":
             short_names = True
-            notes.append("I1F1B = Interleaved1F1B, LBFS = LoopedBFS")
+            shortened = sorted({s for p in plans if (s := p.layout.schedule) in _SHORT_SCHEDULES})
+            if shortened:
+                notes.append(", ".join(f"{_SHORT_SCHEDULES[s]} = {s}" for s in shortened))
         elif step == "fold":
             fold_v = True
-            notes.append("pp PxV: P ranks with V stages each")
+            if any(p.layout.stages_per_rank > 1 for p in plans):
+                notes.append("pp PxV: P ranks with V stages each")
         else:
             dropped.append(step)
         columns = build()
@@ -117,11 +131,33 @@ def _fitted(plans: Sequence[Plan], width: int) -> tuple[list[_Column], list[str]
     return columns, notes
 
 
+def _ties(plans: Sequence[Plan]) -> list[str]:
+    """A note naming the rows ranked below a plan they beat on time and equal or beat on cost: under any objective
+    (time, cost, cost + w·time) those were ties, which the planner breaks by fewer GPUs, then less memory."""
+    faster: dict[int, float] = {}
+    for j in range(1, len(plans)):
+        pj = plans[j].predicted
+        for above in plans[:j]:
+            pa = above.predicted
+            if pj.iteration_s < pa.iteration_s and pj.cost_per_iteration <= pa.cost_per_iteration:
+                faster[j] = max(faster.get(j, 0.0), 1 - pj.iteration_s / pa.iteration_s)
+    if not faster:
+        return []
+    rows = ", ".join(map(str, faster))
+    verb = "is" if len(faster) == 1 else "are"
+    return [
+        f"{'row' if len(faster) == 1 else 'rows'} {rows} {verb} up to {max(faster.values()) * 100:.2g} % faster than "
+        "a row above: a tie, ranked by fewer GPUs, then less memory"
+    ]
+
+
 def render_plans(plans: Sequence[Plan], console: Console, *, title: str, memory_bytes: float) -> None:
     """One row per plan, the chosen one first: layout, time, throughput, memory per GPU, bubble, cost; as many
     columns as the console's width holds, numbers never cut."""
     columns, notes = _fitted(plans, console.width)
-    caption = "; ".join([f"memory per GPU planned against {fmt_bytes(memory_bytes)}", *notes])
+    if any(c.name in _PIPELINE_ONLY and "-" in c.cells for c in columns):
+        notes.insert(0, "-: one stage, no pipeline")
+    caption = "; ".join([f"memory per GPU planned against {fmt_bytes(memory_bytes)}", *notes, *_ties(plans)])
     table = Table(title=title, caption=caption)
     for c in columns:
         table.add_column(c.header, justify="left" if c.left else "right", no_wrap=True)

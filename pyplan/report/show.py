@@ -1,4 +1,8 @@
-"""`pyplan show`: a plan.json as data (stages, memory per GPU, time breakdown, cost) and as rich tables."""
+"""`pyplan show`: a plan.json as data (stages, memory per GPU, time breakdown, cost) and as rich tables.
+
+The tables fit the console without cutting a figure: where the stages do not fit in one table they are shown as two
+(times, memory), and the memory bars are drawn shorter. A plan of one stage shows no schedule, placement or bubble.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from typing import Any
 
 from rich.console import Console, Group
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -227,13 +232,13 @@ def _cost_data(document: PlanFile) -> dict[str, Any]:
     }
 
 
-def _bar_text(used: float, capacity: float) -> Text:
+def _bar_text(used: float, capacity: float, width: int = 20) -> Text:
     if not capacity:
         return Text(f"{fmt_bytes(used)} (capacity unknown)")
     share = used / capacity
     colour = "green" if share < 0.7 else "yellow" if share <= 0.9 else "red"
     return Text.assemble(
-        (text_bar(used, capacity), colour),
+        (text_bar(used, capacity, width), colour),
         f" {fmt_bytes(used)} / {fmt_bytes(capacity)} ({fmt_fraction(share)})",
     )
 
@@ -273,20 +278,25 @@ def tp_text(lay: dict[str, Any]) -> str:
 def summary_rows(data: dict[str, Any]) -> list[tuple[str, str]]:
     """What the plan is, as (name, value) lines: model, GPUs, layout, batch, schedule."""
     lay, cl, w = data["layout"], data["cluster"], data["workload"]
+    training = f"ZeRO stage {lay['zero_stage']}, {w['precision']} {w['optimizer']}"
+    if lay["pp"] > 1:
+        layout = (
+            f"dp {lay['dp']} x {tp_text(lay)}pp {lay['pp']}, {lay['stages_per_rank']} stage(s) per rank, "
+            f"placement {lay['placement']}"
+        )
+        last = ("schedule", f"{lay['schedule']}, {training}")
+    else:
+        layout, last = f"dp {lay['dp']} x {tp_text(lay)}pp 1: one stage, no pipeline", ("training", training)
     return [
         ("model", data["model"]),
         ("GPUs", f"{lay['num_gpus']} of {cl['gpus']} x {cl['gpu']} ({cl['gpus_per_node']} per node)"),
-        (
-            "layout",
-            f"dp {lay['dp']} x {tp_text(lay)}pp {lay['pp']}, {lay['stages_per_rank']} stage(s) per rank, "
-            f"placement {lay['placement']}",
-        ),
+        ("layout", layout),
         (
             "batch",
             f"{lay['num_microbatches']} micro-batches of {lay['micro_batch_size']} per replica "
             f"(global batch {lay['global_batch']})",
         ),
-        ("schedule", f"{lay['schedule']}, ZeRO stage {lay['zero_stage']}, {w['precision']} {w['optimizer']}"),
+        last,
     ]
 
 
@@ -345,13 +355,35 @@ def _summary(data: dict[str, Any]) -> Table:
     return table
 
 
-def _stages_table(data: dict[str, Any]) -> Table:
-    table = Table(title="stages", caption=STAGES_CAPTION)
-    for col in STAGE_COLUMNS:
-        table.add_column(col, justify="left" if col == "blocks" else "right")
+def _width(table: Table, console: Console) -> int:
+    """The columns the table takes with no cell wrapped."""
+    return Measurement.get(console, console.options.update_width(10**4), table).maximum
+
+
+def _stages_part(data: dict[str, Any], title: str, columns: Sequence[str], caption: str | None) -> Table:
+    table = Table(title=title, caption=caption)
+    for col in columns:
+        table.add_column(col, justify="left" if col == "blocks" else "right", no_wrap=True)
+    keep = [STAGE_COLUMNS.index(col) for col in columns]
     for row in stage_rows(data):
-        table.add_row(*row)
+        table.add_row(*(row[i] for i in keep))
     return table
+
+
+_MEMORY_COLUMNS = ("in flight", "state", "act", "memory")
+
+
+def _stages_tables(data: dict[str, Any], console: Console) -> list[Table]:
+    """The stages in one table, or where that is wider than the console, in two: times, then memory."""
+    whole = _stages_part(data, "stages", STAGE_COLUMNS, STAGES_CAPTION)
+    if _width(whole, console) <= console.width:
+        return [whole]
+    times = [c for c in STAGE_COLUMNS if c not in _MEMORY_COLUMNS]
+    caption = STAGES_CAPTION.removeprefix("times per micro-batch; ")
+    return [
+        _stages_part(data, "stages: times per micro-batch", times, caption),
+        _stages_part(data, "stages: memory", ("stage", *_MEMORY_COLUMNS), "in flight: micro-batches held at the peak"),
+    ]
 
 
 def _remat_table(data: dict[str, Any]) -> list[Table]:
@@ -367,29 +399,35 @@ def _remat_table(data: dict[str, Any]) -> list[Table]:
     return [table]
 
 
-def _memory_table(data: dict[str, Any]) -> Table:
-    table = Table(title="memory per GPU (one pipeline; every replica the same)", caption=state_convention(data))
-    for col in ("rank", "stages", "state", "act", "used / capacity"):
-        table.add_column(col, justify="left" if col == "used / capacity" else "right")
-    for x in data["memory"]:
-        table.add_row(
-            str(x["rank"]),
-            ",".join(map(str, x["stages"])),
-            fmt_bytes(x["state_bytes"]),
-            fmt_bytes(x["activation_bytes"]),
-            _bar_text(x["used_bytes"], x["capacity_bytes"]),
-        )
+def _memory_table(data: dict[str, Any], console: Console) -> Table:
+    """Memory per pipeline rank with a bar of 20 cells, or of 10 where 20 do not fit the console."""
+    for bar in (20, 10):
+        table = Table(title="memory per GPU (one pipeline; every replica the same)", caption=state_convention(data))
+        for col in ("rank", "stages", "state", "act", "used / capacity"):
+            table.add_column(col, justify="left" if col == "used / capacity" else "right", no_wrap=True)
+        for x in data["memory"]:
+            table.add_row(
+                str(x["rank"]),
+                ",".join(map(str, x["stages"])),
+                fmt_bytes(x["state_bytes"]),
+                fmt_bytes(x["activation_bytes"]),
+                _bar_text(x["used_bytes"], x["capacity_bytes"], bar),
+            )
+        if _width(table, console) <= console.width:
+            break
     return table
 
 
 def time_rows(data: dict[str, Any]) -> list[tuple[str, float]]:
-    """The parts of one iteration, in order, each with its seconds; they sum to the iteration time."""
+    """The parts of one iteration, in order, each with its seconds; they sum to the iteration time (no bubble
+    without a pipeline)."""
     t = data["time"]
+    piped = data["layout"]["pp"] > 1 or t["bubble_s"]
     return [
         ("compute", t["compute_s"]),
         ("recompute", t["recompute_s"]),
         *([("tensor-parallel communication", t["tp_comm_s"])] if t["tp_comm_s"] else []),
-        ("pipeline bubble", t["bubble_s"]),
+        *([("pipeline bubble", t["bubble_s"])] if piped else []),
         ("exposed communication", t["exposed_comm_s"]),
         ("optimizer", t["optimizer_s"]),
     ]
@@ -397,10 +435,8 @@ def time_rows(data: dict[str, Any]) -> list[tuple[str, float]]:
 
 def _time_table(data: dict[str, Any]) -> Table:
     t = data["time"]
-    table = Table(
-        title="time per iteration",
-        caption=f"{t['samples_per_s']:.4g} samples/s; bubble: idle ranks, waiting for sends included",
-    )
+    bubble = "; bubble: idle ranks, waiting for sends included" if data["layout"]["pp"] > 1 else ""
+    table = Table(title="time per iteration", caption=f"{t['samples_per_s']:.4g} samples/s{bubble}")
     for col in ("part", "time", "share", ""):
         table.add_column(col, justify="left" if col in ("part", "") else "right")
     total = t["iteration_s"]
@@ -435,15 +471,15 @@ def _inert(value: Any) -> Any:
 
 
 def render_show(data: dict[str, Any], console: Console) -> None:
-    """Print the plan: a summary, the stages, memory per GPU, the time breakdown and the cost. The plan file's
-    strings are shown as written (`_inert`)."""
+    """Print the plan: a summary, the stages, memory per GPU, the time breakdown and the cost, fitted to the
+    console's width. The plan file's strings are shown as written (`_inert`)."""
     data = _inert(data)
     console.print(
         Group(
             _summary(data),
-            _stages_table(data),
+            *_stages_tables(data, console),
             *_remat_table(data),
-            _memory_table(data),
+            _memory_table(data, console),
             _time_table(data),
             _cost_table(data),
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -79,12 +80,14 @@ def test_emitted_script_trains_like_one_process(tmp_path: Path) -> None:
     first = _torchrun(script, 2, *common, "--steps", str(STEPS - 1))
     assert first.returncode == 0, first.stderr[-3000:]
     # Rank 0 alone reports, one line a step: loss, the gradient's norm, time and tokens/s (gpt-tiny reads token
-    # ids), memory, each beside the plan's prediction; then the median step against it.
+    # ids), memory beside the plan's prediction; the plan is a T4's, so no time is set against the plan's.
     steps = [line for line in first.stdout.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in steps] == [str(k) for k in range(STEPS - 1)]
-    assert all("ms (plan " in line and "tokens/s" in line and re.search(r" [GM]iB \(plan ", line) for line in steps)
+    assert all("tokens/s" in line and re.search(r" [GM]iB \(plan ", line) for line in steps)
+    assert not any("ms (plan " in line for line in steps)
     # The median leaves out the two steps whose live tensor bytes were counted (CPU).
-    assert f"over steps 2..{STEPS - 2}: " in first.stdout and "against the plan's" in first.stdout
+    assert f"over steps 2..{STEPS - 2} on CPU, not the plan's t4: this run checks that the plan trains" in first.stdout
+    assert "%" not in first.stdout
     figures = [line.split("peak memory ")[1].split()[:2] for line in steps]
     peaks = [float(x) * (2**30 if unit == "GiB" else 2**20) for x, unit in figures]
     params = sum(p.numel() * 4 for p in load_model("zoo:gpt-tiny").build().parameters())
@@ -306,6 +309,38 @@ def test_a_layout_needing_more_gpus_than_the_cluster_has_is_refused() -> None:
         plan_file_from_json(doc)
 
 
+def _script_module(tmp_path: Path) -> Any:
+    """The emitted script imported as a module (its `main` not run)."""
+    import importlib.util
+
+    path = tmp_path / "train.py"
+    write_script(path, _document())
+    spec = importlib.util.spec_from_file_location("emitted_train", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_run_on_another_device_checks_the_plan_trains_and_sets_no_time_against_it(tmp_path: Path) -> None:
+    from pyplan.hardware.catalog import GPU
+
+    script = _script_module(tmp_path)
+    cpu = torch.device("cpu")
+    assert script.other_device(Cluster.from_catalog("a100-80g", 2).gpu, cpu) == "CPU"
+    local = GPU(name="local", memory_bytes=2**34, hbm_bw_bytes_per_s=None, device_type="cpu")
+    assert script.other_device(local, cpu) is None
+    times = [0.5, 0.4, 0.21, 0.23, 0.22]
+    elsewhere = script.summary(times, 2, 0, 0.0076, "CPU", "a100-80g-sxm")
+    assert elsewhere == (
+        "median step 220.0 ms over steps 2..4 on CPU, not the plan's a100-80g-sxm: this run checks that the plan "
+        "trains; it does not measure the plan's time"
+    )
+    assert script.summary(times, 2, 0, 0.2, None, "local") == (
+        "median step 220.0 ms over steps 2..4: +10.0 % against the plan's 200.0 ms"
+    )
+
+
 def test_a_script_run_without_torchrun_says_how_to_run_it(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     write_script(script, _document())
@@ -314,3 +349,45 @@ def test_a_script_run_without_torchrun_says_how_to_run_it(tmp_path: Path) -> Non
     assert done.returncode == 2
     assert done.stderr.strip().startswith("error: run this script under torchrun") and "Traceback" not in done.stderr
     assert "torchrun --nproc-per-node" in done.stderr
+
+
+@pytest.fixture
+def shadowed(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A folder holding pyplan's sources without the compiled core (a checkout after `pip install .`), and the
+    environment of a non-editable install: pyplan with its core in a site folder of its own, no editable finder
+    (`python -S` reads no .pth file)."""
+    import pyplan._core
+
+    source = Path(pyplan.__file__).parent
+    ignore = shutil.ignore_patterns("__pycache__", "_core.*")
+    checkout, site = tmp_path / "checkout", tmp_path / "site"
+    shutil.copytree(source, checkout / "pyplan", ignore=ignore)
+    shutil.copytree(source, site / "pyplan", ignore=ignore)
+    shutil.copy(pyplan._core.__file__, site / "pyplan")
+    packages = Path(torch.__file__).parent.parent
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return checkout, {**env, "PYTHONPATH": os.pathsep.join([str(site), str(packages)])}
+
+
+def test_a_source_tree_without_the_core_is_named_in_one_line(shadowed: tuple[Path, dict[str, str]]) -> None:
+    checkout, env = shadowed
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", "import pyplan"], cwd=checkout, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ImportError: pyplan was imported from the source tree {checkout / 'pyplan'}")
+    assert "run from another folder, or install this checkout with `pip install -e .`" in last
+    assert "circular" not in done.stderr
+
+
+def test_the_script_runs_from_a_checkout_of_pyplan(shadowed: tuple[Path, dict[str, str]]) -> None:
+    """The tour's torchrun runs from the repository root: the script imports the installed pyplan, not the
+    checkout's sources beside it (here it gets as far as asking for torchrun)."""
+    checkout, env = shadowed
+    write_script(checkout / "train.py", _document())
+    done = subprocess.run(
+        [sys.executable, "-S", "train.py"], cwd=checkout, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.startswith("error: run this script under torchrun")

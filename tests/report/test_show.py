@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from pyplan.api import PlanSearch
 from pyplan.cli.main import main
 from pyplan.emit.planfile import PlanFile, write_plan_file
 from pyplan.hardware.cluster import Cluster
 from pyplan.plan import Workload
-from pyplan.report.show import _inert, boundary_send_s, show_data, text_bar, time_rows
+from pyplan.report.show import STAGE_COLUMNS, _inert, boundary_send_s, render_show, show_data, text_bar, time_rows
+from pyplan.units import fmt_bytes, fmt_seconds
 from tests.report.conftest import PipelinePlan
 
 
@@ -116,3 +120,34 @@ def test_show_prints_the_plan_files_strings_as_written(
     assert "[bold red]evil[/bold red]" in capsys.readouterr().out
     shown = _inert({"gpu": "a100\x1b[5m[blink]x[/blink]", "n": [1.5, "[b]"]})
     assert shown == {"gpu": "a100\\x1b[5m\\[blink]x\\[/blink]", "n": [1.5, "\\[b]"]}
+
+
+def _shown(document: PlanFile, width: int) -> str:
+    console = Console(width=width, record=True, emoji=False)
+    render_show(show_data(document), console)
+    return console.export_text()
+
+
+def test_show_at_80_columns_cuts_no_header_or_figure(cluster: Cluster, pipeline_plan: PipelinePlan) -> None:
+    """Too wide for one table at 80 columns, the stages are shown as two (times, memory), every figure whole."""
+    plan, _ = pipeline_plan("Interleaved1F1B", 4, 8, stages_per_rank=2, stage_memory_bytes=25e9)
+    document = PlanFile(model="zoo:gpt-tiny", workload=Workload(global_batch=32), cluster=cluster, plan=plan)
+    assert "stages: memory" not in _shown(document, 160)
+    text = _shown(document, 80)
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    assert "stages: times per micro-batch" in text and "stages: memory" in text
+    for header in (*STAGE_COLUMNS, "used / capacity"):
+        assert re.search(rf"┃ +{re.escape(header)} +┃", text), header
+    for st in plan.stages:
+        for figure in (fmt_seconds(st.forward_s), fmt_seconds(st.backward_s), fmt_bytes(st.memory_bytes)):
+            assert figure in text
+    assert f"{fmt_bytes(50e9)} / 80 GiB (58.2%)" in text
+
+
+def test_show_of_one_stage_has_no_schedule_placement_or_bubble(cluster: Cluster, pipeline_plan: PipelinePlan) -> None:
+    plan, _ = pipeline_plan("1F1B", 1, 1)
+    document = PlanFile(model="zoo:gpt-tiny", workload=Workload(global_batch=4), cluster=cluster, plan=plan)
+    text = _shown(document, 160)
+    assert "dp 2 x pp 1: one stage, no pipeline" in text
+    assert not any(word in text for word in ("1F1B", "placement", "bubble", "schedule"))
+    assert "pipeline bubble" in _shown(replace(document, plan=pipeline_plan("1F1B", 2, 2)[0]), 160)
