@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 
+import torch
+
 from pyplan.emit.planfile import PlanFile
 from pyplan.errors import PlanError
 from pyplan.graph.linearize import cut_points
@@ -195,7 +197,11 @@ def stage_starts(doc: PlanFile) -> tuple[list[str], Notes]:
     if lay.pp == 1 and lay.stages_per_rank == 1:
         return [], []
     spec = load_model(doc.model)
-    graph = trace(spec.build(), spec.example_inputs, batch_size=lay.micro_batch_size, leaf_modules=doc.leaf_modules)
+    # On the meta device: the split points need the graph's module paths, not weights (a 70B model would not fit
+    # the host).
+    with torch.device("meta"):
+        model = spec.build()
+    graph = trace(model, spec.example_inputs, batch_size=lay.micro_batch_size, leaf_modules=doc.leaf_modules)
     points = cut_points(graph)
     nodes = {n.name: n for n in graph.nodes}
     starts, notes = [], []

@@ -16,6 +16,7 @@ from pyplan.profile.flops import block_flops
 from pyplan.profile.live import LiveMemory
 from pyplan.profile.measure import TimingOptions, block_times, local_device
 from pyplan.profile.memory import saved_bytes
+from pyplan.profile.pieces import RepeatedBlocks
 from pyplan.profile.remat import remat_bytes, remat_chain
 from pyplan.solve.remat import RematBytes, RematProfile
 
@@ -71,21 +72,23 @@ def profile(
     batch_sizes: Sequence[int] | None = None,
     device: torch.device | str | None = None,
     options: TimingOptions | None = None,
+    blocks: RepeatedBlocks | None = None,
 ) -> Chain:
     """A copy of `chain` whose blocks carry FLOPs, saved bytes and (when `measure`) fitted times.
 
     FLOPs and saved bytes are counted on fake tensors (meta for a meta-built model), so they cost no compute;
     times are measured on `device` (default: CUDA when present, else the CPU with `options.threads` threads).
+    `blocks`: the chain's table of distinct blocks (`RepeatedBlocks.of`), when the caller has it already.
     """
     sizes = tuple(batch_sizes) if batch_sizes else default_batch_sizes(chain.graph.batch_size)
     if len(set(sizes)) < 2:
         raise PlanError(f"profiling needs two or more distinct micro-batch sizes, got {list(sizes)}")
     ends = (min(sizes), max(sizes))
-    flops = block_flops(chain, example_inputs, ends)
+    flops = block_flops(chain, example_inputs, ends, blocks=blocks)
     # Saved bytes at 2 samples or more: at 1 a transpose can be a contiguous view, and a block that saves a copy
     # of its input at 2 saves the input itself at 1 (nn.TransformerEncoder), which no line through both describes.
     low = max(2, ends[0])
-    saved, inputs_saved = saved_bytes(chain, example_inputs, (low, max(ends[1], 2 * low)))
+    saved, inputs_saved = saved_bytes(chain, example_inputs, (low, max(ends[1], 2 * low)), blocks=blocks)
     times: list[tuple[object, object]] = [(None, None)] * len(chain)
     if measure:
         if is_meta_module(chain.graph.module):

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch import fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pyplan._torch import OpRecorder, run_without_compute
@@ -26,7 +25,7 @@ from pyplan.graph.trace import ExampleInputs, inputs_at
 from pyplan.hardware.catalog import GPU, LOCAL, local_efficiency
 from pyplan.profile.attention import fused_work
 from pyplan.profile.autocast import CudaAutocast
-from pyplan.profile.pieces import RepeatedBlocks, backward, block_inputs, block_modules, forward, leaf_inputs
+from pyplan.profile.pieces import RepeatedBlocks, backward, block_inputs, forward, leaf_inputs
 
 __all__ = [
     "ALLOCATIONS",
@@ -232,18 +231,20 @@ def block_op_costs(
     *,
     compute_dtype: str | None = None,
     autocast: bool = False,
-    mods: list[fx.GraphModule] | None = None,
+    blocks: RepeatedBlocks | None = None,
 ) -> list[tuple[list[OpCost], list[OpCost]]]:
     """The ops of each block's forward and backward at `batch_size`, recorded without computing: with
     `compute_dtype` ("bfloat16", "float16") and `autocast`, as under CUDA's autocast (mixed precision, each op in
     the dtype it runs in; pyplan/profile/autocast.py); with `compute_dtype` alone, as 16-bit weights compute (the
-    master-weight precisions): recorded on the model as it is, every fp32 op costed in that dtype. `mods` are the
-    chain's `block_modules`, when the caller has them already.
+    master-weight precisions): recorded on the model as it is, every fp32 op costed in that dtype. `blocks`: the
+    chain's table of distinct blocks, when the caller has it already (a repeated block's costs are its first
+    occurrence's, the same lists).
 
     (Converting the weights and recording the model in 16 bits would also see the ops a model keeps in fp32, but a
     model's fp32 constants and its own casts, a Hugging Face rotary embedding's, break it on real models.)
     """
-    mods = block_modules(chain) if mods is None else mods
+    repeated = RepeatedBlocks.of(chain) if blocks is None else blocks
+    mods = repeated.mods
     inputs = inputs_at(example_inputs, batch_size)
     dtype = getattr(torch, compute_dtype) if compute_dtype is not None else None
     weights = compute_dtype if dtype is not None and not autocast else None
@@ -254,7 +255,6 @@ def block_op_costs(
 
     def record(convert: Callable[[torch.Tensor], torch.Tensor]) -> list[tuple[list[OpCost], list[OpCost]]]:
         result = []
-        repeated = RepeatedBlocks(mods, chain.graph.module)
         done: dict[str, tuple[list[OpCost], list[OpCost]]] = {}
         with casts() or contextlib.nullcontext():
             args = block_inputs(mods, [convert(t) for t in inputs], repeated)
@@ -292,15 +292,26 @@ def block_times_analytic(
     *,
     compute_dtype: str | None = None,
     autocast: bool = False,
+    blocks: RepeatedBlocks | None = None,
 ) -> list[tuple[Affine, Affine]]:
     """Forward and backward seconds of every block on `device` as `α·b + β`, least squares over `batch_sizes`;
-    `compute_dtype` and `autocast` as `block_op_costs` takes them."""
-    sizes = sorted(set(batch_sizes))
-    mods = block_modules(chain)
-    per_size = [
-        block_op_costs(chain, example_inputs, b, compute_dtype=compute_dtype, autocast=autocast, mods=mods)
-        for b in sizes
-    ]
+    `compute_dtype`, `autocast` and `blocks` as `block_op_costs` takes them."""
+    table = RepeatedBlocks.of(chain) if blocks is None else blocks
+
+    def costs(b: int) -> list[tuple[list[OpCost], list[OpCost]]]:
+        return block_op_costs(chain, example_inputs, b, compute_dtype=compute_dtype, autocast=autocast, blocks=table)
+
+    wanted = sorted(set(batch_sizes))
+    recorded = {b: costs(b) for b in wanted[-2:]}
+    # With the host's floor every curve comes from the two largest sizes where the ops recorded there match one for
+    # one (_sequence_curve): the smaller sizes are recorded only where some block's do not.
+    low, high = (recorded[b] for b in wanted[-2:])
+    if device.efficiency.host_s == 0 or not all(
+        _same_ops(x[k], y[k]) for x, y in zip(low, high, strict=True) for k in (0, 1)
+    ):
+        recorded.update({b: costs(b) for b in wanted[:-2]})
+    sizes = sorted(recorded)
+    per_size = [recorded[b] for b in sizes]
 
     def times(k: int) -> list[Affine]:
         """Block i's forward (k 0) or backward (k 1) seconds: `α·b + β` over the recorded sizes where the host
@@ -308,9 +319,19 @@ def block_times_analytic(
         and bytes are affine in b: the two largest recorded sizes give them), as the host's floor gives way to
         the GPU's work as b grows."""
         runs = [[per_size[j][i][k] for j in range(len(sizes))] for i in range(len(chain))]
-        if device.efficiency.host_s == 0:
-            return [Affine.fit(sizes, [sum(device.op_time_s(op) for op in ops) for ops in r]) for r in runs]
-        return [_sequence_curve(device, sizes, r) for r in runs]
+        # A repeated block's ops are its first occurrence's very lists: its curve is that block's, made once.
+        curves: dict[tuple[int, ...], Affine] = {}
+
+        def curve(r: list[list[OpCost]]) -> Affine:
+            if device.efficiency.host_s == 0:
+                return Affine.fit(sizes, [sum(device.op_time_s(op) for op in ops) for ops in r])
+            return _sequence_curve(device, sizes, r)
+
+        for r in runs:
+            key = tuple(map(id, r))
+            if key not in curves:
+                curves[key] = curve(r)
+        return [curves[tuple(map(id, r))] for r in runs]
 
     return list(zip(times(0), times(1), strict=True))
 
@@ -320,12 +341,17 @@ def block_times_analytic(
 EVALUATED_SIZES = tuple(1 << k for k in range(10))
 
 
+def _same_ops(low: Sequence[OpCost], high: Sequence[OpCost]) -> bool:
+    """Whether two recordings of a block's ops at two sizes match one for one (names, dtypes, views)."""
+    return [(o.name, o.dtype, o.is_view) for o in low] == [(o.name, o.dtype, o.is_view) for o in high]
+
+
 def _sequence_curve(device: Roofline, sizes: Sequence[int], runs: Sequence[list[OpCost]]) -> Piecewise:
     """`Roofline.sequence_time_s` of one block's ops as a curve in b: through EVALUATED_SIZES when the ops
     recorded at the two largest sizes match one for one (their FLOPs and bytes interpolated), else through the
     recorded sizes."""
     (b1, low), (b2, high) = sorted(zip(sizes, runs))[-2:]
-    if [(o.name, o.dtype, o.is_view) for o in low] != [(o.name, o.dtype, o.is_view) for o in high]:
+    if not _same_ops(low, high):
         return Piecewise.through(list(sizes), [device.sequence_time_s(r) for r in runs])
 
     def at(b: int) -> list[OpCost]:

@@ -31,6 +31,7 @@ from pyplan.profile.attention import AttentionTarget, TargetKernels
 from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, measured_target
 from pyplan.profile.loss import LossCost, LossFn, TargetFn, loss_cost, with_loss
 from pyplan.profile.measure import TimingOptions, local_device
+from pyplan.profile.pieces import RepeatedBlocks
 from pyplan.profile.remat import remat_bytes
 from pyplan.profile.tensor_parallel import collective_bytes, collective_times, local_chain
 
@@ -196,14 +197,23 @@ class _Target:
             if roofline is not None and gpu.arch is not None and gpu.device_type == "cuda"
             else None
         )
+        # The table of the chain's distinct blocks, shared by every pass below: each runs a block once per
+        # distinct structure (on a meta model; a fake one's pieces are made in each pass's fake context).
+        table = RepeatedBlocks.of(chain) if is_meta_module(chain.graph.module) else None
         with attention if attention is not None else contextlib.nullcontext():
             if roofline is None:
-                profiled = profile(chain, examples, batch_sizes=sizes, options=self.timing)
+                profiled = profile(chain, examples, batch_sizes=sizes, options=self.timing, blocks=table)
                 how = "measured on this machine"
             else:
-                profiled = profile(chain, examples, measure=False, batch_sizes=sizes)
+                profiled = profile(chain, examples, measure=False, batch_sizes=sizes, blocks=table)
                 times = block_times_analytic(
-                    profiled, examples, roofline, sizes, compute_dtype=self.compute_dtype, autocast=self.autocast
+                    profiled,
+                    examples,
+                    roofline,
+                    sizes,
+                    compute_dtype=self.compute_dtype,
+                    autocast=self.autocast,
+                    blocks=table,
                 )
                 blocks = [replace(b, fwd_time_s=f, bwd_time_s=g) for b, (f, g) in zip(profiled.blocks, times)]
                 profiled, how = replace(profiled, blocks=blocks), f"analytic roofline of {gpu.name}"
@@ -216,7 +226,9 @@ class _Target:
             # GPU (this machine's measured profile runs as this machine trains).
             use = self.autocast and roofline is not None and self.cast_memory
             casts = getattr(torch, self.compute_dtype) if use else None
-            memory = remat_bytes(profiled, examples, (low, 2 * low), roofline=pricing(gpu, roofline), autocast=casts)
+            memory = remat_bytes(
+                profiled, examples, (low, 2 * low), roofline=pricing(gpu, roofline), autocast=casts, blocks=table
+            )
         if attention is not None and attention.chosen:
             how = f"{how}, attention {', '.join(sorted(attention.chosen))}"
         return replace(profiled, memory=memory), how

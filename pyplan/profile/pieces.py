@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import types
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
 
 from pyplan._torch import is_meta_module, storage_key, tensor_leaves
+from pyplan.graph.chain import Chain
 from pyplan.graph.split import pieces
 
-__all__ = ["RepeatedBlocks", "backward", "block_inputs", "block_modules", "forward", "leaf_inputs"]
+__all__ = ["RepeatedBlocks", "backward", "block_inputs", "block_modules", "forward", "leaf_inputs", "mirror"]
 
 block_modules = pieces
 
@@ -22,22 +25,64 @@ def block_inputs(
     """The arguments each piece receives when the pieces run in sequence on `inputs` (no autograd).
 
     With `repeated`, a piece that repeats an earlier one on inputs of the same kind (meta tensors: shapes and
-    nothing else) is not run: the earlier piece's outputs stand for its own."""
+    nothing else) is not run: its outputs are made like the earlier piece's (`mirror`), so that every cut holds
+    values of the shapes, strides and storage sharing running it would give."""
     args: tuple[Any, ...] = tuple(inputs)
     collected = []
-    outputs: dict[str, tuple[Any, ...]] = {}
+    ran: dict[str, tuple[tuple[Any, ...], tuple[Any, ...]]] = {}  # key -> the first such piece's inputs, outputs
     with torch.no_grad():
         for i, m in enumerate(mods):
             collected.append(args)
             key = repeated.key(i, args) if repeated is not None else None
-            if key is not None and key in outputs:
-                args = outputs[key]
+            mirrored = mirror(*ran[key], args) if key is not None and key in ran else None
+            if mirrored is not None:
+                args = mirrored[0]
                 continue
             out = m(*args)
-            args = out if isinstance(out, tuple) else (out,)
+            given, args = args, out if isinstance(out, tuple) else (out,)
             if key is not None:
-                outputs[key] = args
+                ran.setdefault(key, (given, args))
     return collected
+
+
+def mirror(
+    given: Sequence[Any], made: Sequence[Any], args: Sequence[Any]
+) -> tuple[tuple[Any, ...], dict[int, int]] | None:
+    """The outputs a piece would make from `args`, where the same piece made `made` from `given` (inputs of the same
+    shapes, strides, storage sharing and `requires_grad`), and which new storage stands for each of `made`'s: an
+    output that is an input, or a view of one, is the same of `args`; the others are new storages of the same
+    sizes, shared among the outputs as `made` shares them, that need grad where `made`'s do. None where an output
+    is neither a tensor nor a plain value, or one storage holds outputs of different dtypes or needs."""
+    inputs: dict[int, torch.Tensor] = {}
+    for a, b in zip(given, args, strict=True):
+        if isinstance(a, torch.Tensor):
+            inputs.setdefault(storage_key(a), b)
+    new: dict[int, torch.Tensor] = {}
+    out: list[Any] = []
+    for t in made:
+        if not isinstance(t, torch.Tensor):
+            if isinstance(t, (list, tuple, dict)):
+                return None
+            out.append(t)
+            continue
+        same = next((b for a, b in zip(given, args) if a is t), None)
+        if same is not None:
+            out.append(same)
+            continue
+        key = storage_key(t)
+        base = inputs.get(key)
+        if base is not None and base.requires_grad and not t.requires_grad:
+            base = base.detach()  # a view that autograd does not follow
+        if base is None:
+            base = new.get(key)
+            if base is None:
+                nbytes = t.untyped_storage().nbytes()
+                flat = torch.empty(nbytes // t.element_size(), dtype=t.dtype, device=t.device)
+                base = new[key] = flat.requires_grad_(t.requires_grad)
+        if base.dtype != t.dtype or base.requires_grad != t.requires_grad:
+            return None
+        out.append(base.as_strided(t.shape, t.stride(), t.storage_offset()))
+    return tuple(out), {key: storage_key(b) for key, b in new.items()}
 
 
 def leaf_inputs(args: Sequence[Any], *, first: bool) -> list[Any]:
@@ -83,7 +128,58 @@ def _inputs(args: Sequence[Any]) -> list[Any]:
     ]
 
 
-def _module(module: nn.Module) -> tuple[Any, ...]:
+# How many functions and objects deep `_describe` follows closures and attributes; a value deeper than this is told
+# apart by its identity.
+_DEPTH = 8
+
+
+def _describe(value: Any, names: Mapping[str, int], depth: int = 0) -> Any:
+    """What `value` (a call target, a hook, what a function closes over) does, as plain data: a node's name as its
+    position in the piece (a rewritten graph's calls name the nodes they act on), a function by its code, defaults
+    and closure, an object by its type and public attributes. What it cannot tell apart safely (deeper than
+    _DEPTH, or of an unknown kind) is described by its identity, so that two blocks are never taken for the same
+    on its account."""
+    if depth > _DEPTH:
+        return ("id", id(value))
+    deeper = depth + 1
+    if value is None or isinstance(value, bool | int | float | complex | torch.dtype | torch.device):
+        return value
+    if isinstance(value, str):
+        return f"%{names[value]}" if value in names else value
+    if isinstance(value, fx.Node):
+        return f"%{names.get(value.name, value.name)}"
+    if isinstance(value, list | tuple):
+        return (type(value).__name__, tuple(_describe(v, names, depth) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((_describe(k, names, depth), _describe(v, names, depth)) for k, v in value.items()))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", _tensor(value))
+    if isinstance(value, nn.Module):
+        return _module(value, names, depth)
+    if isinstance(value, functools.partial):
+        return ("partial", *(_describe(x, names, deeper) for x in (value.func, value.args, value.keywords)))
+    if isinstance(value, types.MethodType):
+        return ("method", value.__func__.__qualname__, _describe(value.__self__, names, deeper))
+    if isinstance(value, types.FunctionType):
+        cells = tuple(_describe(c.cell_contents, names, deeper) for c in value.__closure__ or ())
+        return ("function", value.__code__, value.__name__, _describe(value.__defaults__, names, deeper), cells)
+    if isinstance(value, types.BuiltinFunctionType | type):
+        return value  # module-level: the same object wherever it is called
+    if hasattr(value, "__dict__") and not callable(value):
+        public = {k: v for k, v in vars(value).items() if not k.startswith("_")}
+        return (type(value), _describe(public, names, deeper))
+    return ("id", id(value))  # an aten op is one object wherever it is called: told apart by identity alone
+
+
+def _hooks(module: nn.Module) -> tuple[Any, ...]:
+    """The forward hooks of a module (a rewritten graph's scatters and gathers around a split layer)."""
+    return tuple(
+        tuple(hooks.values())
+        for hooks in (module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs, module._forward_hooks)
+    )
+
+
+def _module(module: nn.Module, names: Mapping[str, int], depth: int = 0) -> tuple[Any, ...]:
     return tuple(
         (
             name,
@@ -93,20 +189,24 @@ def _module(module: nn.Module) -> tuple[Any, ...]:
             _primitives(m),
             tuple((n, _tensor(p)) for n, p in m.named_parameters(recurse=False)),
             tuple((n, _tensor(b)) for n, b in m.named_buffers(recurse=False)),
+            _describe(_hooks(m), names, depth + 1),
         )
         for name, m in module.named_modules()
     )
 
 
 class RepeatedBlocks:
-    """Recognizes blocks that repeat an earlier block exactly, so a profile pass can reuse its result.
+    """The table of a chain's distinct blocks: recognizes blocks that repeat an earlier block exactly, so that a
+    profile pass runs each distinct block once and the repeats share its result.
 
-    Two blocks are the same when their graphs are the same op for op (modules compared by class, configuration
-    and parameter shapes, not by name), and their inputs have the same shapes, dtypes, strides and
-    `requires_grad`: then the ops they run, and so their FLOPs and op costs, are the same. The layers of a
-    transformer or the bottlenecks of a ResNet stage are such blocks. Only models on the meta device are
-    compared (on fake or real tensors values could steer the ops), and a block that shares a parameter with
-    another block (tied weights) is always run, since its gradient accumulates into the other's.
+    Two blocks are the same when their graphs are the same op for op (modules compared by class, configuration,
+    parameter shapes and hooks, functions by their code and what they close over, not by name), and their inputs
+    have the same shapes, dtypes, strides and `requires_grad`: then the ops they run, and so their FLOPs, op costs
+    and bytes, are the same. The layers of a transformer, the bottlenecks of a ResNet stage and one
+    tensor-parallel rank's layers are such blocks. Only models on the meta device are compared (on fake or real
+    tensors values could steer the ops), and a block that shares a parameter with another block (tied weights) is
+    always run, since its gradient accumulates into the other's. A block's graph is described once, whatever the
+    passes and batch sizes that ask (`key`).
     """
 
     def __init__(self, mods: Sequence[fx.GraphModule], model: nn.Module) -> None:
@@ -116,28 +216,41 @@ class RepeatedBlocks:
             for p in m.parameters():
                 users.setdefault(id(p), set()).add(i)
         self.shared = {i for blocks in users.values() if len(blocks) > 1 for i in blocks}
-        self.mods = mods
+        self.mods = list(mods)
+        self._graphs: dict[int, str] = {}
+
+    @staticmethod
+    def of(chain: Chain) -> RepeatedBlocks:
+        """The table of `chain`'s blocks, with their pieces (`block_modules`)."""
+        return RepeatedBlocks(block_modules(chain), chain.graph.module)
 
     def key(self, index: int, args: Sequence[Any]) -> str | None:
         """What block `index` does with `args` (its leaf inputs), or None when it must run whatever it repeats."""
         if not self.enabled or index in self.shared:
             return None
+        if index not in self._graphs:
+            self._graphs[index] = self._graph(index)
+        return f"{self._graphs[index]}|{_inputs(args)!r}"
+
+    def _graph(self, index: int) -> str:
+        """Block `index`'s graph op for op, nodes named by their position."""
         mod = self.mods[index]
-        position: dict[fx.Node, int] = {}
+        position = {n.name: i for i, n in enumerate(mod.graph.nodes)}
         ops = []
-        for i, n in enumerate(mod.graph.nodes):
-            position[n] = i
+        for n in mod.graph.nodes:
             if n.op == "call_module":
-                target: Any = _module(mod.get_submodule(n.target))
+                target: Any = _module(mod.get_submodule(n.target), position)
             elif n.op == "get_attr":
                 attr = mod
                 for part in n.target.split("."):
                     attr = getattr(attr, part)
-                target = _tensor(attr) if isinstance(attr, torch.Tensor) else _module(attr)
+                target = _tensor(attr) if isinstance(attr, torch.Tensor) else _module(attr, position)
             elif n.op == "placeholder":
                 target = None  # inputs are named after the values they receive, which differ block to block
+            elif n.op == "call_method":
+                target = n.target  # a method's name
             else:
-                target = n.target  # a function or a method name
-            refs = fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{position[a]}")
+                target = _describe(n.target, position)  # a function, or a closure over the nodes it acts on
+            refs = fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{position[a.name]}")
             ops.append((n.op, target, refs))
-        return repr((ops, _inputs(args)))
+        return repr(ops)

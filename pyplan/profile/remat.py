@@ -51,6 +51,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pyplan._torch import (
     OpRecorder,
+    is_meta_module,
     run_without_compute,
     selective_contexts,
     selective_saves,
@@ -396,6 +397,7 @@ def block_memory(
     fake: bool = True,
     roofline: Roofline | None = None,
     autocast: torch.dtype | None = None,
+    blocks: RepeatedBlocks | None = None,
 ) -> tuple[list[BlockMemory], list[int]]:
     """Every block's bytes at `batch_size`, and the gradient bytes per cut (index 0: the model's inputs, none).
 
@@ -405,7 +407,7 @@ def block_memory(
     the share of its forward a selective recomputation takes (default: `NOMINAL_ROOFLINE`). With `autocast` (a
     16-bit dtype) every forward runs under CUDA autocast's casts (`AutocastAbove`): the bytes are the ones a
     mixed-precision step holds, its 16-bit copies of the weights and inputs of products, its fp32 norms and
-    residuals.
+    residuals. `blocks`: the chain's table of distinct blocks, when the caller has it already.
     """
 
     def casts() -> contextlib.AbstractContextManager[Any]:
@@ -418,13 +420,17 @@ def block_memory(
     device = next((p.device for p in gm.parameters() if not p.is_meta), torch.device("cpu"))
 
     def measure(convert: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[BlockMemory], list[int]]:
-        mods = pieces(chain)  # inside the fake context: get_attr values are copied from the stand-ins
-        with casts():
-            args = block_inputs(mods, [convert(t.to(device)) for t in inputs])
         # A block that repeats an earlier one (a transformer layer, a ResNet bottleneck; meta models only) on
-        # inputs of the same kind, whose values live as far past it, has the same figures: measured once. Every
-        # block still runs once in block_inputs, so the cuts' live values are the real ones.
-        repeated = RepeatedBlocks(mods, chain.graph.module)
+        # inputs of the same kind, whose values live as far past it, has the same figures: measured once. In
+        # block_inputs its outputs are made like the earlier block's, so that the cuts' values share storages as
+        # running it would (_last_cuts and _savers follow them).
+        if blocks is not None and blocks.enabled:
+            repeated = blocks
+        else:  # inside the fake context: get_attr values are copied from the stand-ins
+            repeated = RepeatedBlocks(pieces(chain), chain.graph.module)
+        mods = repeated.mods
+        with casts():
+            args = block_inputs(mods, [convert(t.to(device)) for t in inputs], repeated)
         n = len(mods)
         done: dict[Any, tuple[BlockMemory, Gradients, _Saves, int]] = {}
         figures: list[BlockMemory] = [BlockMemory(0, 0, 0, 0, 0)] * n
@@ -471,18 +477,22 @@ def remat_bytes(
     fake: bool = True,
     roofline: Roofline | None = None,
     autocast: torch.dtype | None = None,
+    blocks: RepeatedBlocks | None = None,
 ) -> RematProfile:
     """Every block's bytes as `per_sample·b + fixed`, from two batch sizes (exact: bytes are affine in b); the
     selective recomputation's share of each forward at the larger size, priced by `roofline`.
 
     Bytes are in the chain's units, fp32 as traced, which the search scales by the precision's activation scale
     (a 16-bit precision: 1/2). With `autocast` (as `block_memory` takes it) they are recorded as the step holds
-    them, so they are given over that scale: the real bytes once the search has scaled them."""
+    them, so they are given over that scale: the real bytes once the search has scaled them. `blocks` as
+    `block_memory` takes it."""
     b1, b2 = batch_sizes
     if b1 == b2:
         raise ValueError(f"two distinct batch sizes are needed, got {b1} twice")
-    m1, g1 = block_memory(chain, example_inputs, b1, fake=fake, roofline=roofline, autocast=autocast)
-    m2, g2 = block_memory(chain, example_inputs, b2, fake=fake, roofline=roofline, autocast=autocast)
+    # The pieces of a meta model made once for both sizes (a fake model's are made in each fake context).
+    table = RepeatedBlocks.of(chain) if blocks is None and is_meta_module(chain.graph.module) else blocks
+    m1, g1 = block_memory(chain, example_inputs, b1, fake=fake, roofline=roofline, autocast=autocast, blocks=table)
+    m2, g2 = block_memory(chain, example_inputs, b2, fake=fake, roofline=roofline, autocast=autocast, blocks=table)
     units = 1.0 if autocast is None else autocast.itemsize / 4  # a 16-bit precision's activation_scale
 
     def from_two(x: float, y: float) -> Affine:

@@ -95,3 +95,34 @@ def test_bf16_master_is_the_tools_bf16(tmp_path: Path, capsys: pytest.CaptureFix
     assert main([*argv, "--precision", "bf16-master", "--zero", "3"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "bf16-master runs under ZeRO 0 or 1" in err
+
+
+_META_ONLY = """
+import torch
+from torch import nn
+
+
+def model():
+    # A model too big for the host: building it anywhere but on the meta device fails.
+    if torch.empty(0).device.type != "meta":
+        raise RuntimeError("built with real weights")
+    return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(8)])
+
+
+def example_inputs(batch_size):
+    return (torch.randn(batch_size, 64),)
+"""
+
+
+def test_split_points_from_a_model_built_on_meta(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The split points come from the model traced on the meta device: no weights are built, whatever its size."""
+    model = tmp_path / "big.py"
+    model.write_text(_META_ONLY)
+    out = tmp_path / "plan.json"
+    argv = ["plan", str(model), "--gpus", "4", "--gpu", "a100-80g", "--global-batch", "16", "--json"]
+    assert main([*argv, "--pp", "2", "--dp", "2", "--zero", "0", "--out", str(out)]) == 0
+    capsys.readouterr()
+    doc = read_plan_file(out)
+    text, _ = render_config(doc, "torchtitan")
+    (split,) = tomllib.loads(text)["parallelism"]["pipeline_parallel_split_points"]
+    assert split in {str(k) for k in range(1, 8)}

@@ -1,0 +1,122 @@
+"""CPU and wall-clock seconds of whole `pyplan plan` commands, tensor parallelism in the space, from an empty cache.
+
+Run: `python benchmarks/plan_speed.py` (`--only NAME` for one case). Each case is the command a user types, run in a
+child process (its imports, trace, profiles at every tensor-parallel degree, searches, refinement and output
+included) with `PYPLAN_CACHE_DIR` a new empty directory, so that nothing is profiled ahead. CPU seconds are the
+child's user + system time; wall seconds beside them, as a shared machine stretches the one and not the other.
+
+Targets: a Llama-style 70B model on 4,096 H100s at most 10 s of CPU; GPT-2 XL on 16 A100-80GB at most 5 s; and end
+to end at least 20x less CPU than Galvatron's search on its own problem (benchmarks/GALVATRON.md: its GPT family's
+Llama-2-7B profiles, sequence 2048, bf16, 8 GPUs at global batch 64 and 16 at 128, 158.4 and 317.9 s of CPU in the
+run recorded there; not run again here), planned by pyplan from the model itself (zoo:llama-7b-style, the same
+shapes) on A100-80GB. Results and their history: benchmarks/PLAN_SPEED.md.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from rich.console import Console
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import argument_parser, machine, new_table, target_line, verdict
+
+# Galvatron's search, CPU seconds, from the run benchmarks/GALVATRON.md records (2026-11-26, 8 and 16 GPUs).
+GALVATRON_CPU_S = {8: 158.4, 16: 317.9}
+# How many times less CPU than Galvatron's search a whole pyplan command must take.
+GALVATRON_RATIO = 20.0
+
+
+@dataclass(frozen=True)
+class Case:
+    """One command: its name, its `pyplan plan` arguments, and its ceiling in CPU seconds with what it is."""
+
+    name: str
+    args: tuple[str, ...]
+    limit_cpu_s: float
+    target: str
+
+
+def _llama7b(gpus: int) -> Case:
+    limit = GALVATRON_CPU_S[gpus] / GALVATRON_RATIO
+    return Case(
+        f"galvatron-{gpus}",
+        ("zoo:llama-7b-style", "--gpus", str(gpus), "--gpu", "a100-80g", "--global-batch", str(8 * gpus)),
+        limit,
+        f"<= {limit:.1f} s ({GALVATRON_RATIO:.0f}x less than Galvatron's {GALVATRON_CPU_S[gpus]} s)",
+    )
+
+
+CASES = (
+    Case(
+        "llama-70b-4096",
+        ("zoo:llama-70b-style", "--gpus", "4096", "--gpu", "h100", "--global-batch", "2048"),
+        10.0,
+        "<= 10 s",
+    ),
+    Case("gpt2-xl-16", ("zoo:gpt2-xl", "--gpus", "16", "--gpu", "a100-80g", "--global-batch", "64"), 5.0, "<= 5 s"),
+    _llama7b(8),
+    _llama7b(16),
+)
+# What every case adds: mixed precision, tensor parallelism in the space, the answer as JSON (no table drawn).
+COMMON = ("--precision", "bf16-mixed", "--tp", "auto", "--json")
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one case took."""
+
+    cpu_s: float
+    wall_s: float
+    ok: bool
+    error: str
+
+
+def run(case: Case) -> Run:
+    """`pyplan plan` for `case` in a child process with an empty profile cache."""
+    with tempfile.TemporaryDirectory(prefix="pyplan-cache-") as cache:
+        env = {**os.environ, "PYPLAN_CACHE_DIR": cache}
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        start = time.perf_counter()
+        cmd = [sys.executable, "-m", "pyplan.cli", "plan", *case.args, *COMMON]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        wall = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    error = done.stderr.strip().splitlines()[-1] if done.returncode and done.stderr.strip() else ""
+    return Run(cpu, wall, done.returncode == 0, error)
+
+
+def main() -> int:
+    parser = argument_parser(__doc__)
+    parser.add_argument("--only", choices=[c.name for c in CASES], help="run this case alone")
+    args = parser.parse_args()
+    cases = [c for c in CASES if args.only in (None, c.name)]
+    console = Console()
+    table = new_table(
+        f"pyplan plan, tensor parallelism in the space, empty profile cache ({machine()})",
+        ["case", "CPU s", "wall s", "target (CPU)", "result"],
+        left={"case", "target (CPU)", "result"},
+    )
+    lines = []
+    for case in cases:
+        console.print(f"{case.name}: pyplan plan {' '.join(case.args + COMMON)}")
+        result = run(case)
+        met = result.ok and result.cpu_s <= case.limit_cpu_s
+        status = verdict(met) if result.ok else f"failed: {result.error}"
+        table.add_row(case.name, f"{result.cpu_s:.1f}", f"{result.wall_s:.1f}", case.target, status)
+        lines.append(target_line(f"{case.name} {case.target} of CPU", met, f"{result.cpu_s:.1f} s"))
+    console.print(table)
+    for line in lines:
+        console.print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
