@@ -71,6 +71,16 @@ _PASSED = ("use_cache", "output_router_logits")
 # (SpecAugment): no captured graph holds such a choice, and speech models (wav2vec2, speecht5) turn them on by
 # default. Each that a config sets above 0 is passed as 0; a reference that sets one is refused.
 _RANDOM_OFF = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop", "mask_time_prob", "mask_feature_prob")
+# The last word of a config key that says it counts or sizes part of the model (n_layer, num_attention_heads,
+# hidden_size, head_dim, vocab_size, num_local_experts, n_embd, max_position_embeddings, num_channels, num_labels): an
+# integer value below 1 builds a model without that part (range(-2) is no layers at all) and is refused. The last
+# word, not any: embd_pdrop=0 is a dropout, chunk_size_feed_forward=0 transformers' "no chunking". T5's d_model, d_ff
+# and d_kv, and the routed experts per token, say it by name alone.
+_SIZE_WORDS = frozenset(
+    {"layer", "layers", "head", "heads", "size", "dim", "vocab", "expert", "experts", "embd", "embeddings"}
+    | {"positions", "channels", "labels"}
+)
+_SIZE_KEYS = frozenset(("d_model", "d_ff", "d_kv", "num_experts_per_tok"))
 # Keys that transformers' PretrainedConfig takes as keyword arguments without a field of that name.
 _CONFIG_KWARGS = ("attn_implementation", "experts_implementation")
 
@@ -299,10 +309,15 @@ def _kind(value: Value) -> str:
     return {bool: "a bool", int: "an int", float: "a float", str: "a string"}[type(value)]
 
 
+def _is_size(key: str) -> bool:
+    """Whether a config key names a count or size of part of the model (`_SIZE_WORDS`)."""
+    return key in _SIZE_KEYS or key.lower().rsplit("_", 1)[-1] in _SIZE_WORDS
+
+
 def _config_overrides(ref: str, config_class: type, options: dict[str, tuple[str, Value]]) -> dict[str, Value]:
     """The overrides as keyword arguments of the config class: each key checked against the class, an alias
     (gpt2's hidden_size) renamed to its field (n_embd) so the defaults derived from it follow (t5's decoder depth
-    from num_layers), each value checked against the field's type."""
+    from num_layers), each value checked against the field's type, and a count or size (`_is_size`) against 1."""
     keys = _config_keys(config_class)
     aliases: dict[str, str] = getattr(config_class, "attribute_map", {})
     overrides: dict[str, Value] = {}
@@ -331,6 +346,10 @@ def _config_overrides(ref: str, config_class: type, options: dict[str, tuple[str
             raise ModelLoadError(
                 f"'{ref}' sets {key}={text}; pyplan plans a graph that runs every layer on every frame, with "
                 f"{key}=0: leave {key} out"
+            )
+        if type(value) is int and value < 1 and _is_size(key):
+            raise ModelLoadError(
+                f"{key}={text} in '{ref}' must be at least 1: it counts or sizes part of the model; give a positive int"
             )
         field = aliases.get(key, key)
         if field in overrides:

@@ -12,6 +12,7 @@ an interrupted sweep keeps what it finished and a resumed one skips it.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import multiprocessing
@@ -55,6 +56,7 @@ __all__ = [
     "identity",
     "is_finished",
     "plan_many",
+    "sweep_difference",
 ]
 
 # The record of one (model, cluster) pair, as CSV columns with their types; absent values are None (empty in CSV).
@@ -109,6 +111,9 @@ IDENTITY = (
     "offload",
 )
 _RETRIED = "failed"
+# Beside a results file, the sweep that writes it: `ResultsFile.sweep_path`, {"format": 1, "sweep": ...}.
+SWEEP_SUFFIX = ".sweep.json"
+SWEEP_FORMAT = 1
 
 Identity = tuple[Any, ...]
 Record = dict[str, Any]
@@ -438,6 +443,36 @@ class Sweep:
             ]
         return tasks
 
+    def describe(self) -> dict[str, Any]:
+        """What makes this sweep itself, as JSON: its models (with their references), its clusters (every figure),
+        each model's workload and the search options. `ResultsFile` keeps it beside the records, so that a resume
+        can tell the sweep that wrote a file from another."""
+        data = {
+            "models": {m.name: m.ref for m in self.models},
+            "clusters": {label: cluster.to_json() for label, cluster in self.clusters},
+            "workloads": {m.name: dataclasses.asdict(self.workloads[m.name]) for m in self.models},
+            "options": dataclasses.asdict(self.options),
+        }
+        return json.loads(json.dumps(data))  # as read back from a file: lists for tuples
+
+    def outside(self, records: Iterable[Record]) -> str | None:
+        """Why the first of `records` is not a pair of this sweep, in words ("models: vgg-tiny only in the file"),
+        or None when every record is one: its model, cluster, GPUs, workload and options are this sweep's."""
+        models = {m.name: m for m in self.models}
+        clusters = dict(self.clusters)
+        for record in records:
+            if record["model"] not in models:
+                return f"models: {record['model']} only in the file"
+            if record["cluster"] not in clusters:
+                return f"clusters: '{record['cluster']}' only in the file"
+            model = models[record["model"]]
+            label = record["cluster"]
+            expected = _base(model.name, label, clusters[label], self.workloads[model.name], self.options)
+            for key, value in expected.items():
+                if value is not None and record[key] != value:
+                    return f"{key} of {model.name} on '{label}': {record[key]} in the file, {value} in this command"
+        return None
+
     def ordered(self, records: Iterable[Record]) -> list[Record]:
         """`records` in the sweep's order; records of pairs outside the sweep follow in their own order."""
         rank = {key: i for i, key in enumerate(self.identities())}
@@ -587,6 +622,58 @@ def _typed(row: list[str]) -> Record:
     return {name: None if value == "" else kind(value) for (name, kind), value in zip(COLUMNS, row)}
 
 
+def _first_difference(earlier: Any, now: Any, where: str = "") -> tuple[str, Any, Any] | None:
+    """The first place where two JSON values differ: (its path, e.g. "gpus_per_node" or "gpu.memory_bytes", the
+    earlier value, the value now), or None when they are equal."""
+    if isinstance(earlier, dict) and isinstance(now, dict):
+        for key in (*earlier, *(k for k in now if k not in earlier)):
+            found = _first_difference(earlier.get(key), now.get(key), f"{where}.{key}" if where else str(key))
+            if found is not None:
+                return found
+        return None
+    if isinstance(earlier, list) and isinstance(now, list) and len(earlier) == len(now):
+        for i, (a, b) in enumerate(zip(earlier, now)):
+            found = _first_difference(a, b, f"{where}[{i}]")
+            if found is not None:
+                return found
+        return None
+    return None if earlier == now else (where, earlier, now)
+
+
+def _only(kind: str, earlier: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
+    """The names of one side only, in words ("models: vgg-tiny only in the file; mlp-tiny only in this command"),
+    or None when both sides name the same."""
+    parts = []
+    gone = [k for k in earlier if k not in now]
+    if gone:
+        parts.append(f"{', '.join(gone)} only in the file")
+    new = [k for k in now if k not in earlier]
+    if new:
+        parts.append(f"{', '.join(new)} only in this command")
+    return f"{kind}: {'; '.join(parts)}" if parts else None
+
+
+def sweep_difference(earlier: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
+    """What differs between two sweeps' `Sweep.describe()`, in words, or None when they are the same sweep (in any
+    order of models and clusters)."""
+    for kind in ("models", "clusters"):
+        names = _only(kind, earlier.get(kind) or {}, now.get(kind) or {})
+        if names is not None:
+            return names
+    for kind, what in (("models", "model"), ("clusters", "cluster"), ("workloads", "workload of")):
+        for name, value in now[kind].items():
+            found = _first_difference(earlier[kind].get(name), value)
+            if found is not None:
+                path, was, wanted = found
+                at = f" {path}" if path else ""
+                return f"{what} '{name}'{at}: {was!r} in the file, {wanted!r} in this command"
+    found = _first_difference(earlier.get("options"), now["options"])
+    if found is not None:
+        path, was, wanted = found
+        return f"{path}: {was!r} in the file, {wanted!r} in this command"
+    return None
+
+
 class ResultsFile:
     """Where a sweep's records go (.csv, .json or .parquet), kept valid while the sweep runs.
 
@@ -594,6 +681,9 @@ class ResultsFile:
     the file is read back. JSON and Parquet are rewritten whole for each record, through a temporary file and
     a rename. `finish` rewrites the file once more, in the sweep's order, so a resumed sweep ends with the
     same file as one that ran through. `dropped` counts the incomplete lines `read` skipped.
+
+    Beside it, `sweep_path` (the name with ".sweep.json" added) holds the sweep that writes it (`Sweep.describe`),
+    written when the file is begun; `resume` keeps an earlier run's records only when that run was the same sweep.
     """
 
     SUFFIXES = (".csv", ".json", ".parquet")
@@ -608,9 +698,40 @@ class ResultsFile:
                 import pyarrow  # noqa: F401  (optional: pyarrow, only for Parquet results)
             except ImportError:
                 raise PlanError("writing .parquet needs pyarrow: pip install pyarrow (or use .csv)") from None
+        self.sweep_path = self.path.with_name(self.path.name + SWEEP_SUFFIX)
         self.dropped = 0
         self._records: list[Record] = []
         self._append: io.TextIOWrapper | None = None
+
+    def resume(self, sweep: Sweep) -> list[Record]:
+        """The finished records of an earlier run of `sweep` in the file (none if there is no file); raises a
+        one-line PlanError naming what differs where the file holds another sweep: its `sweep_path` describes
+        another, or (without one, as an older pyplan wrote it) a record is not a pair of `sweep`."""
+        if not self.path.exists():
+            return []
+        records = self.read()
+        refuse = f"--resume: {self.path} holds another sweep"
+        fix = "rerun the command that wrote it, or choose another --out"
+        if self.sweep_path.exists():
+            try:
+                stored = json.loads(self.sweep_path.read_text())
+                earlier = stored["sweep"] if stored.get("format") == SWEEP_FORMAT else None
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, AttributeError, KeyError):
+                earlier = None
+            if not isinstance(earlier, dict) or not all(
+                isinstance(earlier.get(k), dict) for k in ("models", "clusters", "workloads", "options")
+            ):
+                raise PlanError(
+                    f"--resume: {self.sweep_path} (the sweep that wrote {self.path}) cannot be read; delete it to "
+                    "resume with the records' own check, or choose another --out"
+                )
+            differs = sweep_difference(earlier, sweep.describe())
+            if differs is not None:
+                raise PlanError(f"{refuse} ({differs}); {fix}")
+        differs = sweep.outside(records)
+        if differs is not None:
+            raise PlanError(f"{refuse} ({differs}); {fix}")
+        return [r for r in records if is_finished(r)]
 
     def read(self) -> list[Record]:
         """The complete records in the file (none if it does not exist)."""
@@ -657,9 +778,12 @@ class ResultsFile:
                 self.dropped += 1
         return records
 
-    def begin(self, records: Sequence[Record]) -> None:
-        """Start the file afresh with `records` (those kept from an earlier run)."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    def begin(self, records: Sequence[Record], sweep: Sweep | None = None) -> None:
+        """Start the file afresh with `records` (those kept from an earlier run), and `sweep_path` with `sweep`
+        first (a resume then finds the sweep of every record in the file). The directory must exist."""
+        if sweep is not None:
+            data = {"format": SWEEP_FORMAT, "sweep": sweep.describe()}
+            write_atomic(self.sweep_path, json.dumps(data, indent=1) + "\n")
         self._records = list(records)
         self._rewrite(self._records)
         if self.format == ".csv":

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pyplan.cli.hardware import add_hardware_parser
+from pyplan.cli.main import main
 from pyplan.errors import PlanError
 
 TABLE_III_NAMES = [
@@ -98,3 +99,20 @@ def test_help_has_examples(argv: list[str], capsys: pytest.CaptureFixture[str]) 
         run(*argv)
     assert exc.value.code == 0
     assert "examples:\n  pyplan hardware" in capsys.readouterr().out
+
+
+def test_calibrate_out_in_a_missing_directory_is_refused_before_measuring(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pyplan calibrate --out` checks its file as `pyplan plan --out` does: a missing directory is one line and exit
+    2 before anything is measured, and is not made."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("measured before refusing")
+
+    monkeypatch.setattr("pyplan.cli.calibrate.calibrate", refuse)
+    out = tmp_path / "missing" / "local.json"
+    assert main(["calibrate", "--quick", "--no-link", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write '{out}': no such file or directory" in err and len(err.strip().splitlines()) == 1
+    assert not out.parent.exists()

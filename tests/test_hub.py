@@ -197,6 +197,14 @@ def test_an_int_is_taken_for_a_float_field(transformers: ModuleType) -> None:
         ("hf:whisper:vocab_size=128", r"^the config of .* pads with token 50256, outside its vocab_size=128; set pad"),
         ("hf:canary", r"^pyplan does not know the audio input of 'hf:canary' \(CanaryForConditionalGeneration takes"),
         ("hf:", r"names no model type"),
+        # Counts and sizes below 1: a model without layers, heads or a vocabulary is never planned.
+        ("hf:gpt2:n_layer=-2", r"^n_layer=-2 in 'hf:gpt2:n_layer=-2' must be at least 1: it counts or sizes part"),
+        ("hf:llama:num_attention_heads=0", r"^num_attention_heads=0 in .* must be at least 1"),
+        ("hf:llama:hidden_size=-64", r"^hidden_size=-64 in .* must be at least 1"),
+        ("hf:gpt2:vocab_size=0", r"^vocab_size=0 in .* must be at least 1"),
+        ("hf:mixtral:num_local_experts=0", r"^num_local_experts=0 in .* must be at least 1"),
+        ("hf:llama:head_dim=-1", r"^head_dim=-1 in .* must be at least 1"),
+        ("hf:t5:d_model=0", r"^d_model=0 in .* must be at least 1"),
     ],
 )
 def test_bad_references_give_one_line(transformers: ModuleType, ref: str, message: str) -> None:

@@ -219,3 +219,93 @@ def test_internal_errors_exit_1_and_are_tried_again(
     assert {(r["status"], r["message"]) for r in failed} == {("failed", "ZeroDivisionError: division by zero")}
     assert main(["zoo", *SWEEP, "--out", str(out), "--cache-dir", str(cache_dir), "--resume"]) == 0
     assert out.read_text() == reference
+
+
+def test_resume_refuses_another_sweep(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A resume keeps the records of the same sweep only: another one's file is refused in one line naming what
+    differs (models, a cluster's figures, the workload, the options), before anything is planned or written; the
+    sweep is read from the file beside the records, else from the records themselves."""
+    out = tmp_path / "results.csv"
+    one = ["--gpus", "8", "--gpu", "a100-80g", "--global-batch", "16", "--jobs", "1", "--out", str(out)]
+    assert main(["zoo", "mlp-tiny", *one, "--cache-dir", str(cache_dir)]) == 0
+    written = out.read_text()
+    sidecar = tmp_path / "results.csv.sweep.json"
+    assert json.loads(sidecar.read_text())["sweep"]["models"] == {"mlp-tiny": "zoo:mlp-tiny"}
+    capsys.readouterr()
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("planned before refusing")
+
+    monkeypatch.setattr("pyplan.sweep.chain_for", refuse)
+    cases = {
+        ("vgg-tiny",): "(models: mlp-tiny only in the file; vgg-tiny only in this command)",
+        ("mlp-tiny", "--global-batch", "32"): "(workload of 'mlp-tiny' global_batch: 16 in the file, 32 in this",
+        # The same label, "8 x a100-80g-sxm", for 8 GPUs on 2 nodes of 4.
+        ("mlp-tiny", "--gpus-per-node", "4"): "(cluster '8 x a100-80g-sxm' groups[0].nodes: 1 in the file, 2 in",
+        ("mlp-tiny", "--memory-fraction", "0.5"): "(memory_fraction: 0.9 in the file, 0.5 in this command)",
+    }
+    for argv, message in cases.items():
+        assert main(["zoo", *argv[:1], *one, *argv[1:], "--no-cache", "--resume"]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: --resume: {out} holds another sweep") or f"--resume: {out} holds" in err
+        assert message in err and len(err.splitlines()) == 1, err
+        assert err.endswith("rerun the command that wrote it, or choose another --out")
+        assert out.read_text() == written
+
+    # A file written without the sweep beside it (an older pyplan): its records are checked one by one.
+    sidecar.unlink()
+    for argv, message in {
+        ("vgg-tiny",): "(models: mlp-tiny only in the file)",
+        ("mlp-tiny", "--gpus-per-node", "4"): "(gpus_per_node of mlp-tiny on '8 x a100-80g-sxm': 8 in the file, 4 in",
+        ("mlp-tiny", "--global-batch", "32"): "(global_batch of mlp-tiny on '8 x a100-80g-sxm': 16 in the file, 32 in",
+    }.items():
+        assert main(["zoo", *argv[:1], *one, *argv[1:], "--no-cache", "--resume"]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+        assert out.read_text() == written
+    sidecar.write_text("{")
+    assert main(["zoo", "mlp-tiny", *one, "--no-cache", "--resume"]) == 2
+    assert f"{sidecar} (the sweep that wrote {out}) cannot be read; delete it" in capsys.readouterr().err
+
+    # The same sweep resumes: nothing left to plan, the same file, and the sweep written beside it again.
+    sidecar.unlink()
+    assert main(["zoo", "mlp-tiny", *one, "--no-cache", "--resume"]) == 0
+    assert out.read_text() == written and json.loads(sidecar.read_text())["format"] == 1
+
+
+def test_bad_outputs_and_empty_lists_exit_2_before_planning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--out in a missing directory is refused (never made), as `pyplan plan --out` refuses it; a --gpus, --gpu or
+    --instance that names nothing plans nothing and says so; a --cache-dir that cannot hold the cache is refused
+    rather than silently off."""
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("planned before refusing")
+
+    monkeypatch.setattr("pyplan.sweep.chain_for", refuse)
+    a_file = tmp_path / "profiles.txt"
+    a_file.write_text("not a directory")
+    base = ["zoo", "mlp-tiny", "--jobs", "1", "--no-cache"]
+    cases = {
+        ("--gpus", "8", "--out", str(tmp_path / "missing" / "r.csv")): "no such file or directory",
+        ("--gpus", ","): "--gpus ',' names no cluster size; give sizes in GPUs, e.g. --gpus 8,16,64",
+        ("--gpus", "8", "--gpu", ","): "--gpu ',' names nothing; give catalog names, e.g. --gpu a100-80g",
+        ("--gpus", "8", "--instance", " , "): "--instance ' , ' names nothing",
+    }
+    for argv, message in cases.items():
+        assert main([*base, *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "missing").exists()
+
+    with_cache = ["zoo", "mlp-tiny", "--jobs", "1", "--gpus", "8", "--cache-dir"]
+    for directory, message in (
+        (a_file, f"--cache-dir {a_file}: it is a file, not a directory; give a directory (made if missing)"),
+        (a_file / "sub", f"--cache-dir {a_file / 'sub'}: '{a_file}' is a file, so the directory cannot be made"),
+    ):
+        assert main([*with_cache, str(directory)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err

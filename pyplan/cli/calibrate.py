@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from pyplan._files import check_writable
 from pyplan.hardware.catalog import local_calibration_path
 from pyplan.profile.calibrate import CalibrationOptions, calibrate, render_calibration, write_calibration
 from pyplan.report.console import make_console, spinner
@@ -48,6 +49,10 @@ def add_calibrate_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def calibrate_command(args: argparse.Namespace) -> int:
     """`pyplan calibrate`: measure, write the file, print what was measured."""
+    if args.out:
+        # Before measuring, as `pyplan plan` checks its outputs: an --out in a missing directory is refused, not
+        # created (only the default file's directory, pyplan's cache, is made when missing).
+        check_writable(args.out)
     options = CalibrationOptions(threads=args.threads, quick=args.quick, link=not args.no_link)
     with spinner("calibrating this machine") as say:
         say("measuring")

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pyplan import _core, zoo
+from pyplan._files import check_writable
 from pyplan.errors import PlanError
 from pyplan.hardware.cluster import Cluster
 from pyplan.model_state import OPTIMIZERS, PRECISIONS
@@ -21,7 +23,7 @@ from pyplan.plan import Workload
 from pyplan.profile.cache import ProfileCache
 from pyplan.report.console import make_console
 from pyplan.solve.remat_search import OFFLOAD_MODES, REMAT_MODES
-from pyplan.sweep import ModelRef, ResultsFile, SearchOptions, Sweep, cluster_label, identity, is_finished
+from pyplan.sweep import ModelRef, ResultsFile, SearchOptions, Sweep, cluster_label, identity
 from pyplan.units import fmt_bytes, fmt_count
 
 __all__ = ["add_zoo_parser", "list_data", "zoo_list", "zoo_main", "zoo_sweep"]
@@ -44,7 +46,8 @@ the best plan of each pair, or why there is none. Pairs are planned as `pyplan p
 --jobs worker processes; each model is profiled once per GPU type, and its profile is kept in a cache on disk
 (--cache-dir, default $PYPLAN_CACHE_DIR/profiles or ~/.cache/pyplan/profiles) for later sweeps. With --out,
 each pair is written as soon as it is planned, so an interrupted sweep keeps what it finished, and --resume
-plans only the pairs the file lacks (pairs that failed with an internal error are tried again).
+plans only the pairs the file lacks (pairs that failed with an internal error are tried again); the sweep is
+kept beside it (FILE.sweep.json), and a resume with other models, clusters or options is refused.
 
 `pyplan zoo list [NAME ...] [--json]` prints the zoo instead."""
 
@@ -209,8 +212,10 @@ def _split(value: str | None) -> list[str]:
 
 
 def _sizes(value: str | None) -> list[int]:
-    if not value:
+    if value is None:
         raise PlanError("give the cluster sizes to plan for, e.g. --gpus 8,16,64")
+    if not _split(value):
+        raise PlanError(f"--gpus '{value}' names no cluster size; give sizes in GPUs, e.g. --gpus 8,16,64")
     sizes = []
     for v in _split(value):
         if not v.isdigit() or int(v) < 1:
@@ -235,6 +240,12 @@ def _clusters(args: argparse.Namespace) -> list[Cluster]:
     gpus = _sizes(args.gpus)
     types = _split(args.gpu)
     instances = _split(args.instance)
+    for option, value, names, example in (
+        ("--gpu", args.gpu, types, "a100-80g"),
+        ("--instance", args.instance, instances, "p4d.24xlarge"),
+    ):
+        if value is not None and not names:
+            raise PlanError(f"{option} '{value}' names nothing; give catalog names, e.g. {option} {example}")
     if not types and not instances:
         types = [_DEFAULT_GPU]
     clusters = [
@@ -257,7 +268,24 @@ def _cache(args: argparse.Namespace) -> ProfileCache | None:
         if args.cache_dir:
             raise PlanError("--no-cache and --cache-dir contradict each other; give one")
         return None
-    return ProfileCache(args.cache_dir) if args.cache_dir else ProfileCache()
+    if not args.cache_dir:
+        return ProfileCache()
+    _check_cache_dir(args.cache_dir)
+    return ProfileCache(args.cache_dir)
+
+
+def _check_cache_dir(value: str) -> None:
+    """Refuse a --cache-dir that cannot hold the cache (a file, or a missing directory under a file or in a
+    read-only one): the cache skips what it cannot write, so it would be off without a word."""
+    path = Path(value).expanduser()
+    fix = "give a directory (made if missing), or --no-cache"
+    if path.exists() and not path.is_dir():
+        raise PlanError(f"--cache-dir {value}: it is a file, not a directory; {fix}")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise PlanError(f"--cache-dir {value}: '{existing}' is a file, so the directory cannot be made; {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PlanError(f"--cache-dir {value}: '{existing}' is not writable; {fix}")
 
 
 def zoo_sweep(args: argparse.Namespace) -> int:
@@ -283,14 +311,17 @@ def zoo_sweep(args: argparse.Namespace) -> int:
             f"'{args.out}' holds the results of an earlier sweep: --resume continues it; remove it or choose "
             "another --out to start afresh"
         )
-    cache = _cache(args)
     results = ResultsFile(args.out) if args.out else None
-    kept = [r for r in results.read() if is_finished(r)] if results and args.resume else []
+    if args.out:
+        check_writable(args.out)  # as `pyplan plan --out`: a missing directory is refused, never made
+    cache = _cache(args)
+    # A resume keeps the records of the same sweep only; another sweep's file is refused, naming what differs.
+    kept = results.resume(sweep) if results and args.resume else []
     wanted = set(sweep.identities())
-    done = [identity(r) for r in kept if identity(r) in wanted]
+    done = [identity(r) for r in kept]
     err = make_console(stderr=True)
     if results is not None:
-        results.begin(kept)
+        results.begin(kept, sweep)
         if results.dropped:
             err.print(f"{args.out}: dropped {results.dropped} incomplete line(s) left by an interrupted sweep")
     total = len(wanted) - len(done)

@@ -16,46 +16,31 @@ _TEMPLATE = '''\
 
 Run it with one process per GPU:
     torchrun --nnodes {nodes} --nproc-per-node {per_node} {name} [--plan plan.json] [--steps N] [--data FILE:FUNC]
-        [--checkpoint DIR] [--clip-grad-norm X]
+        [--checkpoint DIR] [--clip-grad-norm X] [--metrics FILE] [--tensorboard DIR]
 
---plan        use another plan file instead of the plan embedded here
---steps       optimizer steps to train to, counting those of a resumed checkpoint (default 10)
---data        `file.py:function` returning an iterator of (inputs, target) global batches of {global_batch}
-              samples, inputs as example_inputs returns them: a tuple of tensors, a dict of keyword arguments,
-              or (args, kwargs) (default: synthetic batches from the model's example_inputs); a function with
-              parameters `replica` and `replicas` is called with them and gives only that data-parallel replica's
-              share ({global_batch} / replicas samples), as a DistributedSampler would; on resuming, a function
-              with a parameter `start` is called with the step to start from, and otherwise the batches of the
-              steps already trained are drawn and dropped
---lr          learning rate (default 1e-3)
---warmup-steps  linear learning-rate warm-up over this many steps (default 0)
---decay       learning-rate decay after the warm-up: none (default), linear or cosine, to 0.1 x --lr at the last step
---clip-grad-norm  clip the gradient of the whole model to this norm, as torch.nn.utils.clip_grad_norm_ does in one
-              process (default: no clipping); each step's line then shows the norm before clipping
---checkpoint  folder for the training state (parameters, optimizer state, step; torch.distributed.checkpoint):
-              saved as DIR/step-N at the end and every --checkpoint-every steps. If DIR holds one, the run resumes
-              from the latest, also under another plan of the same model and optimizer (other dp, pp, micro-batches
-              or ZeRO stage: the state is resharded); give --lr, --warmup-steps, --decay and --steps as before
---checkpoint-every  steps between checkpoints (default: only at the end)
---keep-checkpoints  how many of the latest checkpoints to keep (default 2)
---save-params write this rank's parameters after training to FILE.rank<R>.pt (for checking against one process)
---timeout     seconds after which a rank that stopped answering (stopped, killed, exited) ends the run, rank 0
-              saying which; also init_process_group's timeout (default 600)
+Each step rank 0 prints the replicas' mean loss, the learning rate, the gradient's norm (before clipping), the
+slowest rank's step time, samples/s (tokens/s for a model of token ids), the model FLOPs utilization (MFU) and the
+largest peak memory of any rank, time and memory beside the plan's prediction; at the end, the median step after the
+warm-up against the prediction. On a device other than the plan's (a CPU for a GPU's plan, another GPU) the run
+checks that the plan trains: no time is set against the plan's and no MFU is shown. Memory is what the plan counts:
+on a GPU the most the CUDA allocator held; on a CPU the live tensor bytes of a steady step (the second), counted by
+pyplan's LiveMemory from the first step on, with the rank's parameters and batch: the two counted steps run slower
+and are left out of the median.
 
-Each step rank 0 prints the replicas' mean loss, the slowest rank's step time, samples/s (tokens/s for a model of
-token ids) and the largest peak memory of any rank, each beside the plan's prediction; at the end, the median step
-after the warm-up against the prediction. On a device other than the plan's (a CPU for a GPU's plan, another GPU)
-the run checks that the plan trains: no time is set against the plan's. Memory is what the plan counts: on a GPU
-the most the CUDA allocator held; on a CPU the live tensor bytes of a steady step (the second), counted by pyplan's
-LiveMemory from the first step on, with the rank's parameters and batch: the two counted steps run slower and are
-left out of the median.
+MFU is the model FLOPs of a step (forward and backward of the global batch, matrix products and convolutions as
+torch's FlopCounterMode counts them, recomputation left out) over the step time x the GPUs x the plan GPU's peak
+FLOP/s at the plan's precision, as PaLM (Chowdhery et al. 2022) and torchtitan define it.
+
+`python {name} --help` describes every option.
 """
 
 import argparse
 import glob
+import importlib
 import importlib.util
 import inspect
 import json
+import math
 import os
 import sys
 import time
@@ -72,8 +57,11 @@ import torch.distributed as dist
 
 from pyplan.emit.planfile import plan_file_from_json, read_plan_file
 from pyplan.errors import PlanError
-from pyplan.graph.trace import input_tensors
+from pyplan.graph.linearize import linearize
+from pyplan.graph.trace import input_tensors, trace
 from pyplan.load import load_model
+from pyplan.model_state import COMPUTE_DTYPES
+from pyplan.profile.flops import block_flops
 from pyplan.profile.live import LiveMemory
 from pyplan.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from pyplan.runtime.heartbeat import Heartbeat
@@ -154,11 +142,94 @@ def summary(times, warmup, start, planned_s, other, planned_on):
 
 
 def throughput(tensors, global_batch, step_s):
-    """Samples per second, or tokens per second where the model reads token ids (an integer (B, T) input)."""
+    """Samples per second, or tokens per second where the model reads token ids (an integer (B, T) input): the
+    rate and what it counts ("samples" or "tokens")."""
     tokens = [t for t in tensors if not t.is_floating_point() and t.dim() == 2]
     if tokens:
-        return f"{{global_batch * tokens[0].shape[1] / step_s:,.0f}} tokens/s"
-    return f"{{global_batch / step_s:,.1f}} samples/s"
+        return global_batch * tokens[0].shape[1] / step_s, "tokens"
+    return global_batch / step_s, "samples"
+
+
+def shown_rate(rate, what):
+    return f"{{rate:,.0f}} tokens/s" if what == "tokens" else f"{{rate:,.1f}} samples/s"
+
+
+# The catalog's peak for each compute dtype of a precision (pyplan.model_state.COMPUTE_DTYPES; None: fp32).
+PEAK_DTYPES = {{None: "fp32", "bfloat16": "bf16", "float16": "fp16"}}
+
+
+def peak_flops(gpu, precision, other):
+    """One GPU's peak FLOP/s at the plan's precision, the yardstick of MFU; None on a device other than the plan's
+    (`other`: the plan's peak says nothing of it) or where the catalog has no peak for the precision."""
+    if other is not None:
+        return None
+    return gpu.peak_flops_per_s.get(PEAK_DTYPES[COMPUTE_DTYPES[precision]])
+
+
+def model_flops(spec, model, layout, leaf_modules=()):
+    """The model FLOPs of one optimizer step: forward and backward of every micro-batch of every replica, counted
+    as pyplan counted them when it planned (torch's FlopCounterMode per block of the captured model, on fake
+    tensors: nothing is computed); recomputation and the optimizer are left out, as MFU has it. The random number
+    generator is left as it was, so that the rank counting draws what the others draw."""
+    b = layout.micro_batch_size
+    with torch.random.fork_rng(devices=[]):
+        chain = linearize(trace(model, spec.example_inputs, leaf_modules=leaf_modules, batch_size=b))
+        per_micro_batch = sum(fwd(b) + bwd(b) for fwd, bwd in block_flops(chain, spec.example_inputs))
+    return per_micro_batch * layout.num_microbatches * layout.dp
+
+
+def finite_or_none(value):
+    """`value`, or None where it is not finite (a diverged loss): strict JSON has no NaN or Infinity."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+def earlier_step(line, start):
+    """Whether a line of a metrics file records a step before `start`; a line a crash cut short does not."""
+    try:
+        return json.loads(line)["step"] < start
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+class Metrics:
+    """Rank 0's record of each step for tools: one JSON object a line in `path` (--metrics), flushed every step,
+    and the same scalars in TensorBoard through `writer` (--tensorboard). A run from step 0 starts the file afresh;
+    a run resumed at step `start` keeps the lines of the steps before it (a run cut short after its last checkpoint
+    wrote later ones) and continues the file, as `purge_step` does for TensorBoard's events."""
+
+    def __init__(self, path, writer, start):
+        self.writer = writer
+        self.file = None
+        if path:
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                kept = []
+                if start and os.path.exists(path):
+                    with open(path) as f:
+                        kept = [line.rstrip("\\n") + "\\n" for line in f if earlier_step(line, start)]
+                with open(f"{{path}}.partial", "w") as f:
+                    f.writelines(kept)
+                os.replace(f"{{path}}.partial", path)
+                self.file = open(path, "a")
+            except OSError as exc:
+                raise PlanError(f"--metrics {{path}} cannot be written: {{exc.strerror or exc}}") from None
+
+    def record(self, figures):
+        """Write one step's `figures` (a dict with "step"); None (JSON null) where a figure is not known."""
+        if self.file is not None:
+            line = {{k: finite_or_none(v) if isinstance(v, float) else v for k, v in figures.items()}}
+            self.file.write(json.dumps(line, allow_nan=False) + "\\n")
+            self.file.flush()
+        if self.writer is not None:
+            for key, value in figures.items():
+                if key != "step" and value is not None:
+                    self.writer.add_scalar(key, value, figures["step"])
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def synthetic_batches(spec, global_batch):
@@ -205,21 +276,76 @@ def stopped_answering(ranks, silent_s):
     )
 
 
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plan")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--data")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--warmup-steps", type=int, default=0)
-    parser.add_argument("--decay", choices=LR_DECAYS, default="none")
-    parser.add_argument("--clip-grad-norm", type=float)
-    parser.add_argument("--checkpoint")
-    parser.add_argument("--checkpoint-every", type=int, default=0)
-    parser.add_argument("--keep-checkpoints", type=int, default=2)
-    parser.add_argument("--save-params")
-    parser.add_argument("--timeout", type=float, default=600.0)
-    return parser.parse_args()
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plan", metavar="FILE", help="use this plan file instead of the plan embedded here")
+    parser.add_argument(
+        "--steps", type=int, default=10, metavar="N",
+        help="optimizer steps to train to, counting those of a resumed checkpoint (default 10)",
+    )
+    parser.add_argument(
+        "--data", metavar="FILE:FUNC",
+        help="`file.py:function` returning an iterator of (inputs, target) global batches of {global_batch} samples, "
+        "inputs as example_inputs returns them: a tuple of tensors, a dict of keyword arguments, or (args, kwargs) "
+        "(default: synthetic batches from the model's example_inputs); a function with parameters `replica` and "
+        "`replicas` is called with them and gives only that data-parallel replica's share ({global_batch} / replicas "
+        "samples), as a DistributedSampler would; on resuming, a function with a parameter `start` is called with the "
+        "step to start from, and otherwise the batches of the steps already trained are drawn and dropped",
+    )
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=0, metavar="N",
+        help="linear learning-rate warm-up over this many steps (default 0)",
+    )
+    parser.add_argument(
+        "--decay", choices=LR_DECAYS, default="none",
+        help="learning-rate decay after the warm-up, to 0.1 x --lr at the last step (default none)",
+    )
+    parser.add_argument(
+        "--clip-grad-norm", type=float, metavar="X",
+        help="clip the gradient of the whole model to this norm, as torch.nn.utils.clip_grad_norm_ does in one "
+        "process (default: no clipping); the norm each step shows and records is the one before clipping",
+    )
+    parser.add_argument(
+        "--checkpoint", metavar="DIR",
+        help="folder for the training state (parameters, optimizer state, step; torch.distributed.checkpoint), "
+        "saved as DIR/step-N at the end and every --checkpoint-every steps. If DIR holds one, the run resumes from "
+        "the latest, also under another plan of the same model and optimizer (other dp, pp, micro-batches or ZeRO "
+        "stage: the state is resharded); give --lr, --warmup-steps, --decay and --steps as before",
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=0, metavar="N",
+        help="steps between checkpoints (default: only at the end)",
+    )
+    parser.add_argument(
+        "--keep-checkpoints", type=int, default=2, metavar="K",
+        help="how many of the latest checkpoints to keep (default 2)",
+    )
+    parser.add_argument(
+        "--metrics", metavar="FILE",
+        help="write one JSON object a line per step to FILE (rank 0, flushed each step): step (from 0, as the step "
+        "line counts), loss (the replicas' mean), lr, grad_norm (before clipping), step_s (the slowest rank's), "
+        "tokens_per_s (samples_per_s for a model without token ids), mfu (a fraction of the peak) and "
+        "peak_memory_bytes (the largest of any rank, as the step line shows it). mfu is null on a device other than "
+        "the plan's (a CPU run of a GPU's plan: the plan's peak says nothing of it) and where the catalog has no "
+        "peak for the plan's precision; a figure that is not finite (a diverged loss) is null. A run from step 0 "
+        "starts FILE afresh; a resumed run keeps the lines of the steps before it and continues FILE",
+    )
+    parser.add_argument(
+        "--tensorboard", metavar="DIR",
+        help="write the same figures as TensorBoard scalars to DIR (needs `pip install tensorboard`); a resumed "
+        "run drops the events of the steps from the one it resumes at",
+    )
+    parser.add_argument(
+        "--save-params", metavar="FILE",
+        help="write this rank's parameters after training to FILE.rank<R>.pt (for checking against one process)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, metavar="S",
+        help="seconds after which a rank that stopped answering (stopped, killed, exited) ends the run, rank 0 "
+        "saying which; also init_process_group's timeout (default 600)",
+    )
+    return parser
 
 
 def train(args):
@@ -231,8 +357,15 @@ def train(args):
         torch.cuda.set_device(device)
 
     spec = load_model(document.model)
+    rank0 = dist.get_rank() == 0
     torch.manual_seed(0)  # every rank builds the same initial model
     model = spec.build()
+    other = other_device(document.cluster.gpu, device)
+    gpu_peak = peak_flops(document.cluster.gpu, workload.precision, other)
+    flops = None
+    if gpu_peak is not None:  # MFU: rank 0 counts the model's FLOPs while the others wait, so no step times the wait
+        flops = model_flops(spec, model, layout, document.leaf_modules) if rank0 else None
+        dist.barrier()
     trainer = build_trainer(
         spec, model, layout, optimizer_factory(workload.optimizer, args.lr),
         device=device, leaf_modules=document.leaf_modules, precision=workload.precision,
@@ -242,7 +375,7 @@ def train(args):
     resume = latest_checkpoint(args.checkpoint) if args.checkpoint else None
     if resume is not None:
         start = load_checkpoint(trainer, resume)
-        if dist.get_rank() == 0:
+        if rank0:
             print(f"resumed from {{resume}} (step {{start}})", flush=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         trainer.optimizer, lambda step: lr_factor(start + step, args.steps, args.warmup_steps, args.decay)
@@ -252,7 +385,12 @@ def train(args):
     else:
         batches, shared = synthetic_batches(spec, workload.global_batch), False
     predicted = document.plan.predicted
-    other = other_device(document.cluster.gpu, device)
+    writer = None
+    if args.tensorboard and rank0:
+        from torch.utils.tensorboard import SummaryWriter  # checked in main: tensorboard is installed
+
+        writer = SummaryWriter(args.tensorboard, purge_step=start or None)
+    metrics = Metrics(args.metrics, writer, start) if rank0 else None
     planned_time = f"(plan {{predicted.iteration_s * 1e3:.1f}}) " if other is None else ""
     times = []
     memory = None if cuda else CpuMemory(trainer)
@@ -268,9 +406,11 @@ def train(args):
         if cuda:
             torch.cuda.synchronize(device)
         began = time.perf_counter()
-        losses = trainer.step(
-            tuple(t[take] for t in tensors), target[take] if target is not None else None, args.clip_grad_norm
-        )
+        lr = trainer.optimizer.param_groups[0]["lr"]  # this step's, before the schedule moves on
+        # An infinite norm clips nothing and still measures the gradient's norm for the step line and --metrics: a
+        # pass over the gradients and one all-reduce of a number, as torchtitan pays every step.
+        max_norm = args.clip_grad_norm if args.clip_grad_norm is not None else float("inf")
+        losses = trainer.step(tuple(t[take] for t in tensors), target[take] if target is not None else None, max_norm)
         schedule.step()
         if cuda:
             torch.cuda.synchronize(device)
@@ -290,28 +430,38 @@ def train(args):
         largest = reduce(figures, dist.ReduceOp.MAX, device)
         step_s, peak = largest[2].item(), largest[3].item()
         times.append(step_s)
-        if dist.get_rank() == 0:
+        if rank0:
             loss = summed[0].item() / max(summed[1].item(), 1.0)
-            norm = f"grad norm {{trainer.grad_norm:.4g}} " if args.clip_grad_norm is not None else ""
+            rate, what = throughput(tensors, workload.global_batch, step_s)
+            mfu = flops / (step_s * layout.num_gpus * gpu_peak) if flops is not None else None
+            shown_mfu = f"MFU {{mfu * 100:.1f}}% " if mfu is not None else ""
             print(
-                f"step {{step}} loss {{loss:.6f}} {{norm}}time {{step_s * 1e3:.1f}} ms {{planned_time}}"
-                f"{{throughput(tensors, workload.global_batch, step_s)}} "
+                f"step {{step}} loss {{loss:.6f}} lr {{lr:.4g}} grad norm {{trainer.grad_norm:.4g}} "
+                f"time {{step_s * 1e3:.1f}} ms {{planned_time}}{{shown_rate(rate, what)}} {{shown_mfu}}"
                 f"peak memory {{memory_pair(peak, predicted.peak_memory_bytes)}}",
                 flush=True,
+            )
+            metrics.record(
+                {{
+                    "step": step, "loss": loss, "lr": lr, "grad_norm": trainer.grad_norm, "step_s": step_s,
+                    f"{{what}}_per_s": rate, "mfu": mfu, "peak_memory_bytes": int(peak),
+                }}
             )
         done = step + 1
         if args.checkpoint and (done == args.steps or args.checkpoint_every and done % args.checkpoint_every == 0):
             save_checkpoint(trainer, done, args.checkpoint, args.keep_checkpoints)
-    if dist.get_rank() == 0 and len(times) > warmup and predicted.iteration_s > 0:
+    if rank0 and len(times) > warmup and predicted.iteration_s > 0:
         gpu = document.cluster.gpu.name
         print(summary(times, warmup, start, predicted.iteration_s, other, gpu), flush=True)
+    if metrics is not None:
+        metrics.close()
     if args.save_params:
         torch.save(trainer.parameters(), f"{{args.save_params}}.rank{{dist.get_rank()}}.pt")
     dist.barrier()
 
 
 def main():
-    args = parse_args()
+    args = build_parser().parse_args()
     code = 0
     heartbeat = None
     try:
@@ -321,6 +471,11 @@ def main():
             raise PlanError(f"--clip-grad-norm takes a positive norm, got {{args.clip_grad_norm}}")
         if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
             raise PlanError("--checkpoint-every takes steps >= 0 and --keep-checkpoints a count >= 1")
+        if args.tensorboard:
+            try:
+                importlib.import_module("torch.utils.tensorboard")  # whether TensorBoard is installed, before training
+            except ImportError:
+                raise PlanError("--tensorboard needs TensorBoard, which is not installed: pip install tensorboard")
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             world = PLAN["plan"]["dp"] * PLAN["plan"]["pp"]
             raise PlanError(

@@ -391,6 +391,11 @@ def _group_from_dict(data: Mapping[str, Any], what: str) -> NodeGroup:
     for key in ("currency", "instance"):
         if data.get(key) is not None and not isinstance(data[key], str):
             raise PlanError(f"{what}: '{key}' must be a string, got {data[key]!r}")
+    if data.get("gpus") is None and data.get("nodes") is None:
+        # `from_catalog` defaults to one GPU; a file states its size, so a forgotten key is never planned as 1 GPU.
+        raise PlanError(
+            f"{what}: no size; add 'gpus' (all its GPUs) or 'nodes' (with 'gpus_per_node' or an 'instance')"
+        )
     return _make_group(
         what,
         gpu=gpu,

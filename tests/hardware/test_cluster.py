@@ -273,6 +273,10 @@ def test_file_with_inline_gpu_instance_and_groups(tmp_path: Path) -> None:
         ({"intra_link": 5}, "'intra_link' must be a catalog link name or a table"),
         ({"groups": []}, "'groups' must be a non-empty list of tables"),
         ({"groups": [{"gpu": "t4", "nodez": 1}]}, "groups[0]: unknown key 'nodez'; did you mean 'nodes'?"),
+        # A file without its size is refused, never planned as one GPU.
+        ({"nodes": None}, "no size; add 'gpus' (all its GPUs) or 'nodes' (with 'gpus_per_node' or an 'instance')"),
+        ({"gpu": None, "nodes": None, "gpus_per_node": None, "instance": "p4d.24xlarge"}, "no size; add 'gpus'"),
+        ({"nodes": None, "groups": [{"gpu": "t4", "gpus": 2}, {"gpu": "a100-80g"}]}, "groups[1]: no size; add"),
     ],
 )
 def test_file_validation_errors_name_the_file_and_field(tmp_path: Path, change: dict[str, Any], message: str) -> None:
