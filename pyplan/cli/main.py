@@ -37,7 +37,7 @@ from pyplan.hardware.cluster import Cluster
 from pyplan.load import load_model
 from pyplan.model_state import OPTIMIZERS, PRECISIONS
 from pyplan.plan import ZERO_STAGES, Plan, Workload
-from pyplan.profile import TimingOptions, default_batch_sizes, local_device, profile
+from pyplan.profile import TimingOptions, default_batch_sizes, local_device, profile, sizes_from_two
 from pyplan.report.console import make_console, spinner
 from pyplan.report.html import write_html_report
 from pyplan.report.inspect import inspect_data, render_inspect, render_tensor_parallel, tensor_parallel_data
@@ -81,31 +81,21 @@ def _cannot_run_at(exc: BaseException, model: torch.nn.Module, batch_size: int) 
     )
 
 
-def _inspect_sizes(batch_size: int, *, from_two: bool = False) -> tuple[int, ...]:
-    """The batch sizes inspect profiles at to fit each block's time as a line: a quarter, half and all of
-    --batch-size (`default_batch_sizes`); `from_two`: none below 2, for a model that cannot train on one sample
-    (as `pyplan plan` profiles it)."""
-    sizes = default_batch_sizes(batch_size)
-    if not from_two:
-        return sizes
-    kept = sorted({max(2, b) for b in sizes})
-    return tuple(kept) if len(kept) > 1 else (kept[0], 2 * kept[0])
-
-
 def _profiled(
     chain: Chain, model: torch.nn.Module, example_inputs: ExampleInputs, args: argparse.Namespace, options: Any
 ) -> Chain:
-    """`chain` profiled at `_inspect_sizes(--batch-size)`; from 2 samples where a BatchNorm cannot train on one."""
+    """`chain` profiled at a quarter, half and all of --batch-size (`default_batch_sizes`); from 2 samples where a
+    BatchNorm cannot train on one."""
     measure = not args.analytic
     try:
         return profile(
-            chain, example_inputs, measure=measure, options=options, batch_sizes=_inspect_sizes(args.batch_size)
+            chain, example_inputs, measure=measure, options=options, batch_sizes=default_batch_sizes(args.batch_size)
         )
     except Exception as exc:
         if one_value_per_channel(exc) is None:
             raise
     try:
-        sizes = _inspect_sizes(args.batch_size, from_two=True)
+        sizes = sizes_from_two(default_batch_sizes(args.batch_size))
         return profile(chain, example_inputs, measure=measure, options=options, batch_sizes=sizes)
     except Exception as exc:
         cause = one_value_per_channel(exc)

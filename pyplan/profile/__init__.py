@@ -36,6 +36,7 @@ __all__ = [
     "remat_bytes",
     "remat_chain",
     "saved_bytes",
+    "sizes_from_two",
 ]
 
 
@@ -43,6 +44,13 @@ def default_batch_sizes(batch_size: int) -> tuple[int, ...]:
     """Micro-batch sizes to time at: a quarter, half and all of `batch_size` (at least two distinct sizes)."""
     sizes = sorted({max(1, batch_size // 4), max(1, batch_size // 2), batch_size})
     return tuple(sizes) if len(sizes) >= 2 else (batch_size, 2 * batch_size)
+
+
+def sizes_from_two(sizes: Sequence[int]) -> tuple[int, ...]:
+    """`sizes` with none below 2, for a model that cannot train on one sample (a BatchNorm over 1x1 maps): at
+    least two distinct sizes."""
+    kept = sorted({max(2, b) for b in sizes})
+    return tuple(kept) if len(kept) > 1 else (kept[0], 2 * kept[0])
 
 
 # The largest micro-batch a measured profile times: beyond it a block's time grows along its last segment, as the

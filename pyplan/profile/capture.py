@@ -25,7 +25,7 @@ from pyplan.hardware.catalog import GPU, LOCAL
 from pyplan.hardware.cluster import Cluster
 from pyplan.model_state import AUTOCAST_PRECISIONS, COMPUTE_DTYPES
 from pyplan.plan import Workload
-from pyplan.profile import default_batch_sizes, measured_batch_sizes, profile
+from pyplan.profile import default_batch_sizes, measured_batch_sizes, profile, sizes_from_two
 from pyplan.profile.analytic import Roofline, block_times_analytic
 from pyplan.profile.attention import AttentionTarget, TargetKernels
 from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, measured_target
@@ -177,8 +177,7 @@ class _Target:
             if one_value_per_channel(exc) is None:
                 raise
         try:
-            from_two = sorted({max(2, b) for b in self.sizes})
-            profiled, how = self._at(chain, examples, tuple(from_two if len(from_two) > 1 else [2, 4]))
+            profiled, how = self._at(chain, examples, sizes_from_two(self.sizes))
         except (ValueError, ZeroDivisionError) as again:
             if one_value_per_channel(again) is None:
                 raise
