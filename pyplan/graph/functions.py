@@ -59,7 +59,11 @@ def _run(key: str, tensors: list[torch.Tensor | None]) -> list[torch.Tensor]:
     """The call's output tensors, in pytree order, from the Function's own apply."""
     call = _CALLS[key]
     args, kwargs = call.arguments(tensors)
-    out = _ORIGINAL_APPLY(call.function, *args, **kwargs)
+    # On meta inputs the tensors the forward makes go to meta too (SEW-D's XSoftmax fills with
+    # `torch.tensor(finfo.min)`, a CPU scalar that CUDA takes beside its inputs and meta refuses).
+    on_meta = any(t is not None and t.device.type == "meta" for t in tensors)
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        out = _ORIGINAL_APPLY(call.function, *args, **kwargs)
     leaves = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
     if not leaves:
         raise TypeError(f"{call.function.__qualname__}.forward returned no tensor")

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import LayerGraph
@@ -119,7 +119,52 @@ def _mutated(n: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
         inplace = (base.endswith("_") and not base.endswith("__")) or n.kwargs.get("inplace") is True
     else:
         return []
-    return [n.args[0]] if inplace else []
+    return _aliased(n.args[0], gm) if inplace else []
+
+
+# Methods of a traced tensor that may return a view of it (or the tensor itself).
+_VIEW_METHODS = frozenset(
+    {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "expand", "expand_as", "contiguous"}
+    | {"unsqueeze", "squeeze", "flatten", "unflatten", "narrow", "select", "__getitem__", "t", "detach", "to"}
+)
+
+
+def _aliased(n: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
+    """`n` and the values it may share storage with, back through views and ops that may return their input
+    unchanged (dropout with p = 0 returns its input itself): an in-place op on `n` modifies each of them."""
+    found = [n]
+    while True:
+        source = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if source is None or not _may_alias(n, source, gm):
+            return found
+        found.append(source)
+        n = source
+
+
+def _may_alias(n: fx.Node, source: fx.Node, gm: fx.GraphModule) -> bool:
+    """Whether node `n`'s value may share storage with its first argument `source`'s."""
+    val, src = n.meta.get("val"), source.meta.get("val")
+    if isinstance(val, torch.Tensor) and isinstance(src, torch.Tensor):
+        try:
+            if val.untyped_storage()._cdata == src.untyped_storage()._cdata:
+                return True
+        except (RuntimeError, NotImplementedError):
+            pass
+    if n.op == "call_method":
+        return str(n.target) in _VIEW_METHODS
+    if n.op == "call_function":
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None:
+            returns = schema.returns
+            if returns and returns[0].alias_info is not None:
+                return True
+            return schema.name.split("::")[-1] in ("dropout", "alias", "contiguous", "to", "type_as", "_to_copy")
+        name = getattr(n.target, "__name__", "")
+        return name in _VIEW_METHODS or name in ("dropout", "getitem")
+    if n.op == "call_module":
+        # Dropout with p = 0 or in eval mode returns its input itself.
+        return isinstance(gm.get_submodule(str(n.target)), (nn.modules.dropout._DropoutNd, nn.Identity))
+    return False
 
 
 def pieces(chain: Chain, bounds: Sequence[int] | None = None) -> list[fx.GraphModule]:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import linecache
 import os
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -310,6 +311,32 @@ def _capture_error(model: nn.Module, exc: BaseException, fx_failure: _FxFailure 
 _NO_MODULE = "_empty_nn_module_stack_from_metadata_hook"
 
 
+@contextlib.contextmanager
+def _explicit_keywords(model: nn.Module, bound: dict[str, Any]) -> Iterator[None]:
+    """While torch.export runs: where the example inputs reach the forward's `**kwargs` (FNet's forward takes no
+    attention_mask), a forward whose signature names each of them, so that dynamic_shapes can mirror it (torch 2.13's
+    export binds the inputs to the signature, then appends the keyword inputs again beside the `**kwargs` entry, and
+    refuses the shapes as a mismatch)."""
+    params = list(inspect.signature(model.forward).parameters.values())
+    var = next((p for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    if var is None or not bound.get(var.name):
+        yield
+        return
+    named = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    extra = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in bound[var.name]]
+    original = model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    forward.__signature__ = inspect.Signature(named + extra)  # type: ignore[attr-defined]
+    model.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del model.forward
+
+
 def _export(model: nn.Module, call: Call) -> fx.GraphModule:
     """Capture `model` with torch.export (non-strict: the model's Python runs as written, on fake tensors, so
     control flow on shapes, dtypes and None is taken at capture), dim 0 of every input a symbolic batch size.
@@ -324,11 +351,13 @@ def _export(model: nn.Module, call: Call) -> fx.GraphModule:
         bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     except TypeError as exc:
         raise TraceError(f"{type(model).__name__}.forward does not take the example inputs: {exc}; {_SHAPE}") from None
-    # dynamic_shapes mirrors the forward's parameters: dim 0 of every tensor is the batch.
-    spec = {k: tree_map_only(torch.Tensor, lambda t: {0: batch} if t.dim() else None, v) for k, v in bound.items()}
     if is_meta_module(model):
         args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-    program = export(model, args, kwargs, dynamic_shapes=spec, strict=False)
+    with _explicit_keywords(model, bound):
+        # dynamic_shapes mirrors the forward's parameters: dim 0 of every tensor is the batch.
+        named = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+        spec = {k: tree_map_only(torch.Tensor, lambda t: {0: batch} if t.dim() else None, v) for k, v in named.items()}
+        program = export(model, args, kwargs, dynamic_shapes=spec, strict=False)
     gm = program.module()
     graph = gm.graph
     plain_codegen(graph)
@@ -376,7 +405,10 @@ def _capture(model: nn.Module, example: ExampleInputs, leaves: tuple[LeafSpec, .
     module calls whole and leaf modules as asked), else torch.export's (`_export`)."""
     call = call_at(example, max(2, batch_size))  # torch.export takes a batch of 1 for a constant
     fx_failure = None
-    with kept_whole():  # a user's autograd Function stays one op, run as written
+    # A model on meta makes the tensors of its forward there too (SEW-D's `torch.tensor(finfo.min)` as a fill
+    # value, which masked_fill on meta refuses from the CPU).
+    where = torch.device("meta") if is_meta_module(model) else contextlib.nullcontext()
+    with kept_whole(), where:  # a user's autograd Function stays one op, run as written
         if _is_positional(call):
             try:
                 return _symbolic_trace(model, leaves, call)

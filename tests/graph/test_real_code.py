@@ -212,3 +212,127 @@ def test_an_exported_batch_norm_over_1x1_maps_is_profiled_from_two_samples() -> 
     cluster = Cluster.from_catalog("a100-80g", 2)
     chain, _ = chain_for(model, examples, cluster, Workload(global_batch=8))
     assert chain.min_micro_batch == 2
+
+
+class _KeywordsInKwargs(nn.Module):
+    """A forward that takes its mask through `**kwargs` (FNet's takes no attention_mask; many take extra inputs so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, ids: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids) * kwargs["mask"][..., None]
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return h.sum(1)
+
+
+def test_keyword_inputs_that_reach_the_forwards_kwargs_are_captured() -> None:
+    examples = lambda b: {"ids": torch.randint(20, (b, 5)), "mask": torch.ones(b, 5)}  # noqa: E731
+    torch.manual_seed(0)
+    model = _KeywordsInKwargs().double()
+    chain = linearize(trace(model, examples, batch_size=2))
+    assert [n.target for n in chain.graph.module.graph.nodes if n.op == "placeholder"] == ["ids", "mask"]
+    inputs = examples(3)
+    inputs["mask"] = torch.rand(3, 5, dtype=torch.float64)
+    got = run_pieces(pieces(chain), inputs["ids"], inputs["mask"])
+    torch.testing.assert_close(got, model(**inputs), rtol=1e-12, atol=1e-12)
+
+
+class _ScaledAfterDropout(nn.Module):
+    """A layer that starts with dropout and scales what it returns in place (Flaubert's `tensor *= mask`): dropout
+    with p = 0 returns its input itself, so the in-place op writes into a stage's received input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.tanh(nn.functional.dropout(h, 0.0, self.training).mul_(scale)))
+
+
+class _InPlaceStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.layers = nn.ModuleList(_ScaledAfterDropout() for _ in range(3))
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h, scale)
+        return h
+
+
+@pytest.mark.parametrize("keywords", [False, True], ids=["fx", "export"])
+def test_an_in_place_op_on_what_dropout_returned_works_on_a_received_input(keywords: bool) -> None:
+    def examples(b: int):
+        x, scale = torch.randn(b, 8), torch.rand(b, 8) + 0.5
+        return {"x": x, "scale": scale} if keywords else (x, scale)
+
+    torch.manual_seed(0)
+    model = _InPlaceStack().double()
+    chain = linearize(trace(model, examples, batch_size=2))
+    assert len(chain.blocks) >= 4
+    x, scale = (t.double() for t in input_tensors(call_at(examples, 3)))
+    want = model(x.clone().requires_grad_(), scale)
+    want.square().sum().backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    # Each piece gets its inputs as a stage receives them: leaves that need grad.
+    args: tuple = (x, scale)
+    outs = []
+    for i, mod in enumerate(pieces(chain)):
+        args = tuple(a.detach().requires_grad_(i > 0 and a.is_floating_point()) for a in args)
+        out = mod(*args)
+        outs.append((args, out))
+        args = out if isinstance(out, tuple) else (out,)
+    torch.testing.assert_close(args[0], want, rtol=1e-12, atol=1e-12)
+    grad: tuple = (2 * args[0],)
+    for received, out in reversed(outs):
+        roots = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]
+        torch.autograd.backward(
+            roots, [g for g, t in zip(grad, out if isinstance(out, tuple) else (out,)) if t.requires_grad]
+        )
+        grad = tuple(
+            a.grad if isinstance(a, torch.Tensor) and a.grad is not None else torch.zeros_like(a) for a in received
+        )
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[k], rtol=1e-10, atol=1e-12, msg=k)
+
+
+class _FillFunction(torch.autograd.Function):
+    """A masked softmax written as a Function that fills with a scalar tensor it makes (SEW-D's XSoftmax)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out = torch.softmax(x.masked_fill(~keep, torch.tensor(torch.finfo(x.dtype).min)), -1)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        (out,) = ctx.saved_tensors
+        return out * (grad - (grad * out).sum(-1, keepdim=True)), None
+
+
+class _FillLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        keep = h > 0
+        h = h.masked_fill(~keep, torch.tensor(0.5))  # a scalar tensor made in the forward, on the CPU
+        return h + _FillFunction.apply(self.fc(h), keep)
+
+
+def test_a_model_on_meta_that_makes_scalar_tensors_in_its_forward_is_planned() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(*(_FillLayer() for _ in range(4)))
+    cluster = Cluster.from_catalog("a100-80g", 2)
+    examples = lambda b: {"input": torch.randn(b, 8)}  # noqa: E731  (keywords: captured by torch.export)
+    chain, _ = chain_for(model, examples, cluster, Workload(global_batch=8))
+    assert len(chain.blocks) >= 4 and chain.memory is not None
