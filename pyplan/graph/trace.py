@@ -8,11 +8,12 @@ import inspect
 import linecache
 import os
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.export import Dim, export
 
 from pyplan._torch import is_meta_module, plain_codegen, run_without_compute, tree_flatten, tree_map_only
@@ -431,16 +432,101 @@ def _leaves(value: Any) -> list[Any]:
     return [value]
 
 
+_NOT_SEEN = object()
+
+
+def _layout_key(value: Any) -> Hashable:
+    """What an op's result on fake or meta tensors depends on, hashable: each tensor's layout, the rest as is.
+    Raises TypeError for a value that cannot be hashed."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, value.device)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, *(_layout_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", *((k, _layout_key(v)) for k, v in value.items()))
+    if isinstance(value, slice):
+        return ("slice", value.start, value.stop, value.step)
+    hash(value)
+    return (type(value).__name__, value)
+
+
+def _module_key(module: nn.Module) -> Hashable:
+    """What a torch.nn module's result on fake or meta tensors depends on besides its inputs: its plain attributes
+    (sizes, strides, flags, training) and its tensors' layouts, its submodules' alike. Raises TypeError where an
+    attribute cannot be hashed."""
+    plain = tuple(
+        (name, _layout_key(v))
+        for name, v in sorted(vars(module).items())
+        if not name.startswith("_") and (v is None or isinstance(v, bool | int | float | str | tuple | torch.dtype))
+    )
+    tensors = tuple((name, _layout_key(t)) for name, t in [*module.named_parameters(), *module.named_buffers()])
+    children = tuple((name, type(c), _module_key(c)) for name, c in module.named_children())
+    return plain, tensors, children
+
+
+def _like(value: Any) -> Any:
+    """`value` with each tensor replaced by a new one of the same layout (on the same fake or meta device)."""
+    if isinstance(value, torch.Tensor):
+        extent = value.storage_offset() + sum((n - 1) * s for n, s in zip(value.shape, value.stride())) + 1
+        base = torch.empty(extent if value.numel() else 0, dtype=value.dtype, device=value.device)
+        return base.as_strided(value.shape, value.stride(), value.storage_offset() if value.numel() else 0)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_like(v) for v in value)
+    return value
+
+
 class _Recorder(fx.Interpreter):
-    """Runs the graph and keeps, for every node, the (shape, dtype, bytes) of each tensor it returns."""
+    """Runs the graph and keeps, for every node, the (shape, dtype, bytes) of each tensor it returns.
+
+    On fake or meta tensors an op's result depends only on its arguments' layouts: a call seen before (the same op
+    in each of a model's identical layers) gets new tensors of the layouts it returned then, without running the
+    op's meta kernel again (most of the cost of recording a deep model)."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.seen: dict[str, list[tuple[tuple[int, ...], str, int]]] = {}
         self.single: dict[str, bool] = {}
+        self._results: dict[Hashable, Any] = {}
+        self._key: Hashable = None
+
+    def _repeat(self, n: fx.Node) -> Any:
+        """The result of a call seen before with arguments of the same layouts, else _NOT_SEEN."""
+        self._key = None
+        if n.op == "call_module":
+            module = self.fetch_attr(str(n.target))
+            if not type(module).__module__.startswith("torch.nn.modules"):
+                return _NOT_SEEN  # a user's leaf module may steer its forward by anything
+            try:
+                target: Any = (type(module), _module_key(module))
+            except TypeError:
+                return _NOT_SEEN
+        elif n.op in ("call_function", "call_method"):
+            target = n.target
+        else:
+            return _NOT_SEEN
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        flat = [t for t in _leaves([args, kwargs]) if isinstance(t, torch.Tensor)]
+        if n.op == "call_module":
+            flat += [*module.parameters(), *module.buffers()]
+        if not flat or not all(t.device.type == "meta" or isinstance(t, FakeTensor) for t in flat):
+            return _NOT_SEEN
+        try:
+            self._key = (n.op, target, _layout_key(args), _layout_key(kwargs))
+        except TypeError:
+            return _NOT_SEEN
+        seen = self._results.get(self._key, _NOT_SEEN)
+        return _NOT_SEEN if seen is _NOT_SEEN else _like(seen)
+
+    def _remember(self, n: fx.Node, result: Any) -> None:
+        leaves = _leaves(result)
+        if self._key is not None and all(isinstance(x, torch.Tensor) or x is None for x in leaves) and leaves:
+            self._results[self._key] = result
 
     def run_node(self, n: fx.Node) -> Any:
-        result = super().run_node(n)
+        result = self._repeat(n)
+        if result is _NOT_SEEN:
+            result = super().run_node(n)
+            self._remember(n, result)
         tensors = [t for t in _leaves(result) if isinstance(t, torch.Tensor)]
         self.seen[n.name] = [
             (tuple(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size()) for t in tensors

@@ -93,3 +93,53 @@ def test_meta_model_traces_without_weights() -> None:
         model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(8)])
     graph = trace(model, torch.randn(2, 4096))
     assert len([n for n in graph.nodes if n.op == "call_module"]) == 8
+
+
+class _Mixed(nn.Module):
+    """Identical layers beside layers that differ only in what shapes their output: a convolution's stride (not
+    in its parameters' shapes), a transpose before a view, a different slice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(4, 4, 3, padding=1) for _ in range(5))
+        self.halving = nn.ModuleList(nn.Conv2d(4, 4, 3, stride=2, padding=1) for _ in range(5))
+        self.norms = nn.ModuleList(nn.LayerNorm(4) for _ in range(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, (conv, halving, norm) in enumerate(zip(self.convs, self.halving, self.norms)):
+            x = conv(x)[..., ::2, ::2] + halving(x)  # the same input: the stride alone makes the output smaller
+            x = nn.functional.interpolate(x, scale_factor=2.0)
+            b, c, h, w = x.shape
+            t = norm(x.permute(0, 2, 3, 1)).transpose(1, 2).contiguous().view(b, w, h, c)
+            x = t.permute(0, 3, 2, 1)[:, :, : h - (i % 2)]
+        return x.flatten(1)
+
+
+@pytest.mark.parametrize("keywords", [False, True], ids=["fx", "export"])
+def test_recording_repeated_ops_on_meta_gives_what_running_each_gives(keywords: bool) -> None:
+    from pyplan.graph import trace as trace_module
+
+    examples = (lambda b: {"x": torch.randn(b, 4, 16, 16)}) if keywords else (lambda b: (torch.randn(b, 4, 16, 16),))
+    with torch.device("meta"):
+        model = _Mixed()
+    graph = trace(model, examples, batch_size=2)
+    original = trace_module._Recorder._repeat
+    try:
+        trace_module._Recorder._repeat = lambda self, n: trace_module._NOT_SEEN  # type: ignore[method-assign]
+        plain = trace_module.graph_of(graph.module, examples, 2)
+    finally:
+        trace_module._Recorder._repeat = original  # type: ignore[method-assign]
+    assert [(n.name, n.outputs) for n in graph.nodes] == [(n.name, n.outputs) for n in plain.nodes]
+    hits: list[bool] = []
+    recorder = trace_module._Recorder(graph.module)
+    record = recorder._repeat
+
+    def counted(n: torch.fx.Node):
+        found = record(n)
+        hits.append(found is not trace_module._NOT_SEEN)
+        return found
+
+    recorder._repeat = counted  # type: ignore[method-assign]
+    with torch.no_grad():
+        recorder.run(*(t.to("meta") for t in trace_module.inputs_at(examples, 2)))
+    assert any(hits) and not all(hits)
