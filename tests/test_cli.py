@@ -183,3 +183,19 @@ def test_json_and_configs_on_stdout_stay_parsable_when_the_model_prints(
     assert main(["emit", str(out), "--format", "deepspeed"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out) and "number of parameters" in captured.err
+
+
+def test_plan_defaults_to_bf16_mixed_on_catalog_gpus_that_have_it(capsys: pytest.CaptureFixture[str]) -> None:
+    mlp = os.path.join(EXAMPLES, "mlp.py")
+    common = ["--global-batch", "8", "--top", "1"]
+    for gpu, want, said in (
+        ("a100-80g", "bf16-mixed", "bf16-mixed (default on a100-80g-sxm)"),
+        ("v100-16g", "fp32", "fp32 (default: v100-16g has no bf16)"),
+    ):
+        assert main(["plan", mlp, "--gpus", "2", "--gpu", gpu, *common, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["workload"]["precision"] == want
+        assert main(["plan", mlp, "--gpus", "2", "--gpu", gpu, *common]) == 0
+        assert said in " ".join(capsys.readouterr().out.split())
+    # Said by the user: taken as said, and the title adds nothing.
+    assert main(["plan", mlp, "--gpus", "2", "--gpu", "a100-80g", *common, "--precision", "fp32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["workload"]["precision"] == "fp32"

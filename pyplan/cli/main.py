@@ -176,6 +176,21 @@ _PLAN_EXAMPLES = """examples:
 """
 
 
+def _precision(given: str | None, cluster: Cluster) -> tuple[str, str]:
+    """The precision `pyplan plan` plans with, and what the header says of a default: bf16-mixed where every GPU of
+    the cluster is a catalog GPU with a bf16 peak (how such GPUs train: torchtitan's and Megatron-LM's default), else
+    fp32 (this machine's processes, a GPU without bf16)."""
+    if given is not None:
+        return given, ""
+    gpus = [g.gpu for g in cluster.groups]
+    if any(g.name == "local" for g in gpus):
+        return "fp32", ""
+    without = [g.name for g in gpus if not g.peak_flops_per_s.get("bf16")]
+    if without:
+        return "fp32", f" (default: {without[0]} has no bf16)"
+    return "bf16-mixed", f" (default on {gpus[0].name})"
+
+
 def _cluster(args: argparse.Namespace) -> Cluster:
     if args.cluster:
         if args.gpu or args.instance or args.gpus_per_node or args.gpus is not None:
@@ -295,10 +310,11 @@ def _plan(args: argparse.Namespace) -> int:
             "--pareto draws time against cost, and the cluster has no price: give --price-per-gpu-hour with "
             "--currency, or an --instance"
         )
+    precision, chosen = _precision(args.precision, cluster)
     workload = Workload(
         global_batch=args.global_batch,
         optimizer=args.optimizer,
-        precision=args.precision,
+        precision=precision,
         dataset_samples=args.dataset_size,
     )
     with _user_code(args):
@@ -349,8 +365,9 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
     else:
         title = (
-            f"{spec.name} on {cluster.gpus} x {cluster.gpu.name}, global batch {workload.global_batch} "
-            f"({result.profiled_on}; {result.evaluated} of {result.candidates} configurations evaluated)"
+            f"{spec.name} on {cluster.gpus} x {cluster.gpu.name}, global batch {workload.global_batch}, "
+            f"{precision}{chosen} ({result.profiled_on}; {result.evaluated} of {result.candidates} configurations "
+            "evaluated)"
         )
         memory = memory_per_process(cluster) * args.memory_fraction
         render_plans(rows[: args.top], make_console(), title=title, memory_bytes=memory)
@@ -503,7 +520,11 @@ def _add_plan_parser(sub: Any) -> None:
     p.add_argument("--currency", help="ISO currency code of --price-per-gpu-hour, e.g. USD")
     p.add_argument("--global-batch", type=int, default=32, help="samples per optimizer step (default 32)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw", help="default adamw")
-    p.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32", help="default fp32")
+    p.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        help="default: bf16-mixed on catalog GPUs that compute in bf16 (A100, H100, ...), else fp32",
+    )
     p.add_argument("--dataset-size", type=int, help="samples per epoch, for the cost per epoch")
     p.add_argument("--objective", default="time", help="time, cost, or weighted (cost + weight x time)")
     p.add_argument("--weight", type=float, default=0.0, help="w of the weighted objective (e.g. 256, 4096, 65536)")
