@@ -60,31 +60,38 @@ TABLES = {
 }
 
 Value = int | float | bool | str
+Option = Value | list[Any]  # a value of an hf: reference: a scalar or a list (cvt's drop_path_rate=[0,0,0])
 
 # How a config is shrunk: (pattern over a key of the config, its tiny value), the first pattern a key matches
 # decides. A value applies to a key whose default is a number, and only where it is smaller than the default (a size
-# never grows: a model whose default has 2 heads keeps 2); a float default takes it as a float.
+# never grows: a model whose default has 2 heads keeps 2); a float default takes it as a float. A list of numbers
+# that a randomness key holds (cvt's drop_path_rate per stage) becomes zeros. Each sub-config of a composite config
+# (canary's encoder_config and decoder_config) is shrunk by the same rules, its keys prefixed with its own
+# (`encoder_config.hidden_size`). Where the layer count shrinks, a list with one entry per layer is cut to the new
+# count if the config does not derive it from the count (reformer's attn_layers) or derives it wrongly (zamba's).
 _KV_HEADS = "kv"  # marker: 2 where the default has fewer key/value heads than heads (grouped queries), else the heads
+_RANDOM = r"drop|_pdrop$|^mask_(time|feature)_prob$"
+_LAYERS = (
+    r"^(num_(hidden_|encoder_|decoder_)?layers|n_layers?|(encoder|decoder|speech_encoder)_layers"
+    r"|(encoder|decoder)_num_hidden_layers)$"
+)
 SHRINK: tuple[tuple[str, Value], ...] = (
     # Randomness a pipeline and one process draw differently: dropout, drop path, layer drop, SpecAugment masks.
-    (r"drop|_pdrop$|^mask_(time|feature)_prob$", 0.0),
-    (
-        r"^(num_(hidden_|encoder_|decoder_)?layers|n_layers?|(encoder|decoder|speech_encoder)_layers"
-        r"|(encoder|decoder)_num_hidden_layers)$",
-        2,
-    ),
+    (_RANDOM, 0.0),
+    (_LAYERS, 2),
     (r"^(num_(attention_)?heads|n_heads?|(encoder|decoder)_attention_heads|(encoder|decoder)_num_attention_heads)$", 4),
     (r"^(num_key_value_heads|num_kv_heads|n_kv_heads|multi_query_group_num)$", _KV_HEADS),
     (r"^(head_dim|d_kv|d_head|attention_head_dim|attention_head_size|kv_channels|qk_nope_head_dim|v_head_dim)$", 16),
     (r"^(qk_rope_head_dim|rotary_dim)$", 8),
     (r"^(kv_lora_rank|q_lora_rank)$", 32),
-    (r"^(hidden_size|d_model|n_embd|embed_dim|emb_dim|dim|embedding_size|word_embed_proj_dim)$", 64),
+    (r"^(hidden_size|d_model|n_embd|embed_dim|emb_dim|dim|embedding_size|word_embed_proj_dim|hidden_size_global)$", 64),
     (r"intermediate_size|ffn_dim$|ffn_hidden_size$|^(d_ff|n_inner|dim_ff)$", 128),
     (r"^(num_local_experts|num_experts|n_routed_experts|moe_num_experts|zero_expert_num)$", 4),
     (r"^(num_experts_per_tok|num_experts_per_token|moe_topk|moe_k)$", 2),
     (r"^(n_group|topk_group)$", 1),
     (r"^vocab_size$", 128),
-    (r"^(vocab_size_per_layer_input|entity_vocab_size)$", 128),  # gemma3n's per-layer embeddings, luke's entities
+    # gemma3n's per-layer embeddings, luke's entities, blt's hashed byte groups.
+    (r"^(vocab_size_per_layer_input|entity_vocab_size|encoder_hash_byte_group_vocab)$", 128),
     (r"^image_size$", 32),
     (r"^patch_size$", 8),
 )
@@ -94,28 +101,40 @@ _TEXT_TOKENS = re.compile(r"^(pad|bos|eos|unk|sep|cls|mask|decoder_start|forced_
 # vocabulary keeps its default size.
 _TOKEN_IDS = re.compile(r"_token_id$|_token_index$")
 SEQ_LEN = 16
-# Per-type values over SHRINK's, each with why; None keeps the default.
-EXCEPTIONS: dict[str, dict[str, Value | None]] = {
-    # The sub-config's vocabulary must match the top-level one, and hf: cannot set a sub-config's.
-    "canary": {"vocab_size": None},
-    "granite_speech5_ctc": {"vocab_size": None},
-    # Heads per stage are a list hf: cannot set, [3, 6, 12, 24]: the hidden size must stay a multiple of 3; and its
-    # relative position bias is built for full 7x7 windows, which the last of 4 stages (/32) has only at 224 pixels.
-    "donut-swin": {"embed_dim": None, "image_size": None},
-    "swinv2": {"embed_dim": None},
-    # attention_types, a list hf: cannot set, must cover every layer.
-    "gpt_neo": {"num_layers": None},
-    # layer_types, a list hf: cannot set, must have one entry per layer.
-    "zamba": {"num_hidden_layers": None},
-    "zamba2": {"num_hidden_layers": None},
-    # The last num_kv_shared_layers layers (default 15) reuse the caches of earlier ones: none with 2 layers.
-    "gemma3n_text": {"num_kv_shared_layers": 0},
+# Per-type values over SHRINK's (a sub-config's key dotted), each with why; None keeps the default.
+EXCEPTIONS: dict[str, dict[str, Option | None]] = {
+    # Heads per stage, [3, 6, 12, 24], divide no stage's width (64 x 2^stage): these do; and its relative position bias
+    # is built for full 7x7 windows, which the last of 4 stages (/32) has only at 224 pixels.
+    "donut-swin": {"num_heads": [2, 4, 8, 16], "image_size": None},
+    "swinv2": {"num_heads": [2, 4, 8, 16]},
+    # attention_types, runs of layer kinds ([[["global", "local"], 12]]: 24 layers), must cover every layer.
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
+    # The last num_kv_shared_layers layers (default 15) reuse the caches of earlier ones: the second of 2 (hf: takes
+    # no count of layers below 1).
+    "gemma3n_text": {"num_kv_shared_layers": 1},
+    "gemma3n": {"text_config.num_kv_shared_layers": 1},
     # The router's top-k defaults to None, with which the model cannot run; DeepSeek-V2's published configs set 6.
     "deepseek_v2": {"num_experts_per_tok": 2},
     # heads x head_dim must equal expand (2) x hidden.
     "mamba2": {"num_heads": 8},
-    # axial_pos_embds_dim, a list hf: cannot set, must sum to the hidden size (256).
-    "reformer": {"hidden_size": None},
+    # Its layer count is len(attn_layers), no key of its own; its axial position embeddings must sum to the hidden size
+    # and, in training, their shape multiply to the sequence length (16).
+    "reformer": {"attn_layers": ["local", "lsh"], "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [4, 4]},
+    # Their vocabularies default to None, with which no CTC head builds.
+    "wav2vec2-bert": {"vocab_size": 128},
+    "wav2vec2-conformer": {"vocab_size": 128},
+    # Sizes one sub-config must repeat from another: the adaptor's width is the text width / 4, adapters take the
+    # width of their encoder and give the text's, the diarization head's audio width is its encoder's, and the
+    # codec's upsampling is grouped by its width.
+    "fun_asr_nano": {"adaptor_config.intermediate_size": 16},
+    "dots3_note": {
+        "vision_config.adapter_in_dim": 64,
+        "vision_config.adapter_out_dim": 64,
+        "audio_config.adapter_input_size": 64,
+        "audio_config.adapter_out_dim": 64,
+    },
+    "nemo_speechlm": {"audio_config.diarization_config.head_config.audio_hidden_size": 64},
+    "kyutai_speech_to_text": {"codec_config.upsample_groups": 64},
 }
 # A model larger than this at its smallest reference (a nested config or a list hf: cannot set) is not built here.
 MAX_PARAMS = 70_000_000
@@ -156,16 +175,37 @@ def _rule(key: str) -> Value | None:
     return next((value for pattern, value in SHRINK if re.search(pattern, key)), None)
 
 
-def shrink(config_class: type) -> dict[str, Value]:
-    """The overrides that make `config_class`'s defaults tiny: SHRINK applied key by key, the special tokens moved
-    into the tiny vocabulary (or the vocabulary kept), then the type's EXCEPTIONS."""
+def shrink(config_class: type) -> dict[str, Option]:
+    """The overrides that make `config_class`'s defaults tiny: SHRINK applied key by key at the top level and in each
+    sub-config (dotted keys), the special tokens moved into the tiny vocabulary (or the vocabulary kept), lists of
+    one entry per layer cut, then the type's EXCEPTIONS."""
+    out = _shrunk(config_class())
+    for key, value in EXCEPTIONS.get(getattr(config_class, "model_type", ""), {}).items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+def _shrunk(config: Any) -> dict[str, Option]:
+    """shrink() of one config without the EXCEPTIONS: its own keys, then its sub-configs' with their prefix."""
+    from transformers import PreTrainedConfig  # optional heavy package
+
+    config_class = type(config)
     fields = _fields(config_class)
-    defaults = {k: v for k, v in config_class().to_dict().items() if k in fields}
+    defaults = {k: v for k, v in config.to_dict().items() if k in fields}
     heads = next((v for k, v in defaults.items() if _rule(k) == 4 and _number(v)), None)
-    out: dict[str, Value] = {}
+    out: dict[str, Option] = {}
     for key, default in defaults.items():
         value = _rule(key)
-        if value is None or not _number(default):
+        if value is None:
+            continue
+        if isinstance(default, list | tuple) and re.search(_RANDOM, key) and any(map(_number, default)):
+            if any(default):
+                out[key] = [0.0] * len(default)
+            continue
+        if not _number(default):
             continue
         if value == _KV_HEADS:
             value = 2 if heads is not None and default < heads else 4
@@ -180,12 +220,48 @@ def shrink(config_class: type) -> dict[str, Value]:
             del out["vocab_size"]
         else:
             out.update(moved)
-    for key, value in EXCEPTIONS.get(getattr(config_class, "model_type", ""), {}).items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = value
+    out.update(_per_layer_cuts(config_class, defaults, out))
+    for key in _sub_config_keys(config_class):
+        sub = getattr(config, key, None)
+        if isinstance(sub, PreTrainedConfig):
+            out.update({f"{key}.{k}": v for k, v in _shrunk(sub).items()})
     return out
+
+
+def _per_layer_cuts(config_class: type, defaults: dict[str, Any], out: dict[str, Option]) -> dict[str, Option]:
+    """The lists of `defaults` with one entry per layer (as long as a layer count that `out` shrinks), cut to the new
+    count: those the class defaults to (reformer's attn_layers), and those it derives from the layer count (layer
+    types) where the shrunk config does not build from its own derivation (zamba's needs 3 layers or more)."""
+    counts = {defaults[k]: v for k, v in out.items() if re.search(_LAYERS, k) and isinstance(v, int)}
+    lists = {k: v for k, v in defaults.items() if isinstance(v, list | tuple) and v and len(v) in counts}
+    if not lists:
+        return {}
+    given = dataclasses.fields(config_class) if dataclasses.is_dataclass(config_class) else ()
+    explicit = {f.name for f in given if f.default is not None and f.default is not dataclasses.MISSING}
+    explicit |= {f.name for f in given if f.default_factory is not dataclasses.MISSING}
+    chosen = {k for k in lists if k in explicit}
+    derived = set(lists) - chosen
+    if derived:
+        try:
+            config_class(**{k: v for k, v in out.items() if "." not in k})
+        except Exception:
+            chosen |= derived
+    return {k: [_smaller(k, v) for v in lists[k][: counts[len(lists[k])]]] for k in sorted(chosen)}
+
+
+def _smaller(key: str, value: Any) -> Any:
+    """`value`, an entry of a list cut per layer, shrunk by the SHRINK rule of its key where it is a number (gemma3n's
+    intermediate_size per layer)."""
+    rule = _rule(key)
+    if not _number(value) or not _number(rule) or rule >= value:
+        return value
+    return float(rule) if isinstance(value, float) else int(rule)
+
+
+def _sub_config_keys(config_class: type) -> list[str]:
+    """The keys of `config_class`'s sub-configs (transformers' sub_configs_defaults, else sub_configs)."""
+    keys = list(getattr(config_class, "sub_configs_defaults", None) or {})
+    return keys + [k for k in getattr(config_class, "sub_configs", None) or {} if k not in keys]
 
 
 def _fields(config_class: type) -> set[str]:
@@ -227,7 +303,9 @@ def reference(model_type: str) -> str:
     return f"hf:{model_type}:" + ",".join(f"{k}={_text(v)}" for k, v in options.items())
 
 
-def _text(value: Value) -> str:
+def _text(value: Option) -> str:
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_text(v) for v in value) + "]"
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, float) and value.is_integer():

@@ -8,15 +8,20 @@ An `hf:` reference picks the model's head from transformers' own MODEL_FOR_*_MAP
 an encoder-decoder gets its sequence-to-sequence LM head, an encoder its masked-LM head, a decoder its causal-LM
 head, a vision model its image-classification head, a speech model its speech-to-text (whisper) or CTC (wav2vec2)
 head. Each head's output, with no labels passed, is its logits alone (use_cache=False and output_router_logits=False
-make sure of it), so the loss is a cross-entropy over the logits.
+make sure of it), so the loss is a cross-entropy over the logits. A key may be a sub-config's
+(`hf:canary:encoder_config.hidden_size=64`) and a value a list (`hf:cvt:depth=[1,2,3]`); a speech model's features are
+laid out as the model runs on them on the meta device.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 import dataclasses
 import difflib
+import functools
 import inspect
+import logging
 import os
 import traceback
 import types
@@ -28,6 +33,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+# A private torch API outside pyplan._torch: the fake tensors of a speech model's probe (_run_on_meta).
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pyplan.errors import ModelLoadError
 from pyplan.spec import ModelSpec, cross_entropy
@@ -72,19 +80,22 @@ _PASSED = ("use_cache", "output_router_logits")
 # default. Each that a config sets above 0 is passed as 0; a reference that sets one is refused.
 _RANDOM_OFF = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop", "mask_time_prob", "mask_feature_prob")
 # The last word of a config key that says it counts or sizes part of the model (n_layer, num_attention_heads,
-# hidden_size, head_dim, vocab_size, num_local_experts, n_embd, max_position_embeddings, num_channels, num_labels): an
-# integer value below 1 builds a model without that part (range(-2) is no layers at all) and is refused. The last
-# word, not any: embd_pdrop=0 is a dropout, chunk_size_feed_forward=0 transformers' "no chunking". T5's d_model, d_ff
-# and d_kv, and the routed experts per token, say it by name alone.
+# hidden_size, head_dim, vocab_size, num_local_experts, n_embd, max_position_embeddings, num_channels, num_labels; per
+# stage, swin's depths and num_heads): an integer value below 1, or a list's element below 1, builds a model without
+# that part (range(-2) is no layers at all) and is refused. The last word, not any: embd_pdrop=0 is a dropout,
+# chunk_size_feed_forward=0 transformers' "no chunking". T5's d_model, d_ff and d_kv, and the routed experts per token,
+# say it by name alone. A list of layers holds layer indices (llama4's moe_layers), no sizes.
 _SIZE_WORDS = frozenset(
     {"layer", "layers", "head", "heads", "size", "dim", "vocab", "expert", "experts", "embd", "embeddings"}
-    | {"positions", "channels", "labels"}
+    | {"positions", "channels", "labels", "depth", "depths", "dims"}
 )
 _SIZE_KEYS = frozenset(("d_model", "d_ff", "d_kv", "num_experts_per_tok"))
 # Keys that transformers' PretrainedConfig takes as keyword arguments without a field of that name.
 _CONFIG_KWARGS = ("attn_implementation", "experts_implementation")
 
 Value = int | float | bool | str
+# A value of an option: a scalar or a list (`depth=[1,1,2]`, lists nest).
+Option = Value | list["Option"]
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -113,10 +124,15 @@ def _masked_inputs(b: int, *, vocab: int, seq_len: int) -> dict[str, torch.Tenso
 
 
 def _seq2seq_inputs(b: int, *, vocab: int, seq_len: int) -> dict[str, torch.Tensor]:
-    """Encoder and decoder token ids, seq_len of each."""
+    """Encoder and decoder token ids, seq_len of each, and the encoder's attention mask (all ones: as a tokenizer
+    gives it; LongT5 and SwitchTransformers make none of their own under a capture)."""
     g = _generator(_INPUT_SEED)
     ids = torch.randint(vocab, (b, seq_len), generator=g)
-    return {"input_ids": ids, "decoder_input_ids": torch.randint(vocab, (b, seq_len), generator=g)}
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones(b, seq_len, dtype=torch.int64),
+        "decoder_input_ids": torch.randint(vocab, (b, seq_len), generator=g),
+    }
 
 
 def _audio(b: int, *, name: str, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
@@ -175,8 +191,14 @@ class Seq2SeqLogits(nn.Module):
         labels: torch.Tensor | None = None,
         input_features: torch.Tensor | None = None,
         input_values: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        given = {"input_ids": input_ids, "input_features": input_features, "input_values": input_values}
+        given = {
+            "input_ids": input_ids,
+            "input_features": input_features,
+            "input_values": input_values,
+            "attention_mask": attention_mask,
+        }
         encoder = {k: v for k, v in given.items() if v is not None}
         out = self.model(**encoder, decoder_input_ids=decoder_input_ids, labels=labels)
         return out.logits if labels is None else (out.loss, out.logits)
@@ -206,7 +228,35 @@ _HEADS = (
 )
 
 
-def _parse_value(text: str) -> Value:
+def _split_top(ref: str, text: str) -> list[str]:
+    """`text` split at its commas outside brackets (`a=1,b=[1,2]` -> `a=1`, `b=[1,2]`)."""
+    parts: list[str] = []
+    depth, start = 0, 0
+    for i, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth < 0:
+            item = text[start:].split(",", 1)[0]
+            raise ModelLoadError(f"'{item}' in '{ref}' closes a bracket it never opened; write a list as key=[a,b,c]")
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth > 0:
+        raise ModelLoadError(f"'{text[start:]}' in '{ref}' leaves a bracket open; write a list as key=[a,b,c]")
+    parts.append(text[start:])
+    return parts
+
+
+def _parse_value(ref: str, text: str) -> Option:
+    """A scalar parsed as int, float, bool (true/false) or str, in that order of preference; `[a,b,...]` a list of
+    such values (or of lists)."""
+    if text.startswith("[") and text.endswith("]"):
+        inner = text[1:-1].strip()
+        items = [s.strip() for s in _split_top(ref, inner)] if inner else []
+        if not all(items):
+            raise ModelLoadError(f"'{text}' in '{ref}' has an empty element; write a list as key=[a,b,c]")
+        return [_parse_value(ref, item) for item in items]
+    if "[" in text or "]" in text:
+        raise ModelLoadError(f"'{text}' in '{ref}' is neither a value nor a list; write a list as key=[a,b,c]")
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
     for kind in (int, float):
@@ -217,17 +267,18 @@ def _parse_value(text: str) -> Value:
     return text
 
 
-def parse_options(ref: str, options: str) -> dict[str, tuple[str, Value]]:
+def parse_options(ref: str, options: str) -> dict[str, tuple[str, Option]]:
     """The `key=value,...` of a reference: each key's text and its value parsed as int, float, bool (true/false)
-    or str, in that order of preference."""
-    parsed: dict[str, tuple[str, Value]] = {}
-    for item in filter(None, (s.strip() for s in options.split(","))):
+    or str, in that order of preference, or as a list `[a,b,...]` of such values (its commas separate no options).
+    A key may name a sub-config's key: `encoder_config.hidden_size`."""
+    parsed: dict[str, tuple[str, Option]] = {}
+    for item in filter(None, (s.strip() for s in _split_top(ref, options))):
         key, eq, text = (s.strip() for s in item.partition("="))
         if not eq or not key or not text:
             raise ModelLoadError(f"'{item}' in '{ref}' is not key=value; write hf:MODEL_TYPE:key=value,key=value")
         if key in parsed:
             raise ModelLoadError(f"'{ref}' sets {key} twice; give each key once")
-        parsed[key] = text, _parse_value(text)
+        parsed[key] = text, _parse_value(ref, text)
     return parsed
 
 
@@ -271,20 +322,56 @@ def _head_of(ref: str, model_type: str, transformers: types.ModuleType) -> tuple
     )
 
 
-def _scalar_types(annotation: Any) -> set[type] | None:
-    """The scalar types a config field's annotation admits (empty: none, as for a dict field); None when the
-    annotation is not a resolved type (then transformers' own validation decides)."""
+@dataclass(frozen=True)
+class _FieldType:
+    """What a config field's annotation admits: scalar types, containers (list, tuple) and their elements' scalar
+    types (None: any element, as in a bare `list`). Not `resolved` when the annotation is no type (a property's):
+    then transformers' own validation decides."""
+
+    scalars: frozenset[type] = frozenset()
+    containers: frozenset[type] = frozenset()
+    elements: frozenset[type] | None = frozenset()
+    resolved: bool = True
+
+
+def _field_type(annotation: Any) -> _FieldType:
+    """What `annotation` admits (a dict or config field admits no scalar and no list)."""
     if annotation in (int, float, bool, str, type(None)):
-        return {annotation}
+        return _FieldType(scalars=frozenset({annotation}))
+    if annotation in (list, tuple):
+        return _FieldType(containers=frozenset({annotation}), elements=None)
     origin = typing.get_origin(annotation)
     if origin is typing.Literal:
-        return {type(a) for a in typing.get_args(annotation)}
+        return _FieldType(scalars=frozenset(type(a) for a in typing.get_args(annotation)))
     if origin in (typing.Union, types.UnionType):
-        parts = [_scalar_types(a) for a in typing.get_args(annotation)]
-        return None if any(p is None for p in parts) else set().union(*parts)
+        parts = [_field_type(a) for a in typing.get_args(annotation)]
+        if not all(p.resolved for p in parts):
+            return _FieldType(resolved=False)
+        elements = [p.elements for p in parts if p.containers]
+        return _FieldType(
+            scalars=frozenset().union(*(p.scalars for p in parts)),
+            containers=frozenset().union(*(p.containers for p in parts)),
+            elements=None if any(e is None for e in elements) else frozenset().union(*elements),
+        )
+    if origin in (list, tuple, collections.abc.Sequence):
+        inner = [_field_type(a) for a in typing.get_args(annotation) if a is not Ellipsis]
+        scalar = bool(inner) and all(p.resolved and not p.containers for p in inner)
+        return _FieldType(
+            containers=frozenset({origin} if origin in (list, tuple) else {list, tuple}),
+            elements=frozenset().union(*(p.scalars for p in inner)) if scalar else None,
+        )
     if origin is not None or isinstance(annotation, type):
-        return set()
-    return None
+        return _FieldType()
+    return _FieldType(resolved=False)
+
+
+def _takes(admits: _FieldType) -> str:
+    """What a field takes, in words: `int`, `a list of float`, `int or a list of int`."""
+    names = sorted(t.__name__ for t in admits.scalars if t is not type(None))
+    if admits.containers:
+        inner = " or ".join(sorted(t.__name__ for t in admits.elements or ()))
+        names.append(f"a list of {inner}" if inner else "a list")
+    return " or ".join(names) or "no scalar"
 
 
 def _config_keys(config_class: type) -> dict[str, Any]:
@@ -305,8 +392,9 @@ def _config_keys(config_class: type) -> dict[str, Any]:
     return keys
 
 
-def _kind(value: Value) -> str:
-    return {bool: "a bool", int: "an int", float: "a float", str: "a string"}[type(value)]
+def _kind(value: Option) -> str:
+    kinds = {bool: "a bool", int: "an int", float: "a float", str: "a string", list: "a list"}
+    return kinds[type(value)]
 
 
 def _is_size(key: str) -> bool:
@@ -314,54 +402,212 @@ def _is_size(key: str) -> bool:
     return key in _SIZE_KEYS or key.lower().rsplit("_", 1)[-1] in _SIZE_WORDS
 
 
-def _config_overrides(ref: str, config_class: type, options: dict[str, tuple[str, Value]]) -> dict[str, Value]:
+def _flat(value: Any) -> list[Value]:
+    """The scalars of a value, a list's (or tuple's) at every depth."""
+    return [v for item in value for v in _flat(item)] if isinstance(value, list | tuple) else [value]
+
+
+def _sizes(key: str, value: Any) -> list[Value]:
+    """The counts or sizes in the value of a size key (`_is_size`): its scalars, none for a list of layers (layer
+    indices: llama4's moe_layers)."""
+    return [] if isinstance(value, list | tuple) and key.endswith(("_layer", "_layers")) else _flat(value)
+
+
+@dataclass(frozen=True)
+class _SubConfig:
+    """A sub-config of a composite config (canary's encoder_config): its class, and the keys its default is built
+    from, which a reference's keys for it update (the default's model_type and the composite's own defaults for it:
+    canary's encoder has 32 layers, where ParakeetEncoderConfig says 24)."""
+
+    config_class: type
+    base: dict[str, Any]
+
+
+def _sub_configs(config_class: type) -> dict[str, _SubConfig]:
+    """The sub-configs of `config_class` by key: those of its `sub_configs_defaults` (transformers 5), then those of
+    its `sub_configs` (dbrx's attn_config: built from the sub-config class's defaults)."""
+    from transformers import PreTrainedConfig  # optional heavy package, imported by an hf: reference already
+
+    subs: dict[str, _SubConfig] = {}
+    for key, spec in (getattr(config_class, "sub_configs_defaults", None) or {}).items():
+        fixed = isinstance(spec.config_class, type) and issubclass(spec.config_class, PreTrainedConfig)
+        klass = spec.config_class if fixed else spec.get_config_class(spec.model_type)
+        subs[key] = _SubConfig(klass, {"model_type": spec.model_type, **spec.init_kwargs})
+    for key, klass in (getattr(config_class, "sub_configs", None) or {}).items():
+        if isinstance(klass, type) and issubclass(klass, PreTrainedConfig):
+            subs.setdefault(key, _SubConfig(klass, {}))
+    return subs
+
+
+def _field_default(config_class: type, key: str) -> Any:
+    """The default of a config class's field `key` (None where it has none)."""
+    if dataclasses.is_dataclass(config_class):
+        field = next((f for f in dataclasses.fields(config_class) if f.name == key), None)
+        if field is not None and field.default is not dataclasses.MISSING:
+            return field.default
+    return None
+
+
+def _shaped(value: Option, like: Any) -> Any:
+    """`value` with its lists tuples where `like` (an element of the field's default) holds tuples (moonshine's
+    sliding_windows, a tuple of tuples)."""
+    if not isinstance(value, list):
+        return value
+    inner = like[0] if isinstance(like, list | tuple) and like else None
+    items = [_shaped(v, inner) for v in value]
+    return tuple(items) if isinstance(like, tuple) else items
+
+
+def _as_scalar(value: Option, text: str, scalars: frozenset[type]) -> Value | None:
+    """`value` as a field of `scalars` takes it: itself, an int as a float, any value as its text where the field
+    takes a string; None where the field does not take it."""
+    if isinstance(value, list):
+        return None
+    if type(value) in scalars:
+        return value
+    if type(value) is int and float in scalars:
+        return float(value)
+    return text if str in scalars else None
+
+
+def _checked(ref: str, name: str, owner: str, text: str, value: Option, admits: _FieldType, default: Any) -> Option:
+    """`value` as the field `owner` (`Class.key`) takes it (`_as_scalar`), a list's elements likewise, the list a
+    tuple where the field takes no list or defaults to a tuple. A value the field does not take is an error."""
+    if not admits.resolved:
+        return value
+    if not isinstance(value, list):
+        scalar = _as_scalar(value, text, admits.scalars)
+        if scalar is None:
+            raise ModelLoadError(f"{name}={text} in '{ref}' is {_kind(value)}, but {owner} takes {_takes(admits)}")
+        return scalar
+    if not admits.containers:
+        raise ModelLoadError(f"{name}={text} in '{ref}' is a list, but {owner} takes {_takes(admits)}")
+    items: list[Option] = list(value)
+    if admits.elements is not None:
+        texts = [s.strip() for s in _split_top(ref, text[1:-1])]
+        for i, (item_text, item) in enumerate(zip(texts, value)):
+            scalar = _as_scalar(item, item_text, admits.elements)
+            if scalar is None:
+                raise ModelLoadError(
+                    f"{name}={text} in '{ref}' has {_kind(item)} element ({item_text}), but {owner} takes "
+                    f"{_takes(admits)}"
+                )
+            items[i] = scalar
+    if tuple in admits.containers and (list not in admits.containers or isinstance(default, tuple)):
+        return tuple(_shaped(item, default[0] if default else None) for item in items)  # type: ignore[return-value]
+    return items
+
+
+def _config_overrides(
+    ref: str, config_class: type, options: dict[str, tuple[str, Option]], prefix: str = ""
+) -> dict[str, Any]:
     """The overrides as keyword arguments of the config class: each key checked against the class, an alias
     (gpt2's hidden_size) renamed to its field (n_embd) so the defaults derived from it follow (t5's decoder depth
-    from num_layers), each value checked against the field's type, and a count or size (`_is_size`) against 1."""
+    from num_layers), each value checked against the field's type, and a count or size (`_is_size`) against 1 (each
+    element of a list). A dotted key (`encoder_config.hidden_size`) is a sub-config's, checked against its class in
+    the same way: its overrides come back as a dict under the sub-config's key. `prefix` is the keys' path."""
     keys = _config_keys(config_class)
+    subs = _sub_configs(config_class)
     aliases: dict[str, str] = getattr(config_class, "attribute_map", {})
-    overrides: dict[str, Value] = {}
+    overrides: dict[str, Any] = {}
+    nested: dict[str, dict[str, tuple[str, Option]]] = {}
     for key, (text, value) in options.items():
-        if key not in keys:
-            close = difflib.get_close_matches(key, list(keys), n=5, cutoff=0.5)
-            hint = f"close keys: {', '.join(close)}" if close else f"see {config_class.__name__}'s fields"
-            raise ModelLoadError(f"{config_class.__name__} has no key '{key}' (in '{ref}'); {hint}")
-        allowed = _scalar_types(keys[key])
-        if allowed is not None and type(value) not in allowed:
-            if type(value) is int and float in allowed:
-                value = float(value)
-            elif str in allowed:
-                value = text
-            else:
-                names = " or ".join(sorted(t.__name__ for t in allowed if t is not type(None))) or "no scalar"
+        head, dot, rest = key.partition(".")
+        name = prefix + key
+        if head not in keys:
+            close = difflib.get_close_matches(head, list(keys), n=5, cutoff=0.5)
+            named = ", ".join(prefix + k for k in close)
+            hint = f"close keys: {named}" if close else f"see {config_class.__name__}'s fields"
+            where = f"{name} in '{ref}'" if prefix else f"in '{ref}'"
+            raise ModelLoadError(f"{config_class.__name__} has no key '{head}' ({where}); {hint}")
+        if dot:
+            if head not in subs:
+                known = ", ".join(prefix + k for k in subs) or "none"
                 raise ModelLoadError(
-                    f"{key}={text} in '{ref}' is {_kind(value)}, but {config_class.__name__}.{key} takes {names}"
+                    f"{prefix}{head} of {config_class.__name__} is no sub-config, so '{ref}' cannot set {name}; "
+                    f"its sub-configs: {known}"
                 )
+            nested.setdefault(head, {})[rest] = (text, value)
+            continue
+        if head in subs:
+            raise ModelLoadError(
+                f"{name}={text} in '{ref}' sets a sub-config ({subs[head].config_class.__name__}); set its keys "
+                f"instead: {name}.KEY=VALUE"
+            )
+        owner = f"{config_class.__name__}.{key}"
+        value = _checked(ref, name, owner, text, value, _field_type(keys[key]), _field_default(config_class, key))
         if key in _FIXED and value != _FIXED[key]:
             raise ModelLoadError(
-                f"'{ref}' sets {key}={text}; pyplan plans training on the logits alone with {key}={_FIXED[key]}: "
-                f"leave {key} out"
+                f"'{ref}' sets {name}={text}; pyplan plans training on the logits alone with {key}={_FIXED[key]}: "
+                f"leave {name} out"
             )
         if key in _RANDOM_OFF and value != 0:
             raise ModelLoadError(
-                f"'{ref}' sets {key}={text}; pyplan plans a graph that runs every layer on every frame, with "
-                f"{key}=0: leave {key} out"
+                f"'{ref}' sets {name}={text}; pyplan plans a graph that runs every layer on every frame, with "
+                f"{key}=0: leave {name} out"
             )
-        if type(value) is int and value < 1 and _is_size(key):
+        if _is_size(key) and any(type(v) is int and v < 1 for v in _sizes(key, value)):
+            each = isinstance(value, list | tuple)
             raise ModelLoadError(
-                f"{key}={text} in '{ref}' must be at least 1: it counts or sizes part of the model; give a positive int"
+                f"{name}={text} in '{ref}' must be at least 1: {'each element' if each else 'it'} counts or sizes "
+                f"part of the model; give {'positive ints' if each else 'a positive int'}"
             )
         field = aliases.get(key, key)
         if field in overrides:
-            raise ModelLoadError(f"'{ref}' sets {field} twice (as {key} and as {field}); give it once")
+            raise ModelLoadError(f"'{ref}' sets {prefix}{field} twice (as {name} and as {prefix}{field}); give it once")
         overrides[field] = value
+    for head, sub_options in nested.items():
+        overrides[head] = _config_overrides(ref, subs[head].config_class, sub_options, f"{prefix}{head}.")
     return overrides
+
+
+def _config_kwargs(config_class: type, overrides: dict[str, Any]) -> dict[str, Any]:
+    """`overrides` as the keyword arguments of `config_class`: a sub-config's overrides (a dict) as the dict it is
+    built from, its default's keys (`_SubConfig.base`) updated with them."""
+    subs = _sub_configs(config_class)
+    return {
+        key: {**subs[key].base, **_config_kwargs(subs[key].config_class, value)} if isinstance(value, dict) else value
+        for key, value in overrides.items()
+    }
+
+
+def _forced(config: Any, *, top: bool = True) -> dict[str, Any]:
+    """The values pyplan sets in a built config, whatever its defaults, as overrides: LayerDrop and SpecAugment off
+    (`_RANDOM_OFF`), at every level; in each sub-config also `_PASSED` (the top level gets them before it is built)."""
+    from transformers import PreTrainedConfig  # optional heavy package, imported by an hf: reference already
+
+    forced: dict[str, Any] = {k: 0.0 for k in _RANDOM_OFF if getattr(config, k, None) not in (None, 0)}
+    if not top:
+        keys = _config_keys(type(config))
+        forced.update({k: _FIXED[k] for k in _PASSED if k in keys and getattr(config, k, _FIXED[k]) != _FIXED[k]})
+    for key in _sub_configs(type(config)):
+        sub = getattr(config, key, None)
+        if isinstance(sub, PreTrainedConfig) and (inner := _forced(sub, top=False)):
+            forced[key] = inner
+    return forced
+
+
+def _merged(overrides: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """`overrides` updated with `more`, sub-config by sub-config."""
+    out = dict(overrides)
+    for key, value in more.items():
+        out[key] = _merged(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def _text_config(config: Any) -> Any:
+    """The config of the model's text (`get_text_config()`), its decoder's where it has several (musicgen: a T5 text
+    encoder and a decoder of audio tokens)."""
+    try:
+        return config.get_text_config()
+    except ValueError:
+        return config.get_text_config(decoder=True)
 
 
 def _max_positions(config: Any) -> tuple[str, int] | None:
     """The config's limit on the token positions, and its key: max_position_embeddings, or a speech model's decoder's
     max_target_positions (whisper)."""
-    text = config.get_text_config()
+    text = _text_config(config)
     for key in ("max_position_embeddings", "max_target_positions"):
         limit = getattr(text, key, None)
         if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
@@ -398,49 +644,156 @@ def _speech_to_text_features(config: Any) -> tuple[int, int]:
     return _FRAMES_PER_SECOND, config.input_feat_per_channel * config.input_channels
 
 
-# The audio features (`input_features`) of the speech models whose layout pyplan knows, by model type.
+def _granite_speech5_features(config: Any) -> tuple[int, int]:
+    """Granite Speech 5's features, (frames, features): its feature extractor appends each mel frame's deltas (x2)
+    and stacks frames in pairs (x2), so one second is 50 frames of 4 x num_mel_bins."""
+    return _FRAMES_PER_SECOND // 2, 4 * config.encoder_config.num_mel_bins
+
+
+# The audio features (`input_features`) of the speech models whose layout the config alone does not give, by model
+# type; another speech model's features are one second of frames of a feature count its config names, laid out as a
+# run on the meta device finds (`_feature_layout`).
 _FEATURES: dict[str, Callable[[Any], tuple[int, int]]] = {
     "whisper": _whisper_features,
     "speech_to_text": _speech_to_text_features,
+    "granite_speech5_ctc": _granite_speech5_features,
 }
+# The config keys that count a speech model's features per frame (log-mel bins, filter banks, a feature projection's
+# input), tried in this order: at the config's top level, then in its sub-configs of an encoder or audio.
+_FEATURE_KEYS = (
+    "num_mel_bins",
+    "feature_size",
+    "input_feat_size",
+    "feature_projection_input_dim",
+    "input_feat_per_channel",
+    "input_dim",
+)
 
 
-def _audio_input(ref: str, model_type: str, config: Any, model_class: type) -> tuple[str, tuple[int, ...]]:
+def _feature_counts(config: Any) -> list[int]:
+    """The distinct feature counts `config` names (`_FEATURE_KEYS`): at its top level, then in its sub-configs whose
+    key names an encoder or audio (canary's encoder_config, an audio_config)."""
+    from transformers import PreTrainedConfig  # optional heavy package, imported by an hf: reference already
+
+    levels = [config] + [
+        sub
+        for key, sub in vars(config).items()
+        if isinstance(sub, PreTrainedConfig) and ("encoder" in key or "audio" in key)
+    ]
+    counts: list[int] = []
+    for level in levels:
+        for key in _FEATURE_KEYS:
+            count = getattr(level, key, None)
+            if type(count) is int and count > 0 and count not in counts:
+                counts.append(count)
+    return counts
+
+
+def _feature_layout(ref: str, model_class: type, config: Any, run: Callable[[tuple[int, int]], Any]) -> tuple[int, int]:
+    """The shape (after the batch) of a speech model's `input_features`, one second of 10 ms frames: (frames,
+    features) or (features, frames), for each feature count the config names (`_feature_counts`), the first that
+    `run` (the model on meta tensors of one sample) runs on."""
+    counts = _feature_counts(config)
+    if not counts:
+        raise ModelLoadError(
+            f"pyplan finds no feature count for the input_features of '{ref}' ({model_class.__name__}): none of "
+            f"{', '.join(_FEATURE_KEYS)} in its config or its encoder's or audio config; set one"
+        )
+    tried: list[str] = []
+    for count in counts:
+        for shape in dict.fromkeys(((_FRAMES_PER_SECOND, count), (count, _FRAMES_PER_SECOND))):
+            try:
+                run(shape)
+            except ModelLoadError:  # the model does not build: no layout would run
+                raise
+            except Exception as exc:
+                tried.append(f"(1, {shape[0]}, {shape[1]}): {type(exc).__name__}: {_first_line(exc)}")
+            else:
+                return shape
+    raise ModelLoadError(
+        f"pyplan finds no layout of the input_features of '{ref}' that {model_class.__name__} runs on (one second "
+        f"of {_FRAMES_PER_SECOND} frames, on the meta device): {'; '.join(tried)}"
+    )
+
+
+def _audio_input(
+    ref: str, model_type: str, config: Any, model_class: type, run: Callable[[tuple[int, int]], Any]
+) -> tuple[str, tuple[int, ...]]:
     """The name and shape (after the batch) of a speech model's audio input: raw samples (`input_values`,
-    DEFAULT_AUDIO_SAMPLES of them) or features (`input_features`, laid out as `_FEATURES` says)."""
+    DEFAULT_AUDIO_SAMPLES of them) or features (`input_features`, laid out as `_FEATURES` says, else as
+    `_feature_layout` finds with `run`)."""
     name = getattr(model_class, "main_input_name", "")
     if name == "input_values":
         return name, (DEFAULT_AUDIO_SAMPLES,)
     if name == "input_features" and model_type in _FEATURES:
         return name, _FEATURES[model_type](config)
-    known = ", ".join(sorted(_FEATURES))
+    if name == "input_features":
+        return name, _feature_layout(ref, model_class, config, run)
     raise ModelLoadError(
         f"pyplan does not know the audio input of '{ref}' ({model_class.__name__} takes {name or 'no named input'}); "
-        f"it builds speech models that take raw audio (input_values: wav2vec2, hubert) or the features of {known}"
+        "it builds speech models that take raw audio (input_values: wav2vec2, hubert), features (input_features: "
+        "whisper, parakeet) or token ids (input_ids: pop2piano)"
     )
 
 
-def _frames(ref: str, build: Callable[[], nn.Module], inputs: dict[str, torch.Tensor]) -> int:
-    """The frames of a CTC model's logits (batch, frames, vocabulary) for `inputs` (of one sample), built on the meta
-    device: from the lengths of its convolutional feature encoder (the wav2vec2 family's
+def _meta_model(build: Callable[[], nn.Module]) -> nn.Module:
+    """`build()` on the meta device, in eval mode."""
+    with torch.device("meta"):
+        return build().eval()
+
+
+def _run_on_meta(model: nn.Module, inputs: dict[str, torch.Tensor]) -> Any:
+    """`model` (built on the meta device) run on `inputs` as fake meta tensors: nothing computed. Fake, not plain meta:
+    transformers checks values outside a trace (a causal mask without a cache looks for packed sequences), and takes
+    a fake tensor for a trace. torch logs each op that fails on fake tensors: a layout that does not run says so
+    in its error alone."""
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            return model(**{k: mode.from_tensor(v.to("meta")) for k, v in inputs.items()})
+    finally:
+        fake_log.setLevel(level)
+
+
+def _frames(ref: str, model: nn.Module, inputs: dict[str, torch.Tensor]) -> int:
+    """The frames of a CTC model's logits (batch, frames, vocabulary) for `inputs` (of one sample), the model on the
+    meta device: for raw audio from the lengths of its convolutional feature encoder (the wav2vec2 family's
     `_get_feat_extract_output_lengths`, as its own CTC loss counts them), else from a run on meta tensors."""
     ((name, audio),) = inputs.items()
     try:
-        with torch.device("meta"):
-            probe = build().eval()
-    except Exception as exc:
-        raise ModelLoadError(f"'{ref}' does not build: {type(exc).__name__}: {_first_line(exc)}") from exc
-    try:
-        lengths = getattr(probe, "_get_feat_extract_output_lengths", None)
-        if lengths is not None:
+        lengths = getattr(model, "_get_feat_extract_output_lengths", None)
+        if lengths is not None and name == "input_values":
             return int(lengths(torch.tensor([audio.shape[-1]])).item())
-        with torch.no_grad():
-            return int(probe(**{name: audio.to("meta")}).logits.shape[1])
+        return int(_run_on_meta(model, inputs).logits.shape[1])
     except Exception as exc:
         raise ModelLoadError(
             f"'{ref}' does not run on its example audio ({name} {tuple(audio.shape)}): {type(exc).__name__}: "
             f"{_first_line(exc)}"
         ) from exc
+
+
+def _text_speech_model(
+    ref: str, model_class: type, run: Callable[[bool, dict[str, torch.Tensor]], Any], tokens: dict[str, int]
+) -> bool:
+    """Whether a speech model whose main input is token ids (pop2piano) is built as a sequence-to-sequence LM (its
+    forward takes decoder_input_ids) or else a causal LM: `run(wrapped, inputs)` must run on the inputs of that kind
+    (one sample), or the model is refused."""
+    takes = [k for k in inspect.signature(model_class.forward).parameters if k not in ("self", "kwargs")]
+    seq2seq = "decoder_input_ids" in takes
+    inputs = (_seq2seq_inputs if seq2seq else _causal_inputs)(1, **tokens)
+    try:
+        run(seq2seq, inputs)
+    except ModelLoadError:
+        raise
+    except Exception as exc:
+        kind = "a sequence-to-sequence LM" if seq2seq else "a causal LM"
+        raise ModelLoadError(
+            f"pyplan does not know the inputs of '{ref}': {model_class.__name__} takes {', '.join(takes[:6])}, ... and "
+            f"does not run on those of {kind} ({', '.join(inputs)}): {type(exc).__name__}: {_first_line(exc)}"
+        ) from exc
+    return seq2seq
 
 
 def _image_shape(config: Any) -> tuple[int, int, int]:
@@ -451,7 +804,7 @@ def _image_shape(config: Any) -> tuple[int, int, int]:
     return getattr(vision, "num_channels", 3), height, width
 
 
-def _call_repr(model_type: str, kwargs: dict[str, Value]) -> str:
+def _call_repr(model_type: str, kwargs: dict[str, Any]) -> str:
     return ", ".join([repr(model_type), *(f"{k}={v!r}" for k, v in kwargs.items())])
 
 
@@ -476,7 +829,7 @@ def _model_class(ref: str, transformers: types.ModuleType, name: str) -> type:
 def _check_pad_token(ref: str, config: Any) -> None:
     """A padding token within the vocabulary (its embedding's padding_idx): a reference that shrinks vocab_size below
     the config's default token ids (whisper's 50256) names them too."""
-    text = config.get_text_config()
+    text = _text_config(config)
     pad, vocab = getattr(text, "pad_token_id", None), getattr(text, "vocab_size", None)
     if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
         raise ModelLoadError(
@@ -485,10 +838,11 @@ def _check_pad_token(ref: str, config: Any) -> None:
         )
 
 
-def _config(ref: str, transformers: types.ModuleType, model_type: str, kwargs: dict[str, Value]) -> Any:
+def _config(ref: str, transformers: types.ModuleType, model_type: str, kwargs: dict[str, Any]) -> Any:
     """`transformers.AutoConfig.for_model(model_type, **kwargs)`, its refusal one line."""
     try:
-        return transformers.AutoConfig.for_model(model_type, **kwargs)
+        # A copy: a config may update a sub-config's dict in place (moshi's depth_decoder_config).
+        return transformers.AutoConfig.for_model(model_type, **copy.deepcopy(kwargs))
     except Exception as exc:
         # transformers' strict dataclasses: "Validation error for field 'x':\n    TypeError: ..."
         reason = str(exc).strip().splitlines()[-1].strip() if str(exc).strip() else type(exc).__name__
@@ -499,17 +853,20 @@ def hf_model(ref: str) -> ModelSpec:
     """The ModelSpec of `hf:MODEL_TYPE[:key=value,...]`: `transformers.AutoConfig.for_model(MODEL_TYPE, **overrides)`
     with use_cache=False, its head built by the Auto class `_HEADS` names, random weights.
 
-    `labels=true` (not a config key) passes labels among the inputs, so that the model computes its own loss (its
-    first output; the spec then has no loss or target of its own). `seq_len=N` (not a config key) sets the example
-    sequence length; the default is
+    A key may name a sub-config's key (`encoder_config.hidden_size=64`: the sub-config is built from its default's
+    keys updated with them) and a value may be a list (`depth=[1,1,2]`). `labels=true` (not a config key) passes labels
+    among the inputs, so that the model computes its own loss (its first output; the spec then has no loss or target
+    of its own). `seq_len=N` (not a config key) sets the example sequence length; the default is
     min(the config's max_position_embeddings, 128), or 128 for a config without one. A causal LM takes
     `{"input_ids"}` and next tokens as its target; a masked LM `{"input_ids", "attention_mask"}` (int64) and random
-    tokens; a sequence-to-sequence LM `{"input_ids", "decoder_input_ids"}` (seq_len each) and random tokens at the
-    decoder's positions; an image classifier `{"pixel_values"}` at the config's image size and channels and random
-    class labels; a speech-to-text model its audio (`_audio_input`) and `decoder_input_ids`, and random tokens at the
-    decoder's positions; a CTC model its audio, and one random label per frame of its logits. The loss is the mean
-    cross-entropy of the logits (for a CTC model a per-frame cross-entropy, not a CTC loss: the model runs the same,
-    only the loss itself differs). LayerDrop and SpecAugment are off (`_RANDOM_OFF`)."""
+    tokens; a sequence-to-sequence LM `{"input_ids", "attention_mask", "decoder_input_ids"}` (seq_len each) and
+    random tokens at the decoder's positions; an image classifier `{"pixel_values"}` at the config's image size and
+    channels and random class labels; a speech-to-text model its audio (`_audio_input`) and `decoder_input_ids`, and
+    random tokens at the decoder's positions (one whose main input is token ids, pop2piano, the inputs of a
+    sequence-to-sequence or causal LM); a CTC model its audio, and one random label per frame of its logits. The loss
+    is the mean cross-entropy of the logits (for a CTC model a per-frame cross-entropy, not a CTC loss: the model runs
+    the same, only the loss itself differs). LayerDrop and SpecAugment are off (`_RANDOM_OFF`), in every sub-config
+    too."""
     model_type, _, text = ref.removeprefix("hf:").partition(":")
     if not model_type:
         raise ModelLoadError(f"'{ref}' names no model type; write hf:MODEL_TYPE[:key=value,...], e.g. hf:llama")
@@ -522,32 +879,45 @@ def hf_model(ref: str) -> ModelSpec:
     transformers = _import_transformers(ref)
     head, class_name = _head_of(ref, model_type, transformers)
     config_class = transformers.CONFIG_MAPPING[model_type]
-    kwargs = _config_overrides(ref, config_class, options)
+    overrides = _config_overrides(ref, config_class, options)
     keys = _config_keys(config_class)
-    kwargs.update({k: _FIXED[k] for k in _PASSED if k in keys})
-    config = _config(ref, transformers, model_type, kwargs)
-    random_on = {k: 0.0 for k in _RANDOM_OFF if getattr(config, k, None) not in (None, 0)}
-    if random_on:
-        kwargs.update(random_on)
-        config = _config(ref, transformers, model_type, kwargs)
+    overrides.update({k: _FIXED[k] for k in _PASSED if k in keys})
+    config = _config(ref, transformers, model_type, _config_kwargs(config_class, overrides))
+    forced = _forced(config)
+    if forced:
+        overrides = _merged(overrides, forced)
+        config = _config(ref, transformers, model_type, _config_kwargs(config_class, overrides))
+    kwargs = _config_kwargs(config_class, overrides)
     # The class the Auto class builds where its table names several (deit): it picks by the config's architectures.
     config.architectures = [class_name]
     auto_class = getattr(transformers, head.auto_class)
     model_class = _model_class(ref, transformers, class_name)
+    if model_class.__name__ == "SpeechEncoderDecoderModel":
+        raise ModelLoadError(
+            f"'{ref}' builds SpeechEncoderDecoderModel, which joins a speech encoder and a text decoder named by their "
+            "own configs (SpeechEncoderDecoderConfig.from_encoder_decoder_configs), which pyplan does not build; "
+            "write a model file that builds it, or plan a speech model of one type (hf:whisper, hf:speech_to_text)"
+        )
     wrap = head.auto_class in ("AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq")
+    causal = head.auto_class == "AutoModelForCausalLM"
 
     _check_pad_token(ref, config)
 
-    def build() -> nn.Module:
+    def make() -> nn.Module:
         try:
             # A copy: the config is shared by every build, and a model may set attributes on its own.
-            model = auto_class.from_config(copy.deepcopy(config))
+            return auto_class.from_config(copy.deepcopy(config))
         except Exception as exc:
             raise ModelLoadError(
                 f"transformers cannot build {model_class.__name__} for '{ref}': "
                 f"{type(exc).__name__}: {_first_line(exc)}"
             ) from exc
-        return Seq2SeqLogits(model) if wrap else model
+
+    meta_model = functools.cache(partial(_meta_model, make))
+
+    def run(wrapped: bool, inputs: dict[str, torch.Tensor]) -> Any:
+        """The model (wrapped in Seq2SeqLogits) on the meta device, run on meta copies of `inputs`."""
+        return _run_on_meta(Seq2SeqLogits(meta_model()) if wrapped else meta_model(), inputs)
 
     example_inputs: Callable[[int], Any]
     target: Callable[[int], torch.Tensor]
@@ -563,25 +933,39 @@ def hf_model(ref: str) -> ModelSpec:
         if with_labels:
             # Its own loss is a CTC loss, infinite on one random label per frame (a repeated label needs a blank).
             raise ModelLoadError(f"labels=true does not apply to the CTC model of '{ref}'; leave labels out")
-        name, shape = _audio_input(ref, model_type, config, model_class)
+        features = partial(_audio, 1, name="input_features")
+        name, shape = _audio_input(
+            ref, model_type, config, model_class, lambda shape: run(False, features(shape=shape))
+        )
         example_inputs = partial(_audio, name=name, shape=shape)
-        vocab = config.get_text_config().vocab_size
-        frames = _frames(ref, lambda: auto_class.from_config(copy.deepcopy(config)), example_inputs(1))
-        target = partial(_random_tokens, vocab=vocab, seq_len=frames)
+        vocab = _text_config(config).vocab_size
+        target = partial(_random_tokens, vocab=vocab, seq_len=_frames(ref, meta_model(), example_inputs(1)))
     elif head.auto_class == "AutoModelForSpeechSeq2Seq":
-        name, shape = _audio_input(ref, model_type, config, model_class)
-        tokens = {"vocab": config.get_text_config().vocab_size, "seq_len": _seq_len(ref, config, seq_len_option)}
-        example_inputs = partial(_speech_seq2seq_inputs, name=name, shape=shape, **tokens)
-        target = partial(_random_tokens, **tokens)
+        tokens = {"vocab": _text_config(config).vocab_size, "seq_len": _seq_len(ref, config, seq_len_option)}
+        if getattr(model_class, "main_input_name", "") == "input_ids":
+            wrap = _text_speech_model(ref, model_class, run, tokens)
+            causal = not wrap
+            example_inputs = partial(_seq2seq_inputs if wrap else _causal_inputs, **tokens)
+            target = partial(_random_tokens if wrap else _next_tokens, **tokens)
+        else:
+            features = partial(_speech_seq2seq_inputs, 1, name="input_features", **tokens)
+            name, shape = _audio_input(ref, model_type, config, model_class, lambda s: run(True, features(shape=s)))
+            example_inputs = partial(_speech_seq2seq_inputs, name=name, shape=shape, **tokens)
+            target = partial(_random_tokens, **tokens)
     else:
-        tokens = {"vocab": config.get_text_config().vocab_size, "seq_len": _seq_len(ref, config, seq_len_option)}
+        tokens = {"vocab": _text_config(config).vocab_size, "seq_len": _seq_len(ref, config, seq_len_option)}
         inputs_of = {"AutoModelForSeq2SeqLM": _seq2seq_inputs, "AutoModelForMaskedLM": _masked_inputs}
         example_inputs = partial(inputs_of.get(head.auto_class, _causal_inputs), **tokens)
-        target = partial(_next_tokens if head.auto_class == "AutoModelForCausalLM" else _random_tokens, **tokens)
+        target = partial(_next_tokens if causal else _random_tokens, **tokens)
     if with_labels:
         # The model computes its own loss from labels among its inputs (its first output); pyplan.spec.default_loss
         # takes it. A causal LM shifts its labels itself: they are its input ids.
-        example_inputs = partial(_with_labels, example_inputs, target, head.auto_class == "AutoModelForCausalLM")
+        example_inputs = partial(_with_labels, example_inputs, target, causal)
+
+    def build() -> nn.Module:
+        model = make()
+        return Seq2SeqLogits(model) if wrap else model
+
     return ModelSpec(
         name=ref,
         build=build,

@@ -51,7 +51,8 @@ def test_grouped_queries_keep_fewer_key_value_heads_and_images_shrink(bench: Mod
 
 def test_exceptions_override_and_keep_defaults(bench: ModuleType) -> None:
     assert bench.shrink(transformers.Mamba2Config)["num_heads"] == 8
-    assert "embed_dim" not in bench.shrink(transformers.Swinv2Config)
+    assert bench.shrink(transformers.Swinv2Config)["num_heads"] == [2, 4, 8, 16]
+    assert "image_size" not in bench.shrink(transformers.DonutSwinConfig)
 
 
 def test_error_classes_group_what_varies_between_types(bench: ModuleType) -> None:
