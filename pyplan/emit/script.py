@@ -55,10 +55,11 @@ if os.path.isdir(os.path.join(HERE, "pyplan")) and not glob.glob(os.path.join(HE
 import torch
 import torch.distributed as dist
 
+from pyplan._files import check_writable
 from pyplan.emit.planfile import plan_file_from_json, read_plan_file
 from pyplan.errors import PlanError
 from pyplan.graph.linearize import linearize
-from pyplan.graph.trace import input_tensors, trace
+from pyplan.graph.trace import input_tensors, inputs_at, trace
 from pyplan.load import load_model
 from pyplan.model_state import COMPUTE_DTYPES
 from pyplan.profile.flops import block_flops
@@ -232,38 +233,177 @@ class Metrics:
             self.writer.close()
 
 
-def synthetic_batches(spec, global_batch):
-    """The model's example inputs and targets, the same batch every step."""
-    while True:
-        yield spec.example_inputs(global_batch), spec.target(global_batch) if spec.target else None
+# Every rank builds the initial model from this seed, and draws each step's random numbers from it (seed_step).
+SEED = 0
 
 
-def user_batches(ref, replica, replicas, start):
-    """The batches of `--data` from step `start` on, and whether they are this replica's share (a function that
-    takes `replica` and `replicas`) rather than global batches."""
-    path, _, func = ref.rpartition(":")
+def seed_step(step, stream):
+    """Seed torch's random numbers alike on every rank from (SEED, step, stream): stream 0 for the step's batch (the
+    model's example inputs, or what a --data iterator draws with torch), 1 for the step itself (dropout). A run
+    resumed at any step draws there what a run from step 0 drew."""
+    torch.manual_seed(((SEED + 1) << 40) + 2 * step + stream)
+
+
+def said(exc):
+    """An exception in one line: its type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{{type(exc).__name__}}: {{lines[0][:200]}}" if lines else type(exc).__name__
+
+
+def data_function(ref):
+    """The function `--data FILE:FUNC` names; one line for a missing file or function, or a file that fails to
+    import, before any process group is made."""
+    path, colon, name = ref.rpartition(":")
+    if not colon or not path or not name:
+        raise PlanError(f"--data takes FILE:FUNC, a Python file and its function that returns the batches; got {{ref}}")
+    if not os.path.isfile(path):
+        raise PlanError(f"--data {{ref}}: there is no file {{path}}; give FILE:FUNC of an existing Python file")
     module_spec = importlib.util.spec_from_file_location("pyplan_user_data", path)
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    fn = getattr(module, func)
-    params = inspect.signature(fn).parameters
-    kwargs = {{"start": start}} if "start" in params else {{}}
-    shared = "replica" in params and "replicas" in params
-    if shared:
-        kwargs.update(replica=replica, replicas=replicas)
-    batches = iter(fn(**kwargs))
-    if "start" not in params:
-        for _ in range(start):  # the steps already trained
-            next(batches)
-    return batches, shared
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        raise PlanError(f"--data {{ref}}: importing {{path}} raised {{said(exc)}}; fix the file") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        functions = [k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__]
+        defined = sorted(functions)
+        raise PlanError(
+            f"--data {{ref}}: {{path}} defines no function '{{name}}' (it defines: {{', '.join(defined) or 'none'}}); "
+            "give FILE:FUNC of the function that returns the batches"
+        )
+    return fn
 
 
-def checked(tensors, expected, what):
-    """`tensors` when each holds `expected` samples; else one line naming the mismatch."""
-    for t in tensors:
-        if t.shape[0] != expected:
-            raise PlanError(f"--data gave {{what}} of {{t.shape[0]}} samples; the plan takes {{expected}}")
-    return tensors
+def shown(shape, dtype):
+    return f"{{tuple(shape)}} {{str(dtype).removeprefix('torch.')}}"
+
+
+class Batches:
+    """This rank's batch of each step: synthetic (the model's example inputs and target for the global batch), or
+    the items of --data's iterator, checked against the plan. The batch of step k is drawn after seed_step(k, 0), so
+    a resumed run draws what a run from step 0 drew; of --data's iterator, the items of the steps already trained
+    are drawn (each after its step's seed) and dropped, unless its function takes `start`. An item that is not the
+    plan's batch, or an iterator that fails or runs out, is one line naming the step (PlanError)."""
+
+    def __init__(self, spec, layout, global_batch, dp_rank, start, steps, data=None, ref=None):
+        self.spec, self.global_batch, self.ref, self.steps = spec, global_batch, ref, steps
+        self.mine = replica_slice(layout, dp_rank)
+        self.items, self.shared = None, False
+        if data is None:
+            return
+        # What the stages take: each sample's shape and dtype as example_inputs gives them at the micro-batch.
+        with torch.random.fork_rng(devices=[]):
+            b = layout.micro_batch_size
+            self.inputs_like = [(t.shape[1:], t.dtype) for t in inputs_at(spec.example_inputs, b)]
+            target = spec.target(b) if spec.target else None
+            self.target_like = (target.shape[1:], target.dtype) if isinstance(target, torch.Tensor) else None
+        params = inspect.signature(data).parameters
+        kwargs = {{"start": start}} if "start" in params else {{}}
+        self.shared = "replica" in params and "replicas" in params
+        if self.shared:
+            kwargs.update(replica=dp_rank, replicas=layout.dp)
+        name = ref.rpartition(":")[2]
+        try:
+            made = data(**kwargs)
+        except Exception as exc:
+            raise PlanError(f"--data {{ref}}: {{name}}() raised {{said(exc)}}; fix the function") from None
+        try:
+            self.items = iter(made)
+        except TypeError:
+            raise PlanError(
+                f"--data {{ref}}: {{name}}() returned {{type(made).__name__}}, not an iterator; return (or yield) the "
+                "(inputs, target) batches"
+            ) from None
+        if "start" not in params:
+            for step in range(start):  # the steps already trained
+                seed_step(step, 0)
+                self.next_item(step)
+
+    def next_item(self, step):
+        try:
+            return next(self.items)
+        except StopIteration:
+            raise PlanError(
+                f"--data {{self.ref}} ran out at step {{step}}: a run to --steps {{self.steps}} takes a batch a step; "
+                "give a longer iterator or fewer --steps"
+            ) from None
+        except Exception as exc:
+            raise PlanError(f"--data {{self.ref}}: its iterator raised {{said(exc)}} at step {{step}}") from None
+
+    def take(self, step):
+        """The batch of `step`: its tensors as given (a global batch, or this replica's share), the target, and the
+        slice of them this rank trains on."""
+        seed_step(step, 0)
+        if self.items is None:
+            inputs = self.spec.example_inputs(self.global_batch)
+            target = self.spec.target(self.global_batch) if self.spec.target else None
+            return input_tensors(inputs), target, self.mine
+        return self.checked(self.next_item(step), step)
+
+    def checked(self, item, step):
+        gave = f"--data {{self.ref}} gave"
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise PlanError(f"{{gave}} a {{type(item).__name__}} at step {{step}}; give (inputs, target) pairs")
+        inputs, target = item
+        try:
+            tensors = input_tensors(inputs)
+        except PlanError:
+            raise PlanError(
+                f"{{gave}} inputs of type {{type(inputs).__name__}} at step {{step}}; give a tuple of tensors, a dict "
+                "of keyword arguments or (args, kwargs), as example_inputs returns them"
+            ) from None
+        size = self.mine.stop - self.mine.start if self.shared else self.global_batch
+        batch = f"a{{' replica' if self.shared else ''}} batch of {{size}} samples, each as example_inputs gives it"
+        if len(tensors) != len(self.inputs_like):
+            raise PlanError(
+                f"{{gave}} {{len(tensors)}} input tensors at step {{step}}; the model takes {{len(self.inputs_like)}}, "
+                "as example_inputs gives them"
+            )
+        for i, (t, (shape, dtype)) in enumerate(zip(tensors, self.inputs_like)):
+            if (t.shape[1:], t.dtype) != (shape, dtype) or t.dim() == 0 or t.shape[0] != size:
+                raise PlanError(
+                    f"{{gave}} input {{i}} of {{shown(t.shape, t.dtype)}} at step {{step}}; the plan takes "
+                    f"{{shown((size, *shape), dtype)}}: {{batch}}"
+                )
+        if self.target_like is not None:
+            shape, dtype = self.target_like
+            if not isinstance(target, torch.Tensor):
+                raise PlanError(
+                    f"{{gave}} a target of type {{type(target).__name__}} at step {{step}}; the loss takes a tensor of "
+                    f"{{shown((size, *shape), dtype)}}"
+                )
+            if (target.shape[1:], target.dtype) != (shape, dtype) or target.dim() == 0 or target.shape[0] != size:
+                raise PlanError(
+                    f"{{gave}} a target of {{shown(target.shape, target.dtype)}} at step {{step}}; the loss takes "
+                    f"{{shown((size, *shape), dtype)}}: {{batch}}"
+                )
+        return tensors, target, slice(None) if self.shared else self.mine
+
+
+def agreed(draw, device):
+    """draw(), whose PlanError, on any rank, is raised on every rank where `device` is given (the first failing
+    rank's message): --data's iterators are the user's, and one replica's may fail alone, while the others would
+    wait for it in the step's collectives."""
+    problem = out = None
+    try:
+        out = draw()
+    except PlanError as exc:
+        if device is None:
+            raise
+        problem = str(exc)
+    if device is not None and reduce(torch.tensor([float(problem is not None)]), dist.ReduceOp.MAX, device).item():
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        raise PlanError(next(p for p in problems if p))
+    return out
+
+
+def stopped_before(step, folder):
+    """What a run that stopped before `step` leaves: the latest checkpoint in `folder`, kept."""
+    latest = latest_checkpoint(folder) if folder else None
+    left = f"the latest checkpoint, {{latest}}, is kept" if latest else "no checkpoint was saved"
+    return f"training stopped before step {{step}}; {{left}}"
 
 
 def stopped_answering(ranks, silent_s):
@@ -290,7 +430,11 @@ def build_parser():
         "(default: synthetic batches from the model's example_inputs); a function with parameters `replica` and "
         "`replicas` is called with them and gives only that data-parallel replica's share ({global_batch} / replicas "
         "samples), as a DistributedSampler would; on resuming, a function with a parameter `start` is called with the "
-        "step to start from, and otherwise the batches of the steps already trained are drawn and dropped",
+        "step to start from, and otherwise the batches of the steps already trained are drawn and dropped. Each item "
+        "must hold the tensors, per-sample shapes and dtypes of example_inputs and target; the first is checked "
+        "before step 0, and a bad item, an iterator that raises or one that runs out before --steps stops the run "
+        "with one line naming the step. torch's random numbers are seeded for each step's batch and for the step "
+        "(dropout) from the step's number, so a resumed run draws what an uninterrupted one draws",
     )
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     parser.add_argument(
@@ -348,7 +492,9 @@ def build_parser():
     return parser
 
 
-def train(args):
+def train(args, data=None):
+    """Train as the plan says, from the latest checkpoint in --checkpoint if there is one; `data` is --data's
+    function."""
     document = read_plan_file(args.plan) if args.plan else plan_file_from_json(PLAN, "embedded plan")
     layout, workload = document.plan.layout, document.workload
     cuda = torch.cuda.is_available()
@@ -358,7 +504,7 @@ def train(args):
 
     spec = load_model(document.model)
     rank0 = dist.get_rank() == 0
-    torch.manual_seed(0)  # every rank builds the same initial model
+    torch.manual_seed(SEED)  # every rank builds the same initial model
     model = spec.build()
     other = other_device(document.cluster.gpu, device)
     gpu_peak = peak_flops(document.cluster.gpu, workload.precision, other)
@@ -370,20 +516,22 @@ def train(args):
         spec, model, layout, optimizer_factory(workload.optimizer, args.lr),
         device=device, leaf_modules=document.leaf_modules, precision=workload.precision,
     )
-    mine = replica_slice(layout, trainer.dp_rank)
     start = 0
     resume = latest_checkpoint(args.checkpoint) if args.checkpoint else None
     if resume is not None:
         start = load_checkpoint(trainer, resume)
         if rank0:
             print(f"resumed from {{resume}} (step {{start}})", flush=True)
+    # The batches, --data's first checked before any step: where one rank's fail, every rank stops alike.
+    collective = device if data is not None else None
+    batches = agreed(
+        lambda: Batches(spec, layout, workload.global_batch, trainer.dp_rank, start, args.steps, data, args.data),
+        collective,
+    )
+    batch = agreed(lambda: batches.take(start), collective) if start < args.steps else None
     schedule = torch.optim.lr_scheduler.LambdaLR(
         trainer.optimizer, lambda step: lr_factor(start + step, args.steps, args.warmup_steps, args.decay)
     )
-    if args.data:
-        batches, shared = user_batches(args.data, trainer.dp_rank, layout.dp, start)
-    else:
-        batches, shared = synthetic_batches(spec, workload.global_batch), False
     predicted = document.plan.predicted
     writer = None
     if args.tensorboard and rank0:
@@ -396,13 +544,15 @@ def train(args):
     memory = None if cuda else CpuMemory(trainer)
     warmup = 1 if cuda else min(2, args.steps - start)  # steps left out of the median
     for step in range(start, args.steps):
-        inputs, target = next(batches)
-        if shared:  # this replica's share, as loaded
-            tensors = checked(input_tensors(inputs), mine.stop - mine.start, "a replica's batch")
-            take = slice(None)
-        else:
-            tensors = checked(input_tensors(inputs), workload.global_batch, "a batch")
-            take = mine
+        if step > start:
+            try:
+                batch = agreed(lambda: batches.take(step), collective)
+            except PlanError as exc:
+                if metrics is not None:
+                    metrics.close()
+                raise PlanError(f"{{exc}}; {{stopped_before(step, args.checkpoint)}}") from None
+        tensors, target, take = batch
+        seed_step(step, 1)
         if cuda:
             torch.cuda.synchronize(device)
         began = time.perf_counter()
@@ -456,8 +606,36 @@ def train(args):
     if metrics is not None:
         metrics.close()
     if args.save_params:
-        torch.save(trainer.parameters(), f"{{args.save_params}}.rank{{dist.get_rank()}}.pt")
+        try:
+            torch.save(trainer.parameters(), f"{{args.save_params}}.rank{{dist.get_rank()}}.pt")
+        except OSError as exc:
+            written = f"{{args.save_params}}.rank{{dist.get_rank()}}.pt"
+            raise PlanError(f"--save-params cannot write {{written}}: {{exc.strerror or exc}}") from None
     dist.barrier()
+
+
+def checked_options(args):
+    """One line for options that cannot work, before any process group is made: every rank meets them alike.
+    Returns --data's function (None without --data)."""
+    if not 0 < args.timeout <= 1e9:
+        raise PlanError(f"--timeout takes seconds in (0, 1e9], got {{args.timeout}}")
+    if not 0 <= args.lr < float("inf"):
+        raise PlanError(f"--lr takes a finite learning rate >= 0, got {{args.lr}}")
+    if args.clip_grad_norm is not None and not 0 < args.clip_grad_norm < float("inf"):
+        raise PlanError(f"--clip-grad-norm takes a positive norm, got {{args.clip_grad_norm}}")
+    if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
+        raise PlanError("--checkpoint-every takes steps >= 0 and --keep-checkpoints a count >= 1")
+    if args.save_params:
+        try:
+            check_writable(f"{{args.save_params}}.rank0.pt")
+        except PlanError as exc:
+            raise PlanError(f"--save-params {{exc}}") from None
+    if args.tensorboard:
+        try:
+            importlib.import_module("torch.utils.tensorboard")  # whether TensorBoard is installed, before training
+        except ImportError:
+            raise PlanError("--tensorboard needs TensorBoard, which is not installed: pip install tensorboard")
+    return data_function(args.data) if args.data else None
 
 
 def main():
@@ -465,17 +643,7 @@ def main():
     code = 0
     heartbeat = None
     try:
-        if not 0 < args.timeout <= 1e9:
-            raise PlanError(f"--timeout takes seconds in (0, 1e9], got {{args.timeout}}")
-        if args.clip_grad_norm is not None and not 0 < args.clip_grad_norm < float("inf"):
-            raise PlanError(f"--clip-grad-norm takes a positive norm, got {{args.clip_grad_norm}}")
-        if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
-            raise PlanError("--checkpoint-every takes steps >= 0 and --keep-checkpoints a count >= 1")
-        if args.tensorboard:
-            try:
-                importlib.import_module("torch.utils.tensorboard")  # whether TensorBoard is installed, before training
-            except ImportError:
-                raise PlanError("--tensorboard needs TensorBoard, which is not installed: pip install tensorboard")
+        data = checked_options(args)
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             world = PLAN["plan"]["dp"] * PLAN["plan"]["pp"]
             raise PlanError(
@@ -485,7 +653,7 @@ def main():
         cuda = torch.cuda.is_available()
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout))
         heartbeat = Heartbeat(args.timeout, stopped_answering) if dist.get_world_size() > 1 else None
-        train(args)
+        train(args, data)
     except RuntimeError:
         # A collective failed (torch's distributed errors are RuntimeErrors): if a rank stopped answering, say which
         # instead of a traceback from every rank; any other error goes on as it is.
