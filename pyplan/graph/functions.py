@@ -24,7 +24,7 @@ import torch
 from torch import fx
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-__all__ = ["KeptWhole", "is_kept_whole", "kept_whole"]
+__all__ = ["KEPT_WHOLE", "KeptWhole", "is_kept_whole", "kept_whole", "run_kept_whole"]
 
 _OP_NAME = "autograd_function"
 _LIB = torch.library.Library("pyplan", "FRAGMENT")
@@ -81,6 +81,18 @@ _LIB.impl(_OP_NAME, _run, "Autograd")
 _LIB.impl(_OP_NAME, _without_autograd, "CompositeExplicitAutograd")
 torch.library.register_fake(f"pyplan::{_OP_NAME}", _without_autograd, lib=_LIB)
 _OP = getattr(torch.ops.pyplan, _OP_NAME).default
+
+
+# The op a kept-whole Function's call is captured as.
+KEPT_WHOLE = _OP
+
+
+def run_kept_whole(args: tuple[Any, ...], kwargs: dict[str, Any], *, autograd: bool) -> list[torch.Tensor]:
+    """The outputs of a call of KEPT_WHOLE (its arguments), from the Function itself: its `apply` above autograd
+    (`autograd`), its forward without autograd below it. For a mode that sees the op and must see the Function's own
+    ops: it pushes itself again around this call, as autocast's emulation does (CUDA autocast casts inside a
+    Function's forward)."""
+    return (_run if autograd else _without_autograd)(*args, **kwargs)
 
 
 def _is_users(function: type) -> bool:

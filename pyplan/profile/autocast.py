@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from pyplan._torch import TorchDispatchMode, storage_key, tensor_leaves, tree_map_only
 from pyplan.errors import PlanError
+from pyplan.graph.functions import KEPT_WHOLE, run_kept_whole
 
 __all__ = ["AutocastAbove", "CudaAutocast"]
 
@@ -238,6 +239,11 @@ class CudaAutocast(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func is KEPT_WHOLE and not self.in_backward:
+            # A user's autograd Function kept whole: autocast casts inside its forward (YOSO's products), so its
+            # ops run here again, beneath this mode.
+            with self:
+                return run_kept_whole(args, kwargs, autograd=False)
         name = func.overloadpacket.__name__
         if self.in_backward:
             target = self.dtype if name in LOWER and len(_floats(args, kwargs)) > 1 else None
@@ -278,6 +284,9 @@ class AutocastAbove(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func is KEPT_WHOLE:
+            with self:  # autocast casts inside a kept-whole Function's forward (as CudaAutocast)
+                return run_kept_whole(args, kwargs, autograd=True)
         packet = getattr(func, "overloadpacket", None)
         name = packet.__name__ if packet is not None else getattr(func, "__name__", "")
         name = _FUNCTION_NAMES.get(name, name)

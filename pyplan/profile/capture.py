@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -170,12 +171,22 @@ class _Target:
 
     def profile(self, chain: Chain, examples: Examples) -> tuple[Chain, str]:
         """The chain profiled at the target's sizes; a model with a BatchNorm over a 1x1 map, which cannot train on
-        one sample, profiled from 2 samples, its plans' micro-batches of 2 or more."""
+        one sample, profiled from 2 samples, its plans' micro-batches of 2 or more. A user's autograd Function that
+        mixes dtypes under autocast is one line."""
         try:
             return self._at(chain, examples, self.sizes)
         except (ValueError, ZeroDivisionError) as exc:
             if one_value_per_channel(exc) is None:
                 raise
+        except RuntimeError as exc:
+            where = _function_frame(exc) if self.autocast else None
+            if where is None:
+                raise
+            raise PlanError(
+                f"{where} does not run under {self.compute_dtype} autocast, as CUDA would run it: "
+                f"{str(exc).strip().splitlines()[0]}; plan it with --precision fp32, or make the Function cast its "
+                "inputs (torch.amp.custom_fwd and custom_bwd)"
+            ) from None
         try:
             profiled, how = self._at(chain, examples, sizes_from_two(self.sizes))
         except (ValueError, ZeroDivisionError) as again:
@@ -323,3 +334,26 @@ def _loss_cost(
     except (RuntimeError, ValueError, TypeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PlanError(f"the loss cannot be computed on the model's output: {first}") from None
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _function_frame(exc: BaseException) -> str | None:
+    """Where a dtype error under autocast was raised inside a user's torch.autograd.Function (`Name.backward at
+    file:line`, the innermost such frame outside torch), else None."""
+    if "scalar type" not in str(exc) and "dtype" not in str(exc):
+        return None
+    found = None
+    for frame, line in traceback.walk_tb(exc.__traceback__):
+        code = frame.f_code
+        if (
+            code.co_name in ("forward", "backward")
+            and "ctx" in frame.f_locals
+            and not code.co_filename.startswith(_TORCH_DIR)
+        ):
+            ctx = frame.f_locals["ctx"]
+            owner = getattr(ctx, "_forward_cls", None) or type(ctx)
+            name = getattr(owner, "__qualname__", type(ctx).__name__)
+            found = f"{name}.{code.co_name} at {os.path.basename(code.co_filename)}:{line}"
+    return found

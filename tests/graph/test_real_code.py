@@ -14,6 +14,7 @@ from torch import nn
 from pyplan import linearize, load_model, trace
 from pyplan._torch import one_value_per_channel
 from pyplan.api import chain_for
+from pyplan.errors import PlanError
 from pyplan.graph.functions import is_kept_whole
 from pyplan.graph.linearize import cut_points
 from pyplan.graph.split import batch_carrier, pieces, run_pieces
@@ -336,3 +337,50 @@ def test_a_model_on_meta_that_makes_scalar_tensors_in_its_forward_is_planned() -
     examples = lambda b: {"input": torch.randn(b, 8)}  # noqa: E731  (keywords: captured by torch.export)
     chain, _ = chain_for(model, examples, cluster, Workload(global_batch=8))
     assert len(chain.blocks) >= 4 and chain.memory is not None
+
+
+class _Product(torch.autograd.Function):
+    """A batched x @ w by hand; `careful` casts in the backward as a Function that knows autocast does (the gradient
+    arrives in the product's 16-bit dtype, the weight was saved in fp32). Batched: meta's mm checks no dtypes."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, careful: bool) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        ctx.careful = careful
+        return torch.bmm(x, w.expand(x.shape[0], -1, -1))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        ws = w.t().expand(x.shape[0], -1, -1)
+        if ctx.careful:
+            return torch.bmm(grad, ws.to(grad.dtype)), torch.bmm(x.transpose(1, 2), grad).sum(0).to(w.dtype), None
+        return torch.bmm(grad, ws), torch.bmm(x.transpose(1, 2), grad).sum(0), None
+
+
+class _ProductLayer(nn.Module):
+    def __init__(self, careful: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.careful = careful
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(_Product.apply(self.fc(h), self.w, self.careful))
+
+
+@pytest.mark.parametrize("careful", [True, False], ids=["casts", "mixes-dtypes"])
+def test_a_kept_whole_function_runs_under_the_autocast_emulation_as_cuda_runs_it(careful: bool) -> None:
+    # Under CUDA autocast the product inside the Function's forward casts both operands (the Linear's bf16 output,
+    # the fp32 weight) to bf16; its backward then gets a bf16 gradient beside the fp32 weight it saved.
+    with torch.device("meta"):
+        model = nn.Sequential(*(_ProductLayer(careful) for _ in range(4)))
+    cluster = Cluster.from_catalog("a100-80g", 2)
+    workload = Workload(global_batch=8, precision="bf16-mixed")
+    examples = lambda b: (torch.randn(b, 4, 8),)  # noqa: E731
+    if careful:
+        chain, _ = chain_for(model, examples, cluster, workload)
+        assert chain.memory is not None and len(chain.blocks) >= 4
+    else:
+        with pytest.raises(PlanError, match=r"^_Product\.backward at test_real_code\.py:\d+ does not run under "):
+            chain_for(model, examples, cluster, workload)
