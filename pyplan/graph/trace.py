@@ -338,6 +338,32 @@ def _explicit_keywords(model: nn.Module, bound: dict[str, Any]) -> Iterator[None
         del model.forward
 
 
+# torch.export's checks of the values a model read with .item() (XLM's `assert lengths.max().item() <= slen`): the
+# capture saw one value, a run on meta or fake tensors has none to read.
+_VALUE_CHECKS = (torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default)
+
+
+def _drop_value_checks(graph: fx.Graph) -> None:
+    """Remove the checks of values read off tensors (`_VALUE_CHECKS`) and what only they used (the `.item()`, the
+    reductions before it): they check the data, not the plan, and no run without data can do them."""
+    dead = [n for n in graph.nodes if n.op == "call_function" and n.target in _VALUE_CHECKS]
+    while dead:
+        n = dead.pop()
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        for a in inputs:
+            if not a.users and a.op == "call_function" and not (a.target in _VALUE_CHECKS or _mutates(a)):
+                dead.append(a)
+
+
+def _mutates(n: fx.Node) -> bool:
+    """Whether node `n` writes into a tensor or has another effect (an in-place or out= op, a print)."""
+    schema = getattr(n.target, "_schema", None)
+    if schema is None:
+        return not callable(n.target) or getattr(n.target, "__module__", "") != "_operator"
+    return schema.is_mutable or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
 def _export(model: nn.Module, call: Call) -> fx.GraphModule:
     """Capture `model` with torch.export (non-strict: the model's Python runs as written, on fake tensors, so
     control flow on shapes, dtypes and None is taken at capture), dim 0 of every input a symbolic batch size.
@@ -376,6 +402,7 @@ def _export(model: nn.Module, call: Call) -> fx.GraphModule:
             graph.erase_node(n)  # a constant input (None, a flag): taken at capture
         elif not isinstance(n.meta.get("val"), torch.Tensor):
             raise TraceError(f"the model reads its non-tensor input '{n.name}' as a value; pass tensors only")
+    _drop_value_checks(graph)
     _flatten_output(graph)
     for n in graph.nodes:
         stack = n.meta.get("nn_module_stack") or {}

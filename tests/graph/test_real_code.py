@@ -384,3 +384,16 @@ def test_a_kept_whole_function_runs_under_the_autocast_emulation_as_cuda_runs_it
     else:
         with pytest.raises(PlanError, match=r"^_Product\.backward at test_real_code\.py:\d+ does not run under "):
             chain_for(model, examples, cluster, workload)
+
+
+def test_checks_of_values_read_off_the_inputs_are_dropped_from_the_captured_graph() -> None:
+    # In a module of its own: pytest rewrites the asserts of test files, and its rewrite reads the value in Python.
+    spec = _spec("checked_lengths")
+    examples = spec.example_inputs
+    graph = trace(spec.build(), examples, batch_size=2)
+    targets = {n.target for n in graph.module.graph.nodes}
+    assert torch.ops.aten.item.default not in targets and torch.ops.aten._assert_scalar.default not in targets
+    with torch.device("meta"):
+        model = spec.build()
+    chain, _ = chain_for(model, examples, Cluster.from_catalog("a100-80g", 2), Workload(global_batch=8))
+    assert len(chain.blocks) >= 4
