@@ -107,6 +107,11 @@ EXCEPTIONS: dict[str, dict[str, Option | None]] = {
     # is built for full 7x7 windows, which the last of 4 stages (/32) has only at 224 pixels.
     "donut-swin": {"num_heads": [2, 4, 8, 16], "image_size": None},
     "swinv2": {"num_heads": [2, 4, 8, 16]},
+    # The same heads as donut-swin, and its windows of 7 need its image size.
+    "swin": {"num_heads": [2, 4, 8, 16], "image_size": None},
+    # Its last stages downsample 32 pixels to nothing: the default image size (256, 224).
+    "mobilevitv2": {"image_size": None},
+    "levit": {"image_size": None, "patch_size": None},
     # attention_types, runs of layer kinds ([[["global", "local"], 12]]: 24 layers), must cover every layer.
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     # The last num_kv_shared_layers layers (default 15) reuse the caches of earlier ones: the second of 2 (hf: takes
