@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import sys
 import traceback
-from collections.abc import Sequence
-from typing import Any
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any, NoReturn
 
 import torch
 from rich.console import Console
@@ -420,9 +422,25 @@ def _emit(args: argparse.Namespace) -> int:
     return 0
 
 
+class _UsageError(Exception):
+    """A command line argparse refuses: `parser` is the (sub)command's parser, the message argparse's."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors `main` prints as one line (the usage block only under --debug); the
+    subcommands' parsers are of this class too (add_subparsers makes them of the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(self, message)
+
+
 def _parser() -> argparse.ArgumentParser:
     """The `pyplan` command line: a subcommand each, the others' parsers added by their modules."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pyplan", description="Plan distributed PyTorch training: how to split a model over GPUs, with numbers."
     )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -631,12 +649,64 @@ def _check_sizes(args: argparse.Namespace) -> None:
                 raise PlanError(f"{flag} {x} is too large: at most {MAX_OPTION_INT:,}")
 
 
+class _TorchMuted:
+    """A text stream that drops what torch's own modules print to it (torch.export prints the partial graph of a
+    model it cannot capture to stderr) and passes the rest on to `stream`. The writer is the first caller outside
+    rich, whose spinner on a terminal passes what is printed meanwhile on through its own frames."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        frame = sys._getframe(1)
+        while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("rich."):
+            frame = frame.f_back
+        caller = frame.f_globals.get("__name__", "")
+        if caller == "torch" or caller.startswith("torch."):
+            return len(text)
+        return int(self._stream.write(text))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _quiet_torch() -> Iterator[None]:
+    """torch's own log lines, warnings and prints to stderr off while a command runs: torch.export logs a warning
+    and prints a graph dump before pyplan's one-line error on a model it cannot capture (a branch on a tensor's
+    values); --debug keeps them. The loggers torch has configured (each with its own handler) are raised to
+    CRITICAL, and restored."""
+    manager = logging.Logger.manager
+    loggers = [logging.getLogger("torch")] + [
+        x for name, x in manager.loggerDict.items() if name.startswith("torch.") and isinstance(x, logging.Logger)
+    ]
+    levels = [x.level for x in loggers]
+    for x in loggers:
+        x.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(_TorchMuted(sys.stderr)):
+            warnings.filterwarnings("ignore", module=r"torch(\.|$)")
+            yield
+    finally:
+        for x, level in zip(loggers, levels):
+            x.setLevel(level)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
     err = Console(stderr=True, highlight=False, emoji=False)
+    given = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(given)
+    except _UsageError as exc:
+        if "--debug" in given:
+            exc.parser.print_usage(sys.stderr)
+        hint = f"{exc} (`{exc.parser.prog} --help` lists the options)"
+        err.print(Text.assemble(("error: ", "red"), hint), soft_wrap=True)
+        return 2
     try:
         _check_sizes(args)
-        return int(args.func(args))
+        with contextlib.nullcontext() if args.debug else _quiet_torch():
+            return int(args.func(args))
     except PlanError as exc:
         if args.debug:
             traceback.print_exc()

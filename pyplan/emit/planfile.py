@@ -8,14 +8,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pyplan import _core
 from pyplan._files import write_atomic
 from pyplan.errors import PlanError
 from pyplan.hardware.cluster import Cluster
-from pyplan.plan import SCHEMA_VERSION, Plan, Workload
+from pyplan.model_state import MASTER_PRECISIONS
+from pyplan.plan import SCHEMA_VERSION, Layout, Plan, Workload
 
 __all__ = ["PlanFile", "plan_file_from_json", "read_plan_file", "write_plan_file"]
 
 _FIELDS = {"schema_version", "model", "leaf_modules", "workload", "cluster", "plan"}
+# The whole numbers of a plan document, by section: JSON's true and false, and numbers with a fraction, are refused
+# there (Python takes True for 1 and 2.0 for 2, so the layout's own checks would let them through).
+_WHOLE_NUMBERS = {
+    "workload": ("global_batch", "dataset_samples"),
+    "plan": ("dp", "pp", "micro_batch_size", "num_microbatches", "zero_stage", "stages_per_rank", "tp"),
+}
+# The schedules whose backward is split into input and weight gradients (torch's zero-bubble schedules).
+_SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,7 @@ def plan_file_from_json(data: Any, where: str = "plan") -> PlanFile:
     leaves = data.get("leaf_modules", [])
     if not isinstance(leaves, list) or not all(isinstance(x, str) and x.isprintable() for x in leaves):
         raise PlanError(f"{path}: 'leaf_modules' must be a list of module names, got {leaves!r}")
+    _check_whole_numbers(data, path)
     try:
         document = PlanFile(
             model=model,
@@ -113,7 +124,75 @@ def plan_file_from_json(data: Any, where: str = "plan") -> PlanFile:
     except (KeyError, TypeError, ValueError) as exc:
         raise PlanError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None
     _check_consistent(document, path)
+    _check_runnable(document.plan.layout, document.workload, path)
     return document
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_whole_numbers(data: dict[str, Any], path: str) -> None:
+    """The counts of the workload and the layout are whole numbers, as the planner writes them."""
+    for section, names in _WHOLE_NUMBERS.items():
+        fields = data[section]
+        if not isinstance(fields, dict):
+            continue  # the section's own reader names the problem
+        for name in names:
+            value = fields.get(name, 1)
+            if name == "dataset_samples" and value is None:
+                continue
+            if not _whole(value):
+                raise PlanError(
+                    f"{path}: '{section}.{name}' must be a whole number, got {json.dumps(value)}; write it as the "
+                    "planner does (e.g. 2), or plan again"
+                )
+    plan = data["plan"]
+    cuts = plan.get("cut_positions") if isinstance(plan, dict) else None
+    if isinstance(cuts, list) and not all(_whole(c) and c >= 0 for c in cuts):
+        raise PlanError(
+            f"{path}: 'plan.cut_positions' must be whole numbers of at least 0, got {json.dumps(cuts)}; plan again"
+        )
+
+
+def _check_runnable(layout: Layout, workload: Workload, path: str) -> None:
+    """The layout is one the planner's search space holds (pyplan/api.py, cpp/src/search.cpp's enumerate): a
+    schedule torch builds for its ranks, micro-batches and stages per rank, ZeRO-3 only in plans of one stage, and
+    16-bit weights beside fp32 master weights under ZeRO 0 or 1 and a schedule that accumulates through autograd."""
+    v = layout.stages_per_rank
+    if not _whole(v) or v < 1:
+        raise PlanError(f"{path}: 'plan.stages_per_rank' must be at least 1, got {v!r}")
+    if layout.cut_positions[0] != 0:
+        raise PlanError(
+            f"{path}: 'plan.cut_positions' must start at 0 (the first stage starts at the graph's start), got "
+            f"{list(layout.cut_positions)}; plan again"
+        )
+    single = layout.schedule in ("GPipe", "1F1B")
+    refused = _core.torch_rejection(layout.schedule, layout.pp, layout.num_microbatches, v)
+    if refused:
+        raise PlanError(f"{path}: torch cannot run this schedule: {refused}; plan again or change the schedule")
+    if not single and (v < 2 or layout.pp < 2):
+        raise PlanError(
+            f"{path}: {layout.schedule} runs several stages on each of several pipeline ranks, the plan has "
+            f"pp {layout.pp} with {v} stage(s) per rank; use GPipe or 1F1B, or plan again"
+        )
+    if layout.zero_stage == 3 and layout.num_stages > 1:
+        raise PlanError(
+            f"{path}: ZeRO-3 runs in plans of one pipeline stage (over several, torch's pipelining holds every "
+            f"unsharded gradient to the step's end), the plan has pp {layout.pp} x {v} stage(s) per rank; use "
+            "ZeRO-1, or pp 1"
+        )
+    if workload.precision in MASTER_PRECISIONS:
+        if layout.zero_stage not in (0, 1):
+            raise PlanError(
+                f"{path}: {workload.precision} runs under ZeRO 0 or 1, the plan has ZeRO-{layout.zero_stage}; use "
+                "ZeRO-1, or bf16-mixed"
+            )
+        if layout.schedule in _SPLIT_BACKWARD:
+            raise PlanError(
+                f"{path}: {workload.precision} does not run {layout.schedule} (its weight gradients skip autograd's "
+                "accumulation); choose another schedule, or bf16-mixed"
+            )
 
 
 def _check_consistent(document: PlanFile, path: str) -> None:

@@ -315,7 +315,15 @@ class Cluster:
             text = path.read_text()
         except OSError as exc:
             raise PlanError(f"{what}: cannot be read ({exc.strerror or exc})") from None
-        return Cluster.from_dict(_parse(text, suffix, what), what)
+        except UnicodeDecodeError as exc:
+            raise PlanError(
+                f"{what}: not UTF-8 text ({exc.reason} at byte {exc.start}); a cluster file is JSON, TOML or YAML text"
+            ) from None
+        try:
+            data = _parse(text, suffix, what)
+        except RecursionError:
+            raise PlanError(f"{what}: nests its tables too deeply to describe a cluster") from None
+        return Cluster.from_dict(data, what)
 
     @staticmethod
     def from_dict(data: Any, what: str = "cluster") -> Cluster:

@@ -554,6 +554,8 @@ class ProfileCache:
             result = _apply(payload, linearize(graph, min_blocks=min_blocks, max_blocks=max_blocks))
         except json.JSONDecodeError as exc:
             return self._discard(path, f"not valid JSON ({exc})")
+        except RecursionError:
+            return self._discard(path, "its JSON nests too deeply")
         except _Invalid as exc:
             return self._discard(path, str(exc))
         except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
