@@ -7,9 +7,9 @@ through `SHRINK` (2 layers, hidden 64, 4 heads, feed-forward 128, vocabulary 128
 16 tokens), and goes through:
   (0) eager: the model built by transformers from that config trains one step (forward, loss, backward) on this
       CPU in float64, else float32, on the inputs pyplan's hub builds; a type that fails here, whose config or model
-      transformers does not build, or that stays over MAX_PARAMS (sizes in nested configs or lists, which hf:
-      cannot set), is excluded from the denominator with its reason; one that pyplan's hub refuses (inputs it does
-      not know) is a failure at "load";
+      transformers does not build, or that stays over MAX_PARAMS (sizes SHRINK does not reach), is excluded from
+      the denominator with its reason; one that pyplan's hub refuses (inputs it does not know) is a failure at
+      "load";
   (1) `pyplan inspect REF --json --batch-size 2 --warmup 1 --repeats 1`: at least 4 blocks;
   (2) `pyplan plan REF --gpus 2 --gpu local --global-batch 8 --json` (a quick calibration first where this machine
       has none);
@@ -141,7 +141,7 @@ EXCEPTIONS: dict[str, dict[str, Option | None]] = {
     "nemo_speechlm": {"audio_config.diarization_config.head_config.audio_hidden_size": 64},
     "kyutai_speech_to_text": {"codec_config.upsample_groups": 64},
 }
-# A model larger than this at its smallest reference (a nested config or a list hf: cannot set) is not built here.
+# A model larger than this at its smallest reference (sizes SHRINK does not reach) is not built here.
 MAX_PARAMS = 70_000_000
 
 STEPS = ("eager", "inspect", "plan_local", "pipeline", "plan_a100")
@@ -443,8 +443,8 @@ def measure(model_type: str) -> dict[str, Any]:
             record["params"] = sum(p.numel() for p in spec.build().parameters())
         if record["params"] > MAX_PARAMS:
             raise ValueError(
-                f"{record['params'] / 1e6:,.0f}M parameters at the smallest hf: reference (sizes in nested configs "
-                "or lists, which hf: cannot set)"
+                f"{record['params'] / 1e6:,.0f}M parameters at the smallest hf: reference (sizes the shrink does "
+                "not reach)"
             )
         with _time_limit(STEP_LIMIT_S["eager"]):
             record["dtype"] = eager_check(spec)

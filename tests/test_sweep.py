@@ -186,7 +186,12 @@ def test_plan_many_in_worker_processes(cache_dir: Path, reference: str) -> None:
     with torch.device("meta"):
         module = spec.build()
     clusters = [Cluster.from_catalog("a100-80g", n) for n in SIZES]
-    workloads = {"mlp-tiny": Workload(global_batch=16), "vgg-tiny": Workload(16), "GPT": Workload(global_batch=8)}
+    # bf16-mixed: the CLI's default on A100s, which the reference sweep took.
+    workloads = {
+        "mlp-tiny": Workload(global_batch=16, precision="bf16-mixed"),
+        "vgg-tiny": Workload(16, precision="bf16-mixed"),
+        "GPT": Workload(global_batch=8, precision="bf16-mixed"),
+    }
     records = pyplan.plan_many(
         ["mlp-tiny", "zoo:vgg-tiny", (module, spec.example_inputs)],
         clusters,

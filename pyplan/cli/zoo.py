@@ -68,7 +68,7 @@ _SWEEP_DEFAULTS: dict[str, Any] = {
     "currency": None,
     "global_batch": 32,
     "optimizer": "adamw",
-    "precision": "fp32",
+    "precision": None,  # bf16-mixed where every GPU of the sweep computes in bf16, else fp32 (_precision)
     "objective": "time",
     "weight": 0.0,
     "memory_fraction": 0.9,
@@ -109,7 +109,11 @@ def add_zoo_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = parser.add_argument_group("workload and search (as in pyplan plan)")
     p.add_argument("--global-batch", type=int, metavar="B", help="samples per optimizer step (default 32)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), help="default adamw")
-    p.add_argument("--precision", choices=sorted(PRECISIONS), help="default fp32")
+    p.add_argument(
+        "--precision",
+        choices=sorted(PRECISIONS),
+        help="default: bf16-mixed where every GPU of the sweep computes in bf16 (as pyplan plan), else fp32",
+    )
     p.add_argument("--objective", metavar="NAME", help="time, cost, or weighted (cost + weight x time); default time")
     p.add_argument("--weight", type=float, metavar="W", help="w of the weighted objective (default 0)")
     p.add_argument(
@@ -288,11 +292,19 @@ def _check_cache_dir(value: str) -> None:
         raise PlanError(f"--cache-dir {value}: '{existing}' is not writable; {fix}")
 
 
+def _precision(args: argparse.Namespace, clusters: Sequence[Cluster]) -> str:
+    """--precision, else `pyplan plan`'s default on these GPUs: bf16-mixed where every GPU of the sweep has a bf16
+    peak, else fp32; one precision for the whole sweep, so that its rows compare."""
+    if args.precision is not None:
+        return str(args.precision)
+    return "bf16-mixed" if all(g.gpu.peak_flops_per_s.get("bf16") for c in clusters for g in c.groups) else "fp32"
+
+
 def zoo_sweep(args: argparse.Namespace) -> int:
     """`pyplan zoo NAMES|all --gpus ...`: plan every model on every cluster, write and print the records."""
     names = _model_names(args.names)
     clusters = _clusters(args)
-    workload = Workload(global_batch=args.global_batch, optimizer=args.optimizer, precision=args.precision)
+    workload = Workload(global_batch=args.global_batch, optimizer=args.optimizer, precision=_precision(args, clusters))
     sweep = Sweep(
         models=tuple(ModelRef(name, ref=f"zoo:{name}") for name in names),
         clusters=tuple((cluster_label(c), c) for c in clusters),
