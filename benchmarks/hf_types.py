@@ -803,11 +803,11 @@ def main(argv: list[str] | None = None) -> int:
                            stdout=subprocess.DEVNULL)  # fmt: skip
         done = read_records(out)
         redo = set(args.redo.split(",")) if args.redo else set()
-        todo = [t for t in (spread(types) if args.spread else types) if t not in done or t in redo]
-        say(f"{len(types)} types, {len(todo)} to measure")
+        to_measure = [t for t in (spread(types) if args.spread else types) if t not in done or t in redo]
+        say(f"{len(types)} types, {len(to_measure)} to measure")
         # In rounds, each round's pipelines after its CPU steps: a run stopped early holds every step of its rounds.
-        for start in range(0, max(len(todo), 1), ROUND):
-            run_cpu_steps(todo[start : start + ROUND], out, logs, jobs=args.jobs, chunk=args.chunk, say=say)
+        for start in range(0, max(len(to_measure), 1), ROUND):
+            run_cpu_steps(to_measure[start : start + ROUND], out, logs, jobs=args.jobs, chunk=args.chunk, say=say)
             if not args.no_pipeline:
                 run_pipelines(_pipeline_jobs(read_records(out), types), out, logs, say=say)
             if args.failures:

@@ -148,17 +148,17 @@ def _os_error(exc: BaseException) -> OSError | None:
     """The OSError under `exc`: itself, a failure of a rank inside DCP's CheckpointException, or the error that an
     exception was raised while handling."""
     seen: set[int] = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop(0)
+    pending = [exc]
+    while pending:
+        e = pending.pop(0)
         if id(e) in seen:
             continue
         seen.add(id(e))
         if isinstance(e, OSError):
             return e
         if isinstance(e, dcp.CheckpointException):
-            todo += [failure for failure, _ in e.failures.values()]
-        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+            pending += [failure for failure, _ in e.failures.values()]
+        pending += [c for c in (e.__cause__, e.__context__) if c is not None]
     return None
 
 
