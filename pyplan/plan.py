@@ -25,6 +25,7 @@ __all__ = [
     "OBJECTIVES",
     "PLACEMENTS",
     "SCHEMA_VERSION",
+    "SPLIT_BACKWARD",
     "Layout",
     "Plan",
     "PlanSearch",
@@ -32,6 +33,7 @@ __all__ = [
     "StagePlan",
     "StageRemat",
     "Workload",
+    "master_refusal",
 ]
 
 SCHEMA_VERSION = 1
@@ -206,6 +208,11 @@ class Prediction:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# Schedules whose backward splits into input and weight gradients (torch's zero-bubble schedules): their weight
+# gradients come from autograd.grad, outside autograd's accumulation and DDP's and FSDP2's hooks.
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 @dataclass(frozen=True)
@@ -412,3 +419,14 @@ class PlanSearch:
             "evaluated": self.evaluated,
             "profiled_on": self.profiled_on,
         }
+
+
+def master_refusal(layout: Layout) -> str:
+    """Why a layout cannot train 16-bit weights beside fp32 master weights, or "": the runtime's MasterWeights
+    runs under ZeRO 0 and 1, with schedules whose backward reaches autograd's gradient accumulation (not the
+    split-backward ones)."""
+    if layout.zero_stage not in (0, 1):
+        return f"runs under ZeRO 0 or 1, not {layout.zero_stage}; plan it with --zero 1, or with bf16-mixed"
+    if layout.schedule in SPLIT_BACKWARD:
+        return f"does not run {layout.schedule} (its weight gradients skip autograd's accumulation); choose another"
+    return ""

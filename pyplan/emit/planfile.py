@@ -13,7 +13,7 @@ from pyplan._files import write_atomic
 from pyplan.errors import PlanError
 from pyplan.hardware.cluster import Cluster
 from pyplan.model_state import MASTER_PRECISIONS
-from pyplan.plan import SCHEMA_VERSION, Layout, Plan, Workload
+from pyplan.plan import SCHEMA_VERSION, Layout, Plan, Workload, master_refusal
 
 __all__ = ["PlanFile", "plan_file_from_json", "read_plan_file", "write_plan_file"]
 
@@ -24,8 +24,6 @@ _WHOLE_NUMBERS = {
     "workload": ("global_batch", "dataset_samples"),
     "plan": ("dp", "pp", "micro_batch_size", "num_microbatches", "zero_stage", "stages_per_rank", "tp"),
 }
-# The schedules whose backward is split into input and weight gradients (torch's zero-bubble schedules).
-_SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 @dataclass(frozen=True)
@@ -182,17 +180,9 @@ def _check_runnable(layout: Layout, workload: Workload, path: str) -> None:
             f"unsharded gradient to the step's end), the plan has pp {layout.pp} x {v} stage(s) per rank; use "
             "ZeRO-1, or pp 1"
         )
-    if workload.precision in MASTER_PRECISIONS:
-        if layout.zero_stage not in (0, 1):
-            raise PlanError(
-                f"{path}: {workload.precision} runs under ZeRO 0 or 1, the plan has ZeRO-{layout.zero_stage}; use "
-                "ZeRO-1, or bf16-mixed"
-            )
-        if layout.schedule in _SPLIT_BACKWARD:
-            raise PlanError(
-                f"{path}: {workload.precision} does not run {layout.schedule} (its weight gradients skip autograd's "
-                "accumulation); choose another schedule, or bf16-mixed"
-            )
+    refused = master_refusal(layout) if workload.precision in MASTER_PRECISIONS else ""
+    if refused:
+        raise PlanError(f"{path}: {workload.precision} {refused}")
 
 
 def _check_consistent(document: PlanFile, path: str) -> None:

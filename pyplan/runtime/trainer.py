@@ -30,7 +30,7 @@ from pyplan.errors import PlanError
 from pyplan.graph.layergraph import LayerGraph
 from pyplan.graph.tensor_parallel import derive_tp_plan, restrict_tp_plan, vocab_parallel_loss
 from pyplan.graph.trace import ExampleInputs, LeafSpec, inputs_at, trace
-from pyplan.plan import Layout
+from pyplan.plan import SPLIT_BACKWARD, Layout, master_refusal
 from pyplan.runtime.affinity import pin_rank
 from pyplan.runtime.clip import clip_gradients
 from pyplan.runtime.heap import keep_freed_memory
@@ -65,9 +65,6 @@ __all__ = [
     "replica_slice",
 ]
 
-# Schedules that compute weight gradients with autograd.grad, which skips DDP's and FSDP2's hooks (torch issue
-# #144530, TORCH_FACTS.md): gradients are averaged over dp by hand after the step, and ZeRO-3 is refused.
-_SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 # Precisions whose stages hold 16-bit weights beside fp32 master weights in the optimizer (MasterWeights): the
 # weights' dtype and the gradients'.
 _MASTER = {
@@ -284,7 +281,9 @@ def build_trainer(
         raise PlanError(
             "ZeRO-3 beside tensor parallelism runs without pipeline stages; plan it with one stage, or ZeRO-1"
         )
-    if layout.zero_stage == 3 and layout.schedule in _SPLIT_BACKWARD:
+    # The split-backward schedules' autograd.grad skips DDP's and FSDP2's hooks (torch issue #144530,
+    # TORCH_FACTS.md): gradients are averaged over dp by hand after the step, and ZeRO-3 is refused.
+    if layout.zero_stage == 3 and layout.schedule in SPLIT_BACKWARD:
         raise PlanError(
             f"{layout.schedule} with ZeRO-3 trains wrong weights on torch 2.13 (FSDP2 misses its weight "
             "gradients); choose another schedule or ZeRO stage"
@@ -345,7 +344,7 @@ def _pipeline_trainer(
     """The pipeline's stages on this rank, each under DDP or FSDP2 over the replicas, their optimizer and schedule.
     The plan is checked against the model (cut_model) before the world: a plan for another model fails the same
     anywhere."""
-    split_backward = layout.schedule in _SPLIT_BACKWARD
+    split_backward = layout.schedule in SPLIT_BACKWARD
     weights, grads = _MASTER.get(precision, (None, None))
     # Tensor parallelism splits the traced graph before it is cut, over the mesh's tp axis: the mesh comes first.
     mesh = build_mesh(layout, device.type) if layout.tp > 1 else None
@@ -419,17 +418,6 @@ def _pipeline_trainer(
         in_place,
         input_dtype=weights,
     )
-
-
-def master_refusal(layout: Layout) -> str:
-    """Why a layout cannot train 16-bit weights beside fp32 master weights, or "": the runtime's MasterWeights
-    runs under ZeRO 0 and 1, with schedules whose backward reaches autograd's gradient accumulation (not the
-    split-backward ones)."""
-    if layout.zero_stage not in (0, 1):
-        return f"runs under ZeRO 0 or 1, not {layout.zero_stage}; plan it with --zero 1, or with bf16-mixed"
-    if layout.schedule in _SPLIT_BACKWARD:
-        return f"does not run {layout.schedule} (its weight gradients skip autograd's accumulation); choose another"
-    return ""
 
 
 def _master_weights(
