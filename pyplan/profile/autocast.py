@@ -24,6 +24,8 @@ profile of a mixed-precision plan (pyplan/profile/remat.py) is recorded under it
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
@@ -33,7 +35,7 @@ from pyplan._torch import TorchDispatchMode, storage_key, tensor_leaves, tree_ma
 from pyplan.errors import PlanError
 from pyplan.graph.functions import KEPT_WHOLE, run_kept_whole
 
-__all__ = ["AutocastAbove", "CudaAutocast"]
+__all__ = ["AutocastAbove", "CudaAutocast", "NoKernelInDtype"]
 
 # The policy of CUDA autocast in torch 2.13: the op lists of aten/src/ATen/autocast_mode.h, registered for CUDA in
 # aten/src/ATen/autocast_mode.cpp (`TORCH_LIBRARY_IMPL(aten, Autocast, m)`) with a few ops of their own, and
@@ -125,6 +127,63 @@ _FUNCTION_NAMES = {
     "cross_entropy": "cross_entropy_loss",
     "grid_sample": "grid_sampler",
 }
+
+
+class NoKernelInDtype(RuntimeError):
+    """An op that autocast gives a 16-bit tensor and that torch has no CUDA kernel for in that dtype (its FFTs take
+    no bfloat16: aten/src/ATen/native/SpectralOps.cpp, `promote_type_fft`). `where`: the module and source line of
+    the graph node that called it, where known."""
+
+    def __init__(self, op: str, dtype: torch.dtype, message: str, where: str | None) -> None:
+        self.op, self.dtype, self.message, self.where = op, dtype, message, where
+        super().__init__(f"{op} takes no {dtype} ({message})")
+
+
+def _node_here() -> str | None:
+    """`module (Class) at file:line` of the captured graph's node whose generated code is running (the innermost
+    fx GraphModule frame on the stack), else None."""
+    frame = sys._getframe(1)
+    while frame is not None and not frame.f_code.co_filename.startswith("<eval_with_key"):
+        frame = frame.f_back
+    module = frame.f_locals.get("self") if frame is not None else None
+    lines = getattr(module, "_lineno_map", None)
+    if frame is None or not lines:
+        return None
+    index = lines.get(frame.f_lineno - frame.f_code.co_firstlineno)
+    nodes = list(module.graph.nodes)
+    if index is None or index >= len(nodes):
+        return None
+    meta = nodes[index].meta
+    stack = meta.get("nn_module_stack") or {}
+    where = ""
+    if stack:
+        path, kind = list(stack.values())[-1]
+        name = getattr(kind, "__name__", str(kind).rsplit(".", 1)[-1].strip("'>"))
+        where = f"module '{path}' ({name})" if path else f"the top-level module ({name})"
+    trace = (meta.get("stack_trace") or "").strip().splitlines()
+    source = next((line.strip() for line in reversed(trace) if line.strip().startswith("File ")), "")
+    if source:
+        parts = source.split(", ")
+        file, line = parts[0][len("File ") :].strip('"'), parts[1].removeprefix("line ") if len(parts) > 1 else ""
+        where = f"{where} at {os.path.basename(file)}:{line}".strip()
+    return where or None
+
+
+def _run(func: Any, args: tuple, kwargs: dict, dtype: torch.dtype) -> Any:
+    """`func(*args, **kwargs)`; an op that refuses the 16-bit dtype autocast gave it raises NoKernelInDtype."""
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError as exc:
+        text = str(exc)
+        if not text.startswith("Unsupported dtype") or str(dtype).removeprefix("torch.").lower() not in text.lower():
+            raise
+        packet = getattr(func, "overloadpacket", None)
+        if packet is not None:
+            op = f"aten.{packet.__name__}"
+        else:  # a torch function of a graph captured by symbolic tracing: torch._C._fft.fft_fftn is torch.fft.fftn
+            name = getattr(func, "__name__", str(func))
+            op = f"torch.{'fft.' + name.removeprefix('fft_') if name.startswith('fft_') else name}"
+        raise NoKernelInDtype(op, dtype, text.strip().splitlines()[0], _node_here()) from None
 
 
 def _floats(args: tuple, kwargs: dict) -> set[torch.dtype]:
@@ -251,7 +310,7 @@ class CudaAutocast(TorchDispatchMode):
             func, args, kwargs, target = _autocast_call(func, name, args, kwargs, self.dtype)
         if target is not None:
             args, kwargs = tree_map_only(torch.Tensor, lambda t: self._cast(t, target), (args, kwargs))
-        return func(*args, **kwargs)
+        return _run(func, args, kwargs, self.dtype)
 
 
 class AutocastAbove(TorchFunctionMode):
@@ -291,8 +350,8 @@ class AutocastAbove(TorchFunctionMode):
         name = packet.__name__ if packet is not None else getattr(func, "__name__", "")
         name = _FUNCTION_NAMES.get(name, name)
         if self.only is not None and name not in self.only and func is not _ASSERT_METADATA:
-            return func(*args, **kwargs)
+            return _run(func, args, kwargs, self.dtype)
         func, args, kwargs, target = _autocast_call(func, name, args, kwargs, self.dtype)
         if target is not None:
             args, kwargs = tree_map_only(torch.Tensor, lambda t: self._cast(t, target), (args, kwargs))
-        return func(*args, **kwargs)
+        return _run(func, args, kwargs, self.dtype)

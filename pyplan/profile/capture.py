@@ -29,6 +29,7 @@ from pyplan.plan import Workload
 from pyplan.profile import default_batch_sizes, measured_batch_sizes, profile, sizes_from_two
 from pyplan.profile.analytic import Roofline, block_times_analytic
 from pyplan.profile.attention import AttentionTarget, TargetKernels
+from pyplan.profile.autocast import NoKernelInDtype
 from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, measured_target
 from pyplan.profile.loss import LossCost, LossFn, TargetFn, loss_cost, with_loss
 from pyplan.profile.measure import TimingOptions, local_device
@@ -172,9 +173,16 @@ class _Target:
     def profile(self, chain: Chain, examples: Examples) -> tuple[Chain, str]:
         """The chain profiled at the target's sizes; a model with a BatchNorm over a 1x1 map, which cannot train on
         one sample, profiled from 2 samples, its plans' micro-batches of 2 or more. A user's autograd Function that
-        mixes dtypes under autocast is one line."""
+        mixes dtypes under autocast is one line, and so is an op that CUDA has no kernel for in the dtype autocast
+        gives it."""
         try:
             return self._at(chain, examples, self.sizes)
+        except NoKernelInDtype as exc:
+            dtype = str(exc.dtype).removeprefix("torch.")
+            raise PlanError(
+                f"{exc.op}{f' in {exc.where}' if exc.where else ''} gets {dtype} under autocast, as it would on "
+                f"CUDA, where torch has no {dtype} kernel for it ({exc.message}); plan it with --precision fp32"
+            ) from None
         except (ValueError, ZeroDivisionError) as exc:
             if one_value_per_channel(exc) is None:
                 raise

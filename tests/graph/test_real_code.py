@@ -386,6 +386,37 @@ def test_a_kept_whole_function_runs_under_the_autocast_emulation_as_cuda_runs_it
             chain_for(model, examples, cluster, workload)
 
 
+class _FourierLayer(nn.Module):
+    """FNet's token mixing: the real part of a 2-D FFT over sequence and features, after a product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.fft.fftn(self.fc(h), dim=(1, 2)).real
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
+def test_an_fft_of_a_16_bit_product_is_refused_in_one_line_where_cuda_has_no_kernel(precision: str) -> None:
+    # Under bf16 autocast the Linear's output is bf16, and torch's FFTs take no bf16 on CUDA: it fails on a GPU too.
+    with torch.device("meta"):
+        model = nn.Sequential(*(_FourierLayer() for _ in range(4)))
+    cluster = Cluster.from_catalog("a100-80g", 2)
+    examples = lambda b: (torch.randn(b, 4, 8),)  # noqa: E731
+    workload = Workload(global_batch=8, precision=precision)
+    if precision == "fp32":
+        chain, _ = chain_for(model, examples, cluster, workload)
+        assert chain.memory is not None and len(chain.blocks) >= 4
+        return
+    with pytest.raises(PlanError) as raised:
+        chain_for(model, examples, cluster, workload)
+    # A model on meta is captured by symbolic tracing: torch functions, no source lines (torch.export gives both).
+    assert str(raised.value).startswith("torch.fft.fftn in module '0' (_FourierLayer) gets bfloat16 under autocast")
+    assert str(raised.value).endswith("; plan it with --precision fp32")
+    assert "\n" not in str(raised.value)
+
+
 def test_checks_of_values_read_off_the_inputs_are_dropped_from_the_captured_graph() -> None:
     # In a module of its own: pytest rewrites the asserts of test files, and its rewrite reads the value in Python.
     spec = _spec("checked_lengths")
