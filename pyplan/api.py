@@ -41,8 +41,8 @@ from pyplan.profile.loss import LossFn, TargetFn, remat_with_loss, with_loss
 from pyplan.profile.measure import CheckpointCosts, checkpoint_call_s, checkpoint_costs
 from pyplan.profile.nodes import node_profile
 from pyplan.profile.remat import remat_bytes
-from pyplan.runtime.sharded import gathered_bytes, remat_kind, unit_segments, zero3_overlap
-from pyplan.runtime.tensor_parallel import vocab_slice_loss
+from pyplan.runtime.units import gathered_bytes, remat_kind, unit_segments, zero3_overlap
+from pyplan.runtime.vocab_loss import vocab_slice_loss
 from pyplan.solve.dag_search import dag_plans
 from pyplan.solve.remat import RematProfile
 from pyplan.solve.remat_search import (

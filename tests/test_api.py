@@ -17,7 +17,7 @@ from pyplan.cli.main import main
 from pyplan.emit.planfile import PlanFile, read_plan_file, write_plan_file
 from pyplan.hardware import Cluster
 from pyplan.plan import Layout, Plan, Workload
-from pyplan.runtime.sharded import gathered_bytes, remat_kind
+from pyplan.runtime.units import gathered_bytes, remat_kind
 from pyplan.solve.state import stage_state_bytes
 from tests.conftest import EXAMPLES
 

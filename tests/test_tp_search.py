@@ -28,7 +28,7 @@ from pyplan.load import load_model
 from pyplan.plan import Layout, Workload
 from pyplan.profile.tensor_parallel import collective_bytes
 from pyplan.report.gantt import timeline
-from pyplan.runtime.sharded import gathered_bytes
+from pyplan.runtime.units import gathered_bytes
 from pyplan.spec import cross_entropy
 
 CLUSTER = Cluster.from_catalog("a100-80g", 8)

@@ -36,7 +36,7 @@ from pyplan.runtime.clip import clip_gradients
 from pyplan.runtime.heap import keep_freed_memory
 from pyplan.runtime.master import MasterWeights
 from pyplan.runtime.optim import OptimizerFactory, OptimizerSpec, optimizer_factory
-from pyplan.runtime.sharded import ShardedTrainer, build_sharded_trainer, remat_kind
+from pyplan.runtime.sharded import ShardedTrainer, build_sharded_trainer
 from pyplan.runtime.stages import check_span, cut_model, local_stages, stage_io, tied_parameters
 from pyplan.runtime.tensor_parallel import (
     VocabParallelLoss,
@@ -46,6 +46,7 @@ from pyplan.runtime.tensor_parallel import (
     own_values,
     sync_gradients,
 )
+from pyplan.runtime.units import remat_kind
 from pyplan.solve.schedules import stage_placement
 from pyplan.spec import ModelSpec, default_loss, upcasts_itself
 

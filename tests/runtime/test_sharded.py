@@ -12,14 +12,8 @@ from pyplan.errors import PlanError
 from pyplan.hardware import Cluster
 from pyplan.plan import Workload
 from pyplan.remat_plan import Checkpoint, Keep, SelectiveCheckpoint, full_remat, no_remat
-from pyplan.runtime.sharded import (
-    gathered_bytes,
-    remat_kind,
-    shard_units,
-    traced_units,
-    unit_segments,
-    zero3_overlap,
-)
+from pyplan.runtime.sharded import traced_units
+from pyplan.runtime.units import gathered_bytes, remat_kind, shard_units, unit_segments, zero3_overlap
 from pyplan.solve.remat_search import segmented
 
 
