@@ -15,12 +15,13 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import conv_flop_count, flop_registry, shape_wrapper
 
 __all__ = [
     "FLOP_FORMULAS",
+    "MetaMemo",
     "OpRecorder",
     "TorchDispatchMode",
     "is_meta_module",
@@ -86,15 +87,110 @@ def _grads_kept(module: torch.nn.Module) -> Iterator[None]:
             p.grad = g
 
 
-def run_without_compute(module: torch.nn.Module, fn: Callable[[Convert], T]) -> T:
+class _NoKey(Exception):
+    """An op call that `MetaMemo` does not keep: a value of no fixed layout (a SymInt, a tensor off meta)."""
+
+
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _layout_of(value: Any) -> Any:
+    """A hashable description of an op's argument as far as its outputs' layouts can depend on it."""
+    if isinstance(value, torch.Tensor):
+        if (
+            value.device.type != "meta"
+            or value.layout != torch.strided
+            or not all(type(n) is int for n in (*value.shape, *value.stride(), value.storage_offset()))
+        ):
+            raise _NoKey
+        return ("T", tuple(value.shape), value.stride(), value.dtype, value.storage_offset())
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *(_layout_of(v) for v in value))
+    if isinstance(value, _SCALARS):
+        return (type(value).__name__, value)  # by type too: add(x, 1) and add(x, 1.0) promote differently
+    raise _NoKey
+
+
+def _memoizable(func: Any) -> bool:
+    """Whether `func` returns new tensors whose layouts its arguments' layouts decide: no argument or result
+    aliased or written (views, in-place and out= variants), no output sized by values, tensors out."""
+    schema = func._schema
+    if any(a.alias_info is not None for a in (*schema.arguments, *schema.returns)):
+        return False
+    if torch.Tag.dynamic_output_shape in func.tags or torch.Tag.data_dependent_output in func.tags:
+        return False
+    # A factory (no tensor argument: empty_strided, what a hit makes) runs in C++ faster than a lookup.
+    takes_tensors = any("Tensor" in str(a.type) for a in schema.arguments)
+    return (
+        takes_tensors
+        and bool(schema.returns)
+        and all(str(r.type) in ("Tensor", "Tensor[]", "Optional[Tensor]", "Tensor?") for r in schema.returns)
+    )
+
+
+# Op call (op, the arguments' layouts) -> the layouts of its outputs and their structure, shared by every pass of
+# one process: the same blocks are recorded at the same sizes by several passes (FLOPs, op costs, saved bytes,
+# working memory) and at every tensor-parallel degree.
+_MEMO: dict[tuple[Any, ...], tuple[Any, list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]]] = {}
+_MEMOIZABLE: dict[Any, bool] = {}
+
+
+class MetaMemo(TorchDispatchMode):
+    """Beneath every other mode, on meta tensors: an aten op that makes new tensors (no view, no in-place, no out=)
+    called again on arguments of the same layouts gets new meta tensors of the layouts it returned the first time,
+    without running its meta kernel again (many are Python decompositions: layer norm, GELU, addmm take
+    milliseconds each). What a meta kernel gives depends on nothing else, so every mode above sees the same.
+
+    Enter it before the modes that record (it must be the innermost mode, the last to see an op)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        ok = _MEMOIZABLE.get(func)
+        if ok is None:
+            ok = _MEMOIZABLE[func] = _memoizable(func)
+        if not ok:
+            return func(*args, **kwargs)
+        try:
+            key = (func, _layout_of(args), _layout_of(tuple(sorted(kwargs.items()))))
+        except _NoKey:
+            return func(*args, **kwargs)
+        found = _MEMO.get(key)
+        if found is not None:
+            spec, layouts = found
+            made = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in layouts]
+            return tree_unflatten(made, spec)
+        out = func(*args, **kwargs)
+        leaves, spec = tree_flatten(out)
+        inputs = {storage_key(t) for t in tensor_leaves((args, kwargs))}
+        storages = [storage_key(t) for t in leaves if isinstance(t, torch.Tensor)]
+        if (
+            all(isinstance(t, torch.Tensor) and t.is_meta and t.storage_offset() == 0 for t in leaves)
+            and len(set(storages)) == len(storages)
+            and not inputs.intersection(storages)
+            and all(t.untyped_storage().nbytes() == _strided_bytes(t) for t in leaves)
+        ):
+            _MEMO[key] = (spec, [(tuple(t.shape), t.stride(), t.dtype) for t in leaves])
+        return out
+
+
+def _strided_bytes(t: torch.Tensor) -> int:
+    """The bytes `torch.empty_strided` gives a tensor of `t`'s shape and strides."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def run_without_compute(module: torch.nn.Module, fn: Callable[[Convert], T], *, memo: bool = True) -> T:
     """`fn(convert)` with `module` on meta tensors if it was built there, else on fake tensors.
 
     Nothing is computed or allocated. Parameters and buffers are stand-ins that gradients accumulate into; the
     real ones and their `.grad` are left as they were. `convert` turns an input tensor into the same kind. A real
-    model whose forward needs real values (data-dependent control flow inside a leaf module) runs for real.
+    model whose forward needs real values (data-dependent control flow inside a leaf module) runs for real. On meta
+    tensors, ops repeated with arguments of the same layouts skip their meta kernels (`MetaMemo`) unless `memo` is
+    False (for a caller that repeats whole calls itself, where the mode would only add its lookups).
     """
     if is_meta_module(module):
-        with _grads_kept(module):
+        with _grads_kept(module), MetaMemo() if memo else contextlib.nullcontext():
             return fn(lambda t: t.to("meta"))
     state = {
         **dict(module.named_parameters(remove_duplicate=False)),

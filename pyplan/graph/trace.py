@@ -571,7 +571,7 @@ def _record(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> _Recorder:
             rec.run(*[convert(t) for t in inputs])
         return rec
 
-    return run_without_compute(gm, run)
+    return run_without_compute(gm, run, memo=False)  # the recorder repeats whole calls itself
 
 
 def trace(
