@@ -11,6 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
 )
 from torch.nn.utils.stateless import _reparametrize_module
@@ -25,6 +26,7 @@ __all__ = [
     "OpRecorder",
     "TorchDispatchMode",
     "is_meta_module",
+    "is_real",
     "is_strided",
     "is_view",
     "one_value_per_channel",
@@ -50,6 +52,11 @@ def storage_key(t: torch.Tensor) -> int:
 def is_view(t: torch.Tensor) -> bool:
     """Whether `t` is a view of another tensor's storage (it cannot be detached in place)."""
     return t._is_view()
+
+
+def is_real(t: torch.Tensor) -> bool:
+    """Whether `t` holds data (neither a meta nor a fake tensor)."""
+    return not t.is_meta and not isinstance(t, FakeTensor)
 
 
 def is_meta_module(module: torch.nn.Module) -> bool:

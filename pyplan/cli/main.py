@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 import torch
 from rich.console import Console
 from rich.text import Text
+from torch import nn
 
 from pyplan import _core
 from pyplan._files import check_writable, write_atomic
@@ -29,7 +30,7 @@ from pyplan.cli.zoo import add_zoo_parser
 from pyplan.emit.configs import render_config
 from pyplan.emit.planfile import PlanFile, read_plan_file, write_plan_file
 from pyplan.emit.script import write_script
-from pyplan.errors import PlanError
+from pyplan.errors import PlanError, TraceError
 from pyplan.graph.chain import Chain
 from pyplan.graph.linearize import linearize
 from pyplan.graph.sequence_parallel import sequence_zone
@@ -47,7 +48,7 @@ from pyplan.report.pareto import parse_weights, write_pareto
 from pyplan.report.plans import render_plans
 from pyplan.solve.remat_search import OFFLOAD_MODES, REMAT_MODES
 from pyplan.spec import default_loss
-from pyplan.units import fmt_seconds
+from pyplan.units import fmt_bytes, fmt_seconds
 
 __all__ = ["main"]
 
@@ -347,7 +348,13 @@ def _plan(args: argparse.Namespace) -> int:
         def searched(**extra: Any) -> Any:
             return search(model, spec.example_inputs, cluster, workload, **options, progress=say, **extra)
 
-        result = searched(**pins, top_k=ANSWER_TOP_K)
+        try:
+            result = searched(**pins, top_k=ANSWER_TOP_K)
+        except TraceError as exc:
+            if cluster.gpu.name == "local" or _value_read_on_meta(exc) is None:
+                raise
+            model = _built_for_values(spec, model, exc)  # `searched` calls the model built last
+            result = searched(**pins, top_k=ANSWER_TOP_K)
         shown_k = max(args.top, 200) if args.pareto or args.report else args.top
         more = searched(**pins, top_k=shown_k, chain=result.chain) if shown_k > ANSWER_TOP_K else result
         # With pins, the best plan without them, for how far the pinned one is from it (the profile is reused).
@@ -378,6 +385,48 @@ def _plan(args: argparse.Namespace) -> int:
     for path in written:  # on stderr beside --json, whose stdout is the JSON alone
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+# The largest model whose weights `pyplan plan` builds on the host where its forward needs tensor values that a
+# model on the meta device does not have (2 GiB: 500M fp32 parameters).
+VALUES_BUILD_BYTES = 2 * 2**30
+
+
+def _value_read_on_meta(exc: BaseException) -> str | None:
+    """Where a capture on the meta device stopped because the forward read a tensor's values (`.item()`,
+    `.tolist()`, an op whose output size depends on values): the model's source line, or "" where unknown; None if
+    it did not stop for that."""
+    found: str | None = None
+    seen: BaseException | None = exc
+    while seen is not None:
+        # torch.fx's interpreter appends the model's own source lines ("Original traceback:") to the error.
+        text = "\n".join([str(seen), *getattr(seen, "__notes__", [])])
+        if "cannot be called on meta tensors" in text or ("Meta tensors" in text and "nonzero" in text):
+            found = found or ""
+            lines = text.split("Original traceback:", 1)[1].splitlines() if "Original traceback:" in text else []
+            for i, line in enumerate(lines):
+                if line.strip().startswith("File ") and ", line " in line:
+                    file = line.split('"')[1] if '"' in line else ""
+                    number = line.split(", line ", 1)[1].split(",")[0]
+                    code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+                    found = f"`{code}` at {os.path.basename(file)}:{number}" if code else f"{file}:{number}"
+        seen = seen.__cause__ or seen.__context__
+    return found
+
+
+def _built_for_values(spec: Any, meta_model: nn.Module, exc: TraceError) -> nn.Module:
+    """The model built with weights on the host, for a forward that reads tensor values (a mixture of experts'
+    token counts per expert), which is planned on fake tensors and, where values are read, real ones; one line
+    where its weights are too large to build here."""
+    weights = sum(p.numel() * p.element_size() for p in meta_model.parameters())
+    where = _value_read_on_meta(exc)
+    if weights > VALUES_BUILD_BYTES:
+        raise PlanError(
+            f"the model reads tensor values in its forward{f' ({where})' if where else ''}, which a model without "
+            f"weights (the meta device) does not have, and its {fmt_bytes(weights)} of weights are more than pyplan "
+            f"builds on this host ({fmt_bytes(VALUES_BUILD_BYTES)}): plan a smaller configuration of it"
+        ) from None
+    return spec.build()
 
 
 def _write_outputs(args: argparse.Namespace, document: PlanFile, shown: Any) -> list[str]:

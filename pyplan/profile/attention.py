@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from pyplan._torch import is_real
 from pyplan.graph.masks import SDPA_TARGETS, sdpa_arguments
 
 __all__ = [
@@ -156,6 +157,11 @@ class TargetKernels(TorchFunctionMode):
         q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
             return func(*args, **kwargs)  # unbatched or nested inputs: as torch runs them
+        if is_real(q) and q.device.type != "cuda":
+            # A model whose forward reads values runs for real on this host (pyplan._torch.run_without_compute),
+            # where the GPU's kernels do not exist: torch's CPU kernel, its fused one where it applies (FLOPs and
+            # saved tensors as the GPU's flash kernel: pyplan._torch's _FLOP_ALIASES).
+            return func(*args, **kwargs)
         gqa = bool(a["enable_gqa"]) and q.shape[1] != k.shape[1]
         dtype = self.target.dtype or str(q.dtype).removeprefix("torch.")
         kind = select_backend(

@@ -115,6 +115,10 @@ _APPEND_DTYPE = {
 }
 # torch.export's check of the dtype a value had at capture (fp32): autocast changes dtypes, so the emulation checks
 # its size and strides only.
+# Ops outside autocast's lists that refuse a source of another dtype than the tensor they write into (a mixture of
+# experts' index_add of its experts' outputs): under the emulation their floating inputs take `self`'s dtype.
+_SAME_AS_SELF = frozenset({"index_add", "index_add_", "index_copy", "index_copy_", "masked_scatter", "scatter",
+                           "scatter_", "scatter_reduce", "scatter_reduce_"})  # fmt: skip
 _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
 _ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)  # autocast leaves float64 alone
 
@@ -243,6 +247,10 @@ def _autocast_call(
         return _APPEND_DTYPE[func], _positional(func, args, kwargs), {"dtype": torch.float32}, None
     if name in PROMOTE:
         return func, args, kwargs, _widest(_floats(args, kwargs))
+    if name in _SAME_AS_SELF and args and isinstance(args[0], torch.Tensor) and args[0].dtype in _ELIGIBLE:
+        # A captured graph's factories keep the dtype they had at capture (`zeros(..., dtype=x.dtype)` written
+        # as float32), where autocast makes x 16-bit: the op that adds x into it took one dtype at capture.
+        return func, args, kwargs, args[0].dtype
     return func, args, kwargs, None
 
 

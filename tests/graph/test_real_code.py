@@ -4,7 +4,9 @@ them train like one process in tests/runtime/test_transparency.py."""
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import types
 
 import pytest
@@ -428,3 +430,22 @@ def test_checks_of_values_read_off_the_inputs_are_dropped_from_the_captured_grap
         model = spec.build()
     chain, _ = chain_for(model, examples, Cluster.from_catalog("a100-80g", 2), Workload(global_batch=8))
     assert len(chain.blocks) >= 4
+
+
+def test_a_forward_that_reads_values_is_planned_on_a_catalog_gpu_with_weights_built(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Experts sized by `.tolist()` of the router's choice: no value on the meta device, so the model is built with
+    # weights (bf16-mixed: the index_add of bf16 expert outputs into zeros captured as float32, and fused attention
+    # on real CPU tensors).
+    from pyplan.cli.main import main
+
+    path = os.path.join(REAL, "routed_by_value.py")
+    argv = ["plan", path, "--gpus", "4", "--gpu", "a100-80g", "--global-batch", "8", "--precision", "bf16-mixed"]
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["dp"] >= 1
+    monkeypatch.setattr(sys.modules["pyplan.cli.main"], "VALUES_BUILD_BYTES", 1)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: the model reads tensor values in its forward (`sizes = hits.long().sum(0).tolist()`")
+    assert "routed_by_value.py:" in err and err.endswith("plan a smaller configuration of it") and "\n" not in err

@@ -75,12 +75,13 @@ PLAIN = tuple(
 )
 # What real model code does (tests/models/real/): a padding mask into torch's encoder, tokens flattened between
 # layers, a view valid only on a contiguous copy, a custom autograd Function, a model returning its own loss (and
-# `(logits, None)` beside a file's loss), BatchNorm over 1x1 maps, a float mask no layer backpropagates into, a
-# Hugging Face model built with its cache on.
+# `(logits, None)` beside a file's loss), BatchNorm over 1x1 maps, a float mask no layer backpropagates into, experts
+# sized by values read off the router, a Hugging Face model built with its cache on.
 REAL = tuple(
     os.path.join(MODELS_DIR, "real", f"{name}.py")
     for name in ("padded_encoder", "flat_tokens", "stride_views", "scan_function", "own_loss", "own_loss_none",
-                 "small_maps", "float_mask", *(("hf_cache",) if importlib.util.find_spec("transformers") else ()))
+                 "small_maps", "float_mask", "routed_by_value",
+                 *(("hf_cache",) if importlib.util.find_spec("transformers") else ()))
 )  # fmt: skip
 TOL = 1e-9  # float64: the rounding noise of reordered sums is ~1e-12 here
 TOL_MIXED = 1e-5  # bf16 autocast: the same ops in the same order, fp32 gradients summed in another order

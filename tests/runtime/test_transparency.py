@@ -41,10 +41,11 @@ def test_pipelines_train_like_one_process(world: int, tmp_path: Path) -> None:
     hf = {"gpt2", "bert", "llama", "mixtral", "t5", "vit"} if importlib.util.find_spec("transformers") else set()
     plain = {"relu_inplace", "lstm", "transformer_encoder"}
     # What real model code does (tests/models/real/): flattened tokens, stride-dependent views, a custom autograd
-    # Function, loss-returning forwards, BatchNorm over 1x1 maps, a padding mask into torch's encoder, a Hugging
-    # Face model built with its cache on.
+    # Function, loss-returning forwards, BatchNorm over 1x1 maps, a padding mask into torch's encoder, experts sized
+    # by values, a Hugging Face model built with its cache on.
     real = {"padded_encoder.py", "flat_tokens.py", "stride_views.py", "scan_function.py", "own_loss.py",
-            "own_loss_none.py", "small_maps.py", "float_mask.py", *({"hf_cache.py"} if hf else set())}  # fmt: skip
+            "own_loss_none.py", "small_maps.py", "float_mask.py", "routed_by_value.py",
+            *({"hf_cache.py"} if hf else set())}  # fmt: skip
     exported = {"branchy.py", *plain, *real, *hf} if world == 2 else set()
     names = {r["model"].split(":")[1] if ":" in r["model"] else os.path.basename(r["model"]) for r in results
              if r.get("tp", 1) == 1}  # fmt: skip
