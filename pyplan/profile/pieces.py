@@ -244,7 +244,12 @@ class RepeatedBlocks:
                 attr = mod
                 for part in n.target.split("."):
                     attr = getattr(attr, part)
-                target = _tensor(attr) if isinstance(attr, torch.Tensor) else _module(attr, position)
+                if isinstance(attr, torch.Tensor):
+                    target = _tensor(attr)
+                elif isinstance(attr, nn.Module):
+                    target = _module(attr, position)
+                else:  # a constant of a higher-order op (a vmapped mask function's TreeSpec): by its value
+                    target = (type(attr).__qualname__, repr(attr))
             elif n.op == "placeholder":
                 target = None  # inputs are named after the values they receive, which differ block to block
             elif n.op == "call_method":

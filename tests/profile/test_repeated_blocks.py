@@ -147,3 +147,23 @@ def test_saved_bytes_from_the_distinct_blocks_are_the_whole_models(
 
     monkeypatch.setattr(memory.SavedRecorder, "run", refused)
     assert saved_bytes(chain, inputs, (2, 4), blocks=RepeatedBlocks.of(chain)) == whole
+
+
+def test_blocks_holding_constants_that_are_neither_tensors_nor_modules_are_compared_by_value() -> None:
+    # A higher-order op's graph reads constants such as a TreeSpec (transformers' vmapped mask functions).
+    def block(spec: Any) -> torch.fx.GraphModule:
+        root = torch.nn.Module()
+        root.spec = spec
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        graph.get_attr("spec")
+        graph.output(graph.call_function(torch.relu, (x,)))
+        return torch.fx.GraphModule(root, graph)
+
+    spec = torch.utils._pytree.tree_flatten(((1, 2), {"a": 3}))[1]
+    other = torch.utils._pytree.tree_flatten([1, 2])[1]
+    mods = [block(spec), block(spec), block(other)]
+    repeated = RepeatedBlocks(mods, torch.nn.Linear(1, 1, device="meta"))  # a model on meta: compared
+    x = torch.empty(2, 3, device="meta")
+    keys = [repeated.key(i, [x]) for i in range(3)]
+    assert keys[0] is not None and keys[0] == keys[1] != keys[2]
