@@ -428,6 +428,19 @@ def _classes(model: nn.Module) -> str:
     return ", ".join(classes[:8]) + (", ..." if len(classes) > 8 else "")
 
 
+@contextlib.contextmanager
+def _unchecked_distributions() -> Iterator[None]:
+    """While capturing: torch.distributions skip the checks of their arguments' values (`Categorical(logits=x)`
+    checks that x is finite, a branch on values no capture follows; BLT's entropy of its patcher's logits). The
+    checks raise or pass and compute nothing the model uses."""
+    before = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(before)
+
+
 def _capture(model: nn.Module, example: ExampleInputs, leaves: tuple[LeafSpec, ...], batch_size: int) -> fx.GraphModule:
     """The model's graph: torch.fx's symbolic trace where it works on positional tensor inputs (its graph keeps
     module calls whole and leaf modules as asked), else torch.export's (`_export`)."""
@@ -436,7 +449,8 @@ def _capture(model: nn.Module, example: ExampleInputs, leaves: tuple[LeafSpec, .
     # A model on meta makes the tensors of its forward there too (SEW-D's `torch.tensor(finfo.min)` as a fill
     # value, which masked_fill on meta refuses from the CPU).
     where = torch.device("meta") if is_meta_module(model) else contextlib.nullcontext()
-    with kept_whole(), where:  # a user's autograd Function stays one op, run as written
+    # a user's autograd Function stays one op, run as written; torch.distributions do not check their arguments
+    with kept_whole(), where, _unchecked_distributions():
         if _is_positional(call):
             try:
                 return _symbolic_trace(model, leaves, call)

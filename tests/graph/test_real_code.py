@@ -449,3 +449,26 @@ def test_a_forward_that_reads_values_is_planned_on_a_catalog_gpu_with_weights_bu
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: the model reads tensor values in its forward (`sizes = hits.long().sum(0).tolist()`")
     assert "routed_by_value.py:" in err and err.endswith("plan a smaller configuration of it") and "\n" not in err
+
+
+class _EntropyLayer(nn.Module):
+    """A layer that adds its logits' entropy, as BLT's patcher computes it (torch.distributions checks its
+    arguments' values unless told not to)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.fc(h)
+        return h + torch.distributions.Categorical(logits=h).entropy()[..., None]
+
+
+def test_a_distributions_argument_checks_are_not_captured() -> None:
+    model = nn.Sequential(*(_EntropyLayer() for _ in range(4)))
+    examples = lambda b: {"input": torch.randn(b, 3, 8)}  # noqa: E731  (keywords: captured by torch.export)
+    assert torch.distributions.Distribution._validate_args
+    chain = linearize(trace(model, examples, batch_size=2))
+    assert len(chain.blocks) >= 4 and torch.distributions.Distribution._validate_args
+    x = torch.randn(3, 3, 8)
+    torch.testing.assert_close(run_pieces(pieces(chain), x), model(x))
