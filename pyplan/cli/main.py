@@ -401,7 +401,7 @@ def _value_read_on_meta(exc: BaseException) -> str | None:
     while seen is not None:
         # torch.fx's interpreter appends the model's own source lines ("Original traceback:") to the error.
         text = "\n".join([str(seen), *getattr(seen, "__notes__", [])])
-        if "cannot be called on meta tensors" in text or ("Meta tensors" in text and "nonzero" in text):
+        if "cannot be called on meta tensors" in text or ("nonzero" in text and "meta" in text.lower()):
             found = found or ""
             lines = text.split("Original traceback:", 1)[1].splitlines() if "Original traceback:" in text else []
             for i, line in enumerate(lines):

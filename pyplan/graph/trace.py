@@ -383,8 +383,21 @@ def _export(model: nn.Module, call: Call) -> fx.GraphModule:
     with _explicit_keywords(model, bound):
         # dynamic_shapes mirrors the forward's parameters: dim 0 of every tensor is the batch.
         named = inspect.signature(model.forward).bind(*args, **kwargs).arguments
-        spec = {k: tree_map_only(torch.Tensor, lambda t: {0: batch} if t.dim() else None, v) for k, v in named.items()}
-        program = export(model, args, kwargs, dynamic_shapes=spec, strict=False)
+
+        def shapes(dim: Any) -> dict[str, Any]:
+            return {
+                k: tree_map_only(torch.Tensor, lambda t: {0: dim} if t.dim() else None, v) for k, v in named.items()
+            }
+
+        try:
+            program = export(model, args, kwargs, dynamic_shapes=shapes(batch), strict=False)
+        except Exception as exc:  # torch.export raises its constraint violations as a UserError
+            if "Constraints violated" not in str(exc):
+                raise
+            # A relation over the batch that torch's solver cannot prove for every size (Llama 4's experts reshape
+            # by `min(hidden, tokens·hidden)`, true from 1 sample on): the batch dynamic without a named range,
+            # which keeps it symbolic and leaves such relations as checks of the inputs.
+            program = export(model, args, kwargs, dynamic_shapes=shapes(Dim.DYNAMIC), strict=False)
     gm = program.module()
     graph = gm.graph
     plain_codegen(graph)

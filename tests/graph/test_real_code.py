@@ -472,3 +472,37 @@ def test_a_distributions_argument_checks_are_not_captured() -> None:
     assert len(chain.blocks) >= 4 and torch.distributions.Distribution._validate_args
     x = torch.randn(3, 3, 8)
     torch.testing.assert_close(run_pieces(pieces(chain), x), model(x))
+
+
+class _MinReshapeLayer(nn.Module):
+    """A reshape by `min(width, tokens·width)`, as Llama 4's experts reshape: true from one sample on, which torch's
+    solver cannot prove for a named batch range."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = self.fc(h.reshape(-1, 8))
+        return h + out.reshape(-1, min(8, out.numel())).reshape(h.shape)
+
+
+def test_a_relation_over_the_batch_the_solver_cannot_prove_keeps_the_batch_symbolic() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(_MinReshapeLayer() for _ in range(4))).double()
+    examples = lambda b: {"input": torch.randn(b, 3, 8, dtype=torch.float64)}  # noqa: E731  (torch.export)
+    chain = linearize(trace(model, examples, batch_size=2))
+    assert len(chain.blocks) >= 4
+    for b in (1, 5):  # other batch sizes than the capture's
+        x = torch.randn(b, 3, 8, dtype=torch.float64)
+        torch.testing.assert_close(run_pieces(pieces(chain), x), model(x), rtol=1e-12, atol=1e-12)
+
+
+def test_what_reads_values_on_meta_is_recognized() -> None:
+    from pyplan.cli.main import _value_read_on_meta
+
+    nonzero = NotImplementedError("The register_meta function for torch.nonzero() raises unimplemented by default")
+    item = RuntimeError("Tensor.item() cannot be called on meta tensors")
+    item.add_note('Original traceback:\n  File "/m/model.py", line 7, in forward\n    n = x.sum().item()')
+    assert _value_read_on_meta(nonzero) == "" and _value_read_on_meta(RuntimeError("shapes differ")) is None
+    assert _value_read_on_meta(item) == "`n = x.sum().item()` at model.py:7"
