@@ -27,7 +27,7 @@ from pyplan.cli.calibrate import add_calibrate_parser
 from pyplan.cli.hardware import add_hardware_parser
 from pyplan.cli.show import add_show_parser
 from pyplan.cli.zoo import add_zoo_parser
-from pyplan.emit.configs import render_config
+from pyplan.emit.configs import TORCHTITAN_VERSIONS, render_config
 from pyplan.emit.planfile import PlanFile, read_plan_file, write_plan_file
 from pyplan.emit.script import write_script
 from pyplan.errors import PlanError, TraceError
@@ -460,7 +460,7 @@ def _emit(args: argparse.Namespace) -> int:
     # The configuration is checked against the model, loaded and traced again: what its code prints goes to stderr,
     # so that the configuration written to stdout is the tool's alone.
     with contextlib.redirect_stdout(sys.stderr):
-        text, notes = render_config(document, args.format)
+        text, notes = render_config(document, args.format, torchtitan_version=args.torchtitan_version)
     if args.out == "train.py":  # the default belongs to the script
         print(text, end="")
     else:
@@ -676,8 +676,16 @@ def _add_emit_parser(sub: Any) -> None:
         "--format",
         choices=("script", "torchtitan", "deepspeed", "megatron"),
         default="script",
-        help="script (default): a torchrun training script; torchtitan (TOML), deepspeed (JSON), megatron (flags): "
-        "the plan as that tool's configuration, with a note for each part it cannot express",
+        help="script (default): a torchrun training script; torchtitan (flags, or TOML for 0.2), deepspeed "
+        "(JSON, 0.19), megatron (Megatron-LM main's flags): the plan as that tool's configuration; what the tool "
+        "cannot express is refused in one line",
+    )
+    p.add_argument(
+        "--torchtitan-version",
+        choices=TORCHTITAN_VERSIONS,
+        default=TORCHTITAN_VERSIONS[0],
+        help="with --format torchtitan: 0.3 (default, the newest release: flags after --module/--config) or 0.2 "
+        "(0.2.0-0.2.2: a TOML job file)",
     )
     p.add_argument("--debug", action="store_true", help="show the traceback of an error")
     p.set_defaults(func=_emit)

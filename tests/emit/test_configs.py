@@ -1,5 +1,6 @@
-"""`pyplan emit --format`: a plan as torchtitan's, DeepSpeed's and Megatron's configuration, with a note for each
-part of the plan the tool cannot express."""
+"""`pyplan emit --format`: what every format shares: the models the tools build and their units, the one-line
+refusals, the CLI. The tools' own parsers read the files in test_configs_torchtitan.py, test_configs_megatron.py and
+test_configs_deepspeed.py; the plans come from test_configs_plans.py."""
 
 from __future__ import annotations
 
@@ -8,104 +9,42 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from torch import nn
 
 from pyplan.cli.main import main
-from pyplan.emit.configs import render_config
+from pyplan.emit.configs import find_decoder, plan_shape, render_config, stage_starts
 from pyplan.emit.planfile import read_plan_file
+from tests.emit.test_configs_plans import Plans, plans, refusal
+
+__all__ = ["plans"]
 
 
-def _planned(tmp_path: Path, *pins: str) -> Path:
-    out = tmp_path / "plan.json"
-    argv = ["plan", "zoo:gpt-tiny", "--gpus", "8", "--gpu", "a100-80g", "--global-batch", "64", "--json"]
-    assert main([*argv, "--precision", "bf16-mixed", *pins, "--out", str(out)]) == 0
-    return out
-
-
-def test_a_pipeline_with_selective_checkpointing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    doc = read_plan_file(
-        _planned(tmp_path, "--pp", "2", "--zero", "0", "--ga", "4", "--schedule", "1F1B", "--remat", "selective")
-    )
+def test_the_models_the_tools_build(plans: Plans, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Llama under torchtitan's names and GPT-2 are found with their units; the split points are in those
+    names; a model of neither family is refused in one line by the tools that build their own models."""
+    doc = plans.doc("pipeline")
     capsys.readouterr()
-    lay = doc.plan.layout
-    assert (lay.pp, lay.zero_stage, lay.num_microbatches) == (2, 0, 4)
-    text, notes = render_config(doc, "torchtitan")
-    toml = tomllib.loads(text)
-    par, train = toml["parallelism"], toml["training"]
-    assert par["pipeline_parallel_degree"] == 2 and par["data_parallel_replicate_degree"] == lay.dp
-    assert par["data_parallel_shard_degree"] == 1 and par["pipeline_parallel_schedule"] == lay.schedule
-    assert par["pipeline_parallel_microbatch_size"] == lay.micro_batch_size
-    assert len(par["pipeline_parallel_split_points"]) == 1
-    assert par["pipeline_parallel_split_points"][0].startswith("transformer.h.")
-    # torchtitan's local batch is a replica's share; the pipeline splits it into GA micro-batches.
-    assert train["local_batch_size"] == lay.micro_batch_size * 4 and train["global_batch_size"] == 64
-    assert train["mixed_precision_param"] == "bfloat16"
-    assert toml["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "op"}
-    assert not [n for n in notes if "ZeRO" in n]
+    shape = plan_shape(doc, "torchtitan")
+    dec = shape.decoder
+    assert dec is not None and (dec.family, dec.stack, dec.n_layers, dec.tied) == ("llama", "layers", 8, False)
+    assert shape.stages == (("E", "L0", "L1", "L2", "L3"), ("L4", "L5", "L6", "L7", "N", "H"))
+    assert stage_starts(doc) == (["layers.4"], [])
 
-    text, notes = render_config(doc, "deepspeed")
-    ds = json.loads(text)
-    assert ds == {
-        "train_batch_size": 64,
-        "train_micro_batch_size_per_gpu": lay.micro_batch_size,
-        "gradient_accumulation_steps": 4,
-        "zero_optimization": {"stage": 0},
-        "bf16": {"enabled": True},
-    }
-    assert any("PipelineModule(layers, num_stages=2)" in n for n in notes)
-    assert any("DeepSpeed's bf16 keeps bf16 weights beside fp32 master weights" in n for n in notes)
+    gpt = plan_shape(plans.doc("gpt"), "megatron")
+    assert gpt.decoder is not None and gpt.decoder.family == "gpt2" and gpt.decoder.tied
+    assert gpt.decoder.embeddings == ("transformer.wte", "transformer.wpe")
+    message = refusal(lambda: render_config(plans.doc("gpt"), "torchtitan"))
+    assert message.startswith("--format torchtitan cannot build zoo:gpt-tiny: torchtitan trains its own models")
 
-    text, notes = render_config(doc, "megatron")
-    assert "--pipeline-model-parallel-size 2" in text and "--global-batch-size 64" in text and "--bf16" in text
-    assert "--recompute-granularity selective" in text
-    assert any("Megatron-LM's bf16 keeps bf16 weights" in n for n in notes)
-    assert any("attention core" in n for n in notes)
+    assert find_decoder(nn.Sequential(nn.Linear(4, 4))) is None
 
 
-def test_zero3_and_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    plan = _planned(tmp_path, "--pp", "1", "--dp", "8", "--zero", "3", "--remat", "full")
-    capsys.readouterr()
-    out = tmp_path / "titan.toml"
-    assert main(["emit", str(plan), "--format", "torchtitan", "-o", str(out)]) == 0
-    assert "note:" not in capsys.readouterr().err
-    par = tomllib.loads(out.read_text())["parallelism"]
-    assert par["data_parallel_shard_degree"] == 8 and par["pipeline_parallel_degree"] == 1
-    assert tomllib.loads(out.read_text())["activation_checkpoint"]["mode"] == "full"
-    assert main(["emit", str(plan), "--format", "megatron"]) == 0
-    captured = capsys.readouterr()
-    assert "--use-torch-fsdp2" in captured.out and "--recompute-granularity full" in captured.out
-    assert "note: ZeRO-3 is Megatron's --use-torch-fsdp2" in captured.err
-
-
-def test_bf16_master_is_the_tools_bf16(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """DeepSpeed's and Megatron-LM's bf16 are bf16 weights beside fp32 master weights; torchtitan has none (a note)."""
-    out = tmp_path / "plan.json"
-    argv = ["plan", "zoo:gpt-tiny", "--gpus", "8", "--gpu", "a100-80g", "--global-batch", "64", "--json"]
-    assert main([*argv, "--precision", "bf16-master-bf16-grads", "--zero", "1", "--out", str(out)]) == 0
-    doc = read_plan_file(out)
-    assert doc.workload.precision == "bf16-master-bf16-grads" and doc.plan.layout.zero_stage == 1
-    text, notes = render_config(doc, "deepspeed")
-    assert json.loads(text)["bf16"] == {"enabled": True} and not any("master" in n for n in notes)
-    text, notes = render_config(doc, "megatron")
-    assert "--bf16" in text and not any("master" in n for n in notes)
-    text, notes = render_config(doc, "torchtitan")
-    assert tomllib.loads(text)["training"]["mixed_precision_param"] == "bfloat16"
-    assert any("torchtitan keeps fp32 weights" in n for n in notes)
-    # What its runtime does not train is one line, exit 2.
-    capsys.readouterr()
-    assert main([*argv, "--precision", "bf16-master", "--zero", "3"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "bf16-master runs under ZeRO 0 or 1" in err
-
-
-_META_ONLY = """
+_MLP = """
 import torch
 from torch import nn
 
 
 def model():
-    # A model too big for the host: building it anywhere but on the meta device fails.
-    if torch.empty(0).device.type != "meta":
-        raise RuntimeError("built with real weights")
     return nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(8)])
 
 
@@ -114,15 +53,55 @@ def example_inputs(batch_size):
 """
 
 
-def test_split_points_from_a_model_built_on_meta(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The split points come from the model traced on the meta device: no weights are built, whatever its size."""
-    model = tmp_path / "big.py"
-    model.write_text(_META_ONLY)
+def test_a_model_no_tool_builds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """torchtitan and Megatron-LM are told in one line that they cannot build it; DeepSpeed trains any model."""
+    model = tmp_path / "mlp.py"
+    model.write_text(_MLP)
     out = tmp_path / "plan.json"
-    argv = ["plan", str(model), "--gpus", "4", "--gpu", "a100-80g", "--global-batch", "16", "--json"]
-    assert main([*argv, "--pp", "2", "--dp", "2", "--zero", "0", "--out", str(out)]) == 0
+    argv = ["plan", str(model), "--gpus", "2", "--gpu", "a100-80g", "--global-batch", "16", "--json"]
+    assert main([*argv, "--pp", "1", "--dp", "2", "--zero", "0", "--precision", "fp32", "--out", str(out)]) == 0
     capsys.readouterr()
     doc = read_plan_file(out)
-    text, _ = render_config(doc, "torchtitan")
-    (split,) = tomllib.loads(text)["parallelism"]["pipeline_parallel_split_points"]
-    assert split in {str(k) for k in range(1, 8)}
+    for fmt, tool in (("torchtitan", "torchtitan"), ("megatron", "Megatron-LM")):
+        message = refusal(lambda fmt=fmt: render_config(doc, fmt))
+        assert message.startswith(f"--format {fmt} cannot build {out.parent}/mlp.py: {tool} trains its own models")
+    text, notes = render_config(doc, "deepspeed")
+    assert json.loads(text)["zero_optimization"] == {"stage": 0} and not notes
+
+
+def test_the_cli_writes_refuses_and_picks_the_version(plans: Plans, capsys: pytest.CaptureFixture[str]) -> None:
+    """emit --format writes the tool's file (stdout without -o) and its notes on stderr; a plan the tool cannot
+    express is one line and exit 2; --torchtitan-version picks the release."""
+    plan = plans.path("pipeline")
+    capsys.readouterr()
+    assert main(["emit", str(plan), "--format", "torchtitan", "--torchtitan-version", "0.2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("# torchtitan 0.2.x") and tomllib.loads(out)["parallelism"]["pipeline_parallel_degree"] == 2
+    assert "note: torchtitan recomputes every layer, also layers.3" in err
+    target = plan.parent / "titan.sh"
+    assert main(["emit", str(plan), "--format", "torchtitan", "-o", str(target)]) == 0
+    assert target.read_text().startswith("# torchtitan 0.3.0 arguments")
+    capsys.readouterr()
+    assert main(["emit", str(plan), "--format", "deepspeed"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "error: --format deepspeed cannot express pipeline stages (DeepSpeed builds them in code, "
+        "deepspeed.pipe.PipelineModule, not from its configuration): plan with --pp 1\n"
+    )
+    assert main(["emit", str(plan), "--format", "torchtitan", "--torchtitan-version", "0.1"]) == 2
+    assert "invalid choice: '0.1'" in capsys.readouterr().err
+
+
+def test_a_stage_inside_a_layer_is_refused(plans: Plans, capsys: pytest.CaptureFixture[str]) -> None:
+    """A cut inside layers.4 (after its attention_norm) is no module boundary: torchtitan and Megatron refuse it."""
+    data = plans.json("interleaved")
+    capsys.readouterr()
+    cuts = data["plan"]["cut_positions"]
+    # Move the second stage's start one operation later: into the layer it started.
+    doc = plans.doc("interleaved", cut_positions=[cuts[0], cuts[1] + 1, *cuts[2:]])
+    for fmt, tool, unit in (("torchtitan", "torchtitan", "modules"), ("megatron", "Megatron", "layers")):
+        message = refusal(lambda fmt=fmt: render_config(doc, fmt))
+        assert message == (
+            f"--format {fmt} cannot express a stage that starts inside layers.2 ({tool} splits the model at {unit}): "
+            "plan with --cuts at the blocks where layers start (pyplan inspect numbers the blocks)"
+        )
