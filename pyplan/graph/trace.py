@@ -400,6 +400,7 @@ def _export(model: nn.Module, call: Call) -> fx.GraphModule:
             program = export(model, args, kwargs, dynamic_shapes=shapes(Dim.DYNAMIC), strict=False)
     gm = program.module()
     graph = gm.graph
+    _refuse_vmap(graph)
     plain_codegen(graph)
     for n in list(graph.nodes):
         if n.op == "call_module" and not n.users:  # torch.export's input guards: the inputs are ours
@@ -424,6 +425,29 @@ def _export(model: nn.Module, call: Call) -> fx.GraphModule:
     graph.lint()
     # A module of its own: without the exported module's input checks, sharing its parameters and buffers.
     return fx.GraphModule(gm, graph, type(model).__name__)
+
+
+def _refuse_vmap(graph: fx.Graph) -> None:
+    """One line where the forward calls torch.vmap (transformers builds some attention masks with it): torch.export
+    leaves functorch's batching ops in the graph, which run only inside the vmap call that made them; the pieces of
+    such a graph, run on their own, find its values escaped from it (T5Gemma 2's bidirectional masks)."""
+    for n in graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "__name__", "") == "_vmap_increment_nesting":
+            stack = list((n.meta.get("nn_module_stack") or {}).values())
+            path, kind = stack[-1] if stack else ("", "")
+            name = getattr(kind, "__name__", str(kind).rsplit(".", 1)[-1].strip("'>"))
+            module = f"module '{path}' ({name})" if path else "the top-level module"
+            trace = [line.strip() for line in (n.meta.get("stack_trace") or "").strip().splitlines()]
+            where = ""
+            if len(trace) >= 2 and trace[-2].startswith("File ") and ", line " in trace[-2]:
+                file = trace[-2].split('"')[1] if '"' in trace[-2] else ""
+                line = trace[-2].split(", line ", 1)[1].split(",")[0]
+                where = f" at {os.path.basename(file)}:{line}: `{trace[-1]}`"
+            raise TraceError(
+                f"cannot capture {module}{where}: it calls torch.vmap, which torch.export captures as batching ops "
+                "that run only inside the vmap call (transformers builds some attention masks this way); compute "
+                "it without torch.vmap, or plan the model with another attention mask"
+            )
 
 
 def _check_leaves(model: nn.Module, leaves: tuple[LeafSpec, ...]) -> None:

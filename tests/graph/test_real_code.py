@@ -16,7 +16,7 @@ from torch import nn
 from pyplan import linearize, load_model, trace
 from pyplan._torch import one_value_per_channel
 from pyplan.api import chain_for
-from pyplan.errors import PlanError
+from pyplan.errors import PlanError, TraceError
 from pyplan.graph.functions import is_kept_whole
 from pyplan.graph.linearize import cut_points
 from pyplan.graph.split import batch_carrier, pieces, run_pieces
@@ -506,3 +506,25 @@ def test_what_reads_values_on_meta_is_recognized() -> None:
     item.add_note('Original traceback:\n  File "/m/model.py", line 7, in forward\n    n = x.sum().item()')
     assert _value_read_on_meta(nonzero) == "" and _value_read_on_meta(RuntimeError("shapes differ")) is None
     assert _value_read_on_meta(item) == "`n = x.sum().item()` at model.py:7"
+
+
+class _VmapLayer(nn.Module):
+    """A layer that builds a per-sample scale with torch.vmap, as transformers builds some attention masks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        scale = torch.vmap(lambda row: row.abs().mean())(h.flatten(1))
+        return self.fc(h) * scale[:, None, None]
+
+
+def test_a_forward_that_calls_vmap_is_refused_in_one_line() -> None:
+    model = nn.Sequential(*(_VmapLayer() for _ in range(4)))
+    examples = lambda b: {"input": torch.randn(b, 3, 8)}  # noqa: E731  (keywords: captured by torch.export)
+    with pytest.raises(TraceError) as raised:
+        trace(model, examples, batch_size=2)
+    text = str(raised.value)
+    assert text.startswith("cannot capture module '0' (_VmapLayer) at test_real_code.py:")
+    assert "it calls torch.vmap" in text and "\n" not in text
