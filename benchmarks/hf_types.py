@@ -141,6 +141,12 @@ EXCEPTIONS: dict[str, dict[str, Option | None]] = {
     "nemo_speechlm": {"audio_config.diarization_config.head_config.audio_hidden_size": 64},
     "kyutai_speech_to_text": {"codec_config.upsample_groups": 64},
 }
+# Types whose training forward draws random numbers that no config turns off: a pipeline draws them per micro-batch
+# and stage, one process for the whole batch, so their losses differ by the noise (the reason says which).
+SAMPLES_IN_TRAINING = {
+    "phimoe": "samples its experts in training (Gumbel noise in sparsemixer, modeling_phimoe.py), which a pipeline "
+    "draws per micro-batch",
+}
 # A model larger than this at its smallest reference (sizes SHRINK does not reach) is not built here.
 MAX_PARAMS = 70_000_000
 
@@ -633,6 +639,8 @@ def row_of(rec: dict[str, Any]) -> Row:
             steps[step] = None if got is None else bool(got["ok"])
             if got is not None and not got["ok"] and not reason:
                 reason, failed = got["why"], step
+                if step == "pipeline" and rec["type"] in SAMPLES_IN_TRAINING:
+                    reason = f"{SAMPLES_IN_TRAINING[rec['type']]}: {reason}"
     return Row(rec["type"], rec.get("table", "?"), rec.get("params"), steps, reason, failed, rec.get("ref", ""))
 
 
