@@ -14,7 +14,7 @@ from torch import nn
 
 from pyplan import _core
 from pyplan._torch import is_meta_module
-from pyplan.errors import InfeasibleError, PlanError
+from pyplan.errors import InfeasibleError, PlanError, TraceError
 from pyplan.graph.chain import Block, Chain
 from pyplan.graph.layergraph import Affine, Piecewise
 from pyplan.graph.sequence_parallel import sequence_zone
@@ -254,12 +254,23 @@ def search(
         say("searching")
         every, plain, relaxed, refiner = how.plans(chain, cluster, say)
         runs.append((plain, relaxed))
+    left_out: list[tuple[int, str]] = []
     for degree, chain_t, cluster_t, styles, comm, sp in _tensor_parallel(bare, chain, tensor_parallel, tp_plan,
-                                                                         sequence_parallel, how, cluster):  # fmt: skip
+                                                                         sequence_parallel, how, cluster,
+                                                                         left_out):  # fmt: skip
         say(f"tensor parallelism {degree}")
-        found_t, plain_t, relaxed_t, _ = how.plans(chain_t, cluster_t, lambda step: None, zero_stages=TP_ZERO_STAGES,
-                                                   local_numel=_local_numel(model, styles, degree),
-                                                   sync_after_backward=True)  # fmt: skip
+        try:
+            found_t, plain_t, relaxed_t, _ = how.plans(chain_t, cluster_t, lambda step: None,
+                                                       zero_stages=TP_ZERO_STAGES,
+                                                       local_numel=_local_numel(model, styles, degree),
+                                                       sync_after_backward=True)  # fmt: skip
+        except PlanError as exc:
+            # The pins leave no configuration at this degree (a pipeline of 2 on the one group of 4 GPUs that
+            # tensor parallelism 4 makes of 4): the other degrees answer, unless this was the only one asked for.
+            if len(tensor_parallel) == 1:
+                raise
+            left_out.append((degree, str(exc)))
+            continue
         every += [_with_tp(p, degree, styles, comm, sp) for p in found_t]
         runs.append((plain_t, relaxed_t))
     plain, relaxed = runs[0]
@@ -273,7 +284,9 @@ def search(
         if dag:
             top, pareto = _rank([*top, *dag], objective, weight)[:top_k], _frontier([*pareto, *dag])
     candidates, evaluated = sum(r.num_candidates for r in found), sum(r.num_evaluated for r in found)
-    return PlanSearch(top[0], tuple(top[1:]), tuple(pareto), candidates, evaluated, chain, profiled_on)
+    searched = tuple(t for t in tensor_parallel if t not in dict(left_out))
+    return PlanSearch(top[0], tuple(top[1:]), tuple(pareto), candidates, evaluated, chain, profiled_on, searched,
+                      tuple(left_out))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -336,12 +349,14 @@ def _tensor_parallel(
     sequence_parallel: bool,
     how: _How,
     cluster: Cluster,
+    left_out: list[tuple[int, str]],
 ) -> Iterator[tuple[int, Chain, Cluster, dict[str, str], list[tuple[Affine, Affine]], bool]]:
     """Each degree above 1 that splits a layer: the chain one rank of it runs (with the loss of `chain`, on the
     gathered output, as one process runs it), the cluster as the search sees it (a tensor-parallel group of t GPUs
     in place of each GPU: t times the price, g/t of them per node), the styles the runtime applies, each block's
     collectives (forward, backward seconds), and whether the values between the split layers are split by their
-    tokens (asked for, and the model allows it at that degree)."""
+    tokens (asked for, and the model allows it at that degree). A degree that splits no layer goes to `left_out`
+    with why."""
     wanted = [t for t in degrees if t > 1]
     if not wanted:
         return
@@ -363,10 +378,21 @@ def _tensor_parallel(
         if not plan.styles(t):
             if len(degrees) == 1:
                 raise PlanError(f"tensor parallelism {t} splits no layer of the model: {_no_split(plan, t)}")
+            left_out.append((t, _no_split(plan, t)))
             continue
         zone = sequence_zone(bare.graph, plan, t) if sequence_parallel else None
         zone = zone if zone else None
-        chain_t = chain_at_degree(bare, plan, t, how.examples, cluster, how.workload, zone, autocast=how.autocast)
+        try:
+            chain_t = chain_at_degree(bare, plan, t, how.examples, cluster, how.workload, zone, autocast=how.autocast)
+        except TraceError as exc:
+            # One rank's graph does not run (a model that reads values runs for real, where a vocabulary split
+            # over the ranks sees ids outside its shard): without this degree, unless it was the one asked for.
+            if len(degrees) == 1:
+                raise
+            cause = exc.__cause__ or exc
+            first = (str(cause).strip().splitlines() or [""])[0]
+            left_out.append((t, f"one rank's graph does not run ({type(cause).__name__}: {first})"))
+            continue
         # The loss on each rank's slice of the logits where it can (torchtitan's loss_parallel), else on the whole;
         # recorded as the runtime computes its slice (in fp32, the softmax kept and its gradient made in place).
         vocab = chain.loss is not None and vocab_parallel_loss(bare.graph, plan, t, how.loss)
@@ -559,7 +585,9 @@ class _Space:
         bwd_a = [b.bwd_time_s.per_sample for b in blocks]
         bwd_b = [b.bwd_time_s.fixed for b in blocks]
         act_a = [b.saved_bytes.per_sample * scale for b in blocks]
-        act_b = [b.saved_bytes.fixed * scale for b in blocks]
+        # A line through two recorded sizes can cross zero where what a block saves is not affine in the batch (a
+        # rank's (b, 1) slice saved as a view at one size and as a copy at the other): never below nothing.
+        act_b = [max(0.0, b.saved_bytes.fixed * scale) for b in blocks]
         tables = self.tables
         if memory is not None:
             act_a, act_b, bwd_a, bwd_b = relaxed_chain(fwd_a, fwd_b, bwd_a, bwd_b, memory, scale, share)

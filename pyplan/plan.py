@@ -409,9 +409,12 @@ class PlanSearch:
     evaluated: int
     chain: Chain = field(repr=False, compare=False)
     profiled_on: str = ""
+    # The tensor-parallel degrees searched, and those asked for but left out, each with why.
+    tensor_parallel: tuple[int, ...] = (1,)
+    tp_left_out: tuple[tuple[int, str], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "plan": self.best.to_json(),
             "alternatives": [p.to_json() for p in self.alternatives],
             "pareto": [p.to_json() for p in self.pareto],
@@ -419,6 +422,12 @@ class PlanSearch:
             "evaluated": self.evaluated,
             "profiled_on": self.profiled_on,
         }
+        if self.tensor_parallel != (1,) or self.tp_left_out:
+            out["tensor_parallel"] = {
+                "searched": list(self.tensor_parallel),
+                "left_out": {str(t): why for t, why in self.tp_left_out},
+            }
+        return out
 
 
 def master_refusal(layout: Layout) -> str:

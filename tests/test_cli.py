@@ -179,10 +179,16 @@ def test_json_and_configs_on_stdout_stay_parsable_when_the_model_prints(
     assert main([*plan, "--json"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["plan"]["pp"] == 2 and "number of parameters" in captured.err
-    # A pipeline's configuration traces the model again for its split points; on stdout only the configuration.
-    assert main(["emit", str(out), "--format", "deepspeed"]) == 0
+    # A pipeline's configuration traces the model again for its split points, its print on stderr: DeepSpeed's
+    # configuration cannot hold pipeline stages, so nothing reaches stdout but the refusal's one line on stderr.
+    assert main(["emit", str(out), "--format", "deepspeed"]) == 2
     captured = capsys.readouterr()
-    assert json.loads(captured.out) and "number of parameters" in captured.err
+    assert captured.out == "" and "cannot express" in captured.err.strip().splitlines()[-1]
+    one = tmp_path / "one.json"
+    assert main([*plan[:-4], "--pp", "1", "--out", str(one)]) == 0
+    capsys.readouterr()
+    assert main(["emit", str(one), "--format", "deepspeed"]) == 0
+    assert json.loads(capsys.readouterr().out)["train_batch_size"] == 8
 
 
 def test_plan_defaults_to_bf16_mixed_on_catalog_gpus_that_have_it(capsys: pytest.CaptureFixture[str]) -> None:

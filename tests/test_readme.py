@@ -232,6 +232,6 @@ def test_readme_examples_run(tmp_path: Path) -> None:
     assert sum(line.startswith("+ ") for line in output.splitlines()) == executed
     # What the README says the tour and the examples write.
     assert "step 1 loss" in outputs[0] and "median step" in outputs[0], outputs[0][-2000:]
-    for name in ("plan.json", "train.py", "schedule.svg", "report.html", "results.csv", "torchtitan.toml"):
+    for name in ("plan.json", "train.py", "schedule.svg", "report.html", "results.csv", "torchtitan.sh"):
         assert (tmp_path / name).is_file(), f"no {name} after the README's commands"
     assert "plan" in json.loads((tmp_path / "weighted.json").read_text())

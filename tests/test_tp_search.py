@@ -238,7 +238,7 @@ def test_an_emitted_tp_plan_trains_and_resumes_under_torchrun(tmp_path: Path) ->
 def test_the_cli_plans_shows_and_emits_a_tp_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plan = tmp_path / "plan.json"
     argv = ["plan", "zoo:gpt-tiny", "--gpu", "a100-80g", "--gpus", "8", "--global-batch", "16",
-            "--precision", "bf16-mixed", "--tp", "2", "--dp", "4", "--top", "1", "--out", str(plan)]  # fmt: skip
+            "--precision", "fp32", "--tp", "2", "--dp", "4", "--top", "1", "--out", str(plan)]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "┃   tp ┃" in out and "│ 2+SP │" in out
@@ -257,10 +257,12 @@ def test_the_cli_plans_shows_and_emits_a_tp_plan(tmp_path: Path, capsys: pytest.
     assert data["time"]["tp_comm_s"] == pytest.approx(layout["num_microbatches"] * stage["tp_comm_s"])
     shares = timeline(read_plan_file(str(plan)).plan).tp_comm_share  # the Gantt chart's marks
     assert shares == pytest.approx((stage["tp_comm_s"] / (stage["forward_s"] + stage["backward_s"]),))
+    # Megatron-LM builds GPT-2 under its own names and splits it as the plan does (fp32: Megatron has no autocast
+    # over fp32 weights, so bf16-mixed is refused); torchtitan builds only a Llama.
     assert main(["emit", str(plan), "--format", "megatron"]) == 0
-    assert "--tensor-model-parallel-size 2 \\\n--sequence-parallel" in capsys.readouterr().out
-    assert main(["emit", str(plan), "--format", "torchtitan"]) == 0
-    assert "tensor_parallel_degree = 2" in capsys.readouterr().out
+    assert "  --tensor-model-parallel-size 2\n  --sequence-parallel\n" in capsys.readouterr().out
+    assert main(["emit", str(plan), "--format", "torchtitan"]) == 2
+    assert "--format torchtitan cannot build zoo:gpt-tiny" in capsys.readouterr().err
     assert main(["plan", "zoo:gpt-tiny", "--gpu", "a100-80g", "--gpus", "8", "--tp", "two"]) == 2
     assert "--tp takes auto, a degree or degrees" in capsys.readouterr().err
     (tmp_path / "tp.json").write_text('{"transformer.h.0.mlp.c_fc": "ColwiseParallel"}')
@@ -294,3 +296,22 @@ def test_inspect_shows_how_a_degree_splits_the_model(capsys: pytest.CaptureFixtu
     assert tp["vocab_parallel_loss"]
     assert main(["inspect", "zoo:gpt-tiny", "--analytic", "--tp", "1"]) == 2
     assert "--tp takes a degree from 2 to 1024, got 1" in capsys.readouterr().err
+
+
+def test_degrees_that_give_no_plan_are_left_out_with_why(capsys: pytest.CaptureFixture[str]) -> None:
+    # A pipeline of 2 does not fit the one group of 4 GPUs that tensor parallelism 4 makes of 4: the other degrees
+    # answer, and the header and the JSON say why 4 was left out.
+    base = ["plan", "zoo:gpt-tiny", "--gpus", "4", "--gpu", "a100-80g", "--global-batch", "32", "--pp", "2"]
+    assert main([*base, "--tp", "auto", "--json"]) == 0
+    tp = json.loads(capsys.readouterr().out)["tensor_parallel"]
+    assert tp["searched"] == [1, 2] and "pinned pipeline ranks (2)" in tp["left_out"]["4"]
+    assert main([*base, "--tp", "4"]) == 2  # the only degree asked for: its own one line
+    assert "pinned pipeline ranks (2)" in capsys.readouterr().err
+    assert main([*base, "--tp", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallelism searched at 1, 2 (--tp 1: none); left out: 4, as no configuration" in out
+    assert "┃ tp ┃" in out  # the column shows when tensor parallelism was searched, whatever the rows hold
+    # A rank's (b, 1) slices, saved as views at one size and copies at another, fit no line through zero: planned.
+    assert main(["plan", "zoo:mlp-tiny", "--gpus", "8", "--gpu", "a100-80g", "--global-batch", "16", "--tp", "auto",
+                 "--json"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["tensor_parallel"]["searched"] == [1, 2, 4, 8]

@@ -266,6 +266,14 @@ def _tensor_parallel(args: argparse.Namespace, cluster: Cluster) -> dict[str, An
     return found
 
 
+def _tp_line(searched: Sequence[int], left_out: Sequence[tuple[int, str]]) -> str:
+    """The header's line on tensor parallelism: the degrees searched, each left out with why."""
+    line = f"tensor parallelism searched at {', '.join(map(str, searched))} (--tp 1: none)"
+    if left_out:
+        line += "; left out: " + "; ".join(f"{t}, as {why}" for t, why in left_out)
+    return line
+
+
 def _versus_best(pinned: Plan, best: Plan) -> str:
     """One line: how far the pinned plan is from the best plan without pins, in the objective's terms."""
     lay = best.layout
@@ -379,7 +387,11 @@ def _plan(args: argparse.Namespace) -> int:
             "evaluated)"
         )
         memory = memory_per_process(cluster) * args.memory_fraction
-        render_plans(rows[: args.top], make_console(), title=title, memory_bytes=memory)
+        console = make_console()
+        tp_searched = result.tensor_parallel != (1,) or bool(result.tp_left_out)
+        if tp_searched:
+            console.print(_tp_line(result.tensor_parallel, result.tp_left_out), highlight=False)
+        render_plans(rows[: args.top], console, title=title, memory_bytes=memory, tp_searched=tp_searched)
         if unpinned is not None:
             make_console().print(_versus_best(result.best, unpinned.best))
     for path in written:  # on stderr beside --json, whose stdout is the JSON alone
