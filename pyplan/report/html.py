@@ -1,5 +1,6 @@
-"""One self-contained HTML report of a plan: the tables of `pyplan show`, its Gantt chart and the time/cost
-picture, with inline CSS and the pictures embedded as base64 PNG, so it opens offline."""
+"""One self-contained HTML report of a plan: the tables of `pyplan show`, its schedule chart and the time/cost
+picture, with inline CSS, the chart as inline SVG (every box with its hover text) and the picture embedded as base64
+PNG, so it opens offline."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import Any
 from pyplan._files import write_atomic
 from pyplan.emit.planfile import PlanFile
 from pyplan.plan import Plan, PlanSearch
+from pyplan.report.chart import Chart, schedule_chart
 from pyplan.report.figure import figure_bytes
-from pyplan.report.gantt import gantt_figure, timeline
 from pyplan.report.pareto import DEFAULT_WEIGHTS, pareto_data, pareto_figure
 from pyplan.report.show import (
     NO_PRICE,
@@ -28,6 +29,7 @@ from pyplan.report.show import (
     summary_rows,
     time_rows,
 )
+from pyplan.report.zero3 import zero3_detail
 from pyplan.units import fmt_bytes, fmt_seconds
 
 __all__ = ["html_report", "write_html_report"]
@@ -35,10 +37,15 @@ __all__ = ["html_report", "write_html_report"]
 _CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1200px;
        color: #222; padding: 0 1em; }
-h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }
+h1 { font-size: 1.5em; overflow-wrap: anywhere; }
+h1 .model { display: inline-block; max-width: 100%; overflow: hidden; text-overflow: ellipsis; white-space: nowrap;
+            vertical-align: bottom; }
+h2 { font-size: 1.15em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }
+.scroll { overflow-x: auto; }
 table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.9em; }
 th, td { padding: 0.25em 0.7em; border-bottom: 1px solid #eee; text-align: right; white-space: nowrap; }
 th { background: #f5f5f5; } td.l, th.l { text-align: left; }
+td.l { white-space: normal; overflow-wrap: anywhere; }
 caption { caption-side: bottom; font-size: 0.8em; color: #666; text-align: left; padding-top: 0.3em; }
 .bar { display: inline-block; width: 200px; height: 0.8em; background: #eee; vertical-align: middle;
        margin-right: 0.5em; }
@@ -46,6 +53,15 @@ caption { caption-side: bottom; font-size: 0.8em; color: #666; text-align: left;
 .ok { background: #59a14f; } .warn { background: #edc948; }
 .full { background: #e15759; } .time { background: #4e79a7; }
 img { max-width: 100%; } .note { color: #666; font-size: 0.85em; }
+.chart-title { font-size: 0.95em; margin: 0.4em 0; }
+.chart { overflow-x: auto; } .chart svg { display: block; max-width: 100%; height: auto; }
+.chart g.box:hover .outline { stroke-width: 2; }
+.chart rect.block:hover, .chart rect.all-gather:hover, .chart rect.reduce-scatter:hover, .chart rect.send:hover {
+  stroke: #000; stroke-width: 1.2; }
+.legend { list-style: none; padding: 0; margin: 0.4em 0; display: flex; flex-wrap: wrap; gap: 0.3em 1.2em;
+          font-size: 0.85em; color: #444; }
+.legend .swatch { display: inline-block; width: 1.1em; height: 0.8em; margin-right: 0.35em; vertical-align: middle;
+                  border: 1px solid #888; }
 """
 
 
@@ -63,7 +79,7 @@ def _table(
     head = "<thead><tr>" + "".join(cell("th", i, h) for i, h in enumerate(header)) + "</tr></thead>" if header else ""
     body = "".join("<tr>" + "".join(cell("td", i, v) for i, v in enumerate(row)) + "</tr>" for row in rows)
     cap = f"<caption>{escape(caption)}</caption>" if caption else ""
-    return f"<table>{cap}{head}<tbody>{body}</tbody></table>"
+    return f'<div class="scroll"><table>{cap}{head}<tbody>{body}</tbody></table></div>'
 
 
 class _Markup(str):
@@ -166,21 +182,58 @@ def _alternatives(plans: Sequence[Plan]) -> str:
     return _table(header, rows, left=(5, 7))
 
 
+def _chart(chart: Chart) -> list[str]:
+    """The schedule chart: its title (it wraps), the SVG and its legend."""
+    legend = "".join(
+        f'<li><span class="swatch" style="background: {escape(css)}"></span>{escape(label)}</li>'
+        for css, label in chart.legend
+    )
+    return [
+        f'<p class="chart-title">{escape(chart.title)}</p>',
+        f'<div class="chart">{chart.svg}</div>',
+        f'<ul class="legend">{legend}</ul>',
+    ]
+
+
+def _chart_note(pp: int, sharded: bool, detailed: bool, search: PlanSearch | None) -> str:
+    """What the chart shows, in a line: its rows, where to hover, and for ZeRO-3 where the collectives are."""
+    rows = "One row per rank of one pipeline replica" if pp > 1 else "One replica (every replica runs the same)"
+    text = f"{rows}; hover over a box for its micro-batch{', block' if detailed else ''} and times."
+    if sharded and detailed:
+        text += (
+            " Each block's all-gathers and reduce-scatter run on the lane under the compute, one after another on the"
+            " link, where the plan priced them; a box waits (white) where the link is behind."
+        )
+    elif sharded:
+        why = (
+            "this plan was not searched on the blocks at hand (tensor parallelism or stages assigned operation by "
+            "operation)"
+            if search is not None
+            else "the per-block times are the search's: write the report with `pyplan plan ... --report`"
+        )
+        text += f" Its ZeRO-3 collectives are in the boxes' times, not drawn: {why}."
+    return f'<p class="note">{escape(text)}</p>'
+
+
 def html_report(
     document: PlanFile,
     *,
     search: PlanSearch | None = None,
     weights: Sequence[float] = DEFAULT_WEIGHTS,
 ) -> str:
-    """The report as one HTML page: the plan's tables and Gantt chart; with `search`, also the plans it
+    """The report as one HTML page: the plan's tables and schedule chart; with `search`, also the plans it
     ranked and, when they are priced, the time/cost picture with the frontier and the best plan per weight."""
     data = show_data(document)
-    gantt = timeline(document.plan)
-    gantt_png = figure_bytes(gantt_figure(gantt), "png", dpi=110)
+    plan = document.plan
+    detail = None
+    if search is not None:
+        detail = zero3_detail(plan, search.chain, document.cluster, document.workload)
     lay = data["layout"]
-    title = f"pyplan: {data['model']} on {lay['num_gpus']} x {data['cluster']['gpu']}"
+    model = data["model"]
+    title = f"pyplan: {model} on {lay['num_gpus']} x {data['cluster']['gpu']}"
     parts = [
-        f"<h1>{escape(title)}</h1>",
+        f'<h1>pyplan: <span class="model" title="{escape(model)}">{escape(model)}</span> on '
+        f"{escape(str(lay['num_gpus']))} x {escape(data['cluster']['gpu'])}</h1>",
         _summary(data),
         "<h2>Stages</h2>",
         _stages(data),
@@ -190,10 +243,9 @@ def html_report(
         _time(data),
         "<h2>Cost</h2>",
         _cost(data),
-        "<h2>Pipeline schedule (simulated)</h2>",
-        _image(gantt_png, "Gantt chart of the simulated pipeline"),
-        '<p class="note">One row per rank of one pipeline replica; forward light, backward dark; grey strips '
-        "under the boxes are boundary sends; blank stretches are idle time.</p>",
+        "<h2>Schedule (simulated)</h2>" if plan.layout.pp == 1 else "<h2>Pipeline schedule (simulated)</h2>",
+        *_chart(schedule_chart(plan, detail)),
+        _chart_note(plan.layout.pp, plan.layout.zero_stage == 3 and plan.layout.dp > 1, detail is not None, search),
     ]
     if search is not None:
         parts += ["<h2>Plans ranked</h2>", _alternatives([search.best, *search.alternatives])]

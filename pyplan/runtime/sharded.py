@@ -32,7 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from pyplan._torch import selective_contexts
+from pyplan._torch import is_view, selective_contexts, tree_map_only
 from pyplan.errors import PlanError
 from pyplan.graph.layergraph import LayerGraph
 from pyplan.graph.linearize import cut_points, linearize
@@ -146,6 +146,23 @@ def _checkpointed(unit: nn.Module, *, selective: bool = False) -> None:
     unit.forward = functools.partial(checkpoint, forward, use_reentrant=False, **context)  # type: ignore[method-assign]
 
 
+def _own_outputs(module: nn.Module, args: Any, output: Any) -> Any:
+    """`output` with each tensor that requires grad and is a view of another (a biased `nn.Linear` over 3-d input
+    returns its matrix product's output viewed back to 3-d: aten's `linear`, aten/src/ATen/native/Linear.cpp) cloned.
+
+    A unit's forward hook, run before FSDP2's own (`fully_shard` appends its post-forward hook: `FSDPState.init`,
+    torch/distributed/fsdp/_fully_shard/_fsdp_state.py), which registers the unit's pre-backward hook on every
+    output that requires grad (`FSDPState._register_pre_backward_hook`, which warns of views). An in-place op on a
+    view moves the view's gradient to a node on its base, and the hook on the view never fires: the unit's parameters
+    are not gathered again for its backward (`FSDPState._pre_backward`; a `ReLU(inplace=True)` after a layer unit:
+    its backward reads freed storage), and nothing queues the root's end-of-backward callback, which reduce-scatters
+    the gradients of a unit whose inputs need none (`_root_post_backward_final_callback`; the post-backward hook
+    `FSDPParamGroup._register_post_backward_hook` puts on its inputs never runs): a model that is one unit, its
+    logits scaled in place by the loss, trains on gradients off by 100 %. On a tensor of its own an in-place op keeps
+    the hooked node on the path, and the clone costs one copy of the output."""
+    return tree_map_only(torch.Tensor, lambda t: t.clone() if t.requires_grad and is_view(t) else t, output)
+
+
 @dataclass
 class ShardedTrainer:
     """One replica of a plan with one pipeline stage and ZeRO-3: the same interface as `PipelineTrainer`."""
@@ -253,6 +270,8 @@ def build_sharded_trainer(
     if compute_dtype is not None:
         unit_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         root_policy = unit_policy if upcasts_itself(loss_fn) else replace(unit_policy, output_dtype=torch.float32)
+    for unit in (*units, root):
+        unit.register_forward_hook(_own_outputs)
     for unit in units:
         fully_shard(unit, mesh=mesh["dp"], mp_policy=unit_policy)
     fully_shard(root, mesh=mesh["dp"], mp_policy=root_policy)

@@ -192,7 +192,8 @@ def test_html_report_is_one_self_contained_file(tmp_path: Path, searched: tuple[
     rest = _outside_data_uris(page)
     assert "http" not in rest and "//" not in rest  # no link, script, stylesheet or image from elsewhere
     assert not re.search(r"<(script|link|iframe)\b", rest)
-    assert page.count('src="data:image/png;base64,') == 2  # the Gantt chart and the time/cost picture
+    assert page.count('src="data:image/png;base64,') == 1  # the time/cost picture
+    assert page.count("<svg") == 1  # the schedule chart, inline (tests/report/test_html.py)
     assert page.count("<table>") == 6  # summary, stages, memory, time, cost, plans ranked
     last = document.plan.stages[-1].last_block
     assert f"0..{document.plan.stages[0].last_block}" in page and f"..{last}</td>" in page
@@ -219,7 +220,7 @@ def test_pictures_without_matplotlib_name_the_extra(
     with pytest.raises(PlanError, match=hint):
         write_pareto(result, tmp_path / "p.png")
     with pytest.raises(PlanError, match=hint):
-        write_html_report(document, tmp_path / "r.html")
+        write_html_report(document, tmp_path / "r.html", search=result)  # its time/cost picture
     plan_file = tmp_path / "plan.json"
     write_plan_file(plan_file, document)
     assert main(["show", str(plan_file), "--gantt", str(tmp_path / "g.svg")]) == 2
