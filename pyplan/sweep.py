@@ -2,15 +2,16 @@
 
 A sweep plans models x clusters. The work is split into tasks of one model on one GPU type, so a model is
 traced and profiled once per GPU type (or read from a `ProfileCache`) and then searched for each cluster of
-that type; tasks run in worker processes (`jobs`), started with forkserver (spawn where there is none), not
-fork, so they inherit none of the parent's torch threads or state; they leave Ctrl-C to the process that started
-them and end when it ends, however it ends (`_watch`). Each pair gives one flat record (`COLUMNS`):
+that type; tasks run in worker processes (`jobs`), started with spawn, not fork, so they inherit none of the
+parent's torch threads or state, and so that the process that starts them is their parent; they leave Ctrl-C to it
+and end when it ends, however it ends (`_WORKER_START`). Each pair gives one flat record (`COLUMNS`):
 the best plan's layout and predictions, or why there is none. `ResultsFile` writes records as they arrive, so
 an interrupted sweep keeps what it finished and a resumed one skips it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import io
@@ -21,9 +22,10 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -314,13 +316,43 @@ def _run_task(task: _Task) -> _TaskResult:
     return _TaskResult(records, stats, time.perf_counter() - start, time.process_time() - cpu_start)
 
 
-def _watch(parent: int) -> None:
-    """Initializer of a sweep's worker processes. Ctrl-C reaches every process of the terminal's foreground group:
-    the workers ignore it, and the process that started the sweep stops them (`_stop`). Each worker also ends as
-    soon as that process ends, however it ends: killed (SIGKILL, SIGTERM), it cannot stop them, and a worker left
-    running would keep its own memory, the forkserver and the resource tracker alive, and the caller's pipes
-    open. The forkserver, not that process, is a worker's parent, so PR_SET_PDEATHSIG cannot watch it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+# The first code a sweep's worker runs, through `exec` as its pool's initializer: before the worker imports pyplan,
+# whose import takes torch's 2 s or more, where a function of pyplan's would run only after it. Ctrl-C reaches every
+# process of the terminal's foreground group: the worker ignores it, and the process that started the sweep (`parent`)
+# stops the workers (`_stop`). The worker was started with SIGINT blocked (`_workers_starting`), so a Ctrl-C during
+# its start is dropped here. It also ends as soon as `parent` ends, however that ends (killed with SIGKILL or SIGTERM,
+# it cannot stop its workers, which would keep their memory and the resource tracker alive, and the caller's pipes
+# open): on Linux the kernel kills it (prctl's PR_SET_PDEATHSIG), whatever its threads are doing; a thread that
+# watched `parent` had to wait for the GIL while the worker ran C code that holds it. Elsewhere a thread watches.
+_WORKER_START = """
+import os
+import signal
+import sys
+
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+if hasattr(signal, "pthread_sigmask"):
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+killed_with_parent = False
+if sys.platform.startswith("linux"):
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        killed_with_parent = libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        pass
+if not killed_with_parent:
+    from pyplan.sweep import _watch_parent
+
+    _watch_parent(parent)
+elif os.getppid() != parent:  # it ended before the request: nothing would end this process
+    os._exit(1)
+"""
+
+
+def _watch_parent(parent: int) -> None:
+    """Where the kernel cannot end a worker with its parent (`_WORKER_START`), a thread of its own does."""
     threading.Thread(target=_exit_with, args=(parent,), name="pyplan-watch-parent", daemon=True).start()
 
 
@@ -343,8 +375,26 @@ def _exit_with(pid: int) -> None:
 
 
 def _context() -> multiprocessing.context.BaseContext:
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    """Spawn: a worker is then a child of the process that starts it, so the kernel can end it when that process
+    ends (`_WORKER_START`); a forkserver's workers are the forkserver's children, and it outlives them."""
+    return multiprocessing.get_context("spawn")
+
+
+@contextlib.contextmanager
+def _workers_starting() -> Iterator[None]:
+    """Around the submits that start a pool's workers: SIGINT blocked in this thread, so that each worker starts
+    with it blocked (a process inherits its parent's signal mask) and a Ctrl-C during its start, before it has set
+    SIGINT aside, is held for it rather than ending it with a traceback. The resource tracker is started first:
+    starting it unblocks SIGINT in the thread that starts it."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    resource_tracker.ensure_running()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _run_tasks(tasks: Sequence[_Task], jobs: int, on_result: Callable[[_Task, _TaskResult], None]) -> None:
@@ -360,10 +410,14 @@ def _run_tasks(tasks: Sequence[_Task], jobs: int, on_result: Callable[[_Task, _T
             on_result(task, _run_task(task))
         return
     pool = ProcessPoolExecutor(
-        max_workers=min(jobs, len(away)), mp_context=_context(), initializer=_watch, initargs=(os.getpid(),)
+        max_workers=min(jobs, len(away)),
+        mp_context=_context(),
+        initializer=exec,
+        initargs=(_WORKER_START, {"parent": os.getpid()}),
     )
     try:
-        futures = {pool.submit(_run_task, task): task for task in away}
+        with _workers_starting():  # the pool starts its workers as tasks are submitted
+            futures = {pool.submit(_run_task, task): task for task in away}
         for task in here:
             on_result(task, _run_task(task))
         for future in as_completed(futures):

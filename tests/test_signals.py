@@ -85,8 +85,8 @@ def test_a_killed_sweep_leaves_no_process_and_closes_the_pipes(tmp_path: Path, s
             assert time.monotonic() < deadline, f"no records of {SMALL} within 180 s"
             time.sleep(0.1)
         tree = _descendants(proc.pid)
-        # The command, the forkserver, the resource tracker and the two workers.
-        assert len(tree) >= 5, tree
+        # The command, the resource tracker and the two workers (spawned: children of the command).
+        assert len(tree) >= 4, tree
         killed = time.monotonic()
         if interrupt:
             os.killpg(proc.pid, signum)

@@ -25,6 +25,7 @@ from pyplan._version import __version__
 from pyplan.api import memory_per_process, search
 from pyplan.cli.calibrate import add_calibrate_parser
 from pyplan.cli.hardware import add_hardware_parser
+from pyplan.cli.limits import CaptureLimit
 from pyplan.cli.show import add_show_parser
 from pyplan.cli.zoo import add_zoo_parser
 from pyplan.emit.configs import TORCHTITAN_VERSIONS, render_config
@@ -127,8 +128,11 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.corun < 0:
         raise PlanError(f"--corun must be 0 or more, got {args.corun}")
     options = TimingOptions(warmup=args.warmup, repeats=args.repeats, threads=args.threads, corun=args.corun)
+    limit = CaptureLimit.from_env(args.model)
     with _user_code(args):
-        spec = load_model(args.model)
+        with limit.importing():
+            spec = load_model(args.model)
+        spec = limit.spec(spec)
         if args.analytic:
             with torch.device("meta"):
                 model = spec.build()
@@ -137,7 +141,8 @@ def _inspect(args: argparse.Namespace) -> int:
         with spinner(f"inspecting {args.model}") as say:
             say("tracing")
             try:
-                graph = trace(model, spec.example_inputs, leaf_modules=args.leaf, batch_size=args.batch_size)
+                with limit.tracing():
+                    graph = trace(model, spec.example_inputs, leaf_modules=args.leaf, batch_size=args.batch_size)
             except PlanError as exc:
                 cause = one_value_per_channel(exc)
                 if cause is None:
@@ -328,8 +333,11 @@ def _plan(args: argparse.Namespace) -> int:
         precision=precision,
         dataset_samples=args.dataset_size,
     )
+    limit = CaptureLimit.from_env(args.model)
     with _user_code(args):
-        spec = load_model(args.model)
+        with limit.importing():
+            spec = load_model(args.model)
+        spec = limit.spec(spec)
         if cluster.gpu.name != "local":
             with torch.device("meta"):
                 model = spec.build()
@@ -351,7 +359,7 @@ def _plan(args: argparse.Namespace) -> int:
     options.update(_tensor_parallel(args, cluster))
     # The answer comes from one search whatever is shown: the best of the plans refined from the core's first
     # candidates. More rows (--top) or the pictures refine more candidates, in a second search on the same profile.
-    with _user_code(args), spinner(f"planning {args.model}") as say:
+    with _user_code(args), spinner(f"planning {args.model}") as shown, limit.searching(shown) as say:
 
         def searched(**extra: Any) -> Any:
             return search(model, spec.example_inputs, cluster, workload, **options, progress=say, **extra)

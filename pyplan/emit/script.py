@@ -35,6 +35,7 @@ FLOP/s at the plan's precision, as PaLM (Chowdhery et al. 2022) and torchtitan d
 """
 
 import argparse
+import contextlib
 import glob
 import importlib
 import importlib.util
@@ -65,7 +66,7 @@ from pyplan.model_state import COMPUTE_DTYPES
 from pyplan.profile.flops import block_flops
 from pyplan.profile.live import LiveMemory
 from pyplan.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from pyplan.runtime.heartbeat import Heartbeat
+from pyplan.runtime.heartbeat import Heartbeat, WaitLimit
 from pyplan.runtime.optim import LR_DECAYS, lr_factor
 from pyplan.runtime.trainer import build_trainer, optimizer_factory, replica_slice
 
@@ -284,10 +285,11 @@ class Batches:
     the items of --data's iterator, checked against the plan. The batch of step k is drawn after seed_step(k, 0), so
     a resumed run draws what a run from step 0 drew; of --data's iterator, the items of the steps already trained
     are drawn (each after its step's seed) and dropped, unless its function takes `start`. An item that is not the
-    plan's batch, or an iterator that fails or runs out, is one line naming the step (PlanError)."""
+    plan's batch, or an iterator that fails or runs out, is one line naming the step (PlanError). With `waits` (a
+    WaitLimit: --timeout), each wait for a batch, and for --data's function to return, counts against it."""
 
-    def __init__(self, spec, layout, global_batch, dp_rank, start, steps, data=None, ref=None):
-        self.spec, self.global_batch, self.ref, self.steps = spec, global_batch, ref, steps
+    def __init__(self, spec, layout, global_batch, dp_rank, start, steps, data=None, ref=None, waits=None):
+        self.spec, self.global_batch, self.ref, self.steps, self.waits = spec, global_batch, ref, steps, waits
         self.mine = replica_slice(layout, dp_rank)
         self.items, self.shared = None, False
         if data is None:
@@ -305,11 +307,13 @@ class Batches:
             kwargs.update(replica=dp_rank, replicas=layout.dp)
         name = ref.rpartition(":")[2]
         try:
-            made = data(**kwargs)
+            with self.waiting(f"--data {{ref}}: {{name}}() did not return"):
+                made = data(**kwargs)
         except Exception as exc:
             raise PlanError(f"--data {{ref}}: {{name}}() raised {{said(exc)}}; fix the function") from None
         try:
-            self.items = iter(made)
+            with self.waiting(f"--data {{ref}}: {{name}}() did not return"):
+                self.items = iter(made)
         except TypeError:
             raise PlanError(
                 f"--data {{ref}}: {{name}}() returned {{type(made).__name__}}, not an iterator; return (or yield) the "
@@ -320,9 +324,13 @@ class Batches:
                 seed_step(step, 0)
                 self.next_item(step)
 
+    def waiting(self, what):
+        return self.waits.waiting(what) if self.waits is not None else contextlib.nullcontext()
+
     def next_item(self, step):
         try:
-            return next(self.items)
+            with self.waiting(f"--data {{self.ref}} gave no batch for step {{step}}"):
+                return next(self.items)
         except StopIteration:
             raise PlanError(
                 f"--data {{self.ref}} ran out at step {{step}}: a run to --steps {{self.steps}} takes a batch a step; "
@@ -336,8 +344,9 @@ class Batches:
         slice of them this rank trains on."""
         seed_step(step, 0)
         if self.items is None:
-            inputs = self.spec.example_inputs(self.global_batch)
-            target = self.spec.target(self.global_batch) if self.spec.target else None
+            with self.waiting(f"the model's example_inputs({{self.global_batch}}) gave no batch for step {{step}}"):
+                inputs = self.spec.example_inputs(self.global_batch)
+                target = self.spec.target(self.global_batch) if self.spec.target else None
             return input_tensors(inputs), target, self.mine
         return self.checked(self.next_item(step), step)
 
@@ -404,6 +413,14 @@ def stopped_before(step, folder):
     latest = latest_checkpoint(folder) if folder else None
     left = f"the latest checkpoint, {{latest}}, is kept" if latest else "no checkpoint was saved"
     return f"training stopped before step {{step}}; {{left}}"
+
+
+def data_stalled(what, timeout):
+    print(
+        f"error: {{what}} within --timeout {{timeout:g}} s (the wait for a batch counts against it); ending the run",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def stopped_answering(ranks, silent_s):
@@ -487,14 +504,16 @@ def build_parser():
     parser.add_argument(
         "--timeout", type=float, default=600.0, metavar="S",
         help="seconds after which a rank that stopped answering (stopped, killed, exited) ends the run, rank 0 "
-        "saying which; also init_process_group's timeout (default 600)",
+        "saying which, and the longest a rank waits for a batch (--data's function or iterator, or the model's "
+        "example_inputs), after which it ends the run saying what it waited for; also init_process_group's timeout "
+        "(default 600)",
     )
     return parser
 
 
-def train(args, data=None):
+def train(args, data=None, waits=None):
     """Train as the plan says, from the latest checkpoint in --checkpoint if there is one; `data` is --data's
-    function."""
+    function, `waits` the WaitLimit each wait for a batch counts against."""
     document = read_plan_file(args.plan) if args.plan else plan_file_from_json(PLAN, "embedded plan")
     layout, workload = document.plan.layout, document.workload
     cuda = torch.cuda.is_available()
@@ -525,7 +544,9 @@ def train(args, data=None):
     # The batches, --data's first checked before any step: where one rank's fail, every rank stops alike.
     collective = device if data is not None else None
     batches = agreed(
-        lambda: Batches(spec, layout, workload.global_batch, trainer.dp_rank, start, args.steps, data, args.data),
+        lambda: Batches(
+            spec, layout, workload.global_batch, trainer.dp_rank, start, args.steps, data, args.data, waits
+        ),
         collective,
     )
     batch = agreed(lambda: batches.take(start), collective) if start < args.steps else None
@@ -653,7 +674,7 @@ def main():
         cuda = torch.cuda.is_available()
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout))
         heartbeat = Heartbeat(args.timeout, stopped_answering) if dist.get_world_size() > 1 else None
-        train(args, data)
+        train(args, data, WaitLimit(args.timeout, data_stalled, heartbeat))
     except RuntimeError:
         # A collective failed (torch's distributed errors are RuntimeErrors): if a rank stopped answering, say which
         # instead of a traceback from every rank; any other error goes on as it is.
