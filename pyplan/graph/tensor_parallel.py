@@ -849,8 +849,10 @@ def local_module(graph: LayerGraph, plan: TpPlan, degree: int, rank: int = 0) ->
     embeddings a slice of the vocabulary; output layers a slice of their outputs), and the size arguments of
     sharded dimensions infer them (`shard_sizes`). The collectives are not in it: the runtime's styles add them,
     the profile prices them (pyplan/profile/tensor_parallel.py). The original graph and model are untouched."""
-    gm = fx.GraphModule(graph.module, copy.deepcopy(graph.module.graph))
-    nodes = {n.name: n for n in gm.graph.nodes}
+    copied = copy.deepcopy(graph.module.graph)
+    nodes = {n.name: n for n in copied.nodes}
+    _edit_sizes(nodes, graph, plan, degree)  # before the module is made: its code is generated once
+    gm = fx.GraphModule(graph.module, copied)
     r = Reader(graph)
     made: dict[int, nn.Parameter] = {}
     for region in plan.regions:
@@ -877,7 +879,6 @@ def local_module(graph: LayerGraph, plan: TpPlan, degree: int, rank: int = 0) ->
     for o in plan.output_layers:
         if o.splits_at(degree):
             _replace_weight(gm, nodes[o.node], lambda t, key: _shard(t, 0, degree, rank), made)
-    shard_sizes(gm, graph, plan, degree)
     return gm
 
 
@@ -885,12 +886,16 @@ def shard_sizes(gm: fx.GraphModule, graph: LayerGraph, plan: TpPlan, degree: int
     """Rewrite `gm` (the captured GraphModule of `graph`, or a copy with the same node names) in place so that it
     runs on one rank's slices at `degree`: every size argument that names a sharded dimension infers it (-1), and a
     fused Linear's output splits into its pieces whatever their size (a chunk). Weights are not touched."""
-    nodes = {n.name: n for n in gm.graph.nodes}
+    _edit_sizes({n.name: n for n in gm.graph.nodes}, graph, plan, degree)
+    gm.recompile()
+
+
+def _edit_sizes(nodes: dict[str, fx.Node], graph: LayerGraph, plan: TpPlan, degree: int) -> None:
+    """`shard_sizes`' edits on the nodes of a graph (by name), without generating its module's code."""
     for region in plan.regions:
         if region.splits_at(degree):
             for node, index in region.edits:
                 _edit(nodes[node], index, len(graph.node(node).outputs), degree)
-    gm.recompile()
 
 
 def _edit(n: fx.Node, index: int, pieces: int, degree: int) -> None:
