@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -29,6 +29,7 @@ __all__ = [
     "is_real",
     "is_strided",
     "is_view",
+    "layout_key",
     "one_value_per_channel",
     "plain_codegen",
     "run_without_compute",
@@ -94,28 +95,19 @@ def _grads_kept(module: torch.nn.Module) -> Iterator[None]:
             p.grad = g
 
 
-class _NoKey(Exception):
-    """An op call that `MetaMemo` does not keep: a value of no fixed layout (a SymInt, a tensor off meta)."""
-
-
-_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
-
-
-def _layout_of(value: Any) -> Any:
-    """A hashable description of an op's argument as far as its outputs' layouts can depend on it."""
+def layout_key(value: Any) -> Hashable:
+    """What an op's result on fake or meta tensors depends on, hashable: each tensor's layout, the rest as is.
+    Raises TypeError for a value that cannot be hashed."""
     if isinstance(value, torch.Tensor):
-        if (
-            value.device.type != "meta"
-            or value.layout != torch.strided
-            or not all(type(n) is int for n in (*value.shape, *value.stride(), value.storage_offset()))
-        ):
-            raise _NoKey
-        return ("T", tuple(value.shape), value.stride(), value.dtype, value.storage_offset())
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, *(_layout_of(v) for v in value))
-    if isinstance(value, _SCALARS):
-        return (type(value).__name__, value)  # by type too: add(x, 1) and add(x, 1.0) promote differently
-    raise _NoKey
+        return ("tensor", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, value.device)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, *(layout_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", *((k, layout_key(v)) for k, v in value.items()))
+    if isinstance(value, slice):
+        return ("slice", value.start, value.stop, value.step)
+    hash(value)
+    return (type(value).__name__, value)
 
 
 def _memoizable(func: Any) -> bool:
@@ -157,9 +149,12 @@ class MetaMemo(TorchDispatchMode):
             ok = _MEMOIZABLE[func] = _memoizable(func)
         if not ok:
             return func(*args, **kwargs)
+        if not all(t.is_meta and t.layout == torch.strided for t in tensor_leaves((args, kwargs))):
+            return func(*args, **kwargs)
         try:
-            key = (func, _layout_of(args), _layout_of(tuple(sorted(kwargs.items()))))
-        except _NoKey:
+            key = (func, layout_key(args), layout_key(kwargs))
+            hash(key)  # a SymInt among the sizes hashes to nothing
+        except TypeError:
             return func(*args, **kwargs)
         found = _MEMO.get(key)
         if found is not None:

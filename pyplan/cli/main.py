@@ -36,7 +36,7 @@ from pyplan.graph.chain import Chain
 from pyplan.graph.linearize import linearize
 from pyplan.graph.sequence_parallel import sequence_zone
 from pyplan.graph.tensor_parallel import derive_tp_plan, read_tp_plan, vocab_parallel_loss
-from pyplan.graph.trace import ExampleInputs, trace
+from pyplan.graph.trace import ExampleInputs, source_line, trace
 from pyplan.hardware.cluster import Cluster
 from pyplan.load import load_model
 from pyplan.model_state import OPTIMIZERS, PRECISIONS
@@ -423,13 +423,10 @@ def _value_read_on_meta(exc: BaseException) -> str | None:
         text = "\n".join([str(seen), *getattr(seen, "__notes__", [])])
         if "cannot be called on meta tensors" in text or ("nonzero" in text and "meta" in text.lower()):
             found = found or ""
-            lines = text.split("Original traceback:", 1)[1].splitlines() if "Original traceback:" in text else []
-            for i, line in enumerate(lines):
-                if line.strip().startswith("File ") and ", line " in line:
-                    file = line.split('"')[1] if '"' in line else ""
-                    number = line.split(", line ", 1)[1].split(",")[0]
-                    code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-                    found = f"`{code}` at {os.path.basename(file)}:{number}" if code else f"{file}:{number}"
+            source = source_line(text.split("Original traceback:", 1)[1]) if "Original traceback:" in text else None
+            if source is not None:
+                path, number, code = source
+                found = f"`{code}` at {os.path.basename(path)}:{number}" if code else f"{path}:{number}"
         seen = seen.__cause__ or seen.__context__
     return found
 

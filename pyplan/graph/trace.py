@@ -16,7 +16,14 @@ from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.export import Dim, export
 
-from pyplan._torch import is_meta_module, plain_codegen, run_without_compute, tree_flatten, tree_map_only
+from pyplan._torch import (
+    is_meta_module,
+    layout_key,
+    plain_codegen,
+    run_without_compute,
+    tree_flatten,
+    tree_map_only,
+)
 from pyplan.errors import TraceError
 from pyplan.graph.functions import kept_whole
 from pyplan.graph.layergraph import Affine, GraphNode, LayerGraph, TensorInfo
@@ -427,22 +434,40 @@ def _export(model: nn.Module, call: Call) -> fx.GraphModule:
     return fx.GraphModule(gm, graph, type(model).__name__)
 
 
+def source_line(text: str) -> tuple[str, str, str] | None:
+    """The innermost `File "PATH", line N` of a traceback's text (a node's `stack_trace`, or what torch.fx's
+    interpreter appends to an error after "Original traceback:") with the code on the line after it: (PATH, N, the
+    code or ""); None where it names no file."""
+    lines = [line.strip() for line in text.splitlines()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File ") and ", line " in lines[i]:
+            path = lines[i].split('"')[1] if '"' in lines[i] else lines[i][len("File ") :].split(",")[0]
+            number = lines[i].split(", line ", 1)[1].split(",")[0]
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+            return path, number, code
+    return None
+
+
+def node_module(n: fx.Node) -> str:
+    """The module a captured node was made in, as errors name it ("module 'PATH' (Class)", "the top-level module
+    (Class)"), or "" where the capture recorded none."""
+    stack = list((n.meta.get("nn_module_stack") or {}).values())
+    if not stack:
+        return ""
+    path, kind = stack[-1]
+    name = getattr(kind, "__name__", str(kind).rsplit(".", 1)[-1].strip("'>"))
+    return f"module '{path}' ({name})" if path else f"the top-level module ({name})"
+
+
 def _refuse_vmap(graph: fx.Graph) -> None:
     """One line where the forward calls torch.vmap (transformers builds some attention masks with it): torch.export
     leaves functorch's batching ops in the graph, which run only inside the vmap call that made them; the pieces of
     such a graph, run on their own, find its values escaped from it (T5Gemma 2's bidirectional masks)."""
     for n in graph.nodes:
         if n.op == "call_function" and getattr(n.target, "__name__", "") == "_vmap_increment_nesting":
-            stack = list((n.meta.get("nn_module_stack") or {}).values())
-            path, kind = stack[-1] if stack else ("", "")
-            name = getattr(kind, "__name__", str(kind).rsplit(".", 1)[-1].strip("'>"))
-            module = f"module '{path}' ({name})" if path else "the top-level module"
-            trace = [line.strip() for line in (n.meta.get("stack_trace") or "").strip().splitlines()]
-            where = ""
-            if len(trace) >= 2 and trace[-2].startswith("File ") and ", line " in trace[-2]:
-                file = trace[-2].split('"')[1] if '"' in trace[-2] else ""
-                line = trace[-2].split(", line ", 1)[1].split(",")[0]
-                where = f" at {os.path.basename(file)}:{line}: `{trace[-1]}`"
+            module = node_module(n) or "the top-level module"
+            source = source_line(n.meta.get("stack_trace") or "")
+            where = f" at {os.path.basename(source[0])}:{source[1]}: `{source[2]}`" if source else ""
             raise TraceError(
                 f"cannot capture {module}{where}: it calls torch.vmap, which torch.export captures as batching ops "
                 "that run only inside the vmap call (transformers builds some attention masks this way); compute "
@@ -513,31 +538,16 @@ def _leaves(value: Any) -> list[Any]:
 _NOT_SEEN = object()
 
 
-def _layout_key(value: Any) -> Hashable:
-    """What an op's result on fake or meta tensors depends on, hashable: each tensor's layout, the rest as is.
-    Raises TypeError for a value that cannot be hashed."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, value.device)
-    if isinstance(value, (tuple, list)):
-        return (type(value).__name__, *(_layout_key(v) for v in value))
-    if isinstance(value, dict):
-        return ("dict", *((k, _layout_key(v)) for k, v in value.items()))
-    if isinstance(value, slice):
-        return ("slice", value.start, value.stop, value.step)
-    hash(value)
-    return (type(value).__name__, value)
-
-
 def _module_key(module: nn.Module) -> Hashable:
     """What a torch.nn module's result on fake or meta tensors depends on besides its inputs: its plain attributes
     (sizes, strides, flags, training) and its tensors' layouts, its submodules' alike. Raises TypeError where an
     attribute cannot be hashed."""
     plain = tuple(
-        (name, _layout_key(v))
+        (name, layout_key(v))
         for name, v in sorted(vars(module).items())
         if not name.startswith("_") and (v is None or isinstance(v, bool | int | float | str | tuple | torch.dtype))
     )
-    tensors = tuple((name, _layout_key(t)) for name, t in [*module.named_parameters(), *module.named_buffers()])
+    tensors = tuple((name, layout_key(t)) for name, t in [*module.named_parameters(), *module.named_buffers()])
     children = tuple((name, type(c), _module_key(c)) for name, c in module.named_children())
     return plain, tensors, children
 
@@ -589,7 +599,7 @@ class _Recorder(fx.Interpreter):
         if not flat or not all(t.device.type == "meta" or isinstance(t, FakeTensor) for t in flat):
             return _NOT_SEEN
         try:
-            self._key = (n.op, target, _layout_key(args), _layout_key(kwargs))
+            self._key = (n.op, target, layout_key(args), layout_key(kwargs))
         except TypeError:
             return _NOT_SEEN
         seen = self._results.get(self._key, _NOT_SEEN)

@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from pyplan._torch import TorchDispatchMode, storage_key, tensor_leaves, tree_map_only
 from pyplan.errors import PlanError
 from pyplan.graph.functions import KEPT_WHOLE, run_kept_whole
+from pyplan.graph.trace import node_module, source_line
 
 __all__ = ["AutocastAbove", "CudaAutocast", "NoKernelInDtype"]
 
@@ -157,19 +158,10 @@ def _node_here() -> str | None:
     nodes = list(module.graph.nodes)
     if index is None or index >= len(nodes):
         return None
-    meta = nodes[index].meta
-    stack = meta.get("nn_module_stack") or {}
-    where = ""
-    if stack:
-        path, kind = list(stack.values())[-1]
-        name = getattr(kind, "__name__", str(kind).rsplit(".", 1)[-1].strip("'>"))
-        where = f"module '{path}' ({name})" if path else f"the top-level module ({name})"
-    trace = (meta.get("stack_trace") or "").strip().splitlines()
-    source = next((line.strip() for line in reversed(trace) if line.strip().startswith("File ")), "")
+    source = source_line(nodes[index].meta.get("stack_trace") or "")
+    where = node_module(nodes[index])
     if source:
-        parts = source.split(", ")
-        file, line = parts[0][len("File ") :].strip('"'), parts[1].removeprefix("line ") if len(parts) > 1 else ""
-        where = f"{where} at {os.path.basename(file)}:{line}".strip()
+        where = f"{where} at {os.path.basename(source[0])}:{source[1]}".strip()
     return where or None
 
 
