@@ -54,7 +54,9 @@ def main() -> int:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, interrupts)
     from pyplan.cli.main import main as command
+    from pyplan.cli.main import one_command_collector
 
+    one_command_collector()
     interrupts.starting = False
     try:
         code = command()

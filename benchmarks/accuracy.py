@@ -1170,7 +1170,7 @@ def analyse(planned: Planned, ranks: Sequence[dict[str, Any]], reprofiled: Seque
 def decisions(rows: Sequence[Row]) -> list[Decision]:
     """Per search (model x remat policy) and per model: the configuration ranked first by predicted time against
     the measured fastest."""
-    from pyplan.api import rank_ties
+    from pyplan.planner import rank_ties
 
     groups: dict[str, list[Row]] = {}
     for r in rows:
@@ -1180,7 +1180,8 @@ def decisions(rows: Sequence[Row]) -> list[Decision]:
     for name, members in groups.items():
         if len(members) < 2:
             continue
-        # As pyplan ranks plans (pyplan.api.rank_ties): predicted times within 0.1 % are a tie, less memory first.
+        # As pyplan ranks plans (pyplan.planner.rank_ties): predicted times within 0.1 % are a tie, less memory
+        # first.
         chosen = rank_ties(members, lambda r: r.predicted_s, lambda r: (r.predicted_bytes,))[0]
         fastest = min(members, key=lambda r: r.measured_s)
         slower = chosen.measured_s / fastest.measured_s - 1

@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import argument_parser, last_json, machine, new_table, run_child, timed
 
 from pyplan import _core
-from pyplan.api import TP_ZERO_STAGES
+from pyplan.planner import TP_ZERO_STAGES
 
 GPUS_PER_NODE = 8
 BATCH_PER_GPU = 8

@@ -36,6 +36,7 @@ from rich.table import Table
 from torch import nn
 
 from pyplan import _core, api
+from pyplan import planner as search_module
 from pyplan.graph.chain import Chain as ProfiledChain
 from pyplan.graph.layergraph import Piecewise
 from pyplan.hardware.cluster import Cluster
@@ -367,7 +368,7 @@ def core_arguments(search_api: Callable[[], object]) -> tuple[tuple, dict]:
     def capture(*args: object, **kwargs: object) -> None:
         raise _CoreCall(args, kwargs)
 
-    with mock.patch.object(api._core, "search", capture):
+    with mock.patch.object(search_module._core, "search", capture):
         try:
             search_api()
         except _CoreCall as call:

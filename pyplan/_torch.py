@@ -14,7 +14,9 @@ from torch._subclasses.fake_tensor import (
     FakeTensor,
     FakeTensorMode,
 )
+from torch.fx._lazy_graph_module import _LazyGraphModule as LazyGraphModule
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -30,6 +32,8 @@ __all__ = [
     "is_strided",
     "is_view",
     "layout_key",
+    "lazy_graph_module",
+    "meta_build",
     "one_value_per_channel",
     "plain_codegen",
     "run_without_compute",
@@ -62,6 +66,51 @@ def is_real(t: torch.Tensor) -> bool:
 
 def is_meta_module(module: torch.nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters()) or any(b.is_meta for b in module.buffers())
+
+
+# What gives a tensor its first values and nothing else: torch.nn.init's functions that dispatch as functions, and
+# the in-place fills the rest of torch.nn.init calls. On the meta device there are no values to give, and torch runs
+# some of them (normal_, through torch._refs) in Python decompositions whose first call imports torch._dynamo (about
+# 1 s of CPU, FSDP and DTensor with it).
+_FILLS = frozenset(
+    {
+        torch.nn.init.uniform_,
+        torch.nn.init.normal_,
+        torch.nn.init.constant_,
+        torch.nn.init.kaiming_uniform_,
+        torch.Tensor.normal_,
+        torch.Tensor.uniform_,
+        torch.Tensor.fill_,
+        torch.Tensor.zero_,
+        torch.Tensor.random_,
+        torch.Tensor.exponential_,
+        torch.Tensor.log_normal_,
+        torch.Tensor.cauchy_,
+        torch.Tensor.geometric_,
+        torch.Tensor.bernoulli_,
+    }
+)
+
+
+class _NoFillOnMeta(TorchFunctionMode):
+    """Leaves a meta tensor as it is where code would fill it (each fill returns its tensor, as the fill would)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _FILLS:
+            # torch.nn.init passes its tensor by keyword.
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def meta_build() -> Iterator[None]:
+    """Modules made inside are made on the meta device, their parameters and buffers left unfilled: what a module's
+    initialization would write has no values to land in."""
+    with torch.device("meta"), _NoFillOnMeta():
+        yield
 
 
 # What F.batch_norm says when a BatchNorm in training mode sees one value per channel (a 1x1 map of one sample).
@@ -335,16 +384,18 @@ def selective_contexts() -> tuple[Any, Any]:
 
 
 class OpRecorder(TorchDispatchMode):
-    """Records every aten op that runs inside it: (op name, FLOPs, bytes read and written, dtype, is a view).
+    """Records every aten op that runs inside it: (op name, FLOPs, bytes read and written, dtype, is a view, FLOPs
+    as counted).
 
     FLOPs come from torch's own formulas (`torch.utils.flop_counter`; 0 for ops it has none for, such as
-    elementwise ones). Bytes are the input and output tensors' sizes, a storage read twice by one op counted once;
-    view ops move nothing.
+    elementwise ones): as counted, what FlopCounterMode reports; computed, that times `flop_scale`. Bytes are the
+    input and output tensors' sizes, a storage read twice by one op counted once; view ops move nothing.
     """
 
     def __init__(self, flop_scale: Callable[[Any, tuple, dict], float] | None = None) -> None:
         super().__init__()
-        self.ops: list[tuple[str, float, float, str, bool]] = []
+        # (name, FLOPs computed, bytes moved, dtype, is a view, FLOPs its formula counts)
+        self.ops: list[tuple[str, float, float, str, bool, float]] = []
         # The share of its formula's FLOPs an op really computes (a causal fused attention skips the tiles above
         # the diagonal, which torch's formula counts).
         self.flop_scale = flop_scale
@@ -356,9 +407,8 @@ class OpRecorder(TorchDispatchMode):
             return out  # prim::device and the like: metadata queries, no kernel
         packet = func.overloadpacket
         formula = _REGISTRY.get(_FLOP_ALIASES.get(packet.__name__, packet))
-        flops = _op_flops(formula, packet.__name__, args, kwargs, out) if formula is not None else 0.0
-        if flops and self.flop_scale is not None:
-            flops *= self.flop_scale(func, args, kwargs)
+        counted = _op_flops(formula, packet.__name__, args, kwargs, out) if formula is not None else 0.0
+        flops = counted * self.flop_scale(func, args, kwargs) if counted and self.flop_scale is not None else counted
         inputs = tensor_leaves((args, kwargs))
         outputs = tensor_leaves(out)
         in_keys = {storage_key(t): t for t in inputs}
@@ -368,7 +418,7 @@ class OpRecorder(TorchDispatchMode):
             moved = 0  # a view reads and writes no data
         floats = [t for t in (*inputs, *outputs) if t.is_floating_point()]
         dtype = str(floats[0].dtype).removeprefix("torch.") if floats else ""
-        self.ops.append((packet.__name__, flops, float(moved), dtype, bool(func.is_view)))
+        self.ops.append((packet.__name__, flops, float(moved), dtype, bool(func.is_view), counted))
         return out
 
 
@@ -376,6 +426,22 @@ def plain_codegen(graph: torch.fx.Graph) -> None:
     """Make `graph` take its placeholders positionally and return its output as is: an exported graph's code
     flattens and unflattens the model's own argument and output structure (pytree), which pyplan's pieces do not use."""
     graph._codegen = torch.fx.graph.CodeGen()
+
+
+class _LazyGraphModule(LazyGraphModule):
+    """torch's lazy GraphModule, whose first call runs the code it makes directly: torch's calls the module again
+    once the code is made, running the module's own hooks twice."""
+
+    def _lazy_forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.real_recompile()
+        return self.forward(*args, **kwargs)
+
+
+def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph, name: str) -> torch.fx.GraphModule:
+    """`torch.fx.GraphModule(root, graph, name)` whose Python code is generated when it is first called or read, not
+    when it is made (about 5 ms a graph): the profile makes a piece of every block and runs only the distinct ones.
+    torch 2.13's lazy GraphModule (torch.fx._lazy_graph_module) is private."""
+    return _LazyGraphModule(root, graph, name)
 
 
 @contextlib.contextmanager

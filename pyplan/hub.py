@@ -37,6 +37,7 @@ from torch import nn
 # A private torch API outside pyplan._torch: the fake tensors of a speech model's probe (_run_on_meta).
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from pyplan._torch import meta_build
 from pyplan.errors import ModelLoadError
 from pyplan.spec import ModelSpec, cross_entropy
 
@@ -738,7 +739,7 @@ def _audio_input(
 
 def _meta_model(build: Callable[[], nn.Module]) -> nn.Module:
     """`build()` on the meta device, in eval mode."""
-    with torch.device("meta"):
+    with meta_build():
         return build().eval()
 
 
@@ -1038,7 +1039,7 @@ def timm_model(ref: str) -> ModelSpec:
     def build() -> nn.Module:
         return timm.create_model(name, pretrained=False)
 
-    with torch.device("meta"):
+    with meta_build():
         probe = build()
     channels, height, width = probe.pretrained_cfg["input_size"]
     return ModelSpec(

@@ -29,11 +29,11 @@ from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from pyplan import zoo
 from pyplan._files import write_atomic
+from pyplan._torch import meta_build
 from pyplan.api import add_loss, chain_for, search
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.graph.trace import ExampleInputs
@@ -181,7 +181,7 @@ class ModelRef:
         assert self.ref is not None
         spec = load_model(self.ref)
         if meta:
-            with torch.device("meta"):
+            with meta_build():
                 return spec.build(), spec.example_inputs
         return spec.build(), spec.example_inputs
 

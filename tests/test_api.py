@@ -12,13 +12,15 @@ import pytest
 import torch
 
 from pyplan import InfeasibleError, PlanError, load_model
-from pyplan.api import TIE, chain_for, search
+from pyplan.api import chain_for, search
 from pyplan.cli.main import main
 from pyplan.emit.planfile import PlanFile, read_plan_file, write_plan_file
 from pyplan.hardware import Cluster
 from pyplan.plan import Layout, Plan, Workload
+from pyplan.planner import TIE
 from pyplan.runtime.units import gathered_bytes, remat_kind
 from pyplan.solve.state import stage_state_bytes
+from pyplan.units import fmt_bytes
 from tests.conftest import EXAMPLES
 
 
@@ -165,6 +167,27 @@ def test_a_model_that_fits_nowhere_says_what_it_needs() -> None:
         search(model, spec.example_inputs, cluster, Workload(global_batch=1))
 
 
+def test_a_plan_that_overflows_with_its_working_memory_says_what_admits_it(gpt_tiny: tuple) -> None:
+    """One configuration pinned, and each GPU planned for a little less than its replayed peak: the search's count of
+    the saved activations admits it and the stages' working memory does not. The message names what it needs and
+    the memory fraction that admits it, and that fraction does."""
+    spec, model, cluster, workload, chain = gpt_tiny
+    pins = dict(data_parallel=[2], pipeline_ranks=[2], num_microbatches=[4], micro_batch_sizes=[4], zero_stages=[0],
+                schedules=["1F1B"], placements=["pp-inner"], stage_dag=False)  # fmt: skip
+    fits = search(model, spec.example_inputs, cluster, workload, chain=chain, memory_fraction=1.0, **pins).best
+    need, whole = fits.predicted.peak_memory_bytes, float(cluster.gpu.memory_bytes)
+    short = need * 0.999 / whole
+    with pytest.raises(InfeasibleError) as info:
+        search(model, spec.example_inputs, cluster, workload, chain=chain, memory_fraction=short, **pins)
+    message = str(info.value)
+    assert message.startswith(f"no plan fits in the {fmt_bytes(whole * short)} planned for on each {cluster.gpu.name}")
+    assert f"(dp=2 pp=2 b=4 GA=4 ZeRO-0) needs {fmt_bytes(need)}" in message
+    admits = math.ceil(need / whole * 100) / 100
+    assert message.endswith(f"--memory-fraction {admits:.2f} admits it")
+    again = search(model, spec.example_inputs, cluster, workload, chain=chain, memory_fraction=admits, **pins).best
+    assert again.predicted.peak_memory_bytes == pytest.approx(need)
+
+
 def test_cli_pins(capsys: pytest.CaptureFixture[str]) -> None:
     base = ["plan", "zoo:gpt-tiny", "--gpus", "4", "--gpu", "a100-80g", "--global-batch", "32"]
     assert main([*base, "--pp", "2", "--schedule", "1F1B", "--json"]) == 0
@@ -295,7 +318,7 @@ def test_a_batchnorm_model_is_planned_from_two_samples(tmp_path: Path, monkeypat
 
 
 def test_predictions_within_a_tenth_of_a_percent_rank_by_memory() -> None:
-    from pyplan.api import rank_ties
+    from pyplan.planner import rank_ties
 
     # (name, predicted seconds, memory): a, b and d are within 0.1 % of d, the fastest; c is not.
     items = [("a", 1.0, 30), ("b", 1.0005, 10), ("c", 1.002, 0), ("d", 0.9996, 20)]

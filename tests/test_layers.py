@@ -6,7 +6,7 @@
     runtime   what runs a plan under torchrun
     profile   measuring: profiling, calibration (which times the runtime itself)
     output    emit, report
-    compose   api, sweep: the one place that composes the layers below
+    compose   api, planner, sweep: the one place that composes the layers below
     cli       every command; pyplan/__init__.py re-exports the library
 
 A module imports from its own layer or below, and no modules import each other in a circle.
@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
     {"runtime"},
     {"profile"},
     {"emit", "report"},
-    {"api", "sweep"},
+    {"api", "planner", "sweep"},
     {"cli", "__init__"},
 ]
 

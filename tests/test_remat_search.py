@@ -110,7 +110,7 @@ def test_bad_remat_mode(gpt) -> None:
 def test_each_checkpointed_block_adds_its_measured_cost(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """On this machine every block inside a checkpoint costs its measured checkpoint_costs more: with full
     remat on one stage, per micro-batch exactly their sum, its forward share in the forward."""
-    import pyplan.api as api
+    import pyplan.planner as api
     from pyplan.hardware.catalog import local_gpu
     from pyplan.profile.measure import CheckpointCosts, checkpoint_costs
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import pyplan
-from pyplan.api import _local_numel, rank_ties, search
+from pyplan.api import search
 from pyplan.cli.main import main
 from pyplan.emit.planfile import read_plan_file
 from pyplan.errors import PlanError
@@ -26,6 +26,7 @@ from pyplan.graph.tensor_parallel import derive_tp_plan, vocab_parallel_loss
 from pyplan.hardware import Cluster
 from pyplan.load import load_model
 from pyplan.plan import Layout, Workload
+from pyplan.planner import local_numel, rank_ties
 from pyplan.profile.tensor_parallel import collective_bytes
 from pyplan.report.gantt import timeline
 from pyplan.runtime.units import gathered_bytes
@@ -90,7 +91,7 @@ def test_zero3_beside_tp_shards_each_ranks_split_tensors() -> None:
     assert (two.layout.tp, two.layout.zero_stage, two.layout.pp, two.layout.dp) == (2, 3, 1, 4)
     assert 0.5 < two.stages[0].state_bytes / one.stages[0].state_bytes < 0.55
     styles = two.layout.tp_plan
-    local = _local_numel(model, styles, 2)
+    local = local_numel(model, styles, 2)
     layer = dict(model.transformer.h[0].named_parameters(prefix="transformer.h.0"))
     split = [n for n in layer if n.endswith(".weight") and n.rpartition(".")[0] in styles]
     split += [n for n in layer if n.endswith(".bias") and styles.get(n.rpartition(".")[0]) == "ColwiseParallel"]
@@ -267,8 +268,12 @@ def test_the_cli_plans_shows_and_emits_a_tp_plan(tmp_path: Path, capsys: pytest.
     assert "--tp takes auto, a degree or degrees" in capsys.readouterr().err
     (tmp_path / "tp.json").write_text('{"transformer.h.0.mlp.c_fc": "ColwiseParallel"}')
     argv = ["plan", "zoo:gpt-tiny", "--gpu", "a100-80g", "--gpus", "8", "--tp-plan", str(tmp_path / "tp.json")]
+    # Tensor parallelism is searched by default on a catalog GPU: the file is read, and a Linear named without its
+    # partner is one line.
     assert main(argv) == 2
-    assert "add --tp auto or --tp DEGREE" in capsys.readouterr().err
+    assert "'transformer.h.0.mlp.c_fc' splits only with 'transformer.h.0.mlp.c_proj'" in capsys.readouterr().err
+    assert main([*argv, "--tp", "1"]) == 2
+    assert "--tp-plan says how layers split under tensor parallelism" in capsys.readouterr().err
     # gpt-tiny's attention has 4 heads: 8 ranks cannot split it.
     (tmp_path / "tp.json").write_text('{"transformer.h.0.attn.c_attn": "ColwiseParallel", '
                                       '"transformer.h.0.attn.c_proj": "RowwiseParallel"}')  # fmt: skip

@@ -2,6 +2,7 @@
 
 import sys
 
-from pyplan.cli.main import main
+from pyplan.cli.main import main, one_command_collector
 
+one_command_collector()
 sys.exit(main())

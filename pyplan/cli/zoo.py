@@ -9,13 +9,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from pyplan import _core, zoo
 from pyplan._files import check_writable
+from pyplan._torch import meta_build
 from pyplan.errors import PlanError
 from pyplan.hardware.cluster import Cluster
 from pyplan.model_state import OPTIMIZERS, PRECISIONS
@@ -151,7 +151,7 @@ def zoo_main(args: argparse.Namespace) -> int:
 
 def _entry(name: str) -> dict[str, Any]:
     spec = zoo.get(name)
-    with torch.device("meta"):
+    with meta_build():
         model = spec.build()
     inputs = spec.example_inputs(1)
     return {

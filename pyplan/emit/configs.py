@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
 from torch import nn
 
+from pyplan._torch import meta_build
 from pyplan.emit import deepspeed, megatron, torchtitan
 from pyplan.emit.planfile import PlanFile
 from pyplan.errors import PlanError
@@ -293,7 +293,7 @@ def plan_shape(doc: PlanFile, fmt: str, *, trace_model: bool = True) -> PlanShap
     only)."""
     spec = load_model(doc.model)
     # On the meta device: the names and the graph are needed, not weights (a 70B model would not fit the host).
-    with torch.device("meta"):
+    with meta_build():
         model = spec.build()
     decoder = find_decoder(model)
     embeddings = _embeddings(model)
@@ -419,7 +419,7 @@ def stage_starts(doc: PlanFile) -> tuple[list[str], Notes]:
     if lay.pp == 1 and lay.stages_per_rank == 1:
         return [], []
     spec = load_model(doc.model)
-    with torch.device("meta"):
+    with meta_build():
         model = spec.build()
     graph = trace(model, spec.example_inputs, batch_size=lay.micro_batch_size, leaf_modules=doc.leaf_modules)
     points = cut_points(graph)

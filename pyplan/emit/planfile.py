@@ -154,7 +154,7 @@ def _check_whole_numbers(data: dict[str, Any], path: str) -> None:
 
 
 def _check_runnable(layout: Layout, workload: Workload, path: str) -> None:
-    """The layout is one the planner's search space holds (pyplan/api.py, cpp/src/search.cpp's enumerate): a
+    """The layout is one the planner's search space holds (pyplan/planner.py, cpp/src/search.cpp's enumerate): a
     schedule torch builds for its ranks, micro-batches and stages per rank, ZeRO-3 only in plans of one stage, and
     16-bit weights beside fp32 master weights under ZeRO 0 or 1 and a schedule that accumulates through autograd."""
     v = layout.stages_per_rank

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from pyplan._torch import lazy_graph_module
 from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import LayerGraph
 from pyplan.graph.masks import is_batch_size
@@ -17,8 +18,11 @@ from pyplan.graph.masks import is_batch_size
 __all__ = ["batch_carrier", "piece", "pieces", "run_pieces"]
 
 
-def piece(chain: Chain, start: int, stop: int) -> fx.GraphModule:
-    """The GraphModule of blocks [start, stop) of `chain`.
+def piece(
+    chain: Chain, start: int, stop: int, *, lazy: bool = False, by_name: dict[str, fx.Node] | None = None
+) -> fx.GraphModule:
+    """The GraphModule of blocks [start, stop) of `chain` (with `lazy`, its code generated when first called;
+    `by_name`: the traced graph's nodes by name, when the caller has them).
 
     It takes the values live at cut `start` as positional arguments (the model's own inputs for start = 0) and
     returns the tuple of values live at cut `stop` (the model's own output for the last block). Static values it
@@ -28,7 +32,8 @@ def piece(chain: Chain, start: int, stop: int) -> fx.GraphModule:
     if not 0 <= start < stop <= len(chain):
         raise ValueError(f"piece [{start}, {stop}) is not a non-empty range of a chain of {len(chain)} blocks")
     gm = chain.graph.module
-    by_name = {n.name: n for n in gm.graph.nodes}
+    if by_name is None:
+        by_name = {n.name: n for n in gm.graph.nodes}
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
 
@@ -83,7 +88,8 @@ def piece(chain: Chain, start: int, stop: int) -> fx.GraphModule:
     else:
         graph.output(tuple(copy(by_name[name]) for name in chain.cuts[stop].live))
     graph.lint()
-    return fx.GraphModule(gm, graph, f"{type(gm).__name__}_{start}_{stop}")
+    name = f"{type(gm).__name__}_{start}_{stop}"
+    return lazy_graph_module(gm, graph, name) if lazy else fx.GraphModule(gm, graph, name)
 
 
 def batch_carrier(graph: LayerGraph, live: Sequence[str]) -> tuple[str, int, int] | None:
@@ -167,10 +173,11 @@ def _may_alias(n: fx.Node, source: fx.Node, gm: fx.GraphModule) -> bool:
     return False
 
 
-def pieces(chain: Chain, bounds: Sequence[int] | None = None) -> list[fx.GraphModule]:
-    """The pieces between consecutive `bounds` (block indices; default: one piece per block)."""
+def pieces(chain: Chain, bounds: Sequence[int] | None = None, *, lazy: bool = False) -> list[fx.GraphModule]:
+    """The pieces between consecutive `bounds` (block indices; default: one piece per block), `lazy` as `piece`."""
     bounds = list(range(len(chain) + 1)) if bounds is None else list(bounds)
-    return [piece(chain, a, b) for a, b in itertools.pairwise(bounds)]
+    by_name = {n.name: n for n in chain.graph.module.graph.nodes}
+    return [piece(chain, a, b, lazy=lazy, by_name=by_name) for a, b in itertools.pairwise(bounds)]
 
 
 def run_pieces(mods: Sequence[torch.nn.Module], *inputs: Any) -> Any:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from pyplan._torch import lazy_graph_module
 from pyplan.errors import PlanError
 from pyplan.graph.layergraph import LayerGraph
 from pyplan.spec import cross_entropy
@@ -851,8 +852,10 @@ def local_module(graph: LayerGraph, plan: TpPlan, degree: int, rank: int = 0) ->
     the profile prices them (pyplan/profile/tensor_parallel.py). The original graph and model are untouched."""
     copied = copy.deepcopy(graph.module.graph)
     nodes = {n.name: n for n in copied.nodes}
-    _edit_sizes(nodes, graph, plan, degree)  # before the module is made: its code is generated once
-    gm = fx.GraphModule(graph.module, copied)
+    _edit_sizes(nodes, graph, plan, degree)
+    # Its code is generated when it first runs: the profile records the rank's shapes node by node and runs its
+    # distinct blocks' pieces alone.
+    gm = lazy_graph_module(graph.module, copied, type(graph.module).__name__)
     r = Reader(graph)
     made: dict[int, nn.Parameter] = {}
     for region in plan.regions:

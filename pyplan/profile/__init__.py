@@ -7,16 +7,16 @@ from collections.abc import Sequence
 
 import torch
 
-from pyplan._torch import is_meta_module
+from pyplan._torch import is_meta_module, run_without_compute
 from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
-from pyplan.graph.trace import ExampleInputs
+from pyplan.graph.trace import ExampleInputs, inputs_at
 from pyplan.model_state import ModelState, model_state_bytes
 from pyplan.profile.flops import block_flops
 from pyplan.profile.live import LiveMemory
 from pyplan.profile.measure import TimingOptions, block_times, local_device
 from pyplan.profile.memory import saved_bytes
-from pyplan.profile.pieces import RepeatedBlocks
+from pyplan.profile.pieces import RepeatedBlocks, block_inputs
 from pyplan.profile.remat import remat_bytes, remat_chain
 from pyplan.solve.remat import RematBytes, RematProfile
 
@@ -72,6 +72,17 @@ def measured_batch_sizes(largest: int, *, cap: int | None = None) -> tuple[int, 
     return tuple(sorted(sizes))
 
 
+def _runs_at(chain: Chain, example_inputs: ExampleInputs, batch_size: int, blocks: RepeatedBlocks | None) -> None:
+    """Every distinct block's forward at `batch_size` samples, nothing recorded (on fake or meta tensors): a model
+    that cannot run at that size (a BatchNorm that sees one value per channel) fails here as training would, where
+    no pass of the profile runs at that size."""
+    table = RepeatedBlocks.of(chain) if blocks is None else blocks
+    inputs = inputs_at(example_inputs, batch_size)
+    run_without_compute(
+        chain.graph.module, lambda convert: block_inputs(table.mods, [convert(t) for t in inputs], table)
+    )
+
+
 def profile(
     chain: Chain,
     example_inputs: ExampleInputs,
@@ -81,8 +92,10 @@ def profile(
     device: torch.device | str | None = None,
     options: TimingOptions | None = None,
     blocks: RepeatedBlocks | None = None,
+    count_flops: bool = True,
 ) -> Chain:
-    """A copy of `chain` whose blocks carry FLOPs, saved bytes and (when `measure`) fitted times.
+    """A copy of `chain` whose blocks carry FLOPs (unless not `count_flops`: a caller that has them from another
+    recording), saved bytes and (when `measure`) fitted times.
 
     FLOPs and saved bytes are counted on fake tensors (meta for a meta-built model), so they cost no compute;
     times are measured on `device` (default: CUDA when present, else the CPU with `options.threads` threads).
@@ -92,7 +105,11 @@ def profile(
     if len(set(sizes)) < 2:
         raise PlanError(f"profiling needs two or more distinct micro-batch sizes, got {list(sizes)}")
     ends = (min(sizes), max(sizes))
-    flops = block_flops(chain, example_inputs, ends, blocks=blocks)
+    if count_flops:
+        flops = block_flops(chain, example_inputs, ends, blocks=blocks)
+    else:
+        flops = [(b.flops_fwd, b.flops_bwd) for b in chain.blocks]
+        _runs_at(chain, example_inputs, ends[0], blocks)
     # Saved bytes at 2 samples or more: at 1 a transpose can be a contiguous view, and a block that saves a copy
     # of its input at 2 saves the input itself at 1 (nn.TransformerEncoder), which no line through both describes.
     low = max(2, ends[0])

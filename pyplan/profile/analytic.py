@@ -30,10 +30,12 @@ from pyplan.profile.pieces import RepeatedBlocks, backward, block_inputs, forwar
 __all__ = [
     "ALLOCATIONS",
     "OP_CLASSES",
+    "AnalyticBlocks",
     "Efficiency",
     "OpCost",
     "OpEfficiency",
     "Roofline",
+    "analytic_blocks",
     "block_op_costs",
     "block_times_analytic",
     "op_class",
@@ -69,6 +71,9 @@ class OpCost:
     bytes: float
     dtype: str
     is_view: bool = False
+    # FLOPs as torch's formula counts them, whatever share the kernel computes (a causal fused attention's full
+    # Tq x Tk): the model's FLOPs as FlopCounterMode reports them.
+    counted_flops: float = 0.0
 
 
 def _positive(value: Any) -> bool:
@@ -217,10 +222,10 @@ def _costs(recorder: OpRecorder, weights: str | None = None) -> list[OpCost]:
     moving half the bytes: a model of 16-bit weights, recorded on the fp32 model."""
     scale = getattr(torch, weights).itemsize / 4 if weights else 1.0
     out = []
-    for name, flops, nbytes, dtype, is_view in recorder.ops:
+    for name, flops, nbytes, dtype, is_view, counted in recorder.ops:
         if weights and dtype == "float32":
             dtype, nbytes = weights, nbytes * scale
-        out.append(OpCost(name, op_class(name), flops, nbytes, dtype, is_view))
+        out.append(OpCost(name, op_class(name), flops, nbytes, dtype, is_view, counted))
     return out
 
 
@@ -296,6 +301,31 @@ def block_times_analytic(
 ) -> list[tuple[Affine, Affine]]:
     """Forward and backward seconds of every block on `device` as `α·b + β`, least squares over `batch_sizes`;
     `compute_dtype`, `autocast` and `blocks` as `block_op_costs` takes them."""
+    return analytic_blocks(
+        chain, example_inputs, device, batch_sizes, compute_dtype=compute_dtype, autocast=autocast, blocks=blocks
+    ).times
+
+
+@dataclass(frozen=True)
+class AnalyticBlocks:
+    """Every block's forward and backward seconds on a roofline, and its FLOPs as torch's formulas count them (what
+    `block_flops` counts on the math kernels: the recorded ops' `counted_flops`), each as `α·b + β`."""
+
+    times: list[tuple[Affine, Affine]]
+    flops: list[tuple[Affine, Affine]]
+
+
+def analytic_blocks(
+    chain: Chain,
+    example_inputs: ExampleInputs,
+    device: Roofline,
+    batch_sizes: Sequence[int] = (1, 2),
+    *,
+    compute_dtype: str | None = None,
+    autocast: bool = False,
+    blocks: RepeatedBlocks | None = None,
+) -> AnalyticBlocks:
+    """`block_times_analytic`'s times, and the FLOPs of the same recordings (no pass of their own)."""
     table = RepeatedBlocks.of(chain) if blocks is None else blocks
 
     def costs(b: int) -> list[tuple[list[OpCost], list[OpCost]]]:
@@ -333,7 +363,16 @@ def block_times_analytic(
                 curves[key] = curve(r)
         return [curves[tuple(map(id, r))] for r in runs]
 
-    return list(zip(times(0), times(1), strict=True))
+    # FLOPs are affine in b: the line through the two largest sizes.
+    (b1, low_costs), (b2, high_costs) = ((b, recorded[b]) for b in sizes[-2:])
+
+    def flops(k: int) -> list[Affine]:
+        return [
+            Affine.from_two(b1, sum(op.counted_flops for op in x[k]), b2, sum(op.counted_flops for op in y[k]))
+            for x, y in zip(low_costs, high_costs, strict=True)
+        ]
+
+    return AnalyticBlocks(list(zip(times(0), times(1), strict=True)), list(zip(flops(0), flops(1), strict=True)))
 
 
 # Micro-batch sizes at which a block's time with the host's floor is evaluated (beyond the last: along the last

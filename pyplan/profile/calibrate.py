@@ -394,7 +394,7 @@ def _recorded(fn: Callable[[], object]) -> list[OpCost]:
     """The non-view aten ops one call of `fn` runs, as the analytic model costs them."""
     with OpRecorder() as rec:
         fn()
-    return [OpCost(name, op_class(name), fl, nb, dt, view) for name, fl, nb, dt, view in rec.ops if not view]
+    return [OpCost(name, op_class(name), fl, nb, dt, view) for name, fl, nb, dt, view, _ in rec.ops if not view]
 
 
 def _launch_program(device: torch.device) -> Callable[[], object]:

@@ -27,7 +27,7 @@ from pyplan.hardware.cluster import Cluster
 from pyplan.model_state import AUTOCAST_PRECISIONS, COMPUTE_DTYPES
 from pyplan.plan import Workload
 from pyplan.profile import default_batch_sizes, measured_batch_sizes, profile, sizes_from_two
-from pyplan.profile.analytic import Roofline, block_times_analytic
+from pyplan.profile.analytic import Roofline, analytic_blocks
 from pyplan.profile.attention import AttentionTarget, TargetKernels
 from pyplan.profile.autocast import NoKernelInDtype
 from pyplan.profile.cache import ProfileCache, ProfileKey, analytic_target, measured_target
@@ -223,8 +223,9 @@ class _Target:
                 profiled = profile(chain, examples, batch_sizes=sizes, options=self.timing, blocks=table)
                 how = "measured on this machine"
             else:
-                profiled = profile(chain, examples, measure=False, batch_sizes=sizes, blocks=table)
-                times = block_times_analytic(
+                # FLOPs come from the ops recorded for the times (the same counts as block_flops', one pass less).
+                profiled = profile(chain, examples, measure=False, batch_sizes=sizes, blocks=table, count_flops=False)
+                got = analytic_blocks(
                     profiled,
                     examples,
                     roofline,
@@ -233,7 +234,10 @@ class _Target:
                     autocast=self.autocast,
                     blocks=table,
                 )
-                blocks = [replace(b, fwd_time_s=f, bwd_time_s=g) for b, (f, g) in zip(profiled.blocks, times)]
+                blocks = [
+                    replace(b, fwd_time_s=f, bwd_time_s=g, flops_fwd=ff, flops_bwd=fg)
+                    for b, (f, g), (ff, fg) in zip(profiled.blocks, got.times, got.flops, strict=True)
+                ]
                 profiled, how = replace(profiled, blocks=blocks), f"analytic roofline of {gpu.name}"
             # The blocks' working memory, for the exact replay of every plan's stages (search); cached with the
             # rest. At 2 samples or more: at 1 a transpose can be a contiguous view, and a block that keeps a copy

@@ -112,7 +112,7 @@ def _analytic(
             loss.backward()
 
     def costs(rec: OpRecorder) -> list[OpCost]:
-        return [OpCost(n, op_class(n), fl, nb, dt, view) for n, fl, nb, dt, view in rec.ops if not view]
+        return [OpCost(n, op_class(n), fl, nb, dt, view) for n, fl, nb, dt, view, _ in rec.ops if not view]
 
     saved.pop(storage_key(out), None)  # the model's output: its stage holds it anyway, with the chain's last block
     units = activation_scale(precision)

@@ -98,7 +98,7 @@ def node_profile(chain: Chain, example_inputs: ExampleInputs, batch_size: int, g
     def seconds(first: int, end: int) -> float:
         return sum(
             roofline.op_time_s(OpCost(name, op_class(name), flops, nbytes, dtype, view))
-            for name, flops, nbytes, dtype, view in ops[first:end]
+            for name, flops, nbytes, dtype, view, _ in ops[first:end]
         )
 
     fwd = [0.0] * len(order)

@@ -16,7 +16,11 @@ from pyplan.graph.split import pieces
 
 __all__ = ["RepeatedBlocks", "backward", "block_inputs", "block_modules", "forward", "leaf_inputs", "mirror"]
 
-block_modules = pieces
+
+def block_modules(chain: Chain) -> list[fx.GraphModule]:
+    """One piece per block of `chain`, each piece's code generated when it first runs: a profile pass runs the
+    distinct blocks alone (`RepeatedBlocks`)."""
+    return pieces(chain, lazy=True)
 
 
 def block_inputs(

@@ -178,12 +178,12 @@ class _Saves:
 NOMINAL_ROOFLINE = Roofline({"fp32": 1e11, "fp64": 1e11, "bf16": 1e11, "fp16": 1e11}, 1e10)
 
 
-def _selective_share(ops: Sequence[tuple[str, float, float, str, bool]], roofline: Roofline) -> float:
+def _selective_share(ops: Sequence[tuple[str, float, float, str, bool, float]], roofline: Roofline) -> float:
     """The share of a forward's roofline time in the ops selective checkpointing does not save."""
     saves = selective_saves([name for name, *_ in ops])
     times = [
         (save, roofline.op_time_s(OpCost(name, op_class(name), flops, nbytes, dtype, view)))
-        for save, (name, flops, nbytes, dtype, view) in zip(saves, ops, strict=True)
+        for save, (name, flops, nbytes, dtype, view, _) in zip(saves, ops, strict=True)
     ]
     total = sum(t for _, t in times)
     return sum(t for saved, t in times if not saved) / total if total > 0 else 0.0

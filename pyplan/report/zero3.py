@@ -1,11 +1,11 @@
 """ZeRO-3's collectives as the plan prices them, event by event, for the HTML report's schedule chart.
 
-The planner prices a ZeRO-3 plan block by block (pyplan/api.py, `_Refiner._block_times`): each block's weights are
-all-gathered over the data-parallel replicas before its forward and again before its backward, its gradients
-reduce-scattered after its backward (half an all-reduce each, over the links the replicas span), the collectives on
-the link one after another beside the compute (`zero3_overlap`, pyplan/runtime/units.py). `zero3_detail` prices the
-same collectives from the search's chain and replays that overlap keeping every event, so the chart can draw each
-block's compute and collectives where the plan put them.
+The planner prices a ZeRO-3 plan block by block (pyplan/planner.py, `Refiner._block_times`): each block's
+weights are all-gathered over the data-parallel replicas before its forward and again before its backward, its
+gradients reduce-scattered after its backward (half an all-reduce each, over the links the replicas span), the
+collectives on the link one after another beside the compute (`zero3_overlap`, pyplan/runtime/units.py).
+`zero3_detail` prices the same collectives from the search's chain and replays that overlap keeping every event, so
+the chart can draw each block's compute and collectives where the plan put them.
 """
 
 from __future__ import annotations

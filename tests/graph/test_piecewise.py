@@ -79,7 +79,7 @@ def test_measured_sizes_cover_the_plans_micro_batches() -> None:
 
 
 def test_a_measured_profile_and_the_search_use_the_curves(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    import pyplan.api
+    import pyplan.planner
     from pyplan.hardware.catalog import local_gpu
 
     monkeypatch.setenv("PYPLAN_CACHE_DIR", str(tmp_path))  # a calibration without host costs: the blocks alone
@@ -89,7 +89,7 @@ def test_a_measured_profile_and_the_search_use_the_curves(monkeypatch: pytest.Mo
         "link": {"latency_s": 1e-4, "bw_bytes_per_s": 2e9, "source": "test"},
     }
     (tmp_path / "local.json").write_text(json.dumps(calibration))
-    monkeypatch.setattr(pyplan.api, "local_host_costs", lambda: None)
+    monkeypatch.setattr(pyplan.planner, "local_host_costs", lambda: None)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)))
     inputs = lambda b: (torch.randn(b, 64),)  # noqa: E731
     cluster, workload = Cluster.from_catalog("local", 1), Workload(global_batch=12)
@@ -108,7 +108,7 @@ def test_a_measured_profile_and_the_search_use_the_curves(monkeypatch: pytest.Mo
 def test_the_relaxed_remat_searches_recompute_in_the_curves(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Under full recomputation (the searches that seed remat plans) each block's backward also runs its forward:
     with curves, the search's backward points carry it, as its lines do without them."""
-    import pyplan.api
+    import pyplan.planner
     from pyplan import _core
     from pyplan.hardware.catalog import local_gpu
 
@@ -130,7 +130,7 @@ def test_the_relaxed_remat_searches_recompute_in_the_curves(monkeypatch: pytest.
         calls.append({"args": args, **kwargs})
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(pyplan.api._core, "search", spy)
+    monkeypatch.setattr(pyplan.planner._core, "search", spy)
     search(model, inputs, cluster, workload, chain=chain, remat="auto", micro_batch_sizes=[4], schedules=["GPipe"])
     plain, relaxed = calls[0], calls[1:]
     assert relaxed and plain["time_sizes"] == list(map(float, measured_batch_sizes(8)))

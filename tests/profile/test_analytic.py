@@ -102,3 +102,33 @@ def test_a_blocks_time_has_the_hosts_floor_at_small_batches() -> None:
     assert isinstance(floored, Piecewise) and 512 in floored.sizes
     assert gpu[0] < floor <= floored(1) <= floor + gpu[0]
     assert gpu[1] > floor and gpu[1] <= floored(512) <= gpu[1] + floor
+
+
+@pytest.mark.parametrize("name", ["gpt2-small", "llama-1b-style"])
+def test_analytic_flops_are_the_flop_counters(name: str) -> None:
+    """The FLOPs an analytic profile reads off its op recordings (fused, causal attention on an A100 under bf16
+    autocast, where the kernel computes about half the tiles) are what FlopCounterMode counts on the math kernels,
+    block by block, in both directions."""
+    from pyplan import zoo
+    from pyplan._torch import meta_build
+    from pyplan.graph.trace import Examples
+    from pyplan.hardware.catalog import get_gpu
+    from pyplan.profile.analytic import analytic_blocks
+    from pyplan.profile.attention import AttentionTarget, TargetKernels
+    from pyplan.profile.flops import block_flops
+    from pyplan.profile.pieces import RepeatedBlocks
+
+    spec = zoo.get(name)
+    with meta_build():
+        model = spec.build()
+    chain = linearize(trace(model, spec.example_inputs, batch_size=2))
+    examples, table = Examples(spec.example_inputs), RepeatedBlocks.of(chain)
+    gpu = get_gpu("a100-80g")
+    with TargetKernels(AttentionTarget(gpu.arch, "bfloat16")) as kernels:
+        counted = block_flops(chain, examples, (1, 4), blocks=table)
+        got = analytic_blocks(chain, examples, DEVICE, (1, 2, 4), compute_dtype="bfloat16", autocast=True, blocks=table)
+    assert kernels.chosen  # fused attention ran, its FLOPs scaled for the time
+    assert len(got.flops) == len(counted) == len(chain)
+    for (f, g), (cf, cg) in zip(got.flops, counted, strict=True):
+        for b in (1, 3, 8):
+            assert (f(b), g(b)) == (cf(b), cg(b))

@@ -50,7 +50,7 @@ def _recorded(module: nn.Module, x: torch.Tensor) -> tuple[list[tuple[str, str]]
         out = module(x)
     with backward, casts.backward():
         out.sum().backward()
-    keep = lambda ops: [(name, dtype) for name, _, _, dtype, view in ops if not view]  # noqa: E731
+    keep = lambda ops: [(name, dtype) for name, _, _, dtype, view, _ in ops if not view]  # noqa: E731
     return keep(forward.ops), keep(backward.ops), out
 
 
@@ -220,7 +220,7 @@ def _forward(module: nn.Module, *inputs: torch.Tensor) -> tuple[list[tuple[str, 
         out = module(*inputs)
     with casts.backward():
         out.float().sum().backward()
-    return [(name, dtype) for name, _, _, dtype, view in recorder.ops if not view], out
+    return [(name, dtype) for name, _, _, dtype, view, _ in recorder.ops if not view], out
 
 
 def _dtypes(ops: list[tuple[str, str]], name: str) -> set[str]:

@@ -49,7 +49,7 @@ def no_profiling(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("profiled although the cache holds the profile")
 
-    for name in ("trace", "profile", "block_times_analytic"):
+    for name in ("trace", "profile", "analytic_blocks"):
         monkeypatch.setattr(capture, name, refuse)
 
 

@@ -122,7 +122,7 @@ def test_evaluate_reproduces_the_search_on_the_chain_partition(name: str) -> Non
         assert got.state_bytes + copy + counters == pytest.approx(want.state_bytes, rel=REL)
         assert (got.first_block, got.last_block, got.in_flight) == (want.first_block, want.last_block, want.in_flight)
         # The search's own activation model (saved bytes and the input cut per micro-batch in flight); the plan
-        # it returns has the replayed working memory instead (pyplan/api.py), which DAG stages cannot replay.
+        # it returns has the replayed working memory instead (pyplan/planner.py), which DAG stages cannot replay.
         blocks = chain.blocks[want.first_block : want.last_block + 1]
         act = want.in_flight * (sum(blk.saved_bytes(b) for blk in blocks) + chain.cuts[want.first_block].bytes(b))
         assert got.activation_bytes == pytest.approx(act, rel=REL)
