@@ -66,15 +66,6 @@ void bind_partition(py::module_& m) {
         });
 
     m.def(
-        "extra_input_cuts",
-        [](std::int64_t num_microbatches, std::int64_t in_flight) {
-            return pyplan::extra_input_cuts(to_int(num_microbatches, "num_microbatches", 1, kIntMax),
-                                            to_int(in_flight, "in_flight", 1, kIntMax));
-        },
-        py::arg("num_microbatches"), py::arg("in_flight"),
-          "Input cuts a stage s > 0 holds beyond its n in-flight inputs: receive buffers for the other m - n\n"
-          "micro-batches, and its last backward's input gradient when n < m (partition.h).");
-    m.def(
         "held_input_cuts",
         [](std::int64_t num_microbatches, std::int64_t in_flight, std::int64_t stage) {
             return pyplan::held_input_cuts(to_int(num_microbatches, "num_microbatches", 1, kIntMax),
@@ -82,8 +73,9 @@ void bind_partition(py::module_& m) {
                                            to_int(stage, "stage", 0, kIntMax));
         },
         py::arg("num_microbatches"), py::arg("in_flight"), py::arg("stage"),
-          "Input cuts stage `stage` holds beyond its n in-flight inputs: extra_input_cuts for a later stage, the\n"
-          "rest of the replica's batch (m - n) for the first (partition.h).");
+          "Input cuts stage `stage` holds beyond its n in-flight inputs and its receive buffers: the rest of the\n"
+          "replica's batch (m - n) on the first stage, the last input gradient (1 when n < m) on a later one\n"
+          "(partition.h).");
 
     m.def(
         "partition",
@@ -91,8 +83,8 @@ void bind_partition(py::module_& m) {
            std::vector<double> state_bytes, std::vector<double> cut_bytes, std::int64_t num_stages,
            std::int64_t num_microbatches, std::vector<double> mem_limit_bytes, const std::string& schedule,
            const std::string& objective, double latency_s, double bw_bytes_per_s,
-           const std::vector<std::int64_t>& in_flight_per_stage, bool receive_buffers,
-           const std::vector<std::int64_t>& extra_output_cuts) {
+           const std::vector<std::int64_t>& in_flight_per_stage, std::vector<long long> input_buffer_cuts,
+           std::vector<long long> output_buffer_cuts) {
             const pyplan::Chain chain{std::move(fwd_time_s), std::move(bwd_time_s), std::move(act_bytes),
                                       std::move(state_bytes), std::move(cut_bytes)};
             pyplan::PartitionOptions options;
@@ -103,8 +95,8 @@ void bind_partition(py::module_& m) {
             options.objective = to_objective(objective);
             options.mem_limit_bytes = std::move(mem_limit_bytes);
             options.link = {latency_s, bw_bytes_per_s};
-            options.receive_buffers = receive_buffers;
-            options.extra_output_cuts = to_ints(extra_output_cuts, "extra_output_cuts", 0, kIntMax);
+            options.input_buffer_cuts = std::move(input_buffer_cuts);
+            options.output_buffer_cuts = std::move(output_buffer_cuts);
             py::gil_scoped_release release;
             return pyplan::partition(chain, options);
         },
@@ -112,8 +104,9 @@ void bind_partition(py::module_& m) {
         py::arg("cut_bytes"), py::kw_only(), py::arg("num_stages"), py::arg("num_microbatches"),
         py::arg("mem_limit_bytes"), py::arg("schedule") = "1F1B", py::arg("objective") = "pipeline_time",
         py::arg("latency_s") = 0.0, py::arg("bw_bytes_per_s") = std::numeric_limits<double>::infinity(),
-        py::arg("in_flight_per_stage") = std::vector<std::int64_t>{}, py::arg("receive_buffers") = false,
-        py::arg("extra_output_cuts") = std::vector<std::int64_t>{},
+        py::arg("in_flight_per_stage") = std::vector<std::int64_t>{},
+        py::arg("input_buffer_cuts") = std::vector<long long>{},
+        py::arg("output_buffer_cuts") = std::vector<long long>{},
         "Exact split of a chain of L blocks into num_stages contiguous stages minimizing\n"
         "sum(t_s) + (m-1) max(t_s) under each stage's memory limit (objective='pipeline_time'), or max(t_s)\n"
         "then sum(t_s) (objective='bottleneck', the limit m -> inf). Per block: fwd_time_s, bwd_time_s,\n"
@@ -121,8 +114,8 @@ void bind_partition(py::module_& m) {
         "in flight per stage (m, or min(m, p-s)); in_flight_per_stage, when not empty, gives them instead (one\n"
         "per stage, each in [1, m]: e.g. an interleaved schedule's simulated peak). A boundary at cut c costs\n"
         "latency_s + cut_bytes[c]/bw each way; a stage pays the send of its output and the gradient send of\n"
-        "its input. With receive_buffers, a stage also holds torch's receive buffers, the first stage the\n"
-        "replica's batch, and extra_output_cuts[s] more output-sized tensors (partition.h).\n"
+        "its input. A stage also holds input_buffer_cuts[s] more tensors of its input cut and\n"
+        "output_buffer_cuts[s] of its output cut, when given (receive buffers, the batch; partition.h).\n"
         "Times and bytes in [0, 1e100], limits also inf, bw >= 1e-3 or inf (cpp/include/pyplan/limits.h).\n"
         "Raises ValueError on malformed input; returns feasible=False with a reason when nothing fits.");
 }

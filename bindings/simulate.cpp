@@ -50,6 +50,15 @@ const char* op_name(Op op) {
     return "?";
 }
 
+const char* step_name(pyplan::Step step) {
+    switch (step) {
+        case pyplan::Step::Compute: return "compute";
+        case pyplan::Step::Send: return "send";
+        case pyplan::Step::Receive: return "receive";
+    }
+    return "?";
+}
+
 Op to_op(const std::string& name) {
     if (name == "F") return Op::Forward;
     if (name == "B") return Op::Backward;
@@ -131,6 +140,52 @@ void bind_simulate(py::module_& m) {
         },
         py::arg("schedule"), py::arg("num_ranks"), py::arg("num_microbatches"), py::arg("stages_per_rank"),
         "Per rank, the (stage, op, micro-batch) actions in the order torch's schedule runs them.");
+
+    m.def(
+        "lower_order",
+        [](const std::string& schedule, std::int64_t num_ranks, std::int64_t num_microbatches,
+           std::int64_t stages_per_rank) {
+            const Schedule s = to_schedule(schedule);
+            const int p = to_int(num_ranks, "num_ranks", 1, kIntMax);
+            const int m = to_int(num_microbatches, "num_microbatches", 1, kIntMax);
+            const int v = to_int(stages_per_rank, "stages_per_rank", 1, kIntMax);
+            pyplan::LoweredOrder lowered;
+            {
+                py::gil_scoped_release release;
+                lowered = pyplan::lower_order(s, pyplan::schedule_order(s, p, m, v), pyplan::stage_placement(s, p, v));
+            }
+            std::vector<std::vector<std::tuple<std::string, int, std::string, int>>> out(lowered.size());
+            for (size_t r = 0; r < lowered.size(); ++r)
+                for (const auto& [step, a] : lowered[r])
+                    out[r].emplace_back(step_name(step), a.stage, op_name(a.op), a.microbatch);
+            return out;
+        },
+        py::arg("schedule"), py::arg("num_ranks"), py::arg("num_microbatches"), py::arg("stages_per_rank"),
+        "Per rank, the schedule's order with its messages, as pyplan's runtime runs it: (step, stage, op,\n"
+        "micro-batch) with step 'compute', 'send' or 'receive'; a message's op is 'F' (activation) or 'B'\n"
+        "(gradient), a receive names the receiving stage (simulate.h).");
+
+    m.def(
+        "receive_buffers",
+        [](const std::string& schedule, std::int64_t num_ranks, std::int64_t num_microbatches,
+           std::int64_t stages_per_rank) {
+            const Schedule s = to_schedule(schedule);
+            const int p = to_int(num_ranks, "num_ranks", 1, kIntMax);
+            const int m = to_int(num_microbatches, "num_microbatches", 1, kIntMax);
+            const int v = to_int(stages_per_rank, "stages_per_rank", 1, kIntMax);
+            pyplan::ReceiveBuffers got;
+            {
+                py::gil_scoped_release release;
+                got = pyplan::schedule_receive_buffers(s, p, m, v);
+            }
+            py::dict out;
+            out["inputs"] = got.inputs;
+            out["gradients"] = got.gradients;
+            return out;
+        },
+        py::arg("schedule"), py::arg("num_ranks"), py::arg("num_microbatches"), py::arg("stages_per_rank"),
+        "Per stage, the most input receive buffers and output gradients it holds at once as pyplan's runtime\n"
+        "runs the schedule: {'inputs': [...], 'gradients': [...]} (simulate.h).");
 
     m.def(
         "simulate",

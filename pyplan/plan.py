@@ -119,13 +119,15 @@ class StagePlan:
     boundary sends; `memory_bytes` = `state_bytes` (weights, gradients, optimizer state after ZeRO sharding)
     + `activation_bytes` (`in_flight` micro-batches of saved activations, received inputs and outputs, which the
     PipelineStage keeps to the end of the backward, and one backward's working memory) + `buffer_bytes` (the
-    receive buffers torch's PipelineStage keeps for the other micro-batches and the output gradients, the input
-    gradient it keeps from its last backward while others are in flight, the rest of the replica's batch on the
-    first stage, and the output of Schedule1F1B's last warm-up send) - `unmade_grad_bytes` (of the gradients in
-    `state_bytes`, those not yet made at the stage's peak: on one data-parallel replica zero_grad frees them every
-    step, and a stage whose every micro-batch runs its forward first, as under GPipe, peaks in its first
-    backward); or, where that is more, the optimizer step's: `state_bytes` + `buffer_bytes` + the inputs of the
-    micro-batches in flight + `optimizer_step_bytes` (Adam's out-of-place sqrt(exp_avg_sq) + eps). With a
+    runtime's receive buffers beyond the inputs in flight, as many as the schedule holds at once: inputs received
+    ahead of their forward and output gradients received or handed over, none and one under GPipe and 1F1B
+    (pyplan/runtime/recv.py, _core.receive_buffers); the input gradient it keeps from its last backward while
+    others are in flight, the rest of the replica's batch on the first stage, and the output of Schedule1F1B's last
+    warm-up send) - `unmade_grad_bytes` (of the gradients in `state_bytes`, those not yet made at the stage's peak:
+    on one data-parallel replica zero_grad frees them every step, and a stage whose every micro-batch runs its
+    forward first, as under GPipe, peaks in its first backward); or, where that is more, the optimizer step's:
+    `state_bytes` + `optimizer_step_bytes` (Adam's out-of-place sqrt(exp_avg_sq) + eps), and the replica's batch on
+    the first stage (the schedule's receive buffers are gone by then). With a
     rematerialization plan (the layout's `remat`), `backward_s` includes `recompute_s` and the exposed offload
     `transfer_s` per micro-batch, less `checkpoint_forward_s`. Of `recompute_s`, `checkpoint_s` is what the
     checkpoints cost beyond running blocks again (their calls, torch's hooks on saved tensors), and
@@ -147,7 +149,7 @@ class StagePlan:
     checkpoint_s: float = 0.0  # of recompute_s, the checkpoints' calls and hooks
     checkpoint_forward_s: float = 0.0  # of checkpoint_s, what the forward pays (in forward_s)
     transfer_s: float = 0.0
-    buffer_bytes: float = 0.0  # receive buffers, the last input gradient, the batch, a kept send (in memory_bytes)
+    buffer_bytes: float = 0.0  # receive buffers beyond those in flight, the batch, a kept send (in memory_bytes)
     unmade_grad_bytes: float = 0.0  # gradients of state_bytes not yet made at the peak (taken off memory_bytes)
     optimizer_step_bytes: float = 0.0  # the optimizer step's temporaries beside state and buffers (see memory_bytes)
     tp_comm_s: float = 0.0  # tensor parallelism's collectives per micro-batch (in forward_s and backward_s)
@@ -230,6 +232,9 @@ class Layout:
     group contiguous), as `tp_plan` says: module name -> torchtitan's style (`ColwiseParallel`, `RowwiseParallel`),
     pyplan/graph/tensor_parallel.py. GPUs used: dp · tp · pp. `sequence_parallel` (tp > 1 only): the values between
     the split layers are each rank's slice of the tokens (pyplan/graph/sequence_parallel.py).
+    `ep` replicas of each stage split every mixture-of-experts layer's routed experts between them (expert
+    parallelism, carved out of dp: ep divides dp; pyplan/runtime/experts.py); a layout with ep > 1 indexes the graph
+    captured with each layer's experts kept whole (`leaf_modules=expert_leaves(model)`, pyplan/graph/experts.py).
     `remat`, when not empty, has one entry per stage: its rematerialization plan, or None to keep everything.
     `stage_of_node`, when not empty, gives the stage of every operation of the traced graph (fx node name →
     stage) for stages that are not contiguous in the traced order (pyplan/solve/dag_search.py): stages never
@@ -253,6 +258,7 @@ class Layout:
     tp: int = 1
     tp_plan: dict[str, str] = field(default_factory=dict, hash=False)
     sequence_parallel: bool = False
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if self.dp < 1 or self.pp < 1 or self.micro_batch_size < 1 or self.num_microbatches < 1:
@@ -262,6 +268,8 @@ class Layout:
             )
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise PlanError(f"tp must be a positive whole number, got {self.tp!r}")
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1 or self.dp % self.ep:
+            raise PlanError(f"ep must be a positive whole number dividing dp {self.dp}, got {self.ep!r}")
         if (self.tp > 1) != bool(self.tp_plan):
             raise PlanError(f"a layout with tp {self.tp} needs {'a' if self.tp > 1 else 'no'} tp_plan")
         if not isinstance(self.sequence_parallel, bool) or (self.sequence_parallel and self.tp == 1):
@@ -333,6 +341,8 @@ class Layout:
             del data["tp"], data["tp_plan"]  # likewise a plan without tensor parallelism
         if not self.sequence_parallel:
             del data["sequence_parallel"]
+        if self.ep == 1:
+            del data["ep"]  # likewise a plan without expert parallelism
         return data
 
     @staticmethod

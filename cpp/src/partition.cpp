@@ -27,9 +27,8 @@ constexpr double kTie = 1e-12;
 // What stage s may hold.
 struct StageLimit {
     int in_flight = 0;
-    // Receive buffers (PartitionOptions::receive_buffers): inputs beyond the n in flight and output gradients,
-    // in cuts: mem adds extra_inputs·cut[i] + output_buffers·cut[j]. 64-bit: m + extra_output_cuts[s] may
-    // exceed int.
+    // PartitionOptions::input_buffer_cuts[s] and output_buffer_cuts[s]: mem adds extra_inputs·cut[i] +
+    // output_buffers·cut[j].
     long long extra_inputs = 0;
     long long output_buffers = 0;
     double limit_bytes = 0.0;
@@ -209,14 +208,16 @@ void validate(const Chain& chain, const PartitionOptions& options) {
                  std::to_string(options.num_microbatches) + "], got " + std::to_string(in_flight[s]));
         }
     }
-    const std::vector<int>& kept = options.extra_output_cuts;
-    if (!kept.empty() && kept.size() != static_cast<std::size_t>(p)) {
-        fail("extra_output_cuts must be empty or have one entry per stage (" + std::to_string(p) + "), got " +
-             std::to_string(kept.size()));
-    }
-    for (std::size_t s = 0; s < kept.size(); ++s) {
-        if (kept[s] < 0) fail("extra_output_cuts[" + std::to_string(s) + "] must be >= 0, got " +
-                              std::to_string(kept[s]));
+    for (const auto& [buffers, name] : {std::pair{&options.input_buffer_cuts, "input_buffer_cuts"},
+                                        std::pair{&options.output_buffer_cuts, "output_buffer_cuts"}}) {
+        if (!buffers->empty() && buffers->size() != static_cast<std::size_t>(p)) {
+            fail(std::string(name) + " must be empty or have one entry per stage (" + std::to_string(p) + "), got " +
+                 std::to_string(buffers->size()));
+        }
+        for (std::size_t s = 0; s < buffers->size(); ++s) {
+            const std::string entry = std::string(name) + "[" + std::to_string(s) + "]";
+            require_int_in((*buffers)[s], 0, static_cast<long long>(kMaxBytes), entry.c_str());
+        }
     }
     const std::vector<int>& fixed = options.fixed_cuts;
     if (!fixed.empty()) {
@@ -261,12 +262,8 @@ Problem build_problem(const Chain& chain, const PartitionOptions& options) {
         stage.in_flight = options.in_flight_per_stage.empty()
                               ? in_flight_microbatches(options.in_flight, s, p, options.num_microbatches)
                               : options.in_flight_per_stage[s];
-        if (options.receive_buffers) {
-            const int m = options.num_microbatches;
-            stage.extra_inputs = held_input_cuts(m, stage.in_flight, s);
-            const int kept = options.extra_output_cuts.empty() ? 0 : options.extra_output_cuts[s];
-            stage.output_buffers = s + 1 < p ? static_cast<long long>(m) + kept : 0;
-        }
+        if (!options.input_buffer_cuts.empty()) stage.extra_inputs = options.input_buffer_cuts[s];
+        if (!options.output_buffer_cuts.empty()) stage.output_buffers = options.output_buffer_cuts[s];
         stage.limit_bytes = options.mem_limit_bytes[s];
         // Each of S, A and the block-by-block sums is off by at most (L+1)·ε/2 of its total; the slack
         // covers both sides, the product and the rounding of limit ± slack with a wide margin.
@@ -505,19 +502,12 @@ int in_flight_microbatches(InFlight rule, int stage, int num_stages, int num_mic
     throw std::invalid_argument("unknown in-flight rule");
 }
 
-int extra_input_cuts(int num_microbatches, int in_flight) {
+int held_input_cuts(int num_microbatches, int in_flight, int stage) {
     if (num_microbatches < 1) fail("num_microbatches must be >= 1, got " + std::to_string(num_microbatches));
     require_int_in(in_flight, 1, num_microbatches, "in_flight");
-    return num_microbatches - in_flight + (in_flight < num_microbatches ? 1 : 0);
-}
-
-int held_input_cuts(int num_microbatches, int in_flight, int stage) {
     if (stage < 0) fail("stage must be >= 0, got " + std::to_string(stage));
-    if (stage == 0) {  // checked here too: extra_input_cuts is not called for the first stage
-        if (num_microbatches < 1) fail("num_microbatches must be >= 1, got " + std::to_string(num_microbatches));
-        require_int_in(in_flight, 1, num_microbatches, "in_flight");
-    }
-    return stage > 0 ? extra_input_cuts(num_microbatches, in_flight) : num_microbatches - in_flight;
+    if (stage == 0) return num_microbatches - in_flight;
+    return in_flight < num_microbatches ? 1 : 0;
 }
 
 // The given partition when every stage fits; else infeasible, naming the stage that overflows most.

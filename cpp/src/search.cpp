@@ -204,12 +204,12 @@ struct Config {
     double need_bound_bytes = 0.0;  // the fullest GPU of any partition needs at least this much
 };
 
-// Output-cut-sized tensors a non-last stage s of S holds (step 9): a gradient receive buffer per micro-batch, and
-// under 1F1B the output of its last warm-up send where that outlives its micro-batch (partition.h's
-// extra_output_cuts).
-int held_output_cuts(const Config& c, int S, int s) {
-    return c.m + (warmup_send_held(c.schedule, c.m, S, s) ? 1 : 0);
-}
+// Step 9: what each stage of a candidate's schedule holds beside its state and in-flight activations, in tensors of
+// its input cut and of its output cut (partition.h's input_buffer_cuts and output_buffer_cuts).
+struct HeldCuts {
+    std::vector<long long> inputs;   // [S] receive buffers beyond the n_s in flight; the batch, a kept input gradient
+    std::vector<long long> outputs;  // [S] output gradients received or handed over; a kept send
+};
 
 double objective_of(const SearchSpace& space, const Hardware& hw, int num_gpus, double time_s) {
     const double cost = num_gpus * hw.price_per_gpu_s * time_s;
@@ -265,6 +265,7 @@ private:
     const Chain& chain_for(const Config& config, const Layout& lay);
     const RankOrder& order_for(Schedule schedule, int p, int m, int v);
     const std::vector<int>& in_flight_of(const Config& config);
+    const HeldCuts& held_cuts_of(const Config& config);
     void evaluate(const Config& config);
     void offer(Candidate candidate, long long index);
     bool prunable(int num_gpus, double bound_time_s) const;
@@ -282,6 +283,7 @@ private:
     std::map<std::vector<long long>, PartitionResult> partitions_;
     std::map<std::tuple<int, int, int, int>, RankOrder> orders_;
     std::map<std::tuple<int, int, int, int>, std::vector<int>> in_flight_;
+    std::map<std::tuple<int, int, int, int>, HeldCuts> held_cuts_;
     std::map<const Chain*, std::vector<double>> caps_;  // [n] or NaN; chains_ never moves its chains
     // What `bound` needs of a chain, whatever the candidate (per chain and optimizer sharding): sums over its
     // blocks, its smallest cut and the largest optimizer step of one block.
@@ -711,6 +713,7 @@ const PartitionResult& Searcher::partition_for(const Config& c, const Layout& la
 bool Searcher::stages_fit(const Config& c, const Chain& chain, const std::vector<int>& cuts) {
     const int S = c.p * c.v;
     const std::vector<int>& in_flight = in_flight_of(c);
+    const HeldCuts& held = held_cuts_of(c);
     for (int s = 0; s < S; ++s) {
         double state = 0.0, act = 0.0;
         for (int i = cuts[s]; i < cuts[s + 1]; ++i) {
@@ -718,8 +721,8 @@ bool Searcher::stages_fit(const Config& c, const Chain& chain, const std::vector
             act += chain.act_bytes[i];
         }
         const double need = state + in_flight[s] * (act + chain.cut_bytes[cuts[s]]) +
-                            (held_input_cuts(c.m, in_flight[s], s) * chain.cut_bytes[cuts[s]] +
-                             (s + 1 < S ? held_output_cuts(c, S, s) * chain.cut_bytes[cuts[s + 1]] : 0.0));
+                            (held.inputs[s] * chain.cut_bytes[cuts[s]] +
+                             held.outputs[s] * chain.cut_bytes[cuts[s + 1]]);
         if (need > hw_.gpu_mem_bytes) return false;
     }
     return true;
@@ -739,19 +742,19 @@ const PartitionResult& Searcher::cached_partition(const Config& c, const Layout&
                                   c.zero == 3 ? lay.dp_nodes : 0,
                                   c.p > 1 && lay.pipeline_inter};
     key.insert(key.end(), in_flight.begin(), in_flight.end());
-    std::vector<int> kept(c.p * c.v);
-    for (int s = 0; s < c.p * c.v; ++s) kept[s] = held_output_cuts(c, c.p * c.v, s) - c.m;
-    key.insert(key.end(), kept.begin(), kept.end());
+    const HeldCuts& held = held_cuts_of(c);
+    key.insert(key.end(), held.inputs.begin(), held.inputs.end());
+    key.insert(key.end(), held.outputs.begin(), held.outputs.end());
     auto it = partitions_.find(key);
     if (it != partitions_.end()) return it->second;
     PartitionOptions options;
     options.num_stages = c.p * c.v;
     options.num_microbatches = c.m;
     options.in_flight_per_stage = in_flight;
-    options.extra_output_cuts = kept;
+    options.input_buffer_cuts = held.inputs;
+    options.output_buffer_cuts = held.outputs;
     options.mem_limit_bytes.assign(options.num_stages, hw_.gpu_mem_bytes);
     options.link = lay.pipeline_inter ? hw_.inter : hw_.intra;
-    options.receive_buffers = true;
     options.fixed_cuts = space_.fixed_cuts;
     ++result_.num_partitions;
     return partitions_.emplace(key, partition(chain, options)).first->second;
@@ -792,6 +795,26 @@ const std::vector<int>& Searcher::in_flight_of(const Config& c) {
         }
     }
     return in_flight_.emplace(key, std::move(in_flight)).first->second;
+}
+
+// Step 9 of search.h, from the runtime's receive buffers under the schedule (simulate.h's receive_buffers): a stage
+// that receives its input holds at least its n_s in-flight inputs in them (counted with the activations), and the
+// rest here.
+const HeldCuts& Searcher::held_cuts_of(const Config& c) {
+    const auto key = std::make_tuple(static_cast<int>(c.schedule), c.p, c.m, c.v);
+    auto it = held_cuts_.find(key);
+    if (it != held_cuts_.end()) return it->second;
+    const int S = c.p * c.v;
+    const std::vector<int>& in_flight = in_flight_of(c);
+    const ReceiveBuffers received = schedule_receive_buffers(c.schedule, c.p, c.m, c.v);
+    HeldCuts held{std::vector<long long>(S, 0), std::vector<long long>(S, 0)};
+    for (int s = 0; s < S; ++s) {
+        const long long ahead = received.inputs[s] > 0 ? received.inputs[s] - in_flight[s] : 0;
+        held.inputs[s] = held_input_cuts(c.m, in_flight[s], s) + ahead;
+        const long long kept = warmup_send_held(c.schedule, c.m, S, s) ? 1 : 0;
+        held.outputs[s] = s + 1 < S ? static_cast<long long>(received.gradients[s]) + kept : 0;
+    }
+    return held_cuts_.emplace(key, std::move(held)).first->second;
 }
 
 std::string describe(const Config& c) {
@@ -905,16 +928,15 @@ void Searcher::evaluate(const Config& c) {
     cand.stage_backward_s = times.backward_s;
     cand.rank_memory_bytes = rank_state;
     const std::vector<int>& in_flight = in_flight_of(c);
+    const HeldCuts& held = held_cuts_of(c);
     for (int s = 0; s < S; ++s) {
         const int n = in_flight[s];  // the partition's, as the simulation finds them
         cand.stage_in_flight.push_back(n);
         cand.stage_act_bytes.push_back(n * act_per_microbatch[s]);
-        // 9. Receive buffers: one per micro-batch for the input (n of them counted with the activations) and
-        // for the output's gradient; the last input gradient; the first stage's batch (held_input_cuts); 1F1B's
-        // last warm-up send (warmup_send_held).
+        // 9. Receive buffers beyond the n in flight and output gradients, as the schedule holds them; the first
+        // stage's batch; the last input gradient; 1F1B's last warm-up send (held_cuts_of).
         const double input_cut = chain.cut_bytes[part.cuts[s]], output_cut = chain.cut_bytes[part.cuts[s + 1]];
-        cand.stage_buffer_bytes.push_back(held_input_cuts(c.m, n, s) * input_cut +
-                                          (s + 1 < S ? held_output_cuts(c, S, s) * output_cut : 0.0));
+        cand.stage_buffer_bytes.push_back(held.inputs[s] * input_cut + held.outputs[s] * output_cut);
         // Added one at a time, as the partition sums a stage's need: (state + activations) + buffers.
         cand.rank_memory_bytes[cand.stage_rank[s]] += cand.stage_act_bytes[s];
         cand.rank_memory_bytes[cand.stage_rank[s]] += cand.stage_buffer_bytes[s];

@@ -330,32 +330,11 @@ void check_times(const std::vector<double>& t, size_t size, const char* name) {
                                         format_number(kMaxValue) + "]");
 }
 
-// Dependencies are the ends of two kinds of action per (stage, micro-batch): its F, and its B or I
-// (the moment the input gradient exists). W ends are not waited on by anything.
-enum Signal { kForwardDone = 0, kGradDone = 1 };
-
-}  // namespace
-
-Simulation simulate(const RankOrder& order, const std::vector<int>& stage_rank, const StageTimes& times,
-                    int num_microbatches) {
-    const int num_stages = static_cast<int>(times.forward_s.size());
+// Every action of `order` within num_stages stages and m micro-batches, on the rank stage_rank places its stage
+// on, and each (stage, micro-batch) with one F and either one B or one I and one W.
+void check_order(const RankOrder& order, const std::vector<int>& stage_rank, int num_stages, int m) {
     const int num_ranks = static_cast<int>(order.size());
-    const int m = num_microbatches;
-    if (num_stages < 1 || num_ranks < 1 || m < 1)
-        throw std::invalid_argument("need at least one stage, rank and micro-batch (got " +
-                                    std::to_string(num_stages) + " stages, " + std::to_string(num_ranks) +
-                                    " ranks, " + std::to_string(m) + " micro-batches)");
     const size_t S = static_cast<size_t>(num_stages);
-    check_times(times.forward_s, S, "forward_s");
-    check_times(times.backward_s, S, "backward_s");
-    check_times(times.backward_weight_s, S, "backward_weight_s");
-    check_times(times.send_forward_s, S - 1, "send_forward_s");
-    check_times(times.send_backward_s, S - 1, "send_backward_s");
-    for (size_t s = 0; s < S; ++s)
-        if (times.backward_weight_s[s] > times.backward_s[s])
-            throw std::invalid_argument("stage " + std::to_string(s) + ": backward_weight_s " +
-                                        std::to_string(times.backward_weight_s[s]) +
-                                        " exceeds backward_s " + std::to_string(times.backward_s[s]));
     if (stage_rank.size() != S)
         throw std::invalid_argument("stage_rank has " + std::to_string(stage_rank.size()) +
                                     " entries for " + std::to_string(num_stages) + " stages");
@@ -403,6 +382,36 @@ Simulation simulate(const RankOrder& order, const std::vector<int>& stage_rank, 
                     std::to_string(f) + " F, " + std::to_string(b) + " B, " + std::to_string(i) + " I, " +
                     std::to_string(w) + " W; expected one F and either one B or one I and one W");
         }
+}
+
+// Dependencies are the ends of two kinds of action per (stage, micro-batch): its F, and its B or I
+// (the moment the input gradient exists). W ends are not waited on by anything.
+enum Signal { kForwardDone = 0, kGradDone = 1 };
+
+}  // namespace
+
+Simulation simulate(const RankOrder& order, const std::vector<int>& stage_rank, const StageTimes& times,
+                    int num_microbatches) {
+    const int num_stages = static_cast<int>(times.forward_s.size());
+    const int num_ranks = static_cast<int>(order.size());
+    const int m = num_microbatches;
+    if (num_stages < 1 || num_ranks < 1 || m < 1)
+        throw std::invalid_argument("need at least one stage, rank and micro-batch (got " +
+                                    std::to_string(num_stages) + " stages, " + std::to_string(num_ranks) +
+                                    " ranks, " + std::to_string(m) + " micro-batches)");
+    const size_t S = static_cast<size_t>(num_stages);
+    check_times(times.forward_s, S, "forward_s");
+    check_times(times.backward_s, S, "backward_s");
+    check_times(times.backward_weight_s, S, "backward_weight_s");
+    check_times(times.send_forward_s, S - 1, "send_forward_s");
+    check_times(times.send_backward_s, S - 1, "send_backward_s");
+    for (size_t s = 0; s < S; ++s)
+        if (times.backward_weight_s[s] > times.backward_s[s])
+            throw std::invalid_argument("stage " + std::to_string(s) + ": backward_weight_s " +
+                                        std::to_string(times.backward_weight_s[s]) +
+                                        " exceeds backward_s " + std::to_string(times.backward_s[s]));
+    check_order(order, stage_rank, num_stages, m);
+    auto cell = [m](int stage, int microbatch) { return static_cast<size_t>(stage) * m + microbatch; };
 
     // end[cell * 2 + signal]: when that signal's action ended, negative while it has not run;
     // waiting[cell * 2 + signal]: the ranks stalled on it.
@@ -506,6 +515,153 @@ Simulation simulate(const RankOrder& order, const std::vector<int>& stage_rank, 
         return a.start_s != b.start_s ? a.start_s < b.start_s : a.rank < b.rank;
     });
     return sim;
+}
+
+namespace {
+
+// The micro-batches an order spans: one more than its largest index (at least 1).
+int order_microbatches(const RankOrder& order) {
+    int m = 0;
+    for (const std::vector<Action>& rank : order)
+        for (const Action& a : rank) m = std::max(m, a.microbatch);
+    return m + 1;
+}
+
+// GPipe and 1F1B: each receive just before the action that reads it, each send just after the one that makes it.
+LoweredOrder lower_just_in_time(const RankOrder& order, int num_stages) {
+    LoweredOrder out(order.size());
+    for (size_t r = 0; r < order.size(); ++r)
+        for (const Action& a : order[r]) {
+            const int s = a.stage, k = a.microbatch;
+            const bool forward = a.op == Op::Forward, weight = a.op == Op::BackwardWeight;
+            const Op message = forward ? Op::Forward : Op::Backward;
+            if (forward ? s > 0 : !weight && s + 1 < num_stages) out[r].push_back({Step::Receive, {s, message, k}});
+            out[r].push_back({Step::Compute, a});
+            if (forward ? s + 1 < num_stages : !weight && s > 0) out[r].push_back({Step::Send, {s, message, k}});
+        }
+    return out;
+}
+
+// torch's _add_send_recv over `order` (simulate.h).
+LoweredOrder lower_in_rounds(const RankOrder& order, const std::vector<int>& stage_rank, int m) {
+    const int num_ranks = static_cast<int>(order.size());
+    const int num_stages = static_cast<int>(stage_rank.size());
+    auto cell = [m](int stage, int microbatch) { return static_cast<size_t>(stage) * m + microbatch; };
+    const size_t cells = static_cast<size_t>(num_stages) * m;
+    // received[cell * 2 + 0]: RECV_F of (stage, micro-batch) listed; [cell * 2 + 1]: RECV_B. ran[...]: its F
+    // ran, its B or I ran.
+    std::vector<char> received(cells * 2, 0), ran(cells * 2, 0);
+    auto local = [&](int a, int b) { return stage_rank[a] == stage_rank[b]; };
+    auto ready = [&](const Action& a) {
+        const int s = a.stage, k = a.microbatch;
+        switch (a.op) {
+            case Op::Forward:
+                return s == 0 || received[cell(s, k) * 2] || (local(s - 1, s) && ran[cell(s - 1, k) * 2]);
+            case Op::Backward:
+            case Op::BackwardInput:
+                return s + 1 == num_stages || received[cell(s, k) * 2 + 1] ||
+                       (local(s + 1, s) && ran[cell(s + 1, k) * 2 + 1]);
+            case Op::BackwardWeight: return true;
+        }
+        return true;
+    };
+
+    LoweredOrder out(order.size());
+    std::vector<size_t> next(order.size(), 0);
+    size_t left = 0;
+    for (const std::vector<Action>& rank : order) left += rank.size();
+    while (left > 0) {
+        bool progress = false;
+        for (int r = 0; r < num_ranks; ++r) {
+            if (next[r] == order[r].size() || !ready(order[r][next[r]])) continue;
+            const Action& a = order[r][next[r]];
+            const int s = a.stage, k = a.microbatch;
+            out[r].push_back({Step::Compute, a});
+            if (a.op == Op::Forward) {
+                ran[cell(s, k) * 2] = 1;
+                if (s + 1 < num_stages && !local(s, s + 1)) {
+                    out[r].push_back({Step::Send, {s, Op::Forward, k}});
+                    out[stage_rank[s + 1]].push_back({Step::Receive, {s + 1, Op::Forward, k}});
+                    received[cell(s + 1, k) * 2] = 1;
+                }
+            } else if (a.op != Op::BackwardWeight) {
+                ran[cell(s, k) * 2 + 1] = 1;
+                if (s > 0 && !local(s, s - 1)) {
+                    out[r].push_back({Step::Send, {s, Op::Backward, k}});
+                    out[stage_rank[s - 1]].push_back({Step::Receive, {s - 1, Op::Backward, k}});
+                    received[cell(s - 1, k) * 2 + 1] = 1;
+                }
+            }
+            ++next[r];
+            --left;
+            progress = true;
+        }
+        if (!progress) {
+            std::string stuck;
+            for (int r = 0; r < num_ranks; ++r)
+                if (next[r] < order[r].size()) stuck += (stuck.empty() ? "" : ", ") + std::string("rank ") +
+                                                        std::to_string(r) + " at " + token(order[r][next[r]]);
+            throw std::invalid_argument("the order cannot be lowered: " + stuck + " wait for a message no rank sends");
+        }
+    }
+    return out;
+}
+
+}  // namespace
+
+LoweredOrder lower_order(Schedule schedule, const RankOrder& order, const std::vector<int>& stage_rank) {
+    const int num_stages = static_cast<int>(stage_rank.size());
+    if (num_stages < 1 || order.empty())
+        throw std::invalid_argument("need at least one stage and one rank (got " + std::to_string(num_stages) +
+                                    " stages, " + std::to_string(order.size()) + " ranks)");
+    const int m = order_microbatches(order);
+    check_order(order, stage_rank, num_stages, m);
+    return is_single_stage(schedule) ? lower_just_in_time(order, num_stages) : lower_in_rounds(order, stage_rank, m);
+}
+
+ReceiveBuffers receive_buffers(const LoweredOrder& order, const std::vector<int>& stage_rank) {
+    const int num_stages = static_cast<int>(stage_rank.size());
+    const int num_ranks = static_cast<int>(order.size());
+    for (int s = 0; s < num_stages; ++s)
+        if (stage_rank[s] < 0 || stage_rank[s] >= num_ranks)
+            throw std::invalid_argument("stage " + std::to_string(s) + " is placed on rank " +
+                                        std::to_string(stage_rank[s]) + ", but there are " +
+                                        std::to_string(num_ranks) + " ranks");
+    ReceiveBuffers peak{std::vector<int>(num_stages, 0), std::vector<int>(num_stages, 0)};
+    std::vector<int> inputs(num_stages, 0), gradients(num_stages, 0);
+    // Stage s receives its input (not its rank's previous stage's output).
+    auto receives = [&](int s) { return s > 0 && stage_rank[s - 1] != stage_rank[s]; };
+    auto add = [](std::vector<int>& live, std::vector<int>& most, int s) { most[s] = std::max(most[s], ++live[s]); };
+    for (int r = 0; r < num_ranks; ++r)
+        for (const LoweredAction& step : order[r]) {
+            const int s = step.action.stage;
+            if (s < 0 || s >= num_stages || stage_rank[s] != r)
+                throw std::invalid_argument("a step of stage " + std::to_string(s) + " is on rank " +
+                                            std::to_string(r) + ", which does not hold it");
+            if (step.step == Step::Receive) {
+                add(step.action.op == Op::Forward ? inputs : gradients,
+                    step.action.op == Op::Forward ? peak.inputs : peak.gradients, s);
+                continue;
+            }
+            if (step.step != Step::Compute) continue;
+            const Op op = step.action.op;
+            const bool last = s + 1 == num_stages;
+            if (op == Op::Backward || op == Op::BackwardWeight) {
+                if (receives(s)) --inputs[s];
+                if (!last) --gradients[s];
+            }
+            // The input gradient handed to the previous stage on this rank.
+            if ((op == Op::Backward || op == Op::BackwardInput) && s > 0 && stage_rank[s - 1] == r)
+                add(gradients, peak.gradients, s - 1);
+        }
+    return peak;
+}
+
+ReceiveBuffers schedule_receive_buffers(Schedule schedule, int num_ranks, int num_microbatches,
+                                        int stages_per_rank) {
+    const RankOrder order = schedule_order(schedule, num_ranks, num_microbatches, stages_per_rank);
+    const std::vector<int> stage_rank = stage_placement(schedule, num_ranks, stages_per_rank);
+    return receive_buffers(lower_order(schedule, order, stage_rank), stage_rank);
 }
 
 }  // namespace pyplan

@@ -34,6 +34,7 @@ from pyplan.emit.planfile import PlanFile, read_plan_file, write_plan_file
 from pyplan.emit.script import write_script
 from pyplan.errors import PlanError, TraceError
 from pyplan.graph.chain import Chain
+from pyplan.graph.experts import expert_leaves, find_expert_layers
 from pyplan.graph.linearize import linearize
 from pyplan.graph.sequence_parallel import sequence_zone
 from pyplan.graph.tensor_parallel import derive_tp_plan, read_tp_plan, vocab_parallel_loss
@@ -46,7 +47,14 @@ from pyplan.profile import TimingOptions, default_batch_sizes, local_device, pro
 from pyplan.profile.capture import is_local
 from pyplan.report.console import make_console, spinner
 from pyplan.report.html import write_html_report
-from pyplan.report.inspect import inspect_data, render_inspect, render_tensor_parallel, tensor_parallel_data
+from pyplan.report.inspect import (
+    expert_parallel_data,
+    inspect_data,
+    render_expert_parallel,
+    render_inspect,
+    render_tensor_parallel,
+    tensor_parallel_data,
+)
 from pyplan.report.pareto import parse_weights, write_pareto
 from pyplan.report.plans import render_plans
 from pyplan.solve.remat_search import OFFLOAD_MODES, REMAT_MODES
@@ -115,6 +123,8 @@ def _inspect(args: argparse.Namespace) -> int:
         raise PlanError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.tp is not None and not 2 <= args.tp <= 1024:
         raise PlanError(f"--tp takes a degree from 2 to 1024, got {args.tp}")
+    if args.ep is not None and args.ep < 1:
+        raise PlanError(f"--ep takes a degree of 1 or more (ranks that split each layer's experts), got {args.ep}")
     for flag, value, least in (
         ("--threads", args.threads, 1),
         ("--repeats", args.repeats, 1),
@@ -143,14 +153,17 @@ def _inspect(args: argparse.Namespace) -> int:
         with spinner(f"inspecting {args.model}") as say:
             say("tracing")
             try:
+                # With --ep, the capture a plan with expert parallelism cuts: each layer's experts kept whole.
+                leaves = [*args.leaf, *expert_leaves(model)] if args.ep is not None else args.leaf
                 with limit.tracing():
-                    graph = trace(model, spec.example_inputs, leaf_modules=args.leaf, batch_size=args.batch_size)
+                    graph = trace(model, spec.example_inputs, leaf_modules=leaves, batch_size=args.batch_size)
             except PlanError as exc:
                 cause = one_value_per_channel(exc)
                 if cause is None:
                     raise
                 raise _cannot_run_at(cause, model, args.batch_size) from exc
             chain = linearize(graph, min_blocks=args.min_blocks, max_blocks=args.max_blocks)
+            experts = None if args.ep is None else expert_parallel_data(find_expert_layers(graph), args.ep, spec.name)
             say("profiling")
             chain = _profiled(chain, model, spec.example_inputs, args, options)
     data = inspect_data(
@@ -168,6 +181,8 @@ def _inspect(args: argparse.Namespace) -> int:
             vocab = vocab_parallel_loss(graph, plan, args.tp, spec.loss)
             zone = sequence_zone(graph, plan, args.tp)
         data["tensor_parallel"] = tensor_parallel_data(plan, zone, args.tp, vocab)
+    if experts is not None:
+        data["expert_parallel"] = experts
     if args.json:
         print(json.dumps(data, indent=2))
     else:
@@ -175,6 +190,8 @@ def _inspect(args: argparse.Namespace) -> int:
         render_inspect(data, console)
         if args.tp is not None:
             render_tensor_parallel(data["tensor_parallel"], console)
+        if experts is not None:
+            render_expert_parallel(experts, console)
     return 0
 
 
@@ -563,6 +580,13 @@ def _add_inspect_parser(sub: Any) -> None:
         metavar="T",
         help="also show how tensor parallelism T splits the model: each module's style, the ones left whole and "
         "why, and whether sequence parallelism applies",
+    )
+    p.add_argument(
+        "--ep",
+        type=int,
+        metavar="E",
+        help="also show how expert parallelism E splits each mixture-of-experts layer's routed experts over E ranks: "
+        "router, top-k, parameters per expert, shared experts, and why a layer does not split",
     )
     p.add_argument(
         "--optimizer",

@@ -25,6 +25,7 @@ from pyplan._torch import (
     tree_map_only,
 )
 from pyplan.errors import TraceError
+from pyplan.graph.experts import keep_experts_whole
 from pyplan.graph.functions import kept_whole
 from pyplan.graph.layergraph import Affine, GraphNode, LayerGraph, TensorInfo
 from pyplan.graph.masks import is_batch_size, simplify_attention_masks
@@ -656,7 +657,8 @@ def trace(
         model.to("meta")
     if batch_size is None:
         batch_size = 2 if callable(example_inputs) else _flat_tensors(_as_call(example_inputs))[0].shape[0]
-    gm = _capture(model, example_inputs, leaves, batch_size)
+    # Routed experts among the leaves are kept whole under torch.export too, which has no leaf modules.
+    gm = keep_experts_whole(model, leaves, lambda: _capture(model, example_inputs, leaves, batch_size))
     simplify_attention_masks(gm)
     return graph_of(gm, example_inputs, batch_size, tuple(x if isinstance(x, str) else x.__name__ for x in leaves))
 

@@ -1,4 +1,5 @@
-"""`pyplan inspect`: the blocks of a profiled chain with time, FLOPs, parameters and bytes.
+"""`pyplan inspect`: the blocks of a profiled chain with time, FLOPs, parameters and bytes; with --tp how tensor
+parallelism splits the model, with --ep how expert parallelism splits its mixture-of-experts layers.
 
 The tables fit the console without cutting a figure: times only where measured, FLOP columns dropped where the
 names would otherwise have too little room, and a name too long for its column keeps its distinguishing tail
@@ -7,6 +8,7 @@ names would otherwise have too little room, and a name too long for its column k
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,13 +16,22 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
+from pyplan.errors import PlanError
 from pyplan.graph.chain import Chain
+from pyplan.graph.experts import ExpertPlan
 from pyplan.graph.sequence_parallel import SequenceZone
 from pyplan.graph.tensor_parallel import TpPlan
 from pyplan.model_state import model_state_bytes
 from pyplan.units import fmt_bytes, fmt_count, fmt_seconds
 
-__all__ = ["inspect_data", "render_inspect", "render_tensor_parallel", "tensor_parallel_data"]
+__all__ = [
+    "expert_parallel_data",
+    "inspect_data",
+    "render_expert_parallel",
+    "render_inspect",
+    "render_tensor_parallel",
+    "tensor_parallel_data",
+]
 
 
 def _at(a: Any, b: int) -> float | None:
@@ -242,3 +253,93 @@ def render_tensor_parallel(data: dict[str, Any], console: Console) -> None:
             "runs on each rank's slice of the vocabulary)",
             markup=False,
         )
+
+
+def expert_parallel_data(plan: ExpertPlan, degree: int, model: str) -> dict[str, Any]:
+    """How expert parallelism of `degree` splits the model's mixture-of-experts layers (`pyplan inspect --ep`, the
+    "expert_parallel" key of its JSON): every layer's figures (pyplan/graph/experts.py's ExpertLayer) with `splits`
+    and `why` it does not, and the modules of experts whose routing was not recognized. One line naming the problem
+    and the fix (PlanError) for a degree below 1, a model without experts, or a degree that divides no layer's
+    experts."""
+    if degree < 1:
+        raise PlanError(f"--ep takes a degree of 1 or more (ranks that split each layer's experts), got {degree}")
+    if not plan:
+        raise PlanError(
+            f"--ep: {model} has no mixture-of-experts layer (a router's top-k choice feeding experts that hold one "
+            "set of parameters each); leave --ep out"
+        )
+    counts = sorted({x.num_experts for x in plan.layers})
+    if plan.layers and all(x.num_experts % degree for x in plan.layers):
+        common = math.gcd(*counts)
+        fits = [e for e in range(2, common + 1) if common % e == 0]
+        fix = f"choose {', '.join(map(str, fits))}" if fits else "no degree above 1 divides them all"
+        raise PlanError(
+            f"--ep {degree} divides the experts of no layer ({' or '.join(map(str, counts))} experts); {fix}"
+        )
+    layers = [
+        {
+            **x.to_json(),
+            "splits": x.splits_at(degree),
+            "why": x.why_not(degree),
+            "experts_per_rank": x.num_experts // degree if x.splits_at(degree) else x.num_experts,
+        }
+        for x in plan.layers
+    ]
+    return {"degree": degree, "layers": layers, "unrouted": dict(plan.unrouted)}
+
+
+def collapsed(paths: Sequence[str]) -> str:
+    """Module paths that differ in one layer number as one (`layers.{0,1,2}.mlp.experts`, `layers.{0..31}.mlp`);
+    others as the first and how many more."""
+    if len(paths) == 1:
+        return paths[0]
+    split = [p.split(".") for p in paths]
+    differ = [i for i in range(len(split[0])) if len({len(s) for s in split}) == 1 and len({s[i] for s in split}) > 1]
+    if len({len(s) for s in split}) != 1 or len(differ) != 1 or not all(s[differ[0]].isdigit() for s in split):
+        return f"{paths[0]} (+{len(paths) - 1} more)"
+    at = differ[0]
+    numbers = sorted(int(s[at]) for s in split)
+    run = numbers == list(range(numbers[0], numbers[-1] + 1)) and len(numbers) > 3
+    inner = f"{numbers[0]}..{numbers[-1]}" if run else ",".join(map(str, numbers))
+    return ".".join([*split[0][:at], f"{{{inner}}}", *split[0][at + 1 :]])
+
+
+_SAME = ("num_experts", "top_k", "expert_params", "shared_params", "router_params", "gated", "score", "why")
+
+
+def render_expert_parallel(data: dict[str, Any], console: Console) -> None:
+    """Print how expert parallelism splits the model: one row per mixture-of-experts layer, layers with the same
+    figures and verdict in one (`collapsed` paths), then why those that do not split do not, and the modules of
+    experts whose routing was not recognized."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for x in data["layers"]:
+        groups.setdefault(tuple(x[k] for k in _SAME), []).append(x)
+    layers = data["layers"]
+    scores = sorted({x["score"] or "raw" for x in layers})
+    gated = all(x["gated"] for x in layers)
+    table = Table(
+        title=f"expert parallelism {data['degree']}: {sum(x['splits'] for x in layers)} of {len(layers)} "
+        "mixture-of-experts layers split",
+        caption=f"params: one routed expert's{' (gated MLPs)' if gated else ''}; router scores: {', '.join(scores)}",
+    )
+    table.add_column("experts", overflow="fold")
+    for name in ("top-k", "params", "shared", "router", "per rank"):
+        table.add_column(name, justify="right", no_wrap=True)
+    whys = []
+    for rows in groups.values():
+        x, paths = rows[0], collapsed([r["path"] for r in rows])
+        table.add_row(
+            paths,
+            f"{x['top_k']} of {x['num_experts']}",
+            fmt_count(x["expert_params"]),
+            fmt_count(x["shared_params"]) if x["shared_params"] else "-",
+            fmt_count(x["router_params"]),
+            f"{x['experts_per_rank']} experts" if x["splits"] else "all (whole)",
+        )
+        if not x["splits"]:
+            whys.append(f"{paths}: not split: {x['why']}")
+    console.print(table)
+    for line in whys:
+        console.print(line, markup=False)
+    for module, why in data["unrouted"].items():
+        console.print(f"{module}: holds experts' parameters, left whole: {why}", markup=False)

@@ -21,21 +21,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from pyplan.errors import PlanError
+from pyplan.graph.experts import expert_leaves, find_expert_layers
 from pyplan.graph.layergraph import LayerGraph
 from pyplan.graph.tensor_parallel import derive_tp_plan, restrict_tp_plan, vocab_parallel_loss
 from pyplan.graph.trace import ExampleInputs, LeafSpec, inputs_at, trace
 from pyplan.plan import SPLIT_BACKWARD, Layout, master_refusal
 from pyplan.runtime.affinity import pin_rank
 from pyplan.runtime.clip import clip_gradients
+from pyplan.runtime.experts import ExpertShards, apply_expert_parallel, expert_groups, expert_refusal
 from pyplan.runtime.heap import keep_freed_memory
 from pyplan.runtime.master import MasterWeights
 from pyplan.runtime.optim import OptimizerFactory, OptimizerSpec, optimizer_factory
+from pyplan.runtime.recv import LeanStage, ReceiveLedger, lower_receives, lowers_receives
 from pyplan.runtime.sharded import ShardedTrainer, build_sharded_trainer
 from pyplan.runtime.stages import check_span, cut_model, local_stages, stage_io, tied_parameters
 from pyplan.runtime.tensor_parallel import (
@@ -117,7 +119,10 @@ class PipelineTrainer:
     # 2 x 1: 4.21 MB freed, 3.73 MB in place, as a single process trains).
     zero_in_place: bool = False
     grad_norm: float = float("nan")  # the gradient's norm at the last step that clipped
+    experts: ExpertShards | None = None  # this rank's slices of the experts under expert parallelism
     input_dtype: torch.dtype | None = None  # floating inputs cast to the stages' 16-bit weights' dtype
+    # The receive buffers this rank's stages hold, and the most held (pyplan/runtime/recv.py).
+    receives: ReceiveLedger = field(default_factory=ReceiveLedger)
 
     @property
     def dp_rank(self) -> int:
@@ -153,7 +158,8 @@ class PipelineTrainer:
     def _clipped_gradients(self) -> list[tuple[torch.Tensor, float]]:
         """Each gradient of this rank once, with its weight in the norm over the world (`clip_gradients`)."""
         later = {id(p) for params, _, first in self.tied_groups if not first for p in params}
-        return [(g, 0.0 if id(p) in later else self._norm_weight(g)) for p, g in self._gradients()]
+        spread = self.experts.norm_factor if self.experts is not None else lambda p: 1.0
+        return [(g, 0.0 if id(p) in later else self._norm_weight(g) * spread(p)) for p, g in self._gradients()]
 
     def _gradients(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """Each parameter of this rank once with its gradient, where it has one: the fp32 one beside 16-bit
@@ -196,6 +202,8 @@ class PipelineTrainer:
         return losses
 
     def _finish_gradients(self) -> None:
+        if self.experts is not None:
+            self.experts.reduce_gradients()  # over the replicas holding the same experts (runtime/experts.py)
         params = _unique_parameters(self.modules)
         if self.layout.tp > 1:
             sync_gradients(params)  # each gradient in its parameter's layout (pyplan/runtime/tensor_parallel.py)
@@ -291,6 +299,8 @@ def build_trainer(
         )
     if precision not in _AUTOCAST:
         raise PlanError(f"unknown precision '{precision}'; choose one of {', '.join(_AUTOCAST)}")
+    if expert_refusal(layout, precision):
+        raise PlanError(f"expert parallelism {expert_refusal(layout, precision)}")
     if precision in _MASTER:
         refused = master_refusal(layout)
         if refused:
@@ -350,11 +360,13 @@ def _pipeline_trainer(
     # Tensor parallelism splits the traced graph before it is cut, over the mesh's tp axis: the mesh comes first.
     mesh = build_mesh(layout, device.type) if layout.tp > 1 else None
     losses: list[Any] = []  # the loss the split model trains with (_split_layers)
-    _, stages = cut_model(
+    # Expert parallelism cuts the capture that keeps each MoE layer's experts whole (pyplan/graph/experts.py).
+    expert_paths = expert_leaves(model) if layout.ep > 1 else ()
+    chain, stages = cut_model(
         model,
         examples,
         layout,
-        leaf_modules=leaf_modules,
+        leaf_modules=(*leaf_modules, *expert_paths),
         copy_shared_outputs=split_backward,
         autocast_dtype=_AUTOCAST[precision],
         transform=functools.partial(_split_layers, layout=layout, mesh=mesh, loss=spec.loss, found=losses)
@@ -376,11 +388,24 @@ def _pipeline_trainer(
     # DDP takes no DTensor parameters: with tensor parallelism the replicas' gradients are averaged by hand too;
     # and 16-bit weights' fp32 gradients are not the parameters' own (MasterWeights).
     manual_grads = split_backward or shared or layout.tp > 1 or weights is not None
+    experts = (
+        apply_expert_parallel(
+            [stages[s] for s in mine],
+            find_expert_layers(chain.graph).layers,
+            chain.graph.module,
+            expert_groups(mesh, layout.ep),
+            shared_parameters=shared,
+        )
+        if layout.ep > 1
+        else None
+    )
     if manual_grads and layout.zero_stage == 3 and layout.dp > 1:
         raise PlanError("stages sharing parameters on one rank are not supported with ZeRO-3 yet; use ZeRO 0-1")
     modules = [_data_parallel(stages[s].to(device, weights), layout, mesh, manual_grads) for s in mine]
+    # Receive buffers allocated as receives are posted and dropped once read, not m of each for the stage's life.
+    receives = ReceiveLedger()
     pipeline_stages = [
-        PipelineStage(
+        LeanStage(
             module,
             s,
             layout.num_stages,
@@ -388,6 +413,7 @@ def _pipeline_trainer(
             input_args=tuple(_example(t, weights) for t in io[s][0]),
             output_args=tuple(_example(t, weights) for t in io[s][1]),
             group=mesh["pp"].get_group(),
+            ledger=receives,
         )
         for s, module in zip(mine, modules)
     ]
@@ -403,6 +429,8 @@ def _pipeline_trainer(
     if weights is not None:
         loss_fn = _in_fp32(loss_fn)
     schedule = cls(stage_arg, n_microbatches=layout.num_microbatches, loss_fn=loss_fn, scale_grads=not manual_grads)
+    if lowers_receives(schedule):  # its receives posted where the plan counts them
+        lower_receives(schedule, layout.schedule, layout.pp, layout.num_microbatches, layout.stages_per_rank)
     # Gradients kept in place between steps where the plan counts them held (DDP's buckets; the fp32 gradients of
     # 16-bit weights over replicas, as Megatron-LM's buffers), freed on one replica.
     in_place = any(isinstance(m, DistributedDataParallel) for m in modules) or (weights is not None and layout.dp > 1)
@@ -417,7 +445,9 @@ def _pipeline_trainer(
         tied_groups,
         manual_grads,
         in_place,
+        experts=experts,
         input_dtype=weights,
+        receives=receives,
     )
 
 

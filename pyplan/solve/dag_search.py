@@ -349,8 +349,9 @@ def _evaluate(
     overlapped = bool(costs.host.get("sync_overlaps_backward", True))
     stages: list[StagePlan] = []
     exposed = optimizer = 0.0
+    received = _core.receive_buffers(c.schedule, p, c.num_microbatches, 1)
     for s in range(p):
-        stage, sync, step = _stage_plan(nc, costs, figures, s, send, messages)
+        stage, sync, step = _stage_plan(nc, costs, figures, s, send, messages, received)
         exposed = max(exposed, sync - stage.backward_s if overlapped else sync)
         optimizer = max(optimizer, step)
         stages.append(stage)
@@ -393,9 +394,11 @@ def _stage_plan(
     s: int,
     send: Sequence[float],
     messages: Sequence[float],
+    received: Mapping[str, Sequence[int]],
 ) -> tuple[StagePlan, float, float]:
     """Stage s of an assignment as the stage model counts it, with its gradient sync's seconds and its optimizer
-    step's (`figures`: ilp.evaluate_stages's boundary bytes, stage times, state and in-flight activations)."""
+    step's (`figures`: ilp.evaluate_stages's boundary bytes, stage times, state and in-flight activations;
+    `received`: the schedule's receive buffers per stage, _core.receive_buffers)."""
     c = costs.config
     p, m = c.pp, c.num_microbatches
     members = figures.stage_nodes(s)
@@ -404,12 +407,16 @@ def _stage_plan(
     f = sum(nc.fwd_s[v] for v in members) + costs.host_s("stage_forward_s") + messages_s
     g = sum(nc.bwd_s[v] for v in members) + costs.host_s("stage_backward_s") + messages_s
     state, act = figures.stage_state_bytes[s], figures.stage_act_bytes[s]
-    # Step 9: torch's receive buffers, one per micro-batch for the input (those in flight counted with the
-    # activations) and for the output's gradient; the last input gradient; the first stage's whole batch; 1F1B's
-    # last warm-up send (partition.h's held_input_cuts, simulate.h's warmup_send_held).
+    # Step 9: the runtime's receive buffers (search.h): those of the input beyond the n in flight (counted with the
+    # activations; none where each receive is posted just before its forward, as GPipe and 1F1B do) and those of
+    # the output's gradient (one, the backward's); the first stage's whole batch, the last input gradient
+    # (partition.h's held_input_cuts); 1F1B's last warm-up send (simulate.h's warmup_send_held).
     n = figures.stage_in_flight[s]
-    into = _core.held_input_cuts(m, n, s) * (figures.boundary_bytes[s - 1] if s > 0 else sum(nc.dag.input_bytes))
-    outputs = m + warmup_send_held(c.schedule, m, p, s)
+    ahead = received["inputs"][s] - n if received["inputs"][s] > 0 else 0
+    into = (_core.held_input_cuts(m, n, s) + ahead) * (
+        figures.boundary_bytes[s - 1] if s > 0 else sum(nc.dag.input_bytes)
+    )
+    outputs = received["gradients"][s] + warmup_send_held(c.schedule, m, p, s)
     buffer = into + (outputs * figures.boundary_bytes[s] if s < p - 1 else 0.0)
     # Steps 5 and 6: the stage's gradient sync, overlapped with its backward or not; the optimizer step.
     params = sum(nc.params[v] for v in members)

@@ -469,13 +469,12 @@ def _optimizer_step(
     plan: Plan, params: StageParams | None, tied_copy_numel: Sequence[float], cuts: Sequence[float]
 ) -> tuple[list[float], list[float]]:
     """Per stage, the optimizer step's temporaries (`optimizer_step_bytes`), and all it holds: the state, the
-    buffers, the inputs of the micro-batches in flight (the caller's batch on the first stage, torch's receive
-    buffers on the others) and the temporaries; it matters where activations are small."""
+    temporaries, and on the first stage the caller's batch (m micro-batches of its input cut); the schedule has
+    ended, and the runtime's receive buffers with it (pyplan/runtime/recv.py). It matters where activations are
+    small."""
     step = _step_bytes(plan, params, tied_copy_numel) if params is not None else [0.0] * len(plan.stages)
-    in_step = [
-        st.state_bytes + st.buffer_bytes + st.in_flight * cuts[st.first_block] + step[s]
-        for s, st in enumerate(plan.stages)
-    ]
+    batch = plan.layout.num_microbatches * cuts[0]
+    in_step = [st.state_bytes + (batch if s == 0 else 0.0) + step[s] for s, st in enumerate(plan.stages)]
     return step, in_step
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch.distributed.pipelining import schedules as torch_schedules
 
-__all__ = ["executed_order", "pipeline_order"]
+__all__ = ["executed_order", "lowered_order", "pipeline_order"]
 
 _COMPUTE = {"F", "B", "I", "W"}
 
@@ -24,18 +24,31 @@ class _StubStage:
         self.submod = None
         self.stage_index_to_group_rank: dict[int, int] = {}
         self.output_chunks: list[Any] = []
-        self.log: list[str] = []
+        self.log: list[str] = []  # the computations
+        self.steps: list[str] = []  # the computations and the receives a real stage would post
 
     def get_fwd_recv_ops(self, mb: int) -> list[Any]:
+        if not self.is_first:
+            self.steps.append(f"{self.stage_index}RECV_F{mb}")
         return []
 
-    get_fwd_send_ops = get_bwd_recv_ops = get_bwd_send_ops = get_fwd_recv_ops
+    def get_bwd_recv_ops(self, mb: int) -> list[Any]:
+        if not self.is_last:
+            self.steps.append(f"{self.stage_index}RECV_B{mb}")
+        return []
+
+    def get_fwd_send_ops(self, mb: int) -> list[Any]:
+        return []
+
+    get_bwd_send_ops = get_fwd_send_ops
 
     def forward_one_chunk(self, mb: int, *args: Any, **kwargs: Any) -> None:
         self.log.append(f"{self.stage_index}F{mb}")
+        self.steps.append(self.log[-1])
 
     def backward_one_chunk(self, mb: int, **kwargs: Any) -> None:
         self.log.append(f"{self.stage_index}B{mb}")
+        self.steps.append(self.log[-1])
 
     def perform_reduce_grad(self, *args: Any) -> None:
         pass
@@ -67,9 +80,7 @@ def _build(schedule: str, num_ranks: int, num_microbatches: int, stages_per_rank
     return cls(stages, num_microbatches)
 
 
-def pipeline_order(
-    schedule: str, num_ranks: int, num_microbatches: int, stages_per_rank: int
-) -> list[list[str]]:
+def pipeline_order(schedule: str, num_ranks: int, num_microbatches: int, stages_per_rank: int) -> list[list[str]]:
     """The schedule's `pipeline_order`, per rank; for multi-stage schedules also checked against the
     compute actions of `pipeline_order_with_comms`, the list the runtime executes."""
     sched = _build(schedule, num_ranks, num_microbatches, stages_per_rank)
@@ -80,8 +91,9 @@ def pipeline_order(
     return order
 
 
-def executed_order(schedule: str, num_ranks: int, num_microbatches: int) -> list[list[str]]:
-    """For a single-stage schedule (GPipe, 1F1B), what `_step_microbatches` computes on each rank."""
+def executed_order(schedule: str, num_ranks: int, num_microbatches: int, *, receives: bool = False) -> list[list[str]]:
+    """For a single-stage schedule (GPipe, 1F1B), what `_step_microbatches` computes on each rank; with `receives`,
+    also the receives it asks its stage for ("1RECV_F0"), in order."""
     cls = torch_schedules.get_schedule_class(schedule)
     order = []
     for rank in range(num_ranks):
@@ -89,5 +101,17 @@ def executed_order(schedule: str, num_ranks: int, num_microbatches: int) -> list
         sched = cls(stage, num_microbatches)
         sched._initialize_stage = lambda *args, **kwargs: None  # no process group, nothing to set up
         sched._step_microbatches()
-        order.append(stage.log)
+        order.append(stage.steps if receives else stage.log)
     return order
+
+
+def lowered_order(schedule: str, order: list[list[tuple[int, str, int]]], stage_rank: list[int]) -> list[list[str]]:
+    """torch's lowering (`_add_send_recv`) of a multi-stage schedule's compute `order` ((stage, op, micro-batch) per
+    rank) with its stages placed by `stage_rank`: the order with sends and receives ("1SEND_F0", "2RECV_F0")."""
+    kinds = {"F": "FORWARD", "B": "FULL_BACKWARD", "I": "BACKWARD_INPUT", "W": "BACKWARD_WEIGHT"}
+    actions = {
+        r: [torch_schedules._Action(s, torch_schedules._ComputationType[kinds[op]], k) for s, op, k in rank]
+        for r, rank in enumerate(order)
+    }
+    lowered = torch_schedules._add_send_recv(actions, stage_to_rank=lambda s: stage_rank[s], num_stages=len(stage_rank))
+    return [[str(a) for a in lowered[r]] for r in range(len(order))]

@@ -111,11 +111,6 @@ def _cost(name: str) -> Callable[[Gen, ModuleType], Call]:
     return make
 
 
-def _in_flight(g: Gen, _core: ModuleType) -> Call:
-    m = g.int(1, 8)
-    return [m, g.int(1, 8)], {}
-
-
 def _held(g: Gen, _core: ModuleType) -> Call:
     return [g.int(1, 8), g.int(1, 8), g.int(0, 4)], {}
 
@@ -133,12 +128,13 @@ def _partition(g: Gen, _core: ModuleType) -> Call:
         "objective": g.choice(("pipeline_time", "bottleneck")),
         "latency_s": g.float(0, 1e-4),
         "bw_bytes_per_s": g.float(1e8, 1e11) if g.rng.random() < 0.8 else math.inf,
-        "receive_buffers": g.rng.random() < 0.5,
     }
     if g.rng.random() < 0.4:
         kwargs["in_flight_per_stage"] = g.ints(stages, 1, m if 1 <= m <= 8 else 1)
     if g.rng.random() < 0.4:
-        kwargs["extra_output_cuts"] = g.ints(stages, 0, 2)
+        kwargs["input_buffer_cuts"] = g.ints(stages, 0, 8)
+    if g.rng.random() < 0.4:
+        kwargs["output_buffer_cuts"] = g.ints(stages, 0, 9)
     arrays = [g.floats(n, 0, 1e-2), g.floats(n, 0, 2e-2), g.floats(n, 0, 1e8), g.floats(n, 0, 1e9),
               g.floats(n + 1, 0, 1e7)]  # fmt: skip
     return arrays, kwargs
@@ -294,13 +290,14 @@ FUZZERS: dict[str, Callable[[Gen, ModuleType], Call]] = {
         "p2p_time_s", "ring_allreduce_time_s", "reduce_scatter_time_s", "all_gather_time_s",
         "hierarchical_allreduce_time_s", "zero_model_state_bytes", "pipeline_time_s", "bubble_fraction",
         "optimizer_step_time_s")},
-    "extra_input_cuts": _in_flight,
     "held_input_cuts": _held,
     "partition": _partition,
     "stage_placement": _placement,
     "warmup_send_held": _warmup,
     "torch_rejection": _shape,
     "schedule_order": _shape,
+    "lower_order": _shape,
+    "receive_buffers": _shape,
     "simulate": _simulate,
     "search": _search,
     "remat": _remat,

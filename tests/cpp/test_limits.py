@@ -83,17 +83,16 @@ def test_micro_batch_sizes_are_the_divisors_found_in_square_root_time() -> None:
     assert not result.feasible and "10 candidates with more than 1048576" in result.reason
 
 
-# 2. Signed overflow: partition's m + extra_output_cuts with INT_MAX micro-batches, the in-flight counts with
-# INT_MIN, the remat table's width near INT_MAX slots.
+# 2. Signed overflow: partition's buffer counts beyond INT_MAX, the in-flight counts with INT_MIN, the remat
+# table's width near INT_MAX slots.
 
 
-def test_int_max_micro_batches_keep_their_receive_buffers() -> None:
-    # Stage 0 holds (m + 1) output-gradient buffers of 1 byte: 2^31 bytes, over its 1e9 limit. With m + 1 wrapping
-    # to INT_MIN the stage needed -2^31 bytes and "fit".
+def test_buffer_counts_beyond_int_max_are_held() -> None:
+    # Stage 0 holds 2^31 output-cut tensors of 1 byte (INT_MAX micro-batches' gradients and a kept send): 2^31
+    # bytes, over its 1e9 limit. Counted in int, m + 1 wrapped to INT_MIN and the stage needed -2^31 bytes: "fit".
     got = _core.partition(
         [1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [0.0, 1.0, 0.0],
-        num_stages=2, num_microbatches=INT_MAX, mem_limit_bytes=[1e9, 1e10], receive_buffers=True,
-        extra_output_cuts=[1, 0],
+        num_stages=2, num_microbatches=INT_MAX, mem_limit_bytes=[1e9, 1e10], output_buffer_cuts=[2**31, 0],
     )  # fmt: skip
     assert not got.feasible
     assert got.overflow.stage == 0 and got.overflow.need_bytes == 2.0**31
@@ -102,7 +101,11 @@ def test_int_max_micro_batches_keep_their_receive_buffers() -> None:
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: _core.extra_input_cuts(5, INT_MIN), "in_flight must be in [1, 5], got -2147483648"),
+        (lambda: _core.held_input_cuts(5, INT_MIN, 1), "in_flight must be in [1, 5], got -2147483648"),
+        (lambda: _core.receive_buffers("GPipe", 2, INT_MAX, 1), "must be in [1, 1048576], got 2 x 1 x 2147483647"),
+        (lambda: _core.partition([1.0], [1.0], [0.0], [0.0], [0.0, 0.0], num_stages=1, num_microbatches=1,
+                                 mem_limit_bytes=[1.0], input_buffer_cuts=[-(2**63)]),
+         "input_buffer_cuts[0] must be in [0, 1000000000000000000], got -9223372036854775808"),
         (lambda: _core.held_input_cuts(INT_MAX, 0, 1), "in_flight must be in [1, 2147483647], got 0"),
         (lambda: _core.held_input_cuts(4, 2, INT_MIN), "stage must be >= 0, got -2147483648"),
         (lambda: _core.warmup_send_held("1F1B", INT_MAX, INT_MAX, INT_MIN), "stage must be in [0, 2147483646]"),

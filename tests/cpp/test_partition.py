@@ -150,16 +150,17 @@ def test_per_stage_in_flight_equals_brute_force(objective: str) -> None:
 
 @pytest.mark.parametrize("objective", ["pipeline_time", "bottleneck"])
 def test_receive_buffers_equal_brute_force(objective: str) -> None:
-    # torch's receive buffers: (m − n_s) more inputs into a non-first stage (the rest of the batch on the first)
-    # and m output gradients (and sends a schedule keeps) out of a non-last one; they depend on both cuts of a
-    # stage, which the DP's windows and the overflow DP must get right.
+    # What a stage holds beside its activations, in tensors of its input cut (receive buffers posted ahead, the
+    # rest of the batch on the first stage) and of its output cut (output gradients, a kept send): they depend on
+    # both cuts of a stage, which the DP's windows and the overflow DP must get right.
     rng = random.Random(77)
     feasible = 0
     for k in range(400):
         kwargs = _instance(rng)
-        kwargs["receive_buffers"] = True
+        p, m = kwargs["num_stages"], kwargs["num_microbatches"]
+        kwargs["input_buffer_cuts"] = [rng.randint(0, m) for _ in range(p)]
         if k % 2:
-            kwargs["extra_output_cuts"] = [rng.randint(0, 2) for _ in range(kwargs["num_stages"])]
+            kwargs["output_buffer_cuts"] = [rng.randint(0, m + 1) for _ in range(p)]
         _check_against_brute_force(kwargs, objective)
         got = partition(*_chain(kwargs), **_without(kwargs, *_CHAIN))
         feasible += got.feasible
@@ -276,8 +277,8 @@ def test_infeasible_reason_names_the_stage_and_the_bytes() -> None:
         ({"in_flight_per_stage": [1]}, "in_flight_per_stage must be empty or have one entry per stage (2), got 1"),
         ({"in_flight_per_stage": [1, 0]}, "in_flight_per_stage[1] must be in [1, 2], got 0"),
         ({"in_flight_per_stage": [3, 1]}, "in_flight_per_stage[0] must be in [1, 2], got 3"),
-        ({"extra_output_cuts": [1]}, "extra_output_cuts must be empty or have one entry per stage (2), got 1"),
-        ({"extra_output_cuts": [0, -1]}, "extra_output_cuts[1] must be >= 0, got -1"),
+        ({"input_buffer_cuts": [1]}, "input_buffer_cuts must be empty or have one entry per stage (2), got 1"),
+        ({"output_buffer_cuts": [0, -1]}, "output_buffer_cuts[1] must be in [0, 1000000000000000000], got -1"),
     ],
 )
 def test_bad_input_raises(change: dict[str, Any], message: str) -> None:
@@ -313,10 +314,10 @@ def test_large_chain_is_solved() -> None:
 
 
 def test_held_cuts_follow_torchs_schedules() -> None:
-    # The first stage holds the rest of the replica's batch; a later one receive buffers and, with fewer than m
-    # in flight, its last input gradient.
+    # The first stage holds the rest of the replica's batch; a later one, with fewer than m in flight, its last
+    # input gradient (its receive buffers are the schedule's, _core.receive_buffers).
     assert [_core.held_input_cuts(4, n, 0) for n in (1, 2, 4)] == [3, 2, 0]
-    assert [_core.held_input_cuts(4, n, 1) for n in (1, 2, 4)] == [4, 3, 0]
+    assert [_core.held_input_cuts(4, n, 1) for n in (1, 2, 4)] == [1, 1, 0]
     # Schedule1F1B keeps the Work of its last warm-up send: on a non-last stage with w = min(m, p − s) >= 2
     # warm-ups, past that micro-batch's backward once the steady phase reaches backward w − 1 (m >= 2w − 1).
     held = {(m, p, s) for m in range(1, 9) for p in range(1, 5) for s in range(p)

@@ -6,9 +6,10 @@ import random
 
 import pytest
 from _sim_reference import reference_simulate
-from _torch_orders import executed_order
+from _torch_orders import executed_order, lowered_order
 from _torch_orders import pipeline_order as torch_pipeline_order
 
+from pyplan import _core
 from pyplan.errors import PlanError
 from pyplan.solve.schedules import (
     SCHEDULES,
@@ -19,6 +20,7 @@ from pyplan.solve.schedules import (
     stage_placement,
     torch_rejection,
 )
+from tests.solve import reference
 
 # The stages per rank each schedule accepts (the loop-placed multi-stage ones: any; tried with these).
 STAGES_PER_RANK = {"GPipe": (1,), "1F1B": (1,), "ZBVZeroBubble": (2,), "DualPipeV": (2,)}
@@ -38,6 +40,71 @@ def _shapes() -> list[tuple[str, int, int, int]]:
     # Shapes where torch's interleaved schedules use uneven rounds or reject m.
     shapes += [(s, 4, m, 2) for s in ("Interleaved1F1B", "InterleavedZeroBubble") for m in (6, 9, 10)]
     return shapes
+
+
+# --- sends, receives and the receive buffers ---------------------------------------------------------------
+
+_MESSAGES = {("send", "F"): "SEND_F", ("receive", "F"): "RECV_F", ("send", "B"): "SEND_B", ("receive", "B"): "RECV_B"}
+
+
+def _lowered_tokens(schedule: str, p: int, m: int, v: int) -> list[list[str]]:
+    """_core.lower_order in torch's spelling ("1RECV_F0", "1F0")."""
+    return [
+        [f"{s}{op}{k}" if step == "compute" else f"{s}{_MESSAGES[(step, op)]}{k}" for step, s, op, k in rank]
+        for rank in _core.lower_order(schedule, p, m, v)
+    ]
+
+
+def _accepted() -> list[tuple[str, int, int, int]]:
+    return [shape for shape in _shapes() if not torch_rejection(*shape)]
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "v"), _accepted())
+def test_lowered_order_is_torchs(schedule: str, p: int, m: int, v: int) -> None:
+    """The receives go where torch posts them: before the computation that reads them, in the order GPipe's and
+    1F1B's _step_microbatches ask for them; for the multi-stage schedules where torch's own lowering puts them
+    (`_add_send_recv`) in the compute order without idle slots, the order pyplan's runtime hands torch."""
+    ours = _lowered_tokens(schedule, p, m, v)
+    if schedule in ("GPipe", "1F1B"):
+        no_sends = [[t for t in rank if "SEND" not in t] for rank in ours]
+        assert no_sends == executed_order(schedule, p, m, receives=True)
+        return
+    order = [[(a.stage, a.op, a.microbatch) for a in rank] for rank in pipeline_order(schedule, p, m, v)]
+    assert ours == lowered_order(schedule, order, stage_placement(schedule, p, v))
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "v"), _accepted())
+def test_receive_buffers_equal_reference(schedule: str, p: int, m: int, v: int) -> None:
+    got = _core.receive_buffers(schedule, p, m, v)
+    placement = stage_placement(schedule, p, v)
+    order = [[(a.stage, a.op, a.microbatch) for a in rank] for rank in pipeline_order(schedule, p, m, v)]
+    inputs, gradients = reference.receive_buffers(reference.lower_order(schedule, order, placement), placement)
+    assert (got["inputs"], got["gradients"]) == (inputs, gradients)
+    # A stage that receives its input holds at least the micro-batches in flight in receive buffers.
+    peak = simulate(schedule, [1.0] * (p * v), [1.0] * (p * v), backward_weight_s=[0.5] * (p * v),
+                    num_microbatches=m, stages_per_rank=v).peak_in_flight  # fmt: skip
+    for s in range(1, p * v):
+        if placement[s - 1] != placement[s]:
+            assert got["inputs"][s] >= peak[s]
+        else:
+            assert got["inputs"][s] == 0
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (2, 8), (4, 4), (4, 64), (8, 16)])
+def test_gpipe_and_1f1b_receive_just_in_time(p: int, m: int) -> None:
+    """Each receive just before its computation: the inputs in flight, and one output gradient, the backward's."""
+    for schedule in ("GPipe", "1F1B"):
+        got = _core.receive_buffers(schedule, p, m, 1)
+        n = [m if schedule == "GPipe" else min(m, p - s) for s in range(p)]
+        assert got["inputs"] == [0, *n[1:]]
+        assert got["gradients"] == [1] * (p - 1) + [0]
+
+
+def test_receive_buffers_do_not_grow_with_the_micro_batches_of_interleaved_schedules() -> None:
+    """Interleaved 1F1B holds what is in flight (Narayanan et al. 2021), not all m: the same counts at 8 and 64."""
+    for schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        few, many = _core.receive_buffers(schedule, 4, 8, 2), _core.receive_buffers(schedule, 4, 64, 2)
+        assert few == many and max(many["inputs"]) == 8 and max(many["gradients"]) <= 4
 
 
 # --- the order is torch's order ------------------------------------------------------------------------
@@ -98,9 +165,7 @@ def test_makespan_and_bubble_of_gpipe_and_1f1b(schedule: str, p: int, m: int) ->
 @pytest.mark.parametrize("schedule", ["Interleaved1F1B", "LoopedBFS"])
 @pytest.mark.parametrize(("p", "m", "v"), [(2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 16, 2), (4, 8, 4), (3, 9, 3)])
 @pytest.mark.parametrize(("f", "b"), [(1.0, 2.0), (1.0, 1.0), (2.0, 1.0)])
-def test_interleaving_divides_the_bubble_by_v(
-    schedule: str, p: int, m: int, v: int, f: float, b: float
-) -> None:
+def test_interleaving_divides_the_bubble_by_v(schedule: str, p: int, m: int, v: int, f: float, b: float) -> None:
     """Each of v chunks takes F/v and B/v: the pipeline's fill and drain shrink to (p−1)/v·(F+B)."""
     sim = simulate(schedule, [f / v] * (p * v), [b / v] * (p * v), num_microbatches=m, stages_per_rank=v)
     assert sim.makespan_s == pytest.approx((m + (p - 1) / v) * (f + b))
@@ -181,9 +246,7 @@ def test_simulator_equals_reference(seed: int) -> None:
 
 def test_send_time_is_paid_between_ranks_only() -> None:
     """Two stages, one micro-batch: F0, send, F1, B1, send, B0. On a V the tip stages share a rank."""
-    sim = simulate(
-        "GPipe", [1.0, 1.0], [2.0, 2.0], num_microbatches=1, send_forward_s=0.5, send_backward_s=0.25
-    )
+    sim = simulate("GPipe", [1.0, 1.0], [2.0, 2.0], num_microbatches=1, send_forward_s=0.5, send_backward_s=0.25)
     assert sim.makespan_s == pytest.approx(1 + 0.5 + 1 + 2 + 0.25 + 2)
     zbv = simulate(
         "ZBVZeroBubble",

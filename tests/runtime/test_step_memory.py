@@ -208,12 +208,12 @@ def test_stage_examples_hold_no_memory(one_rank: None, monkeypatch: pytest.Monke
 
     given: list[dict[str, Any]] = []
 
-    class Recording(trainer_module.PipelineStage):  # type: ignore[misc, name-defined]
+    class Recording(trainer_module.LeanStage):  # type: ignore[misc, name-defined]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             given.append(kwargs)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "PipelineStage", Recording)
+    monkeypatch.setattr(trainer_module, "LeanStage", Recording)
     points = cut_points(trace(VOCAB_SPEC.build(), VOCAB_SPEC.example_inputs, batch_size=VOCAB_MICRO_BATCH))
     layout = Layout(
         dp=1,

@@ -13,14 +13,18 @@ __all__ = [
     "all_gather_time_s",
     "bubble_fraction",
     "evaluate_partition",
+    "held_input_cuts",
     "hierarchical_allreduce_time_s",
     "in_flight_microbatches",
+    "lower_order",
     "optimizer_step_time_s",
     "p2p_time_s",
     "partition_brute_force",
     "pipeline_time_s",
+    "receive_buffers",
     "reduce_scatter_time_s",
     "ring_allreduce_time_s",
+    "warmup_send_held",
     "zero_model_state_bytes",
 ]
 
@@ -104,16 +108,90 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_micro
     return min(num_microbatches, num_stages - stage)
 
 
-def extra_input_cuts(num_microbatches: int, in_flight: int) -> int:
-    """Input cuts a stage s > 0 holds beyond its in-flight inputs: receive buffers for the other m − n
-    micro-batches, and its last backward's input gradient when n < m (partition.h)."""
-    return num_microbatches - in_flight + (in_flight < num_microbatches)
-
-
 def held_input_cuts(num_microbatches: int, in_flight: int, stage: int) -> int:
-    """Input cuts a stage holds beyond its in-flight inputs: extra_input_cuts for a later stage, the rest of the
-    replica's batch (m − n) for the first (partition.h)."""
-    return extra_input_cuts(num_microbatches, in_flight) if stage > 0 else num_microbatches - in_flight
+    """Input cuts a stage holds beyond its in-flight inputs and its receive buffers: the rest of the replica's batch
+    (m − n) on the first, its last backward's input gradient when n < m on a later one (partition.h)."""
+    return num_microbatches - in_flight if stage == 0 else int(in_flight < num_microbatches)
+
+
+def lower_order(
+    schedule: str, order: Sequence[Sequence[tuple[int, str, int]]], stage_rank: Sequence[int]
+) -> list[list[tuple[str, int, str, int]]]:
+    """Each rank's (step, stage, op, micro-batch) with its sends and receives (simulate.h): GPipe and 1F1B receive
+    just before the action that reads and send just after the one that makes; the others are lowered in rounds
+    over the ranks, an action taken once what it reads has been received or made on its rank."""
+    num_stages = len(stage_rank)
+    if schedule in ("GPipe", "1F1B"):
+        out: list[list[tuple[str, int, str, int]]] = []
+        for rank in order:
+            steps = []
+            for s, op, k in rank:
+                forward, kind = op == "F", "F" if op == "F" else "B"
+                if (s > 0) if forward else (op != "W" and s < num_stages - 1):
+                    steps.append(("receive", s, kind, k))
+                steps.append(("compute", s, op, k))
+                if (s < num_stages - 1) if forward else (op != "W" and s > 0):
+                    steps.append(("send", s, kind, k))
+            out.append(steps)
+        return out
+    done: set[tuple[int, str, int]] = set()  # (stage, "F" or "B", micro-batch) made, or received on its rank
+    out = [[] for _ in order]
+    position = [0] * len(order)
+    while any(position[r] < len(order[r]) for r in range(len(order))):
+        progress = False
+        for r, rank in enumerate(order):
+            if position[r] == len(rank):
+                continue
+            s, op, k = rank[position[r]]
+            if op == "F" and s > 0:
+                ready = ("F", s, k) in done
+            elif op in ("B", "I") and s < num_stages - 1:
+                ready = ("B", s, k) in done
+            else:
+                ready = True
+            if not ready:
+                continue
+            out[r].append(("compute", s, op, k))
+            if op == "F" and s < num_stages - 1:
+                done.add(("F", s + 1, k))  # the next stage's input: made here, or received there
+                if stage_rank[s + 1] != r:
+                    out[r].append(("send", s, "F", k))
+                    out[stage_rank[s + 1]].append(("receive", s + 1, "F", k))
+            if op in ("B", "I") and s > 0:
+                done.add(("B", s - 1, k))
+                if stage_rank[s - 1] != r:
+                    out[r].append(("send", s, "B", k))
+                    out[stage_rank[s - 1]].append(("receive", s - 1, "B", k))
+            position[r] += 1
+            progress = True
+        assert progress, "the order cannot be lowered"
+    return out
+
+
+def receive_buffers(
+    lowered: Sequence[Sequence[tuple[str, int, str, int]]], stage_rank: Sequence[int]
+) -> tuple[list[int], list[int]]:
+    """Per stage, the most input receive buffers and output gradients alive at once (simulate.h): an input from its
+    receive to the end of the stage's B or W of that micro-batch; an output gradient from its receive, or from the
+    next stage's B or I on the same rank, to the end of the stage's B or W."""
+    num_stages = len(stage_rank)
+    live: dict[str, list[set[int]]] = {kind: [set() for _ in range(num_stages)] for kind in ("F", "B")}
+    most = {kind: [0] * num_stages for kind in ("F", "B")}
+
+    def arrive(kind: str, s: int, k: int) -> None:
+        live[kind][s].add(k)
+        most[kind][s] = max(most[kind][s], len(live[kind][s]))
+
+    for r, steps in enumerate(lowered):
+        for step, s, op, k in steps:
+            if step == "receive":
+                arrive(op, s, k)
+            elif step == "compute" and op in ("B", "W"):
+                live["F"][s].discard(k)
+                live["B"][s].discard(k)
+            if step == "compute" and op in ("B", "I") and s > 0 and stage_rank[s - 1] == r:
+                arrive("B", s - 1, k)
+    return most["F"], most["B"]
 
 
 def warmup_send_held(schedule: str, num_microbatches: int, num_stages: int, stage: int) -> int:
@@ -154,15 +232,13 @@ def evaluate_partition(
     latency_s: float = 0.0,
     bw_bytes_per_s: float = math.inf,
     in_flight_per_stage: Sequence[int] = (),
-    receive_buffers: bool = False,
-    extra_output_cuts: Sequence[int] = (),
+    input_buffer_cuts: Sequence[int] = (),
+    output_buffer_cuts: Sequence[int] = (),
 ) -> Evaluated:
     """Stage times and memory of the stages [cuts[s], cuts[s+1]), computed directly from the definitions.
 
-    Stage s holds `in_flight_per_stage[s]` micro-batches when given, else the schedule's rule. With
-    `receive_buffers`, torch's receive buffers count too: (m − n_s) more inputs (s > 0; on the first stage the
-    rest of the batch), the last input gradient when n_s < m (s > 0), and m + extra_output_cuts[s] output-sized
-    tensors (s < p − 1).
+    Stage s holds `in_flight_per_stage[s]` micro-batches when given, else the schedule's rule, and when given
+    `input_buffer_cuts[s]` more tensors of its input cut and `output_buffer_cuts[s]` of its output cut.
     """
     num_blocks, p = len(fwd_time_s), len(cuts) - 1
 
@@ -181,10 +257,10 @@ def evaluate_partition(
         states.append(sum(state_bytes[k] for k in blocks))
         acts.append(in_flight * (sum(act_bytes[k] for k in blocks) + cut_bytes[i]))
         need = states[-1] + acts[-1]
-        if receive_buffers:
-            m = num_microbatches
-            outputs = m + (extra_output_cuts[s] if extra_output_cuts else 0)
-            need += held_input_cuts(m, in_flight, s) * cut_bytes[i] + outputs * cut_bytes[j] * (s < p - 1)
+        if input_buffer_cuts:
+            need += input_buffer_cuts[s] * cut_bytes[i]
+        if output_buffer_cuts:
+            need += output_buffer_cuts[s] * cut_bytes[j]
         overflows.append(need - mem_limit_bytes[s])
     return Evaluated(
         cuts=tuple(cuts),
@@ -221,8 +297,8 @@ def partition_brute_force(
     latency_s: float = 0.0,
     bw_bytes_per_s: float = math.inf,
     in_flight_per_stage: Sequence[int] = (),
-    receive_buffers: bool = False,
-    extra_output_cuts: Sequence[int] = (),
+    input_buffer_cuts: Sequence[int] = (),
+    output_buffer_cuts: Sequence[int] = (),
     only: Sequence[int] = (),
 ) -> BruteForce:
     """Evaluates every split of the L blocks into num_stages non-empty contiguous stages (or only the split `only`,
@@ -242,12 +318,10 @@ def partition_brute_force(
             latency_s=latency_s,
             bw_bytes_per_s=bw_bytes_per_s,
             in_flight_per_stage=in_flight_per_stage,
-            receive_buffers=receive_buffers,
-            extra_output_cuts=extra_output_cuts,
+            input_buffer_cuts=input_buffer_cuts,
+            output_buffer_cuts=output_buffer_cuts,
         )
-        for inner in (
-            [tuple(only[1:-1])] if only else itertools.combinations(range(1, num_blocks), num_stages - 1)
-        )
+        for inner in ([tuple(only[1:-1])] if only else itertools.combinations(range(1, num_blocks), num_stages - 1))
     ]
     fitting = [e for e in candidates if e.fits]
     return BruteForce(

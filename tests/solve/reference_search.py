@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pyplan.solve.schedules import simulate
+from pyplan.solve.schedules import pipeline_order, simulate, stage_placement
 from tests.solve import reference
 
 __all__ = ["Hardware", "Outcome", "Planned", "ProfiledChain", "Space", "search_brute_force"]
@@ -242,7 +242,16 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config, tp: 
     else:
         unit = [1.0] * stages
         in_flight = list(simulate(c.schedule, unit, unit, num_microbatches=c.m, stages_per_rank=c.v).peak_in_flight)
-    kept = [reference.warmup_send_held(c.schedule, c.m, stages, s) for s in range(stages)]
+    # 9. What a stage holds beside its state and in-flight activations: receive buffers of its input posted ahead
+    # of their forward, the first stage's batch or the last input gradient; output gradients and 1F1B's last
+    # warm-up send (search.h).
+    placement = stage_placement(c.schedule, c.p, c.v)
+    order = [[(a.stage, a.op, a.microbatch) for a in rank] for rank in pipeline_order(c.schedule, c.p, c.m, c.v)]
+    inputs, gradients = reference.receive_buffers(reference.lower_order(c.schedule, order, placement), placement)
+    held_in = [reference.held_input_cuts(c.m, in_flight[s], s) + (inputs[s] - in_flight[s] if inputs[s] else 0)
+               for s in range(stages)]  # fmt: skip
+    held_out = [gradients[s] + reference.warmup_send_held(c.schedule, c.m, stages, s) if s < stages - 1 else 0
+                for s in range(stages)]  # fmt: skip
     found = reference.partition_brute_force(
         fwd,
         bwd,
@@ -256,8 +265,8 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config, tp: 
         latency_s=link[0],
         bw_bytes_per_s=link[1],
         in_flight_per_stage=in_flight,
-        receive_buffers=True,
-        extra_output_cuts=kept,
+        input_buffer_cuts=held_in,
+        output_buffer_cuts=held_out,
         only=space.fixed_cuts,
     )
     if found.best_pipeline_time is None:
@@ -290,11 +299,8 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config, tp: 
         stage_state = sum(state[i] for i in blocks)
         rank_state[s % c.p] += stage_state
         rank_mem[s % c.p] += stage_state + in_flight[s] * (sum(act[i] for i in blocks) + cut[cuts[s]])
-        # 9. Receive buffers: m inputs (n counted above) and m output gradients; the last input gradient when
-        # fewer than m are in flight; the first stage's whole batch; 1F1B's last warm-up send (partition.h).
-        extra = reference.held_input_cuts(c.m, in_flight[s], s)
-        outputs = c.m + kept[s]
-        rank_mem[s % c.p] += extra * cut[cuts[s]] + outputs * cut[cuts[s + 1]] * (s < stages - 1)
+        # 9. Receive buffers, the batch, the last input gradient, a kept send (above).
+        rank_mem[s % c.p] += held_in[s] * cut[cuts[s]] + held_out[s] * cut[cuts[s + 1]]
     if max(rank_mem) > hw.gpu_mem_bytes:
         return max(rank_mem)
 

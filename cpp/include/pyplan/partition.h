@@ -13,9 +13,9 @@
 //               (GPipe m, 1F1B min(m, p−s), or in_flight_per_stage[s] when given, e.g. the simulated
 //               peak of an interleaved schedule); the stage keeps its input cut for backward. A tensor
 //               that is both in some act_bytes_k and in cut i is counted twice (an over-estimate).
-//               With receive_buffers, mem_s adds held_input_cuts(m, n_s, s)·cut_bytes[i] and
-//               (m + extra_output_cuts[s])·cut_bytes[j] for s < p−1 (torch's receive buffers, the first stage's
-//               batch, kept sends); the sure/loose estimates below take both cuts (κ, or 0).
+//               mem_s also adds input_buffer_cuts[s]·cut_bytes[i] + output_buffer_cuts[s]·cut_bytes[j] when
+//               given (the runtime's receive buffers beyond the inputs in flight, the first stage's batch, kept
+//               gradients and sends); the sure/loose estimates below take both cuts (κ, or 0).
 // Times are these floating-point expressions, evaluated the same way everywhere (bounds, candidates,
 // results), so that "t ≤ B" means one thing; memory is compared in the block-by-block sum above.
 //
@@ -107,14 +107,13 @@ struct PartitionOptions {
     PartitionObjective objective = PartitionObjective::kPipelineTime;
     std::vector<double> mem_limit_bytes;  // [p] memory available to each stage
     Link link;                            // between consecutive stages
-    // torch's PipelineStage keeps a receive buffer per micro-batch for a stage's input (s > 0) and for its
-    // output's gradient (s < p−1) all step, and the first stage holds the replica's whole batch: mem_s adds
-    // held_input_cuts(m, n_s, s)·cut_bytes[i] (the n_s in flight are counted; the last input gradient when
-    // n_s < m) and (m + extra_output_cuts[s])·cut_bytes[j] for s < p−1.
-    bool receive_buffers = false;
-    // [p] output-sized tensors stage s holds beyond its output gradients' buffers (with receive_buffers): what the
-    // schedule keeps of its sends (simulate.h's warmup_send_held). Empty: none.
-    std::vector<int> extra_output_cuts;
+    // [p] tensors of its input cut stage s holds beyond its n_s in-flight inputs, and of its output cut: mem_s adds
+    // input_buffer_cuts[s]·cut_bytes[i] + output_buffer_cuts[s]·cut_bytes[j]. What the runtime holds beside the
+    // activations (search.h step 9): receive buffers posted ahead of their forward, the rest of the replica's
+    // batch on the first stage and a kept input gradient (held_input_cuts); output gradients received or handed
+    // over (simulate.h's receive_buffers) and a kept send (warmup_send_held). Empty: none.
+    std::vector<long long> input_buffer_cuts;
+    std::vector<long long> output_buffer_cuts;
     // [p+1] a partition to evaluate instead of searching one: 0 = cuts[0] < ... < cuts[p] = L. Empty: search.
     std::vector<int> fixed_cuts;
 };
@@ -146,25 +145,23 @@ struct PartitionResult {
 // Micro-batches in flight in stage `stage` (from 0) of p under the rule.
 int in_flight_microbatches(InFlight rule, int stage, int num_stages, int num_microbatches);
 
-// Input-cut-sized tensors a stage s > 0 holds beyond its n in-flight inputs: torch's receive buffers for the other
-// m − n micro-batches, and, when a backward can run beside n − 1 others in flight after an earlier one (n < m), the
-// input gradient the PipelineStage keeps from its last backward (grads_input) until its next. Measured on the zoo's
-// 1x2 1F1B pipelines: the last stage's peak held one such tensor more than the plan (vgg-tiny b=16: 525 KB against
-// 524 KB cuts; gpt-tiny and resnet-tiny alike); GPipe's peak (all m in flight, before any backward) does not.
-// Throws std::invalid_argument unless m ≥ 1 and 1 ≤ in_flight ≤ m.
-int extra_input_cuts(int num_microbatches, int in_flight);
-
-// Input-cut-sized tensors stage `stage` holds beyond its n in-flight inputs: extra_input_cuts for a later stage;
-// the first stage the rest of the replica's batch, m − n micro-batches (the schedule splits the batch into views,
-// and the whole batch lives through the step; measured as the input tensor the benchmark's first-stage rank holds).
+// Input-cut-sized tensors stage `stage` holds beyond its n in-flight inputs and its receive buffers: the first stage
+// the rest of the replica's batch, m − n micro-batches (the schedule splits the batch into views, and the whole
+// batch lives through the step; measured as the input tensor the benchmark's first-stage rank holds); a later
+// stage, when a backward can run beside n − 1 others in flight after an earlier one (n < m), the input gradient
+// it keeps from its last backward until its next (Schedule1F1B's loop holds the op that sent it).
+// Measured on the zoo's 1x2 1F1B pipelines: the last stage's peak held one such tensor more than the plan
+// (vgg-tiny b=16: 525 KB against 524 KB cuts; gpt-tiny and resnet-tiny alike); GPipe's peak (all m in flight,
+// before any backward) does not.
 // Throws std::invalid_argument unless m ≥ 1, 1 ≤ in_flight ≤ m and stage ≥ 0.
 int held_input_cuts(int num_microbatches, int in_flight, int stage);
 
 // The exact optimum. Throws std::invalid_argument on malformed input (array lengths, p outside [1, L],
 // m < 1, times and bytes outside [0, kMaxValue] or NaN, memory limits outside [0, kMaxValue] and not +∞, a link
 // latency outside [0, kMaxValue] or bandwidth below kMinBwBytesPerS (+∞: sends cost only the latency; limits.h),
-// in_flight_per_stage of the wrong length or outside [1, m], negative extra_output_cuts); an input that fits
-// no partition returns feasible = false and a reason. Within those ranges every result is finite.
+// in_flight_per_stage of the wrong length or outside [1, m], input_buffer_cuts or output_buffer_cuts of the wrong
+// length or outside [0, kMaxBytes]); an input that fits no partition returns feasible = false and a reason.
+// Within those ranges every result is finite.
 PartitionResult partition(const Chain& chain, const PartitionOptions& options);
 
 }  // namespace pyplan

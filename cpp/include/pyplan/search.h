@@ -54,13 +54,15 @@
 //     costs do not, a small inexactness of the partition, not of the reported time). Without overlap the
 //     exposed sync is the most any rank syncs, Σ of its stages' sync_s; the optimizer step adds
 //     optimizer_tensor_s per parameter tensor and is at least elements × optimizer_element_s; T adds step_s.
-//  9. Receive buffers: torch's PipelineStage keeps one receive buffer per micro-batch for a stage's input
-//     (non-first stages) and for its output's gradient (non-last stages), for the whole step; with the n_s
-//     inputs in flight counted in step 3, a stage adds (m − n_s)·input cut + m·output cut bytes, and one
-//     input cut more when n_s < m (the last input gradient the stage keeps, partition.h's extra_input_cuts);
-//     the first stage (m − n_s)·input cut for the rest of the replica's batch (held_input_cuts); under 1F1B
-//     one output cut more where the last warm-up send outlives its micro-batch (simulate.h's
-//     warmup_send_held). In the partition's memory (partition.h's receive_buffers) and in the reported memory.
+//  9. Receive buffers, as pyplan's runtime holds them (pyplan/runtime/recv.py): a buffer from the posting of its
+//     receive until what it holds is used up (simulate.h's receive_buffers, by the schedule's lowered order). A
+//     stage that receives its input holds at least its n_s in-flight inputs in receive buffers (counted in step 3)
+//     and adds (inputs_s − n_s)·input cut for those posted ahead of their forward; it adds gradients_s·output cut
+//     for its output gradients (GPipe and 1F1B: 1, the one its backward reads). The first stage adds
+//     (m − n_s)·input cut for the rest of the replica's batch, a later one an input cut more when n_s < m (the
+//     last input gradient, partition.h's held_input_cuts); under 1F1B one output cut more where the last warm-up
+//     send outlives its micro-batch (simulate.h's warmup_send_held). In the partition's memory (partition.h's
+//     input_buffer_cuts and output_buffer_cuts) and in the reported memory.
 //
 // Objectives: time T, cost C, weighted C + w·T (Huang et al. §III). Ties go to fewer GPUs, then less peak
 // memory, then the enumeration order above. The Pareto frontier keeps the feasible candidates that no
@@ -203,7 +205,7 @@ struct Candidate {
     std::vector<double> stage_time_s;      // [p·v] F_s + B_s + sends of its input and output cuts
     std::vector<double> stage_state_bytes;
     std::vector<double> stage_act_bytes;   // [p·v] in flight × (saved + input cut bytes)
-    std::vector<double> stage_buffer_bytes;  // [p·v] torch's receive buffers beyond the in-flight inputs
+    std::vector<double> stage_buffer_bytes;  // [p·v] receive buffers beyond those in flight, batch (step 9)
     std::vector<int> stage_in_flight;
     std::vector<double> stage_sync_s;      // [p·v] gradient all-reduce (0 under ZeRO-3 or d = 1)
     std::vector<double> rank_memory_bytes; // [p]

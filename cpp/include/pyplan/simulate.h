@@ -80,6 +80,62 @@ bool warmup_send_held(Schedule schedule, int num_microbatches, int num_stages, i
 // for a shape torch does not accept, and for p·v·m > kMaxStageMicrobatches (limits.h: the order's size).
 RankOrder schedule_order(Schedule schedule, int num_ranks, int num_microbatches, int stages_per_rank);
 
+// ---- sends, receives and the receive buffers they hold -------------------------------------------------
+//
+// A lowered order adds to each rank's compute the messages between its stages and the others' (torch's
+// SEND_F, RECV_F, SEND_B, RECV_B actions): a step sends or receives stage action.stage's activation
+// (action.op Forward) or gradient (action.op Backward) of micro-batch action.microbatch; a receive names the
+// receiving stage. Two stages on one rank pass their tensors without a message (torch's V-schedule case).
+//
+// Where the receives go. GPipe and 1F1B (torch's PipelineScheduleSingle) post each receive just before the
+// action that reads it. The multi-stage schedules run an order lowered by torch's _add_send_recv (torch 2.13,
+// distributed/pipelining/schedules.py), which pyplan's runtime hands to torch's _PipelineScheduleRuntime in
+// place of the one torch lowers from its idle-padded pipeline_order: rounds over the ranks in increasing order;
+// in a round each rank takes the next action of its order if it is ready (F(s, k) once RECV_F(s, k) is in its
+// list or it ran F(s−1, k) itself, B or I(s, k) once RECV_B(s, k) is or it ran B or I of (s+1, k), anything
+// else at once), appends it, and, when the neighbour stage is on another rank, appends the send to its own
+// list and the matching receive to the neighbour's. Both ranks of a pair list their messages to each other in
+// one order (the rounds'), the property torch's lowering gives its runtime; only the idle slots are left out.
+//
+// What the receive buffers hold. pyplan's runtime (pyplan/runtime/recv.py) allocates a buffer when its receive
+// is posted and drops it once consumed:
+//   - the input of (s, k) is received into a buffer that becomes the stage's input: alive from its receive to
+//     the end of the last backward action of (s, k), B or W (both read it);
+//   - the output gradient of (s, k), received or handed over by stage s+1 on the same rank at the end of its B
+//     or I, is alive until the end of the last backward action of (s, k) too: torch keeps it for W in the state
+//     its I leaves (stage 0's W runs the whole backward from it), and a W starts from the gradients its I saw
+//     reach the weighted operations, the output gradient itself where such an operation makes the output.
+// A stage whose previous stage is on its rank takes that stage's output as its input, not a receive buffer.
+enum class Step { Compute, Send, Receive };
+
+struct LoweredAction {
+    Step step;
+    Action action;
+};
+
+using LoweredOrder = std::vector<std::vector<LoweredAction>>;
+
+// `order` (one of `schedule`'s shape, stages placed by stage_rank) with its sends and receives, as pyplan's
+// runtime posts them. Throws std::invalid_argument for an order simulate() rejects (an action on the wrong
+// rank, a missing or repeated action) and for one whose lowering stalls (a rank waits for a message no rank
+// sends). Memory in proportion to the order; time to p × the rounds, which number about the longest rank's actions
+// plus the stages (a gradient goes back one rank a round).
+LoweredOrder lower_order(Schedule schedule, const RankOrder& order, const std::vector<int>& stage_rank);
+
+// The most receive buffers each stage holds at once, by the lifetimes above, walking each rank's lowered order.
+struct ReceiveBuffers {
+    std::vector<int> inputs;     // [stage] input receive buffers, in flight ones included: at least the stage's
+                                 // peak in flight where it receives its input, 0 where it does not (stage 0, or
+                                 // its previous stage on its rank)
+    std::vector<int> gradients;  // [stage] output gradients, received or handed over (0 on the last stage)
+};
+
+ReceiveBuffers receive_buffers(const LoweredOrder& order, const std::vector<int>& stage_rank);
+
+// receive_buffers of schedule_order(schedule, p, m, v) lowered with stage_placement(schedule, p, v); throws as
+// schedule_order does.
+ReceiveBuffers schedule_receive_buffers(Schedule schedule, int num_ranks, int num_microbatches, int stages_per_rank);
+
 // Times of one micro-batch, in seconds. Stage vectors have one entry per stage; boundary vectors one per
 // pair of consecutive stages (boundary s lies between stage s and s+1).
 struct StageTimes {
