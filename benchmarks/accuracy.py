@@ -41,9 +41,10 @@ Measurement, per configuration and rank:
            of a steady step; the rank's parameter bytes and, on the first stage's rank, the replica's batch, both
            allocated before, are added. That is compared with the plan's memory of the rank: Σ
            StagePlan.memory_bytes = weights + gradients + optimizer state (AdamW, 16 bytes per parameter) +
-           activations of the micro-batches in flight + what the PipelineStage keeps (inputs, outputs, torch's
-           receive buffers: pyplan/solve/remat_search.py's stage_outputs, partition.h's held_input_cuts, simulate.h's
-           warmup_send_held). Not seen: memory inside kernels and allocations made by gloo's threads.
+           activations of the micro-batches in flight + what the PipelineStage keeps (inputs, outputs, the
+           runtime's receive buffers as the schedule holds them: pyplan/solve/remat_search.py's stage_outputs,
+           pyplan/runtime/recv.py, the core's receive_buffers and held_input_cuts, simulate.h's warmup_send_held).
+           Not seen: memory inside kernels and allocations made by gloo's threads.
   busy     per stage, wall and CPU time of the stage module's forward (+ the loss on the last stage), of its
            autograd backward (torch's stage_backward) and of recomputation inside it (checkpointed blocks run
            again); the rest of forward_one_chunk / backward_one_chunk and of the step outside them, the loss, the
