@@ -93,9 +93,12 @@ def profile(
     options: TimingOptions | None = None,
     blocks: RepeatedBlocks | None = None,
     count_flops: bool = True,
+    check_smallest: bool = True,
 ) -> Chain:
     """A copy of `chain` whose blocks carry FLOPs (unless not `count_flops`: a caller that has them from another
-    recording), saved bytes and (when `measure`) fitted times.
+    recording), saved bytes and (when `measure`) fitted times. Without counting FLOPs, nothing else runs at the
+    smallest size: with `check_smallest` each distinct block's forward runs there, so that a model that cannot run
+    at that size fails as it would train.
 
     FLOPs and saved bytes are counted on fake tensors (meta for a meta-built model), so they cost no compute;
     times are measured on `device` (default: CUDA when present, else the CPU with `options.threads` threads).
@@ -109,7 +112,8 @@ def profile(
         flops = block_flops(chain, example_inputs, ends, blocks=blocks)
     else:
         flops = [(b.flops_fwd, b.flops_bwd) for b in chain.blocks]
-        _runs_at(chain, example_inputs, ends[0], blocks)
+        if check_smallest:
+            _runs_at(chain, example_inputs, ends[0], blocks)
     # Saved bytes at 2 samples or more: at 1 a transpose can be a contiguous view, and a block that saves a copy
     # of its input at 2 saves the input itself at 1 (nn.TransformerEncoder), which no line through both describes.
     low = max(2, ends[0])

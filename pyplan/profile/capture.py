@@ -137,6 +137,9 @@ class _Target:
     autocast: bool
     timing: TimingOptions
     cast_memory: bool = True
+    # Whether the profile checks that the smallest size runs (a BatchNorm that sees one value per channel): a
+    # tensor-parallel rank's chain runs the ops of the chain that was checked.
+    check_smallest: bool = True
 
     @staticmethod
     def of(model: nn.Module, cluster: Cluster, workload: Workload, autocast: bool = True) -> _Target:
@@ -224,7 +227,15 @@ class _Target:
                 how = "measured on this machine"
             else:
                 # FLOPs come from the ops recorded for the times (the same counts as block_flops', one pass less).
-                profiled = profile(chain, examples, measure=False, batch_sizes=sizes, blocks=table, count_flops=False)
+                profiled = profile(
+                    chain,
+                    examples,
+                    measure=False,
+                    batch_sizes=sizes,
+                    blocks=table,
+                    count_flops=False,
+                    check_smallest=self.check_smallest,
+                )
                 got = analytic_blocks(
                     profiled,
                     examples,
@@ -278,7 +289,7 @@ def chain_at_degree(
         return chain
     examples = Examples(example_inputs)
     local = local_chain(chain, plan, degree, examples, zone)
-    profiled, _ = replace(target, cast_memory=False).profile(local, examples)
+    profiled, _ = replace(target, cast_memory=False, check_smallest=False).profile(local, examples)
     times = tp_comm_times(chain, plan, degree, cluster, workload, zone)
     blocks = [
         replace(b, fwd_time_s=b.fwd_time_s + f, bwd_time_s=b.bwd_time_s + g)
