@@ -10,6 +10,7 @@ from torch import nn
 
 from pyplan.errors import InfeasibleError, PlanError
 from pyplan.graph.chain import Chain
+from pyplan.graph.experts import expert_leaves, find_expert_layers
 from pyplan.graph.trace import ExampleInputs, Examples, LeafSpec
 from pyplan.hardware.cluster import Cluster
 from pyplan.model_state import MASTER_PRECISIONS
@@ -71,6 +72,7 @@ def search(
     tensor_parallel: Sequence[int] = (1,),
     tp_plan: Mapping[str, str] | None = None,
     sequence_parallel: bool = True,
+    expert_parallel: Sequence[int] = (1,),
     progress: Callable[[str], None] | None = None,
 ) -> PlanSearch:
     """Every way to train `model` on `cluster` that fits, ranked by `objective`.
@@ -84,7 +86,8 @@ def search(
     (see pyplan/solve/remat_search.py). `loss(output, target)` with `target(b)` (None: zeros like the output) is
     the training loss: its time and saved bytes join the last block (pyplan/profile/loss.py); without it the loss
     is left out. `stage_dag` also assigns stages operation by operation to the pipelines
-    whose chain is too coarse to balance (pyplan/solve/dag_search.py). `data_parallel`, `pipeline_ranks`,
+    whose chain is too coarse to balance (pyplan/solve/dag_search.py), except for a model with mixture-of-experts
+    layers. `data_parallel`, `pipeline_ranks`,
     `num_microbatches` (gradient-accumulation steps), like `micro_batch_sizes`, `schedules` and `zero_stages`,
     restrict the search to the values given (empty: any): pins, for "what does this configuration cost";
     `stage_cuts` pins the partition, the blocks (numbered from 0, as `pyplan inspect` lists them) at which stages
@@ -97,8 +100,16 @@ def search(
     layers by their tokens where the model allows it (pyplan/graph/sequence_parallel.py): less memory, the same
     bytes on the link; with a `tp_plan`, only if it names a norm `SequenceParallel` (torchtitan's way of asking
     for it).
+    A model with mixture-of-experts layers (pyplan/graph/experts.py) is captured with each layer's routed experts
+    kept whole (`expert_leaves(model)` joins `leaf_modules`): its plans' cut positions index that capture, as the
+    runtime's must (plan.json's `leaf_modules` carry them), and its experts are priced by the cost model of
+    pyplan/profile/experts.py (pyplan/profile/expert_chain.py). `expert_parallel` lists the degrees of expert
+    parallelism to plan (1: none): each E > 1 splits every layer's experts over E data-parallel replicas, searched at
+    tensor parallelism 1, with dp a multiple of E, ZeRO 0 and the stage's replicas on neighbouring ranks
+    (pyplan/planner.py `expert_parallel_search`); a degree that splits no layer, or that the pins leave nothing of,
+    is left out with why (`PlanSearch.ep_left_out`).
     `progress(step)` is told each step as it starts: "tracing and profiling", "searching", "refining",
-    "assigning operations to stages", "tensor parallelism t".
+    "assigning operations to stages", "tensor parallelism t", "expert parallelism E".
 
     The steps: check the options, capture and profile once (`chain_for`), search the space (`Space`), refine each
     candidate (`Refiner`), rank, and assign operations to the stages of pipelines too coarse to balance.
@@ -108,16 +119,15 @@ def search(
     _check_options(objective, remat, offload, memory_fraction, zero_stages, schedules,
                    data_parallel=data_parallel, pipeline_ranks=pipeline_ranks, num_microbatches=num_microbatches,
                    micro_batch_sizes=micro_batch_sizes, stage_cuts=stage_cuts,
-                   tensor_parallel=tensor_parallel)  # fmt: skip
+                   tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)  # fmt: skip
     zero_stages = _master_zero_stages(workload, zero_stages)
     profiled_on = "given chain"
     # A mixed precision computes under autocast but in ZeRO-3's one-stage FSDP (FSDP2's 16-bit policy).
     under_autocast = set(zero_stages) != {3}
     if chain is None:
         say("tracing and profiling")
-        chain, profiled_on = chain_for(
-            model, examples, cluster, workload, leaf_modules=leaf_modules, autocast=under_autocast
-        )
+        leaves = (*leaf_modules, *expert_leaves(model))  # each layer's experts one node, at every degree
+        chain, profiled_on = chain_for(model, examples, cluster, workload, leaf_modules=leaves, autocast=under_autocast)
     chain, micro_batch_sizes = _trainable(chain, micro_batch_sizes, workload)
     fixed_cuts = _fixed_cuts(stage_cuts, len(chain.blocks))
     bare = chain
@@ -131,22 +141,27 @@ def search(
                 objective=objective, weight=weight, fixed_cuts=fixed_cuts)  # fmt: skip
     how = Searcher(model, examples, workload, objective, memory_fraction, pins, max(4 * top_k, 20), remat, offload,
                offload_bw_bytes_per_s, loss, target, autocast=under_autocast)  # fmt: skip
-    found = search_degrees(how, bare, chain, cluster, tensor_parallel, tp_plan, sequence_parallel, say)
+    experts = find_expert_layers(bare.graph).layers
+    found = search_degrees(how, bare, chain, cluster, tensor_parallel, tp_plan, sequence_parallel, say,
+                           experts=experts, expert_degrees=expert_parallel)  # fmt: skip
     if not found.plans:
         raise InfeasibleError(infeasible_reason(found, remat, memory_fraction))
     plain = found.runs[0][0]
     top, pareto = rank_plans(found.plans, objective, weight)[:top_k], frontier(found.plans)
     refiner = found.refiner
-    if stage_dag and not fixed_cuts and refiner is not None and plain is not None and plain.feasible:
+    # Not for a mixture of experts: the operations' own profile holds none of the experts' work (expert_chain.py
+    # prices them per block).
+    by_operation = stage_dag and not fixed_cuts and not experts
+    if by_operation and refiner is not None and plain is not None and plain.feasible:
         say("assigning operations to stages")
         dag = refiner.operation_level([*plain.top, *plain.pareto], examples, objective, weight)
         if dag:
             top, pareto = rank_plans([*top, *dag], objective, weight)[:top_k], frontier([*pareto, *dag])
     results = found.results
     candidates, evaluated = sum(r.num_candidates for r in results), sum(r.num_evaluated for r in results)
-    searched = tuple(t for t in tensor_parallel if t not in dict(found.left_out))
-    return PlanSearch(top[0], tuple(top[1:]), tuple(pareto), candidates, evaluated, chain, profiled_on, searched,
-                      tuple(found.left_out))  # fmt: skip
+    return PlanSearch(top[0], tuple(top[1:]), tuple(pareto), candidates, evaluated, chain, profiled_on,
+                      tuple(found.degrees), tuple(found.left_out), tuple(found.expert_degrees),
+                      tuple(found.ep_left_out))  # fmt: skip
 
 
 def _check_options(

@@ -422,6 +422,9 @@ class PlanSearch:
     # The tensor-parallel degrees searched, and those asked for but left out, each with why.
     tensor_parallel: tuple[int, ...] = (1,)
     tp_left_out: tuple[tuple[int, str], ...] = ()
+    # Likewise the expert-parallel degrees.
+    expert_parallel: tuple[int, ...] = (1,)
+    ep_left_out: tuple[tuple[int, str], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -436,6 +439,11 @@ class PlanSearch:
             out["tensor_parallel"] = {
                 "searched": list(self.tensor_parallel),
                 "left_out": {str(t): why for t, why in self.tp_left_out},
+            }
+        if self.expert_parallel != (1,) or self.ep_left_out:
+            out["expert_parallel"] = {
+                "searched": list(self.expert_parallel),
+                "left_out": {str(e): why for e, why in self.ep_left_out},
             }
         return out
 

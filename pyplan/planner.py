@@ -1,7 +1,8 @@
 """The search of one call, step by step: the candidate space of the chain at each degree of tensor parallelism
-(`tensor_parallel_chains`), the C++ search over it (`Space`), each candidate refined as the runtime trains it
-(`Refiner`), and the ranking of what fits. pyplan.api.search runs these steps; this module joins the profile
-(pyplan.profile) and the runtime's own figures (pyplan.runtime) to the core's search (pyplan.solve).
+(`tensor_parallel_chains`) and of expert parallelism (`expert_parallel_search`), the C++ search over it (`Space`),
+each candidate refined as the runtime trains it (`Refiner`), and the ranking of what fits. pyplan.api.search runs
+these steps; this module joins the profile (pyplan.profile) and the runtime's own figures (pyplan.runtime) to the
+core's search (pyplan.solve).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from torch import nn
@@ -19,6 +20,7 @@ from pyplan import _core
 from pyplan._torch import is_meta_module
 from pyplan.errors import PlanError, TraceError
 from pyplan.graph.chain import Block, Chain
+from pyplan.graph.experts import ExpertLayer
 from pyplan.graph.layergraph import Affine, Piecewise
 from pyplan.graph.sequence_parallel import sequence_zone
 from pyplan.graph.tensor_parallel import TpPlan, derive_tp_plan, restrict_tp_plan, vocab_parallel_loss
@@ -35,11 +37,13 @@ from pyplan.plan import (
     Workload,
 )
 from pyplan.profile.capture import add_loss, chain_at_degree, is_local, pricing, tp_comm_times
+from pyplan.profile.expert_chain import chain_at_expert_degree
 from pyplan.profile.host import local_host_costs
 from pyplan.profile.loss import LossFn, TargetFn, remat_with_loss, with_loss
 from pyplan.profile.measure import CheckpointCosts, checkpoint_call_s, checkpoint_costs
 from pyplan.profile.nodes import node_profile
 from pyplan.profile.remat import remat_bytes
+from pyplan.runtime.experts import expert_refusal
 from pyplan.runtime.units import gathered_bytes, remat_kind, unit_segments, zero3_overlap
 from pyplan.runtime.vocab_loss import vocab_slice_loss
 from pyplan.solve.dag_search import dag_plans
@@ -62,6 +66,8 @@ from pyplan.solve.tied import (
 from pyplan.units import fmt_bytes
 
 __all__ = [
+    "EP_PLACEMENTS",
+    "EP_ZERO_STAGES",
     "SEARCHED_SCHEDULES",
     "TIE",
     "TP_ZERO_STAGES",
@@ -78,6 +84,7 @@ __all__ = [
     "rank_ties",
     "search_degrees",
     "tensor_parallel_chains",
+    "with_ep",
     "with_tp",
 ]
 
@@ -86,6 +93,12 @@ __all__ = [
 TP_ZERO_STAGES = (0, 1, 3)
 # The schedules the search evaluates; the zero-bubble ones need split input/weight-gradient times first.
 SEARCHED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+# Beside expert parallelism: ZeRO 0, what the runtime runs it with (ZeroRedundancyOptimizer and FSDP2 would shard the
+# experts as if every replica held the same ones, pyplan/runtime/experts.py `expert_refusal`); and the replicas of a
+# stage on neighbouring ranks, so that an expert-parallel group spans the nodes it is priced on
+# (pyplan/profile/expert_chain.py).
+EP_ZERO_STAGES = (0,)
+EP_PLACEMENTS = ("dp-inner",)
 
 
 def _zero3_mode(mode: str) -> str:
@@ -201,16 +214,19 @@ class Searcher:
         zero_stages: Sequence[int] = ZERO_STAGES,
         local_numel: Callable[[str], float] | None = None,
         sync_after_backward: bool = False,
+        narrowed: Mapping[str, list[Any]] | None = None,
     ) -> tuple[list[Plan], Any, list[Any], Refiner]:
         """The refined plans of `chain` on `cluster` that fit, with the C++ searches' results and the refiner;
         `zero_stages` narrows the ZeRO stages searched; `local_numel` (a parameter's name -> the elements one rank
         holds) sizes ZeRO-3's gathered units beside tensor parallelism; `sync_after_backward`: the replicas'
         gradients (ZeRO 0 and 1) are averaged after the backward, not during it, as beside tensor parallelism (DDP
-        takes no DTensors: pyplan/runtime/trainer.py)."""
+        takes no DTensors: pyplan/runtime/trainer.py); `narrowed` replaces pins by narrower lists (never empty: an
+        empty pin is no pin)."""
         space = Space.of(chain, cluster, self.workload, self.objective, self.memory_fraction)
         if sync_after_backward:
             space = replace(space, host={**space.host, "sync_overlaps_backward": False})
         pins = {**self.pins, "zero_stages": [z for z in self.pins["zero_stages"] or ZERO_STAGES if z in zero_stages]}
+        pins.update(narrowed or {})
         refiner = Refiner.of(
             space, self.model, self.examples, self.remat, self.offload, self.offload_bw_bytes_per_s, local_numel
         )
@@ -230,10 +246,21 @@ class Found:
     """What the searches of one call found: every refined plan that fits, at every degree searched."""
 
     plans: list[Plan]
-    degrees: list[int]  # the degrees searched, in order
-    runs: list[tuple[Any, list[Any]]]  # each degree's C++ results (plain, relaxed)
-    refiners: list[Refiner]  # each degree's refiner
-    left_out: list[tuple[int, str]]  # the degrees asked for and not searched, each with why
+    searched: list[tuple[int, int]]  # the (tensor-parallel, expert-parallel) degrees of each search, in order
+    runs: list[tuple[Any, list[Any]]]  # each search's C++ results (plain, relaxed)
+    refiners: list[Refiner]  # each search's refiner
+    left_out: list[tuple[int, str]]  # the tensor-parallel degrees asked for and not searched, each with why
+    ep_left_out: list[tuple[int, str]] = field(default_factory=list)  # likewise the expert-parallel degrees
+
+    @property
+    def degrees(self) -> list[int]:
+        """The tensor-parallel degrees searched, in order."""
+        return list(dict.fromkeys(t for t, _ in self.searched))
+
+    @property
+    def expert_degrees(self) -> list[int]:
+        """The expert-parallel degrees searched, in order."""
+        return list(dict.fromkeys(e for _, e in self.searched))
 
     @property
     def results(self) -> list[Any]:
@@ -242,8 +269,8 @@ class Found:
 
     @property
     def refiner(self) -> Refiner | None:
-        """The refiner of the search without tensor parallelism (None: it was not searched)."""
-        return self.refiners[self.degrees.index(1)] if 1 in self.degrees else None
+        """The refiner of the search without tensor or expert parallelism (None: it was not searched)."""
+        return self.refiners[self.searched.index((1, 1))] if (1, 1) in self.searched else None
 
 
 def search_degrees(
@@ -255,43 +282,148 @@ def search_degrees(
     styles: Mapping[str, str] | None,
     sequence_parallel: bool,
     say: Callable[[str], None],
+    *,
+    experts: Sequence[ExpertLayer] = (),
+    expert_degrees: Sequence[int] = (1,),
 ) -> Found:
-    """The searches at each degree of tensor parallelism in `degrees` (1: none): at 1 on `chain` (the profiled
-    chain, its loss included; `bare` without it), above 1 on the chain one rank runs (`tensor_parallel_chains`), as
-    `styles` and `sequence_parallel` allow. A degree whose rank graph does not run or whose pins leave no
-    configuration is left out with why, unless it is the only one asked for."""
+    """The searches at each degree of tensor parallelism in `degrees` (1: none) and of expert parallelism in
+    `expert_degrees` (1: none). Without expert parallelism: at tensor parallelism 1 on `chain` (the profiled chain,
+    its loss included; `bare` without it), above 1 on the chain one rank runs (`tensor_parallel_chains`), as
+    `styles` and `sequence_parallel` allow. Each expert-parallel degree E > 1 is searched at tensor parallelism 1
+    (`expert_parallel_search`). A model's mixture-of-experts layers (`experts`, found in the capture that keeps their
+    experts whole) are priced in every chain by pyplan/profile/expert_chain.py, at E = 1 too: the profile of such a
+    capture holds none of the experts' work. A degree whose rank graph does not run, that splits nothing or whose pins
+    leave no configuration is left out with why, unless it is the only one asked for."""
+    experts_timed = is_local(cluster.gpu) and not is_meta_module(searcher.model)
+
+    def at(c: Chain, e: int) -> Chain:
+        return chain_at_expert_degree(c, experts, e, cluster, searcher.workload, experts_timed=experts_timed)
+
     plans: list[Plan] = []
-    searched: list[int] = []
+    searched: list[tuple[int, int]] = []
     runs: list[tuple[Any, list[Any]]] = []
     refiners: list[Refiner] = []
-    if 1 in degrees:
+    left_out: list[tuple[int, str]] = []
+    if 1 in expert_degrees and 1 in degrees:
         say("searching")
-        plans, plain, relaxed, refiner = searcher.plans(chain, cluster, say)
-        searched.append(1)
+        plans, plain, relaxed, refiner = searcher.plans(at(chain, 1), cluster, say)
+        searched.append((1, 1))
         runs.append((plain, relaxed))
         refiners.append(refiner)
-    left_out: list[tuple[int, str]] = []
-    for degree, chain_t, cluster_t, split, comm, sp in tensor_parallel_chains(bare, chain, degrees, styles,
+    tp_degrees = degrees if 1 in expert_degrees else ()
+    for degree, chain_t, cluster_t, split, comm, sp in tensor_parallel_chains(bare, chain, tp_degrees, styles,
                                                                              sequence_parallel, searcher, cluster,
                                                                              left_out):  # fmt: skip
         say(f"tensor parallelism {degree}")
         try:
-            found_t, plain_t, relaxed_t, refiner_t = searcher.plans(chain_t, cluster_t, lambda step: None,
+            found_t, plain_t, relaxed_t, refiner_t = searcher.plans(at(chain_t, 1), cluster_t, lambda step: None,
                                                             zero_stages=TP_ZERO_STAGES,
                                                             local_numel=local_numel(searcher.model, split, degree),
                                                             sync_after_backward=True)  # fmt: skip
         except PlanError as exc:
             # The pins leave no configuration at this degree (a pipeline of 2 on the one group of 4 GPUs that
             # tensor parallelism 4 makes of 4): the other degrees answer, unless this was the only one asked for.
-            if len(degrees) == 1:
+            if len(degrees) == 1 and len(expert_degrees) == 1:
                 raise
             left_out.append((degree, str(exc)))
             continue
         plans += [with_tp(p, degree, split, comm, sp) for p in found_t]
-        searched.append(degree)
+        searched.append((degree, 1))
         runs.append((plain_t, relaxed_t))
         refiners.append(refiner_t)
-    return Found(plans, searched, runs, refiners, left_out)
+    ep_left_out: list[tuple[int, str]] = []
+    for e in (e for e in expert_degrees if e > 1):
+        say(f"expert parallelism {e}")
+        try:
+            if 1 not in degrees:
+                raise PlanError(
+                    f"expert parallelism {e} is planned at tensor parallelism 1 (the runtime does not run it beside "
+                    "tensor parallelism), which the tensor-parallel degrees asked for leave out"
+                )
+            found_e, plain_e, relaxed_e, refiner_e = expert_parallel_search(searcher, chain, cluster, experts, e,
+                                                                            experts_timed)  # fmt: skip
+        except PlanError as exc:
+            if len(expert_degrees) == 1:
+                raise
+            ep_left_out.append((e, str(exc)))
+            continue
+        plans += [with_ep(p, e) for p in found_e]
+        searched.append((1, e))
+        runs.append((plain_e, relaxed_e))
+        refiners.append(refiner_e)
+    if not searched:
+        why = [f"tensor parallelism {t}: {w}" for t, w in left_out] + [f"expert parallelism {e}: {w}"
+                                                                        for e, w in ep_left_out]  # fmt: skip
+        raise PlanError(f"no degree asked for can be searched ({'; '.join(why) or 'none asked for'})")
+    return Found(plans, searched, runs, refiners, left_out, ep_left_out)
+
+
+def expert_parallel_search(
+    searcher: Searcher,
+    chain: Chain,
+    cluster: Cluster,
+    experts: Sequence[ExpertLayer],
+    degree: int,
+    experts_timed: bool,
+) -> tuple[list[Plan], Any, list[Any], Refiner]:
+    """The search at expert-parallel degree `degree` > 1, as `Searcher.plans` returns it: on the chain one rank of
+    an expert-parallel group runs (pyplan/profile/expert_chain.py), at tensor parallelism 1, pinned to what the
+    runtime trains with expert parallelism (pyplan/runtime/experts.py) within the caller's own pins: data-parallel
+    degrees that `degree` divides, ZeRO 0, the schedules of one stage per rank where stages share parameters, the
+    replicas of a stage on neighbouring ranks (`EP_PLACEMENTS`). One line (PlanError) where the model has no layer to
+    split, `degree` does not split every layer, or the pins leave nothing.
+
+    Why `degree` divides dp: the expert-parallel group is carved out of the data-parallel replicas, each group of E
+    of them holding every expert once, as torchtitan and Megatron-LM do. torchtitan's `ParallelDims._validate`
+    (torchtitan/distributed/parallel_dims.py at 0119de156de5) asserts `(dp_shard * cp) % ep == 0` ("EP would borrow
+    all cp and some dp_shard degree"); Megatron-LM's `initialize_model_parallel` (megatron/core/parallel_state.py at
+    d98e8a64ddf3) builds the experts' grid as expert_tensor x expert_model x expert_data x pipeline ranks over the
+    same world as the dense grid, so that ep x expert-dp = tp x cp x dp / expert_tp."""
+    if not experts:
+        raise PlanError(
+            f"expert parallelism {degree} splits no layer: the model has no mixture-of-experts layer (a router's "
+            "top-k choice feeding experts that hold one set of parameters each)"
+        )
+    workload, pins = searcher.workload, searcher.pins
+    probe = Layout(dp=degree, pp=1, micro_batch_size=1, num_microbatches=1, schedule="1F1B",
+                   cut_positions=(0, len(chain.order)), ep=degree)  # fmt: skip
+    refused = expert_refusal(probe, workload.precision)
+    if refused:
+        raise PlanError(f"expert parallelism {refused}")
+    dps = [d for d in pins["data_parallel"] or range(degree, cluster.gpus + 1, degree) if d % degree == 0]
+    if not dps:
+        given = (
+            f"--dp {', '.join(map(str, pins['data_parallel']))}" if pins["data_parallel"] else f"{cluster.gpus} GPUs"
+        )
+        raise PlanError(f"expert parallelism {degree} needs a data-parallel degree it divides, and {given} leave none")
+    zero = [z for z in pins["zero_stages"] or ZERO_STAGES if z in EP_ZERO_STAGES]
+    if not zero:
+        raise PlanError(
+            f"expert parallelism {degree} runs under ZeRO 0 (ZeroRedundancyOptimizer and FSDP2 would shard the experts "
+            "as if every replica held the same ones); the ZeRO stages asked for leave it out"
+        )
+    shared = bool(tied_parameters(chain))  # the runtime refuses stages sharing parameters on one rank
+    runnable = ("GPipe", "1F1B") if shared else SEARCHED_SCHEDULES
+    schedules = [s for s in pins["schedules"] or SEARCHED_SCHEDULES if s in runnable]
+    if not schedules:
+        raise PlanError(
+            f"expert parallelism {degree} runs one stage per rank where stages share parameters (GPipe, 1F1B); the "
+            "schedules asked for leave it out"
+        )
+    placements = [p for p in pins["placements"] or EP_PLACEMENTS if p in EP_PLACEMENTS]
+    if not placements:
+        raise PlanError(
+            f"expert parallelism {degree} is planned with a stage's replicas on neighbouring ranks (placement "
+            "dp-inner), which the placements asked for leave out"
+        )
+    chain_e = chain_at_expert_degree(chain, experts, degree, cluster, workload, experts_timed=experts_timed)
+    narrowed = {"data_parallel": dps, "schedules": schedules, "placements": placements}
+    return searcher.plans(chain_e, cluster, lambda step: None, zero_stages=EP_ZERO_STAGES, narrowed=narrowed)
+
+
+def with_ep(p: Plan, degree: int) -> Plan:
+    """A plan of the search at expert-parallel `degree` as what it is: its layout's ep."""
+    return replace(p, layout=replace(p.layout, ep=degree))
 
 
 def tensor_parallel_chains(
@@ -407,8 +539,8 @@ def infeasible_reason(found: Found, remat: str, memory_fraction: float) -> str:
     reason = plain.reason if plain is not None and plain.reason else (relaxed[0].reason if relaxed else "")
     suffix = f" (even with rematerialization: {remat})" if remat != "none" else ""
     needed = [
-        (p, refiner.space, degree)
-        for degree, (first, _), refiner in zip(found.degrees, found.runs, found.refiners, strict=True)
+        (p, refiner.space, degrees)
+        for degrees, (first, _), refiner in zip(found.searched, found.runs, found.refiners, strict=True)
         if first is not None and first.feasible
         for p in [refiner.least_needed([first])]
         if p is not None
@@ -417,20 +549,21 @@ def infeasible_reason(found: Found, remat: str, memory_fraction: float) -> str:
         if plain is not None and plain.feasible:
             reason = "every plan that fits the saved activations overflows with the stages' working memory"
         return f"{reason or 'no configuration fits'}{suffix}"
-    closest, space, degree = min(needed, key=lambda x: x[0].predicted.peak_memory_bytes)
-    return _needs(closest, space, degree, memory_fraction) + suffix
+    closest, space, degrees = min(needed, key=lambda x: x[0].predicted.peak_memory_bytes)
+    return _needs(closest, space, degrees, memory_fraction) + suffix
 
 
-def _needs(p: Plan, space: Space, degree: int, memory_fraction: float) -> str:
-    """One line: what plan `p` (of the search at tensor-parallel `degree`) needs per GPU against what is planned
-    for, and the memory fraction that admits it."""
+def _needs(p: Plan, space: Space, degrees: tuple[int, int], memory_fraction: float) -> str:
+    """One line: what plan `p` (of the search at (tensor-parallel, expert-parallel) `degrees`) needs per GPU against
+    what is planned for, and the memory fraction that admits it."""
     gpu = space.cluster.gpu
     whole = memory_per_process(space.cluster)
     need = p.predicted.peak_memory_bytes
     lay = p.layout
+    tp, ep = degrees
     what = (
-        f"dp={lay.dp} {f'tp={degree} ' if degree > 1 else ''}pp={lay.pp} b={lay.micro_batch_size} "
-        f"GA={lay.num_microbatches} ZeRO-{lay.zero_stage}"
+        f"dp={lay.dp} {f'ep={ep} ' if ep > 1 else ''}{f'tp={tp} ' if tp > 1 else ''}pp={lay.pp} "
+        f"b={lay.micro_batch_size} GA={lay.num_microbatches} ZeRO-{lay.zero_stage}"
     )
     line = (
         f"no plan fits in the {fmt_bytes(whole * memory_fraction)} planned for on each {gpu.name} "
@@ -812,12 +945,14 @@ def _stage_params(chain: Chain, workload: Workload, gpu: GPU, tied: list[TiedPar
 
 
 def _key(p: Plan, *, choices: bool = True) -> tuple[Any, ...]:
-    """Identity of a configuration: the same plan found by both searches counts once. Without `choices`, the
-    schedule and the placement are left out (`_distinct`)."""
+    """Identity of a configuration: the same plan found by both searches counts once (its expert-parallel degree is
+    part of it: the same layout at two degrees is two plans). Without `choices`, the schedule and the placement are
+    left out (`_distinct`)."""
     lay = p.layout
     chosen = (lay.schedule, lay.placement) if choices else ()
     return (
         lay.dp,
+        lay.ep,
         lay.pp,
         lay.micro_batch_size,
         *chosen,

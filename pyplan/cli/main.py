@@ -294,6 +294,44 @@ def _tensor_parallel(args: argparse.Namespace, cluster: Cluster) -> dict[str, An
     return found
 
 
+# The largest expert-parallel degree `--ep auto` tries.
+MAX_AUTO_EP = 64
+
+
+def _expert_counts(model: nn.Module) -> list[int]:
+    """The routed experts of each mixture-of-experts layer of `model` (pyplan/graph/experts.py `expert_leaves`): the
+    first dimension of its stacked parameters, or the length of its list of experts."""
+    counts = []
+    for path in expert_leaves(model):
+        module = model.get_submodule(path)
+        stacked = [p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3]
+        lists = [len(c) for c in module.children() if isinstance(c, nn.ModuleList)]
+        counts.extend((stacked or lists)[:1])
+    return counts
+
+
+def _expert_parallel(args: argparse.Namespace, cluster: Cluster, model: nn.Module) -> tuple[int, ...]:
+    """The expert-parallel degrees from --ep: without it, every degree (auto) for a model with mixture-of-experts
+    layers on a catalog GPU, else none; auto is 1 and every E up to MAX_AUTO_EP that divides every layer's experts
+    and the GPUs."""
+    counts = _expert_counts(model)
+    text = args.ep.strip() if args.ep is not None else ("auto" if counts and not is_local(cluster.gpu) else "1")
+    if text == "auto":
+        return (
+            1,
+            *(e for e in range(2, MAX_AUTO_EP + 1) if counts and all(n % e == 0 for n in (*counts, cluster.gpus))),
+        )
+    try:
+        degrees = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise PlanError(
+            f"--ep takes auto, a degree or degrees separated by commas (e.g. 1,2,4), got '{text}'"
+        ) from None
+    if any(e < 1 for e in degrees):
+        raise PlanError(f"--ep takes degrees of at least 1, got '{text}'")
+    return degrees
+
+
 def _tp_line(searched: Sequence[int], left_out: Sequence[tuple[int, str]]) -> str:
     """The header's line on tensor parallelism: the degrees searched, each left out with why."""
     line = f"tensor parallelism searched at {', '.join(map(str, searched))} (--tp 1: none)"
@@ -302,11 +340,20 @@ def _tp_line(searched: Sequence[int], left_out: Sequence[tuple[int, str]]) -> st
     return line
 
 
+def _ep_line(searched: Sequence[int], left_out: Sequence[tuple[int, str]]) -> str:
+    """The header's line on expert parallelism: the degrees searched, each left out with why."""
+    line = f"expert parallelism searched at {', '.join(map(str, searched)) or 'no degree'} (--ep 1: none)"
+    if left_out:
+        line += "; left out: " + "; ".join(f"{e}, as {why}" for e, why in left_out)
+    return line
+
+
 def _versus_best(pinned: Plan, best: Plan) -> str:
     """One line: how far the pinned plan is from the best plan without pins, in the objective's terms."""
     lay = best.layout
     what = (
-        f"dp={lay.dp} {f'tp={lay.tp} ' if lay.tp > 1 else ''}pp={lay.pp} b={lay.micro_batch_size} "
+        f"dp={lay.dp} {f'ep={lay.ep} ' if lay.ep > 1 else ''}{f'tp={lay.tp} ' if lay.tp > 1 else ''}pp={lay.pp} "
+        f"b={lay.micro_batch_size} "
         f"GA={lay.num_microbatches} {lay.schedule} "
         f"ZeRO-{lay.zero_stage}"
     )
@@ -319,8 +366,8 @@ def _versus_best(pinned: Plan, best: Plan) -> str:
 
 def _key_of(p: Plan) -> tuple[Any, ...]:
     lay = p.layout
-    return (lay.dp, lay.tp, lay.pp, lay.micro_batch_size, lay.num_microbatches, lay.schedule, lay.zero_stage,
-            lay.placement)  # fmt: skip
+    return (lay.dp, lay.tp, lay.ep, lay.pp, lay.micro_batch_size, lay.num_microbatches, lay.schedule,
+            lay.zero_stage, lay.placement)  # fmt: skip
 
 
 def _portable(ref: str) -> str:
@@ -380,6 +427,7 @@ def _plan(args: argparse.Namespace) -> int:
     )
     pins = _pins(args)
     options.update(_tensor_parallel(args, cluster))
+    options["expert_parallel"] = _expert_parallel(args, cluster, model)
     # The answer comes from one search whatever is shown: the best of the plans refined from the core's first
     # candidates. More rows (--top) or the pictures refine more candidates, in a second search on the same profile.
     with _user_code(args), spinner(f"planning {args.model}") as shown, limit.searching(shown) as say:
@@ -399,8 +447,10 @@ def _plan(args: argparse.Namespace) -> int:
         # With pins, the best plan without them, for how far the pinned one is from it (the profile is reused).
         unpinned = searched(top_k=ANSWER_TOP_K, chain=result.chain) if pins else None
         rows = [result.best, *(p for p in (more.best, *more.alternatives) if _key_of(p) != _key_of(result.best))]
+    # The capture the plan indexes: a mixture of experts' layers each kept whole (pyplan.api.search).
+    leaves = tuple(dict.fromkeys((*args.leaf, *expert_leaves(model))))
     document = PlanFile(
-        model=_portable(args.model), workload=workload, cluster=cluster, plan=result.best, leaf_modules=tuple(args.leaf)
+        model=_portable(args.model), workload=workload, cluster=cluster, plan=result.best, leaf_modules=leaves
     )
     with _user_code(args):  # the training script and the HTML report load the model again
         written = _write_outputs(args, document, more)
@@ -422,7 +472,11 @@ def _plan(args: argparse.Namespace) -> int:
         tp_searched = result.tensor_parallel != (1,) or bool(result.tp_left_out)
         if tp_searched:
             console.print(_tp_line(result.tensor_parallel, result.tp_left_out), highlight=False)
-        render_plans(rows[: args.top], console, title=title, memory_bytes=memory, tp_searched=tp_searched)
+        ep_searched = result.expert_parallel != (1,) or bool(result.ep_left_out)
+        if ep_searched:
+            console.print(_ep_line(result.expert_parallel, result.ep_left_out), highlight=False)
+        render_plans(rows[: args.top], console, title=title, memory_bytes=memory, tp_searched=tp_searched,
+                     ep_searched=ep_searched)  # fmt: skip
         if unpinned is not None:
             make_console().print(_versus_best(result.best, unpinned.best))
     for path in written:  # on stderr beside --json, whose stdout is the JSON alone
@@ -686,6 +740,15 @@ def _add_plan_parser(sub: Any) -> None:
         default="on",
         help="sequence parallelism beside --tp: the values between the split layers split by their tokens where "
         "the model allows it (on, default), or whole on every rank (off)",
+    )
+    p.add_argument(
+        "--ep",
+        default=None,
+        metavar="auto|E[,E...]",
+        help="expert parallelism: each mixture-of-experts layer's routed experts split over E data-parallel replicas "
+        "(dp a multiple of E, tp 1, ZeRO 0): auto (every E up to 64 dividing every layer's experts and the GPUs; "
+        "the default for a model with such layers on a catalog GPU), degrees to try, or 1 (none; the default "
+        "otherwise)",
     )
     pins.add_argument(
         "--cuts",

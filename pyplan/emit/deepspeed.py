@@ -7,8 +7,10 @@ run the BF16 optimizer's fp32 master weights, bf16 gradients beside them need Ze
 autocast without ZeRO), runtime/tensor_parallel/config.py and module_inject/autotp_config.py (AutoTP training:
 `tensor_parallel.autotp_size`, `partition_config.layer_specs` of parameter-name patterns split by column or row,
 `vocab_parallel_lm_head`), module_inject/auto_tp.py (a vocabulary-parallel output head shares its shard with the
-embedding tied to it). Pipeline stages are built in code (`deepspeed.pipe.PipelineModule`) and which layers
-recompute is chosen in code (`deepspeed.checkpointing.checkpoint`): the configuration holds neither.
+embedding tied to it); deepspeed/moe/layer.py at commit 639460ab3299 (`MoE(hidden_size, expert, num_experts,
+ep_size=1, ...)`: the expert-parallel size is an argument of the model's MoE layer). Pipeline stages are built in
+code (`deepspeed.pipe.PipelineModule`), which layers recompute is chosen in code
+(`deepspeed.checkpointing.checkpoint`) and so is the expert-parallel size: the configuration holds none of them.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ def render(shape: PlanShape) -> tuple[str, Notes]:
             "pipeline stages (DeepSpeed builds them in code, deepspeed.pipe.PipelineModule, not from its "
             "configuration)",
             "--pp 1",
+        )
+    if lay.ep > 1:
+        raise shape.cannot(
+            f"expert parallelism {lay.ep} (DeepSpeed sets the expert-parallel size in the model's code, "
+            "deepspeed.moe.layer.MoE(ep_size=...), not in its configuration)",
+            "--ep 1",
         )
     if any(r is not None and any(not isinstance(it, Keep) for it in r.plan.items) for r in lay.remat):
         raise shape.cannot(

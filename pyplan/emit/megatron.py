@@ -10,7 +10,10 @@ embedding, "t" a decoder layer, "L" the loss with the final norm and output laye
 the order stage = virtual rank x pp + pipeline rank), megatron/core/recompute.py (`--recompute-method uniform` with
 `--recompute-num-layers 1` checkpoints every layer; `block` with k the first k layers of each model chunk),
 megatron/core/pipeline_parallel/schedules.py (the interleaved schedule runs micro-batches in groups of pp and
-refuses a last group smaller than pp).
+refuses a last group smaller than pp); for expert parallelism arguments.py (`--expert-model-parallel-size` needs
+`--num-experts`, a multiple of it; `--use-torch-fsdp2` refuses it) and megatron/core/parallel_state.py
+(`initialize_model_parallel`: the experts' grid, expert tp x ep x pp x expert dp, covers the world the dense grid
+does, so ep divides dp x cp where the experts' tensor parallelism is the rest's).
 """
 
 from __future__ import annotations
@@ -44,6 +47,19 @@ def render(shape: PlanShape) -> tuple[str, Notes]:
 
     if lay.tp > 1:
         _check_tp(shape, notes)
+    if lay.ep > 1:
+        # The experts' grid is carved out of the data-parallel ranks (parallel_state.py): ep x expert-dp = dp x cp
+        # with the experts' tensor parallelism that of the rest (the default). FSDP2 refuses it.
+        if lay.zero_stage == 3 and lay.dp > 1:
+            raise shape.cannot(
+                f"expert parallelism {lay.ep} beside ZeRO-3 (Megatron's --use-torch-fsdp2 refuses expert parallelism)",
+                "--zero 0 or --zero 1",
+            )
+        flags.append(f"--expert-model-parallel-size {lay.ep}")
+        notes.append(
+            f"Megatron splits the experts only with --num-experts among the model's flags (a multiple of {lay.ep}), "
+            "with the layers' MoE flags (--moe-router-topk, --moe-ffn-hidden-size, ...)"
+        )
     if lay.pp > 1:
         flags.append(f"--pipeline-model-parallel-layout {shlex.quote(layout_string(shape))}")
         _check_schedule(shape)

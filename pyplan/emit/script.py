@@ -714,8 +714,9 @@ def render_script(document: PlanFile, name: str = "train.py") -> str:
     escaped, and JSON has no three quotes in a row), and numbers formatted from ints."""
     layout, cluster = document.plan.layout, document.cluster
     tp = f" x tp {layout.tp}{' + SP' if layout.sequence_parallel else ''}" if layout.tp > 1 else ""
+    ep = f" (experts split over ep {layout.ep})" if layout.ep > 1 else ""
     summary = _docstring_text(
-        f"{document.model}, dp {layout.dp}{tp} x pp {layout.pp}, {layout.schedule}, micro-batch "
+        f"{document.model}, dp {layout.dp}{ep}{tp} x pp {layout.pp}, {layout.schedule}, micro-batch "
         f"{layout.micro_batch_size} x {layout.num_microbatches}, ZeRO-{layout.zero_stage}"
     )
     per_node = min(cluster.gpus_per_node, layout.num_gpus)

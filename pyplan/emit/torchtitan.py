@@ -1,11 +1,13 @@
 """A plan as torchtitan's configuration: the flags of torchtitan 0.3 (newest), or a TOML job file of its 0.2 line.
 
 Sources read (field names and meanings): torchtitan 0.3.0 torchtitan/config/configs.py (ParallelismConfig,
-TrainingConfig), config/manager.py (ConfigManager: `--module`/`--config`, then `--section.field` flags parsed by
-tyro), distributed/activation_checkpoint.py (the `activation-checkpoint:none|full|selective` subcommands),
+TrainingConfig; `expert_parallel_degree`, whose ranks come from dp_shard, cp and tp), config/manager.py
+(ConfigManager: `--module`/`--config`, then `--section.field` flags parsed by tyro),
+distributed/activation_checkpoint.py (the `activation-checkpoint:none|full|selective` subcommands),
 distributed/pipeline_parallel.py (module_fqns_per_model_part, `get_schedule_class`), models/llama3/parallelize.py
 (FSDP2 for every data-parallel layout, its MixedPrecisionPolicy for bf16), models/common/decoder.py (tok_embeddings,
-layers.N, norm, lm_head); torchtitan 0.2.2 torchtitan/config/job_config.py (the TOML sections), models/llama3/
+layers.N, norm, lm_head); torchtitan 0.2.2 torchtitan/config/job_config.py (the TOML sections,
+`expert_parallel_degree`), distributed/parallel_dims.py (efsdp = dp_shard x cp x tp / (etp x ep)), models/llama3/
 infra/parallelize.py (DDP only alone: "DDP has not supported > 1D parallelism"; sequence parallelism always with
 TP), distributed/utils.py `maybe_enable_amp` (autocast only under DDP or one device), models/llama3/model/model.py
 (tok_embeddings, layers.N, norm, output).
@@ -72,6 +74,8 @@ def render(shape: PlanShape, version: str) -> tuple[str, Notes]:
     # Tensor parallelism: torchtitan splits Llama with its own plan; the plan's must be that plan.
     if lay.tp > 1:
         _check_tp(shape, version)
+    if lay.ep > 1:
+        notes += _check_ep(shape, shard)
 
     # The batch: torchtitan's local batch is one replica's share per optimizer step and gradient-accumulation step;
     # under a pipeline it is split into micro-batches, else torchtitan accumulates global / (local x dp) steps.
@@ -124,6 +128,25 @@ def _check_tp(shape: PlanShape, version: str) -> None:
         )
 
 
+def _check_ep(shape: PlanShape, shard: int) -> Notes:
+    """torchtitan takes the expert-parallel ranks from the FSDP-sharded data-parallel dimension (with tensor
+    parallelism's): 0.3's ParallelismConfig.expert_parallel_degree, "EP borrows ranks from FSDP and TP: efsdp =
+    dp_shard * cp * tp / ep", and 0.2.2's ParallelDims, efsdp = dp_shard * cp * tp / (etp * ep); replicated
+    replicas (dp_replicate, pyplan's ZeRO 0 and 1) lend none. Its llama3 has no mixture-of-experts layers."""
+    lay = shape.layout
+    if (shard * lay.tp) % lay.ep:
+        raise shape.cannot(
+            f"expert parallelism {lay.ep} over replicated data parallelism (torchtitan takes the expert-parallel ranks "
+            f"from the FSDP-sharded dimension: data_parallel_shard_degree {shard} x tensor_parallel_degree {lay.tp} "
+            f"must be a multiple of {lay.ep})",
+            "--ep 1",
+        )
+    return [
+        f"torchtitan's llama3 has no mixture-of-experts layers: expert_parallel_degree {lay.ep} splits experts only "
+        "in its MoE models (deepseek_v3, qwen3, gpt_oss), which pyplan does not map"
+    ]
+
+
 def _check_stages(shape: PlanShape) -> None:
     """torchtitan's stages are whole modules, each stage's modules consecutive."""
     if shape.inside:
@@ -143,6 +166,8 @@ def _flags(
         ("--parallelism.data_parallel_shard_degree", str(shard)),
         ("--parallelism.tensor_parallel_degree", str(lay.tp)),
     ]
+    if lay.ep > 1:
+        flags.append(("--parallelism.expert_parallel_degree", str(lay.ep)))
     if lay.tp > 1:
         flags.append(
             (
@@ -200,6 +225,7 @@ def _toml(
         f"data_parallel_replicate_degree = {replicate}",
         f"data_parallel_shard_degree = {shard}",
         f"tensor_parallel_degree = {lay.tp}",
+        *([f"expert_parallel_degree = {lay.ep}"] if lay.ep > 1 else []),
         f"pipeline_parallel_degree = {lay.pp}",
     ]
     if lay.pp > 1:

@@ -53,7 +53,9 @@ class _Column:
         return max(len(self.header or self.name), *(len(c) for c in self.cells))
 
 
-def _columns(plans: Sequence[Plan], *, short_names: bool, fold_v: bool, tp_searched: bool) -> list[_Column]:
+def _columns(
+    plans: Sequence[Plan], *, short_names: bool, fold_v: bool, tp_searched: bool, ep_searched: bool = False
+) -> list[_Column]:
     schedule: Callable[[str], str] = (lambda s: _SHORT_SCHEDULES.get(s, s)) if short_names else (lambda s: s)
     placement: Callable[[str], str] = (lambda s: _SHORT_PLACEMENTS.get(s, s)) if short_names else (lambda s: s)
     lays, preds = [p.layout for p in plans], [p.predicted for p in plans]
@@ -63,6 +65,7 @@ def _columns(plans: Sequence[Plan], *, short_names: bool, fold_v: bool, tp_searc
         _Column("#", ["best" if i == 0 else str(i) for i in range(len(plans))]),
         _Column("GPUs", [str(x.num_gpus) for x in lays]),
         _Column("dp", [str(x.dp) for x in lays]),
+        _Column("ep", [str(x.ep) for x in lays]),
         _Column("tp", [f"{x.tp}{'+SP' if x.sequence_parallel else ''}" for x in lays]),
         _Column("pp", pp),
         _Column("v", [str(x.stages_per_rank) for x in lays]),
@@ -86,6 +89,8 @@ def _columns(plans: Sequence[Plan], *, short_names: bool, fold_v: bool, tp_searc
         columns = [c for c in columns if c.name != "v"]
     if not tp_searched and all(x.tp == 1 for x in lays):
         columns = [c for c in columns if c.name != "tp"]
+    if not ep_searched and all(x.ep == 1 for x in lays):
+        columns = [c for c in columns if c.name != "ep"]
     if all(c == "-" for c in columns[-1].cells):
         columns.pop()  # no prices: no cost column
     return columns
@@ -95,14 +100,17 @@ def _table_width(columns: Sequence[_Column]) -> int:
     return sum(c.width() + 3 for c in columns) + 1  # a cell's padding and border, and the last border
 
 
-def _fitted(plans: Sequence[Plan], width: int, *, tp_searched: bool = False) -> tuple[list[_Column], list[str]]:
+def _fitted(
+    plans: Sequence[Plan], width: int, *, tp_searched: bool = False, ep_searched: bool = False
+) -> tuple[list[_Column], list[str]]:
     """The columns of the widest table that fits `width`, and what was changed to make it fit."""
     notes: list[str] = []
     short_headers = short_names = fold_v = False
     dropped: list[str] = []
 
     def build() -> list[_Column]:
-        columns = _columns(plans, short_names=short_names, fold_v=fold_v, tp_searched=tp_searched)
+        columns = _columns(plans, short_names=short_names, fold_v=fold_v, tp_searched=tp_searched,
+                           ep_searched=ep_searched)  # fmt: skip
         for c in columns:
             c.header = _SHORT_HEADERS.get(c.name, c.name) if short_headers else c.name
         return [c for c in columns if c.name not in dropped]
@@ -152,12 +160,19 @@ def _ties(plans: Sequence[Plan]) -> list[str]:
 
 
 def render_plans(
-    plans: Sequence[Plan], console: Console, *, title: str, memory_bytes: float, tp_searched: bool = False
+    plans: Sequence[Plan],
+    console: Console,
+    *,
+    title: str,
+    memory_bytes: float,
+    tp_searched: bool = False,
+    ep_searched: bool = False,
 ) -> None:
     """One row per plan, the chosen one first: layout, time, throughput, memory per GPU, bubble, cost; as many
     columns as the console's width holds, numbers never cut. `tp_searched`: tensor parallelism was in the space,
-    so its column shows even where every row has none."""
-    columns, notes = _fitted(plans, console.width, tp_searched=tp_searched)
+    so its column shows even where every row has none; `ep_searched` likewise expert parallelism (the ep column: of
+    the dp replicas, how many split each mixture-of-experts layer's experts)."""
+    columns, notes = _fitted(plans, console.width, tp_searched=tp_searched, ep_searched=ep_searched)
     if any(c.name in _PIPELINE_ONLY and "-" in c.cells for c in columns):
         notes.insert(0, "-: one stage, no pipeline")
     caption = "; ".join([f"memory per GPU planned against {fmt_bytes(memory_bytes)}", *notes, *_ties(plans)])

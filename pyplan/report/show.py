@@ -275,18 +275,25 @@ def tp_text(lay: dict[str, Any]) -> str:
     return f"tp {lay['tp']}{' + SP' if lay.get('sequence_parallel') else ''} x "
 
 
+def ep_text(lay: dict[str, Any]) -> str:
+    """' (ep E)' for a layout whose dp replicas split each mixture-of-experts layer's experts E ways, else ''."""
+    return f" (ep {lay['ep']})" if lay.get("ep", 1) > 1 else ""
+
+
 def summary_rows(data: dict[str, Any]) -> list[tuple[str, str]]:
-    """What the plan is, as (name, value) lines: model, GPUs, layout, batch, schedule."""
+    """What the plan is, as (name, value) lines: model, GPUs, layout, batch, schedule, and the expert parallelism
+    where the plan has it."""
     lay, cl, w = data["layout"], data["cluster"], data["workload"]
     training = f"ZeRO stage {lay['zero_stage']}, {w['precision']} {w['optimizer']}"
+    dp = f"dp {lay['dp']}{ep_text(lay)}"
     if lay["pp"] > 1:
         layout = (
-            f"dp {lay['dp']} x {tp_text(lay)}pp {lay['pp']}, {lay['stages_per_rank']} stage(s) per rank, "
+            f"{dp} x {tp_text(lay)}pp {lay['pp']}, {lay['stages_per_rank']} stage(s) per rank, "
             f"placement {lay['placement']}"
         )
         last = ("schedule", f"{lay['schedule']}, {training}")
     else:
-        layout, last = f"dp {lay['dp']} x {tp_text(lay)}pp 1: one stage, no pipeline", ("training", training)
+        layout, last = f"{dp} x {tp_text(lay)}pp 1: one stage, no pipeline", ("training", training)
     return [
         ("model", data["model"]),
         ("GPUs", f"{lay['num_gpus']} of {cl['gpus']} x {cl['gpu']} ({cl['gpus_per_node']} per node)"),
@@ -297,6 +304,11 @@ def summary_rows(data: dict[str, Any]) -> list[tuple[str, str]]:
             f"(global batch {lay['global_batch']})",
         ),
         last,
+        *(
+            [("experts", f"each mixture-of-experts layer's experts split over {lay['ep']} of the dp replicas")]
+            if lay.get("ep", 1) > 1
+            else []
+        ),
     ]
 
 

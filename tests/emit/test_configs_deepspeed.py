@@ -143,3 +143,12 @@ def test_pipelines_and_recomputation_are_code_in_deepspeed(plans: Plans, capsys:
         "--format deepspeed cannot express recomputation or offloading (the model's code chooses what DeepSpeed "
         "recomputes, deepspeed.checkpointing.checkpoint; its configuration does not): plan with --remat none"
     )
+
+
+def test_expert_parallelism_is_code_in_deepspeed(plans: Plans, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = plans.doc("gpt", ep=2)
+    capsys.readouterr()
+    assert refusal(lambda: render_config(doc, "deepspeed")) == (
+        "--format deepspeed cannot express expert parallelism 2 (DeepSpeed sets the expert-parallel size in the "
+        "model's code, deepspeed.moe.layer.MoE(ep_size=...), not in its configuration): plan with --ep 1"
+    )

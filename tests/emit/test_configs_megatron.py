@@ -25,7 +25,12 @@ __all__ = ["plans"]
 def _parser() -> argparse.ArgumentParser:
     """The flags pyplan writes, as arguments.py declares them (a store_true flag, or its value's type and choices)."""
     p = argparse.ArgumentParser(allow_abbrev=False)
-    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers"):
+    for flag in (
+        "--tensor-model-parallel-size",
+        "--pipeline-model-parallel-size",
+        "--expert-model-parallel-size",
+        "--num-layers",
+    ):
         p.add_argument(flag, type=int, default=1 if "size" in flag else None)
     p.add_argument("--micro-batch-size", type=int)
     p.add_argument("--global-batch-size", type=int)
@@ -52,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
 @dataclass
 class Megatron:
     """What Megatron derives from the arguments: the data-parallel size, micro-batches per step, the virtual
-    pipeline size and each (pipeline rank, virtual stage)'s layer count, and whether gradients are reduced in fp32."""
+    pipeline size and each (pipeline rank, virtual stage)'s layer count, whether gradients are reduced in fp32, and
+    the experts' data-parallel size (the ranks holding the same experts)."""
 
     args: argparse.Namespace
     dp: int
@@ -60,6 +66,7 @@ class Megatron:
     vpp: int
     layers: list[list[int]]
     grads_in_fp32: bool
+    expert_dp: int = 1
 
 
 def _layout(text: str) -> list[list[str]]:
@@ -117,7 +124,13 @@ def megatron(text: str) -> Megatron:
     if a.sequence_parallel:
         assert tp > 1
     grads_in_fp32 = a.bf16 and not a.grad_reduce_in_bf16
-    return Megatron(a, dp, microbatches, vpp, layers, grads_in_fp32)
+    # parallel_state.initialize_model_parallel: the experts' grid, expert tp (= tp) x ep x pp x expert dp, covers
+    # the world; validate_args: FSDP2 refuses expert parallelism.
+    ep = a.expert_model_parallel_size
+    assert world_size % (tp * ep * pp) == 0, "world_size is not divisible by expert_tensor_model_pipeline_parallel size"
+    if ep > 1:
+        assert not a.use_torch_fsdp2, "--use-torch-fsdp2 is not supported with expert parallelism"
+    return Megatron(a, dp, microbatches, vpp, layers, grads_in_fp32, world_size // (tp * ep * pp))
 
 
 def _stage_layers(doc: PlanFile) -> list[int]:
@@ -225,3 +238,22 @@ def test_gpt2_and_what_megatron_cannot_express(plans: Plans, capsys: pytest.Capt
     ]
     for doc, message in expected:
         assert refusal(lambda doc=doc: render_config(doc, "megatron")) == message
+
+
+def test_expert_parallelism_out_of_the_data_parallel_ranks(plans: Plans, capsys: pytest.CaptureFixture[str]) -> None:
+    """--expert-model-parallel-size E: the experts' grid carved out of the dp ranks (E x expert dp = dp), beside
+    DDP or the distributed optimizer; the model's own flags must name its experts; FSDP2 refuses it."""
+    doc = plans.doc("replicas", ep=2)
+    capsys.readouterr()
+    text, notes = render_config(doc, "megatron")
+    m = megatron(text)
+    assert (m.dp, m.args.expert_model_parallel_size, m.expert_dp) == (4, 2, 2) and m.args.use_distributed_optimizer
+    assert notes == [
+        "Megatron splits the experts only with --num-experts among the model's flags (a multiple of 2), with the "
+        "layers' MoE flags (--moe-router-topk, --moe-ffn-hidden-size, ...)"
+    ]
+    assert "--expert-model-parallel-size" not in render_config(plans.doc("replicas"), "megatron")[0]
+    assert refusal(lambda: render_config(plans.doc("tensor", precision="fp32", ep=2), "megatron")) == (
+        "--format megatron cannot express expert parallelism 2 beside ZeRO-3 (Megatron's --use-torch-fsdp2 refuses "
+        "expert parallelism): plan with --zero 0 or --zero 1"
+    )

@@ -235,3 +235,27 @@ def test_the_02_line_toml(plans: Plans, tmp_path: Any, capsys: pytest.CaptureFix
     )
     no_sp = plans.doc("tensor", sequence_parallel=False)
     assert refusal(lambda: render_config(no_sp, "torchtitan", torchtitan_version="0.2")).endswith("plan with --sp on")
+
+
+def test_expert_parallelism_borrows_the_sharded_ranks(
+    plans: Plans, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """expert_parallel_degree over FSDP-sharded replicas, as torchtitan's ParallelDims takes it (0.3 flags, 0.2
+    TOML); over replicated ones (ZeRO 0, which pyplan's expert parallelism runs with) torchtitan has no ranks to
+    borrow: one line."""
+    sharded = plans.doc("replicas", precision="bf16-mixed", zero_stage=3, ep=2)
+    capsys.readouterr()
+    text, notes = render_config(sharded, "torchtitan")
+    cfg = parse_03(text)
+    dims = ParallelDims.from_config(cfg.parallelism, world_size=4)
+    assert cfg.parallelism.expert_parallel_degree == 2 and (dims.dp_shard, dims.ep) == (4, 2) and dims.ep_enabled
+    assert notes[-1].startswith("torchtitan's llama3 has no mixture-of-experts layers: expert_parallel_degree 2")
+    job = _toml_02(render_config(sharded, "torchtitan", torchtitan_version="0.2")[0], tmp_path)
+    assert job["parallelism"]["expert_parallel_degree"] == 2
+    assert "expert_parallel_degree" not in render_config(plans.doc("tensor"), "torchtitan")[0]
+    replicated = plans.doc("replicas", precision="bf16-mixed", zero_stage=0, ep=2)
+    assert refusal(lambda: render_config(replicated, "torchtitan")) == (
+        "--format torchtitan cannot express expert parallelism 2 over replicated data parallelism (torchtitan takes "
+        "the expert-parallel ranks from the FSDP-sharded dimension: data_parallel_shard_degree 1 x "
+        "tensor_parallel_degree 1 must be a multiple of 2): plan with --ep 1"
+    )

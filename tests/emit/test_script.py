@@ -255,6 +255,61 @@ def test_plan_emit_then_torchrun(tmp_path: Path) -> None:
         errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and message in errors[0], done.stderr[-2000:]
 
+    # Expert parallelism: the search's plan at ep 2 for a mixture of experts, emitted and run on 2 ranks that each
+    # hold half of every layer's experts, trains what one process trains.
+    _expert_parallel_plan_trains_like_one_process(tmp_path / "moe", main)
+
+
+MOE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "real", "moe_mixtral_style.py"
+)
+
+
+def _expert_parallel_plan_trains_like_one_process(folder: Path, main: Any) -> None:
+    """`pyplan plan --ep 2` on this machine's 2 processes for the Mixtral-style model: plan.json carries ep and the
+    capture it indexes (each layer's experts kept whole, its leaf_modules); the script trains 3 steps of SGD with
+    momentum (Adam would magnify the rounding of gradients that are zero in theory, a key bias's), and every rank's
+    parameters (its experts renumbered from 0 in each layer's list) equal one process's after the same steps on the
+    same batches."""
+    from pyplan.emit.planfile import read_plan_file
+    from pyplan.runtime.trainer import optimizer_factory
+
+    folder.mkdir()
+    script, plan, saved = folder / "train.py", folder / "plan.json", folder / "params"
+    argv = ["plan", MOE, "--gpus", "2", "--gpu", "local", "--global-batch", "8", "--ep", "2"]
+    argv += ["--optimizer", "sgd-momentum"]
+    assert main([*argv, "--emit", str(script), "--out", str(plan)]) == 0
+    doc = read_plan_file(plan)
+    lay = doc.plan.layout
+    assert (lay.ep, lay.dp, lay.pp) == (2, 2, 1)
+    assert doc.leaf_modules == ("layers.0.moe.experts", "layers.1.moe.experts")
+    done = _torchrun(script, 2, "--steps", "3", "--lr", str(LR), "--save-params", str(saved))
+    assert done.returncode == 0, done.stderr[-3000:]
+    emitted = _script_module(folder / "module")
+    spec = load_model(MOE)
+    torch.manual_seed(0)
+    reference = spec.build()
+    opt = optimizer_factory(doc.workload.optimizer, LR)(reference.parameters())
+    b, n = lay.micro_batch_size, doc.workload.global_batch // lay.micro_batch_size
+    for step in range(3):
+        emitted.seed_step(step, 0)
+        inputs, target = spec.example_inputs(8), spec.target(8)
+        opt.zero_grad()
+        for k in range(n):
+            sl = slice(k * b, (k + 1) * b)
+            (spec.loss(reference(*(t[sl] for t in inputs)), target[sl]) / n).backward()
+        opt.step()
+    ref = dict(reference.named_parameters())
+    held = 0
+    for rank in range(2):
+        for name, p in torch.load(f"{saved}.rank{rank}.pt").items():
+            head, mark, tail = name.partition(".mlps.")
+            if mark:  # rank r holds experts 4r..4r+3 of each layer, as 0..3
+                number, _, rest = tail.partition(".")
+                name, held = f"{head}.mlps.{int(number) + 4 * rank}.{rest}", held + 1
+            assert _relative_error(p, ref[name].detach()) < 1e-5, name
+    assert held == 2 * 2 * 4 * 3  # ranks x layers x experts a rank x (gate, up, down)
+
 
 # Payloads that would end the docstring, a raw string or a line if pasted into the script unescaped.
 INJECTIONS = (
