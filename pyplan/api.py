@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from pyplan.errors import InfeasibleError, PlanError
+from pyplan.errors import InfeasibleError, PlanError, TraceError
 from pyplan.graph.chain import Chain
 from pyplan.graph.experts import expert_leaves, find_expert_layers
 from pyplan.graph.trace import ExampleInputs, Examples, LeafSpec
@@ -126,8 +126,7 @@ def search(
     under_autocast = set(zero_stages) != {3}
     if chain is None:
         say("tracing and profiling")
-        leaves = (*leaf_modules, *expert_leaves(model))  # each layer's experts one node, at every degree
-        chain, profiled_on = chain_for(model, examples, cluster, workload, leaf_modules=leaves, autocast=under_autocast)
+        chain, profiled_on = _captured(model, examples, cluster, workload, tuple(leaf_modules), under_autocast)
     chain, micro_batch_sizes = _trainable(chain, micro_batch_sizes, workload)
     fixed_cuts = _fixed_cuts(stage_cuts, len(chain.blocks))
     bare = chain
@@ -141,7 +140,8 @@ def search(
                 objective=objective, weight=weight, fixed_cuts=fixed_cuts)  # fmt: skip
     how = Searcher(model, examples, workload, objective, memory_fraction, pins, max(4 * top_k, 20), remat, offload,
                offload_bw_bytes_per_s, loss, target, autocast=under_autocast)  # fmt: skip
-    experts = find_expert_layers(bare.graph).layers
+    # The layers whose experts the capture kept whole: their work is the cost model's (the profile holds none of it).
+    experts = [layer for layer in find_expert_layers(bare.graph).layers if layer.kept_whole]
     found = search_degrees(how, bare, chain, cluster, tensor_parallel, tp_plan, sequence_parallel, say,
                            experts=experts, expert_degrees=expert_parallel)  # fmt: skip
     if not found.plans:
@@ -162,6 +162,27 @@ def search(
     return PlanSearch(top[0], tuple(top[1:]), tuple(pareto), candidates, evaluated, chain, profiled_on,
                       tuple(found.degrees), tuple(found.left_out), tuple(found.expert_degrees),
                       tuple(found.ep_left_out))  # fmt: skip
+
+
+def _captured(
+    model: nn.Module,
+    examples: Examples,
+    cluster: Cluster,
+    workload: Workload,
+    leaf_modules: tuple[LeafSpec, ...],
+    autocast: bool,
+) -> tuple[Chain, str]:
+    """`chain_for`'s chain, each mixture-of-experts layer's routed experts kept whole (one node, at every degree of
+    expert parallelism). What `expert_leaves` proposes from the parameters alone is confirmed by the capture: where
+    keeping the proposed modules whole fails to capture (a module shaped like a set of experts that is not one),
+    the model is captured as it is, and the experts the graph then shows are priced as captured."""
+    experts = expert_leaves(model)
+    if not experts:
+        return chain_for(model, examples, cluster, workload, leaf_modules=leaf_modules, autocast=autocast)
+    try:
+        return chain_for(model, examples, cluster, workload, leaf_modules=(*leaf_modules, *experts), autocast=autocast)
+    except TraceError:
+        return chain_for(model, examples, cluster, workload, leaf_modules=leaf_modules, autocast=autocast)
 
 
 def _check_options(

@@ -945,13 +945,14 @@ def _stage_params(chain: Chain, workload: Workload, gpu: GPU, tied: list[TiedPar
 
 
 def _key(p: Plan, *, choices: bool = True) -> tuple[Any, ...]:
-    """Identity of a configuration: the same plan found by both searches counts once (its expert-parallel degree is
-    part of it: the same layout at two degrees is two plans). Without `choices`, the schedule and the placement are
-    left out (`_distinct`)."""
+    """Identity of a configuration: the same plan found by both searches counts once (its tensor- and
+    expert-parallel degrees are part of it: the same layout at two degrees is two plans). Without `choices`, the
+    schedule and the placement are left out (`_distinct`)."""
     lay = p.layout
     chosen = (lay.schedule, lay.placement) if choices else ()
     return (
         lay.dp,
+        lay.tp,
         lay.ep,
         lay.pp,
         lay.micro_batch_size,

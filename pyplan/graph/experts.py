@@ -233,14 +233,16 @@ def _mlp_shape(matrices: list[tuple[int, int]], hidden: int, numel: int) -> tupl
 
 
 def _positional_inputs(cls: type) -> int:
-    """How many positional parameters a module class's forward takes besides self (transformers' experts dispatch
-    through a wrapper that keeps the signature of the forward it wraps)."""
+    """How many positional parameters without a default a module class's forward takes besides self (transformers'
+    experts dispatch through a wrapper that keeps the signature of the forward it wraps). Those with a default do not
+    count: a stack of layers called with optional masks (BERT's encoder: hidden states, then masks that default to
+    None) is not a set of experts called with (hidden, index, weights)."""
     try:
         params = list(inspect.signature(cls.forward).parameters.values())[1:]
     except (TypeError, ValueError):
         return 0
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(p.kind in kinds for p in params)
+    return sum(p.kind in kinds and p.default is inspect.Parameter.empty for p in params)
 
 
 def is_experts_module(model: nn.Module, path: str) -> bool:
