@@ -1,11 +1,13 @@
 """pyplan's predictions next to published, measured training runs and DeepSpeed's model-state estimator; two tables.
 
-Run: `python benchmarks/published.py [--cases NAME ...] [--json PATH]` (needs transformers; about 8 minutes on
+Run: `python benchmarks/published.py [--cases NAME ...] [--json PATH]` (needs transformers; about 23 minutes on
 2 cores). Sources, conversions and a recorded run: benchmarks/PUBLISHED.md.
 
 Table 1, throughput. Each published run (tokens/s per GPU measured on A100s and H100s with FSDP FULL_SHARD, i.e.
-ZeRO-3, one of them beside tensor parallelism; and Megatron-Core's ZeRO-1 on H100s, beside tensor parallelism for
-one model) is planned as it ran, in a process of its own: its model built from
+ZeRO-3, one of them beside tensor parallelism; Megatron-Core's ZeRO-1 on H100s, beside tensor parallelism for one
+model; and Megatron-LM's own runs of GPT models from 1.7B on 32 A100s to 1T on 3072, tensor, pipeline and data
+parallel, their throughput converted from the papers' teraFLOP/s or iteration times and their whole layout pinned)
+is planned as it ran, in a process of its own: its model built from
 a Hugging Face config on the meta device (MPT as the GPT-2 config with the same tensors), `pyplan.search` on the
 catalog GPU restricted to the run's ZeRO stage, micro-batch size and tensor-parallel degree, with `remat="full"`
 where the run checkpointed every layer, `"selective"` where it ran torchtitan's op policy on every layer, `"none"`
@@ -16,7 +18,9 @@ not among the plans the row says so. Rows that rely on what pyplan does not mode
 outside the catalog, software older than the GPU, another framework's runtime) stay in the table with the reason,
 and out of the statistics.
 Targets: median |predicted/published - 1| <= 15 %, worst <= 35 %, every published configuration feasible (its
-memory within the GPU's; the share of the GPU is printed, and a note marks rows over pyplan's default 90 %).
+memory within the GPU's; the share of the GPU is printed, and a note marks rows over pyplan's default 90 %). The
+Megatron-LM rows, which ran Megatron's own runtime and are planned as pyplan's runtime would run their layouts, are
+in these statistics and also summarized apart: median <= 10 %, and PUBLISHED.md accounts for each beyond 25 %.
 
 Table 2, model-state bytes per GPU for 1.5B, 6.7B and 7.5B parameters on 8 and 64 GPUs under ZeRO 1-3: pyplan's
 convention (`Workload.state_bytes_per_gpu`) next to DeepSpeed's `estimate_zero2_model_states_mem_needs` and
@@ -46,6 +50,9 @@ from real_models import CASES
 
 GiB = 2**30
 TARGET_MEDIAN, TARGET_WORST = 0.15, 0.35
+# Megatron-LM's runs, on their published layouts: the median target, and the deviation beyond which PUBLISHED.md
+# accounts for a row term by term.
+MEGATRON_SOURCES, MEGATRON_MEDIAN, MEGATRON_EXPLAINED = ("SC21", "KORTH"), 0.10, 0.25
 TOP_K = 10_000  # every plan the search finds, so the published layout is among them when it fits
 SLOW_SEARCH_S = 120.0
 # Of each GPU's memory planned for: the whole of it, as the published runs had it (pyplan.search keeps 10 % back by
@@ -68,6 +75,13 @@ SOURCES: dict[str, str] = {
     "llama3/finetuning/README_8b.md (Llama 3 8B SFT BF16, container nemo:24.12; recipe llama3_finetune.py, NeMo "
     "llama3_8b.finetune_recipe(peft_scheme=None, performance_mode=True)); tag v25.04.02, nemotron/README.md "
     "(Nemotron-4 15B pre-training BF16, NeMo 25.02.01; NeMo scripts/llm/performance/pretrain_nemotron4_15b.py)",
+    "SC21": "Narayanan et al., 'Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM', SC "
+    "2021 (arXiv:2104.04473), Table 1 and Table 2 (PTD-P rows), FLOPs by eq. (3); launch settings from "
+    "NVIDIA/Megatron-LM examples/sc21/run_table_1.sh and CONFIG.sh (at 6985e589); Table 1 also in that repository's "
+    "README, images/cases_april2021.png (at 50a4b5fa)",
+    "KORTH": "Korthikanti et al., 'Reducing Activation Recomputation in Large Transformer Models', MLSys 2023 "
+    "(arXiv:2205.05198), Table 3 (layouts), Table 5 (iteration times, MFU by eq. (7)), §6.3 (530B at 8-way data "
+    "parallelism); Table 5's MFU also in NVIDIA/Megatron-LM's README (at 2e90a342)",
 }
 
 # The MPT benchmark configurations are GPT-2's tensors exactly (learned positions up to the sequence length, biases,
@@ -139,6 +153,12 @@ class Run:
     tp: int = 1
     flops_per_token: float | None = None
     precision: str = "bf16-mixed"
+    mfu_step: float = 0.0  # the published MFU's rounding step (0.01: whole percents), allowed in the check
+    schedule: str = ""  # pyplan's name for the run's pipeline schedule; set: the whole layout is pinned in the search
+    chunks: int = 1  # model chunks a pipeline rank holds (interleaved); pyplan plans 1, or 2 interleaved
+    sequence_parallel: bool = True  # beside tp: the values between the split layers sliced by tokens
+    detail: str = ""  # the row's own note, after `note` (which rows of one source may share)
+    max_blocks: int = 0  # the chain's most blocks where chain_for's default (128) folds the layers into one block
 
     def __post_init__(self) -> None:
         if self.replicas * self.micro_batch * self.grad_accum != self.global_batch:
@@ -146,6 +166,14 @@ class Run:
                 f"{self.name}: dp {self.replicas} x micro-batch {self.micro_batch} x GA {self.grad_accum} != "
                 f"global batch {self.global_batch}"
             )
+
+    @property
+    def schedules(self) -> tuple[str, ...]:
+        """The schedules planned for the run's: its own, or for Megatron's interleaving of 3 or more chunks a rank,
+        which pyplan does not plan, its two nearest (1 chunk, and 2 interleaved), of which the faster plan is read."""
+        if self.chunks > 2:
+            return ("1F1B", "Interleaved1F1B")
+        return (self.schedule,) if self.schedule else ()
 
     @property
     def replicas(self) -> int:
@@ -165,9 +193,117 @@ class Run:
             flops_per_token = 6 * self.published_params + 12 * self.layers * self.hidden * self.seq_len
         return self.tokens_per_s_per_gpu * flops_per_token / self.peak_flops
 
+    def mfu_agrees(self) -> bool:
+        """The published MFU re-derived from the transcribed throughput within 1 %, or within half the published
+        figure's rounding step (a whole percent of 46 % is 1.1 % of it); true where there is nothing to check."""
+        ours, theirs = self.mfu_from_throughput(), self.mfu
+        if ours is None or theirs is None:
+            return True
+        return abs(ours - theirs) <= max(0.01 * theirs, self.mfu_step / 2)
+
 
 def _mpt(name: str, size: str, d: int, n: int, h: int, params: int, gpu: str, table: str, **kw: Any) -> Run:
     return Run(name, "LF", table, f"MPT-{size}", MPT.format(d=d, n=n, h=h), params, n, d, gpu, note=MPT_NOTE, **kw)
+
+
+# Megatron-LM's GPT models of [SC21] and [KORTH]: vocabulary 51,200, sequence 2,048, 4h MLP, learned positions,
+# biases, LayerNorm, tied embeddings, dropout 0.1: the tensors of Hugging Face's GPT-2 (its count is eq. (2)'s + 2h:
+# eq. (2) leaves out the final LayerNorm).
+MEGATRON_VOCAB, MEGATRON_SEQ = 51_200, 2_048
+MEGATRON_GPT = "hf:gpt2:n_embd={h},n_layer={l},n_head={a},vocab_size=51200,n_positions=2048,seq_len=2048"
+
+
+def megatron_params(layers: int, hidden: int, vocab: int = MEGATRON_VOCAB, seq: int = MEGATRON_SEQ) -> int:
+    """Parameters of Megatron's GPT, Narayanan et al. 2021, eq. (2): P = 12lh²(1 + 13/(12h) + (V + s)/(12lh)),
+    that is 12lh² + 13lh + (V + s)h."""
+    return 12 * layers * hidden**2 + 13 * layers * hidden + (vocab + seq) * hidden
+
+
+def sc21_flops_per_token(layers: int, hidden: int, seq: int = MEGATRON_SEQ, vocab: int = MEGATRON_VOCAB) -> float:
+    """FLOPs per token of a training iteration with full recomputation, Narayanan et al. 2021, eq. (3) over B·s:
+    F = 96·B·s·l·h²·(1 + s/(6h) + V/(16lh)), the GEMMs of the forward, the backward and recomputation's second
+    forward (the teraFLOP/s of their Table 1 count these)."""
+    return 96 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def megatron_model_flops_per_token(
+    layers: int, hidden: int, seq: int = MEGATRON_SEQ, vocab: int = MEGATRON_VOCAB
+) -> float:
+    """Model FLOPs per token, Korthikanti et al. 2022, eq. (7) over B·s: 72·l·h²·(1 + s/(6h) + V/(12lh)), one
+    forward and one backward without recomputation (what their MFU divides)."""
+    return 72 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+def sc21_tokens_per_s(tflops_per_gpu: float, layers: int, hidden: int) -> float:
+    """Tokens/s per GPU of a run that [SC21] reports at `tflops_per_gpu` teraFLOP/s per GPU (eq. (3)'s FLOPs)."""
+    return tflops_per_gpu * 1e12 / sc21_flops_per_token(layers, hidden)
+
+
+SC21_NOTE = (
+    "Megatron-LM's own runtime (2021: NGC PyTorch 20.12, fp16 with fp32 main weights, static loss scale 8192, fused "
+    "kernels, attention as baddbmm + fused scale-mask-softmax + dropout + bmm), planned as pyplan's runtime would run "
+    "its layout: bf16 weights and gradients beside fp32 master weights (--fp16 without "
+    "--accumulate-allreduce-grads-in-fp32 keeps and all-reduces 16-bit gradients), every layer recomputed "
+    "(--checkpoint-activations), no sequence parallelism, ZeRO 0 (no distributed optimizer in 2021); micro-batch and "
+    "schedule from examples/sc21/run_table_1.sh; tok/s from teraFLOP/s by eq. (3)"
+)
+KORTH_NOTE = (
+    "Megatron-LM's own runtime (2022, mixed precision: planned as bf16-master, Megatron's --bf16 with fp32 main "
+    "gradients; the paper does not say fp16 or bf16); no data parallelism, tok/s = batch x 2048 / iteration time / "
+    "GPUs"
+)
+SHARED_NOTES = (MPT_NOTE, SC21_NOTE, KORTH_NOTE)  # printed once, as a footnote
+# The 1T model's 128 layers and 7 other blocks pass chain_for's 128-block limit, and linearize then keeps the layers
+# in one block (8 blocks in all: no pipeline of 64); planned on its chain of 135 (see PUBLISHED.md).
+ONE_T_BLOCKS = 160
+
+
+def _sc21(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int, tflops: float,
+          percent: float | None, micro_batch: int, ddp: str, chunks: int = 1, table: str = "Table 1",
+          detail: str = "") -> Run:  # fmt: skip
+    """A row of [SC21]: the published shape, layout, batch and teraFLOP/s per GPU (with its percentage of the
+    peak where published); the micro-batch, DDP implementation and model chunks a rank of
+    examples/sc21/run_table_1.sh."""
+    dp = gpus // (tp * pp)
+    overlap = "gradient all-reduce overlapped with the backward (torch DDP)" if ddp == "torch" else (
+        "gradients all-reduced after the backward (local DDP)")  # fmt: skip
+    chunked = f"interleaved, {chunks} chunks a rank (planned: the faster of 1F1B and 2 chunks)" if chunks > 2 else (
+        "interleaved, 2 chunks a rank" if chunks == 2 else "")  # fmt: skip
+    return Run(
+        f"megatron-{size.lower()}-sc21" + ("" if table == "Table 1" else f"-{gpus}"),
+        "SC21", table, f"GPT {size} (Megatron)", MEGATRON_GPT.format(h=hidden, l=layers, a=heads),
+        megatron_params(layers, hidden), layers, hidden, "a100-80g", gpus, micro_batch, batch // (dp * micro_batch),
+        batch, MEGATRON_SEQ, "full", sc21_tokens_per_s(tflops, layers, hidden), mfu=percent, peak_flops=A100_BF16,
+        flops_per_token=sc21_flops_per_token(layers, hidden), mfu_step=0.01, zero_stage=0, dp=dp, tp=tp,
+        precision="bf16-master-bf16-grads", schedule="Interleaved1F1B" if chunks > 1 else "1F1B", chunks=chunks,
+        sequence_parallel=False, note=SC21_NOTE,
+        detail="; ".join(x for x in (f"{tflops:g} teraFLOP/s per GPU", overlap, chunked, detail) if x),
+    )  # fmt: skip
+
+
+def _korth(size: str, heads: int, hidden: int, layers: int, pp: int, gpus: int, batch: int, micro_batch: int,
+           seconds: float, recompute: str, mfu: float | None = None, chunks: int = 1, table: str = "Table 5",
+           detail: str = "") -> Run:  # fmt: skip
+    """A row of [KORTH] (tensor parallelism 8): "full" is its Full Recompute column (every layer recomputed, no
+    sequence parallelism), "selective" its Present Work (sequence parallelism and selective recomputation of the
+    core attention, which pyplan's fused attention stands for: it keeps what that keeps, Q, K, V and the output, and
+    its backward recomputes the scores; planned without remat)."""
+    tp = 8
+    dp = gpus // (tp * pp)
+    full = recompute == "full"
+    chunked = f"interleaved, {chunks} chunks a rank (planned: the faster of 1F1B and 2 chunks)" if chunks > 2 else ""
+    what = "every layer recomputed, no sequence parallelism" if full else (
+        "sequence parallelism + selective recomputation (fused attention, no remat in pyplan)")  # fmt: skip
+    return Run(
+        f"megatron-{size.lower()}-{'full' if full else 'sel'}" + ("" if dp == 1 else f"-dp{dp}"),
+        "KORTH", table, f"GPT {size} (Megatron)", MEGATRON_GPT.format(h=hidden, l=layers, a=heads),
+        megatron_params(layers, hidden), layers, hidden, "a100-80g", gpus, micro_batch, batch // (dp * micro_batch),
+        batch, MEGATRON_SEQ, "full" if full else "selective attention", batch * MEGATRON_SEQ / seconds / gpus,
+        mfu=mfu, peak_flops=A100_BF16, flops_per_token=megatron_model_flops_per_token(layers, hidden),
+        mfu_step=0.001, zero_stage=0, dp=dp, tp=tp, precision="bf16-master",
+        schedule="Interleaved1F1B" if chunks > 1 else "1F1B", chunks=chunks, sequence_parallel=not full,
+        note=KORTH_NOTE, detail="; ".join(x for x in (f"iteration {seconds:g} s", what, chunked, detail) if x),
+    )  # fmt: skip
 
 
 LF_H100, LF_A100_80, LF_A100_40 = "H100 80GB BF16", "A100 80GB", "A100 40GB"
@@ -290,6 +426,36 @@ RUNS: tuple[Run, ...] = (
         precision="bf16-master-bf16-grads",
         note="as the 16-GPU row, 8 nodes; memory: the README's example log line of this run (peak_memory_usage, "
         "step 2.693 s), published step 2.67 s"),
+    # Megatron-LM on Selene's A100 80GB (8 a node, NVLink and 8 HDR InfiniBand HCAs), sequence 2048, vocabulary
+    # 51,200. [SC21] Table 1 (with the launch script's micro-batch, DDP and chunks) and Table 2's PTD-P rows of the
+    # 530B model (Table 1's layout, tp 8 x pp 35, at micro-batch 1 and batch 2240).
+    _sc21("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, 0.44, 16, "torch"),
+    _sc21("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138, 0.44, 16, "torch"),
+    _sc21("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142, 0.46, 16, "torch"),
+    _sc21("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135, 0.43, 8, "torch"),
+    _sc21("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138, 0.44, 4, "local"),
+    _sc21("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140, 0.45, 2, "local", chunks=3),
+    _sc21("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148, 0.47, 2, "local", chunks=2),
+    _sc21("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155, 0.50, 1, "local", chunks=2),
+    _sc21("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163, 0.52, 1, "local", chunks=3),
+    replace(_sc21("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163, 0.52, 1, "local"), max_blocks=ONE_T_BLOCKS),
+    *(_sc21("529.6B", 128, 20480, 105, 8, 35, gpus, 2240, tflops, None, 1, "local", chunks=3,
+            table="Table 2, PTD-P",
+            detail="schedule and recomputation assumed as Table 1's (Table 2 states model-parallel size 280 and "
+            "micro-batch 1)")
+      for gpus, tflops in ((560, 171), (1120, 167), (2240, 159))),
+    # [KORTH] Table 3's layouts (tp 8, no data parallelism) at Table 5's iteration times; §6.3's 530B at 8-way data
+    # parallelism (2240 GPUs, batch 8 x 280).
+    _korth("22B", 64, 6144, 48, 1, 8, 4, 4, 1.42, "full"),
+    _korth("22B", 64, 6144, 48, 1, 8, 4, 4, 1.10, "selective", mfu=0.415),
+    _korth("175B", 96, 12288, 96, 8, 64, 64, 1, 18.13, "full", chunks=3),
+    _korth("175B", 96, 12288, 96, 8, 64, 64, 1, 13.75, "selective", mfu=0.514, chunks=3),
+    _korth("530B", 128, 20480, 105, 35, 280, 280, 1, 49.05, "full", chunks=3),
+    _korth("530B", 128, 20480, 105, 35, 280, 280, 1, 37.83, "selective", mfu=0.560, chunks=3),
+    _korth("530B", 128, 20480, 105, 35, 2240, 2240, 1, 39.15, "selective", mfu=0.542, chunks=3, table="§6.3",
+           detail="gradient all-reduce not overlapped (as the paper says); ZeRO 0 assumed"),
+    replace(_korth("1T", 160, 25600, 128, 64, 512, 512, 1, 94.42, "full"), max_blocks=ONE_T_BLOCKS),
+    replace(_korth("1T", 160, 25600, 128, 64, 512, 512, 1, 71.49, "selective", mfu=0.563), max_blocks=ONE_T_BLOCKS),
 )  # fmt: skip
 BY_NAME = {r.name: r for r in RUNS}
 
@@ -318,9 +484,11 @@ def plan_run(run: Run, zero_stage: int, *, memory_scale: float = 1.0) -> dict[st
     import torch
 
     from pyplan import load_model, search
+    from pyplan.api import chain_for
     from pyplan.errors import InfeasibleError, PlanError
     from pyplan.hardware import Cluster
     from pyplan.plan import Workload
+    from pyplan.solve.schedules import stage_placement
 
     spec = load_model(run.ref)
     with torch.device("meta"):
@@ -331,22 +499,38 @@ def plan_run(run: Run, zero_stage: int, *, memory_scale: float = 1.0) -> dict[st
         "params": sum(p.numel() for p in model.parameters()),  # tied weights once
         "budget_bytes": gpu.memory_bytes * MEMORY_FRACTION,
     }
+    pp = run.gpus // run.replicas // run.tp
+    # A run with a published schedule is planned at its whole layout (Megatron's 32 to 3072 GPUs): the search then
+    # refines that layout alone instead of every layout of the cluster.
+    pins: dict[str, Any] = (
+        dict(data_parallel=(run.replicas,), pipeline_ranks=(pp,), num_microbatches=(run.grad_accum,),
+             schedules=run.schedules)
+        if run.schedule else {}
+    )  # fmt: skip
     t0 = time.perf_counter()
+    cluster = Cluster.from_catalog(gpu, run.gpus)
+    workload = Workload(global_batch=run.global_batch, precision=run.precision)
     try:
+        chain = None
+        if run.max_blocks:
+            chain, _ = chain_for(model, spec.example_inputs, cluster, workload, max_blocks=run.max_blocks)
         found = search(
             model,
             spec.example_inputs,
-            Cluster.from_catalog(gpu, run.gpus),
-            Workload(global_batch=run.global_batch, precision=run.precision),
+            cluster,
+            workload,
+            chain=chain,
             zero_stages=(zero_stage,),
             micro_batch_sizes=(run.micro_batch,),
             tensor_parallel=(run.tp,),
+            sequence_parallel=run.sequence_parallel,
             remat=run.remat,
             top_k=TOP_K,
             allow_fewer_gpus=False,
             memory_fraction=MEMORY_FRACTION,
             loss=spec.loss,
             target=spec.target,
+            **pins,
         )
     except InfeasibleError as exc:
         return {**out, "status": "infeasible", "reason": str(exc), "search_s": time.perf_counter() - t0}
@@ -354,7 +538,7 @@ def plan_run(run: Run, zero_stage: int, *, memory_scale: float = 1.0) -> dict[st
         return {**out, "status": "refused", "reason": str(exc), "search_s": time.perf_counter() - t0}
     out["search_s"] = time.perf_counter() - t0
     plans = [found.best, *found.alternatives]
-    wanted = (run.replicas, run.tp, run.gpus // run.replicas // run.tp, run.micro_batch, run.grad_accum, zero_stage)
+    wanted = (run.replicas, run.tp, pp, run.micro_batch, run.grad_accum, zero_stage)
 
     def layout_of(p: Any) -> tuple[int, ...]:
         lay = p.layout
@@ -376,14 +560,28 @@ def plan_run(run: Run, zero_stage: int, *, memory_scale: float = 1.0) -> dict[st
     tied = [p for p in same if p.predicted.iteration_s <= fastest * (1 + 1e-9)]
     best = min(tied, key=lambda p: p.predicted.peak_memory_bytes)
     pred = best.predicted
+    # The rank that holds the most (an interleaved rank holds several stages), and what its memory is made of.
+    placement = stage_placement(best.layout.schedule, best.layout.pp, best.layout.stages_per_rank)
+    ranks: dict[int, list[Any]] = {}
+    for k, st in enumerate(best.stages):
+        ranks.setdefault(placement[k], []).append(st)
+    fullest = max(ranks.values(), key=lambda sts: sum(st.memory_bytes for st in sts))
+    parts = ("state_bytes", "activation_bytes", "buffer_bytes", "unmade_grad_bytes")
     return {
         **out,
         "status": "ok",
         "schedule": best.layout.schedule,
+        "stages_per_rank": best.layout.stages_per_rank,
         "iteration_s": pred.iteration_s,
         "peak_memory_bytes": pred.peak_memory_bytes,
         "exposed_comm_s": pred.exposed_comm_s,
         "recompute_s": pred.recompute_s,
+        "bubble_fraction": pred.bubble_fraction,
+        "optimizer_s": pred.optimizer_s,
+        "host_step_s": pred.host_step_s,
+        "tp_comm_s": pred.tp_comm_s,
+        "fullest_rank": {k: sum(getattr(st, k) for st in fullest) for k in parts},
+        "in_flight": [st.in_flight for st in fullest],
         "tokens_per_s_per_gpu": run.global_batch * run.seq_len / pred.iteration_s / run.gpus,
     }
 
@@ -443,9 +641,17 @@ def _figure(run: Run, got: dict[str, Any]) -> str:
 def _note(run: Run, got: dict[str, Any] | None, notes: Footnotes) -> str:
     parts = [f"[{run.source}] {run.table}"]
     if run.note:
-        parts.append(notes.mark(run.note) if run.note == MPT_NOTE else run.note)
+        parts.append(notes.mark(run.note) if run.note in SHARED_NOTES else run.note)
+    if run.detail:
+        parts.append(run.detail)
+    if run.max_blocks:
+        parts.append(f"chain of up to {run.max_blocks} blocks (chain_for's 128 keeps {run.layers} layers in one block)")
+    if run.schedule and got is not None and got.get("status") == "ok":
+        parts.append(
+            f"planned {got['schedule']}" + (f", {got['stages_per_rank']} chunks" if got["stages_per_rank"] > 1 else "")
+        )
     ours, theirs = run.mfu_from_throughput(), run.mfu
-    if ours is not None and theirs is not None and abs(ours / theirs - 1) > 0.01:
+    if ours is not None and theirs is not None and not run.mfu_agrees():
         parts.append(f"MFU from tok/s {ours:.1%} != published {theirs:.1%}: check the transcription")
     if run.excluded:
         parts.append(f"not in statistics: {run.excluded}")
@@ -523,6 +729,55 @@ def throughput_table(rows: list[tuple[Run, dict[str, Any] | None]]) -> tuple[Tab
             _note(run, got, notes),
         )
     return table, notes, ratios, feasible
+
+
+def megatron_statistics(rows: list[tuple[Run, dict[str, Any] | None]]) -> dict[str, Any]:
+    """The Megatron-LM rows apart: how many were planned, the median and worst |ratio - 1| of those planned, the
+    rows beyond MEGATRON_EXPLAINED (name, ratio) and the rows not planned (name, status, GiB pyplan says they need
+    where a larger GPU plans them)."""
+    ratios: dict[str, float] = {}
+    unplanned: list[tuple[str, str, float | None]] = []
+    for run, got in rows:
+        if run.source not in MEGATRON_SOURCES or got is None:
+            continue
+        if got.get("status") == "ok":
+            ratios[run.name] = got["tokens_per_s_per_gpu"] / run.tokens_per_s_per_gpu
+            continue
+        roomy = got.get("roomy") or {}
+        need = roomy["peak_memory_bytes"] / GiB if roomy.get("status") == "ok" else None
+        unplanned.append((run.name, "error" if "error" in got else got["status"], need))
+    errors = [abs(r - 1) for r in ratios.values()]
+    return {
+        "rows": len(ratios) + len(unplanned),
+        "planned": len(ratios),
+        "median": statistics.median(errors) if errors else None,
+        "worst": max(errors) if errors else None,
+        "beyond": [(name, r) for name, r in ratios.items() if abs(r - 1) > MEGATRON_EXPLAINED],
+        "unplanned": unplanned,
+    }
+
+
+def megatron_summary(stats: dict[str, Any]) -> str:
+    """`megatron_statistics` as the lines the benchmark prints."""
+    median = "n/a" if stats["median"] is None else f"{stats['median']:.1%}"
+    worst = "n/a" if stats["worst"] is None else f"{stats['worst']:.1%}"
+    met = stats["median"] is not None and stats["median"] <= MEGATRON_MEDIAN
+    lines = [
+        f"Megatron-LM rows ({', '.join(MEGATRON_SOURCES)}): {stats['planned']} of {stats['rows']} planned at their "
+        f"published layout; median |predicted/published - 1| = {median} (target <= {MEGATRON_MEDIAN:.0%}): "
+        f"{verdict(met)}; worst {worst}",
+        f"  beyond {MEGATRON_EXPLAINED:.0%} (accounted for in PUBLISHED.md): "
+        + (", ".join(f"{name} {r:.2f}" for name, r in stats["beyond"]) or "none"),
+        "  not planned: "
+        + (
+            ", ".join(
+                f"{name} ({status}" + ("" if need is None else f", needs {need:.1f} GiB") + ")"
+                for name, status, need in stats["unplanned"]
+            )
+            or "none"
+        ),
+    ]
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -700,6 +955,9 @@ def main(argv: list[str] | None = None) -> int:
         met = value is not None and value <= target
         print(f"  {what} |predicted/published - 1| = {shown} (target <= {target:.0%}): {verdict(met)}")
     print(f"  every published configuration feasible in pyplan: {verdict(feasible)}")
+    megatron = megatron_statistics(rows)
+    if megatron["rows"]:
+        print(megatron_summary(megatron))
     state, state_notes, state_rows, state_ok = state_table()
     console.print(state)
     state_notes.print(console)
@@ -716,6 +974,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "throughput": [{"run": asdict(run), "pyplan": got} for run, got in rows],
                 "statistics": {"median": median, "worst": worst, "feasible": feasible, "rows": len(errors)},
+                "megatron_statistics": megatron,
                 "model_state": state_rows,
             },
             indent=1,
