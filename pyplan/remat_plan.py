@@ -197,8 +197,11 @@ def periodic(start: int, stop: int, segments: int) -> RematPlan:
     return RematPlan(tuple(items))
 
 
-def full_remat(start: int, stop: int) -> RematPlan:
-    """Checkpoint every block on its own except the last: only block inputs are kept."""
+def full_remat(start: int, stop: int, *, last: bool = False) -> RematPlan:
+    """Checkpoint every block on its own except the last (with `last`, the last too): only block inputs are kept.
+    The last block's backward runs right after its forward where one micro-batch is in flight, so recomputing it
+    buys nothing there; where several are, its activations are held once for each, as Megatron-LM's uniform
+    recomputation does not hold them."""
     items: list[RematItem] = [Checkpoint(RematPlan((Keep(i),))) for i in range(start, stop - 1)]
-    items.append(Keep(stop - 1))
+    items.append(Checkpoint(RematPlan((Keep(stop - 1),))) if last else Keep(stop - 1))
     return RematPlan(tuple(items))

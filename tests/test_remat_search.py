@@ -245,3 +245,42 @@ def test_optimizer_step_bytes() -> None:
     assert optimizer_step_bytes("sgd-momentum", "fp32", elements=1000, largest_tensor=300, foreach=True) == 0
     with pytest.raises(ValueError, match="unknown optimizer"):
         optimizer_step_bytes("lion", "fp32", elements=1, largest_tensor=1, foreach=True)
+
+
+def test_full_recomputation_checkpoints_the_last_block_where_micro_batches_are_in_flight() -> None:
+    """`--remat full` on a stage holding several micro-batches: keeping the last block's activations for each of
+    them does not fit, checkpointing it too does (Megatron-LM's uniform recomputation), and that plan is chosen;
+    with one micro-batch in flight the last block is kept (its backward follows its forward), as before."""
+    from pyplan.remat_plan import full_remat
+    from pyplan.solve.remat import RematChain, replay
+    from pyplan.solve.remat_search import stage_remat
+
+    n = 4
+    chain = RematChain(
+        fwd_s=(1.0,) * n,
+        bwd_s=(2.0,) * n,
+        kept_bytes=(100.0,) * n,  # each block saves 100 for its backward, its output is 10
+        out_bytes=(10.0,) * n,
+        fwd_peak_bytes=(110.0,) * n,
+        fwd_nosave_peak_bytes=(20.0,) * n,
+        bwd_peak_bytes=(130.0,) * n,
+        grad_bytes=(10.0,) * (n + 1),
+    )
+    keep_last, all_four = full_remat(0, n), full_remat(0, n, last=True)
+    in_flight = 4
+    need = {
+        plan: (rep := replay(chain, plan)).peak_bytes + (in_flight - 1) * rep.after_forward_bytes
+        for plan in (keep_last, all_four)
+    }
+    assert need[all_four] < need[keep_last]
+    budget = (need[all_four] + need[keep_last]) / 2
+    got = stage_remat(chain, budget, in_flight, mode="full", offload_bw_bytes_per_s=None)
+    assert got is not None and got.plan == all_four
+    assert got.recompute_s == pytest.approx(n * 1.0)  # every block's forward again
+    # Room for both: the faster, which keeps the last block.
+    roomy = stage_remat(chain, need[keep_last], in_flight, mode="full", offload_bw_bytes_per_s=None)
+    assert roomy is not None and roomy.plan == keep_last
+    # One micro-batch in flight: the last block is kept whatever the budget allows.
+    one = stage_remat(chain, 10 * need[keep_last], 1, mode="full", offload_bw_bytes_per_s=None)
+    assert one is not None and one.plan == keep_last
+    assert stage_remat(chain, budget, 1, mode="full", offload_bw_bytes_per_s=None) in (None, one)

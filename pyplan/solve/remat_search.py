@@ -207,7 +207,10 @@ def stage_remat(
     if mode == "none":
         return fits(no_remat(0, n))
     if mode == "full":
-        return fits(full_remat(0, n))
+        # With several micro-batches in flight, the last block checkpointed too is the plan that may fit (its
+        # activations are otherwise held once for each): the faster of the two that fit.
+        options = [fits(full_remat(0, n)), fits(full_remat(0, n, last=True)) if in_flight > 1 else None]
+        return min((r for r in options if r is not None), key=lambda r: r.time_s, default=None)
     if mode == "selective":
         return fits(selective(n, selective_gains(chain)))
     if mode == "segments":
