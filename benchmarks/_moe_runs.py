@@ -534,7 +534,8 @@ MOE_RUNS: list[MoeRun] = [
         other_figures="GA 2; Model TFLOP / sec / GPU 153",
         software="NeMo 25.11 container (Megatron-Bridge performance recipes)",
         citation=f"{_BRIDGE}, '25.11 NeMo Container' / 'System: DGX-H100', row GPT OSS 120B",
-        note="dp is 64 / (TP 1 x PP 4 x CP 1), consistent with GA 2 = 512 / (16 x 4)",
+        note="dp is 64 / (TP 1 x PP 4 x CP 1) = 16, which does not fit the stated GA 2: 512 / (16 x 4) = 8, and GA 2 "
+        "would need dp 64 (no pipeline); the source does not resolve which",
     ),
     MoeRun(
         name="bridge-deepseek-v3-h100-1024",

@@ -16,7 +16,11 @@ micro-batch, gradient-accumulation steps, ZeRO stage) is read.
 pyplan's tokens/s per GPU = global batch x sequence length / predicted iteration time / GPUs. Where that layout is
 not among the plans the row says so. Rows that rely on what pyplan does not model (FP8, torch.compile, a GPU
 outside the catalog, software older than the GPU, another framework's runtime) stay in the table with the reason,
-and out of the statistics.
+and out of the statistics. The mixture-of-experts runs of benchmarks/_moe_runs.py are rows too: one pyplan can plan
+as it ran is planned at its published layout with its expert-parallel degree pinned, and again as pyplan's own best
+plan with `expert_parallel` free (the note prints it); one it cannot (tensor or context parallelism beside EP,
+DeepEP, FP8, a GPU outside the catalog, a model whose experts pyplan does not find) is listed with the reason and
+not planned.
 Targets: median |predicted/published - 1| <= 15 %, worst <= 35 %, every published configuration feasible (its
 memory within the GPU's; the share of the GPU is printed, and a note marks rows over pyplan's default 90 %). The
 Megatron-LM rows, which ran Megatron's own runtime and are planned as pyplan's runtime would run their layouts, are
@@ -44,6 +48,9 @@ from rich.table import Table
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import argument_parser, last_json, new_table, run_child, verdict, write_json
+
+# Published mixture-of-experts runs, as data.
+from _moe_runs import MOE_RUNS
 
 # The full-size Hugging Face configurations of benchmarks/real_models.py, reused where a run's model matches.
 from real_models import CASES
@@ -79,6 +86,17 @@ SOURCES: dict[str, str] = {
     "2021 (arXiv:2104.04473), Table 1 and Table 2 (PTD-P rows), FLOPs by eq. (3); launch settings from "
     "NVIDIA/Megatron-LM examples/sc21/run_table_1.sh and CONFIG.sh (at 6985e589); Table 1 also in that repository's "
     "README, images/cases_april2021.png (at 50a4b5fa)",
+    "MCORE-MOE": "NVIDIA/Megatron-LM megatron/core/transformer/moe/README.md (at 0b981f9c): first paragraph "
+    "('Mixtral 8X7B bf16 training to achieve 438 TFLOPS as of MCore v0.8') and 'Reference Best Parallel Mapping'; "
+    "teraFLOP/s to tokens by megatron/training/training.py num_floating_point_operations (see PUBLISHED.md)",
+    "DGXC-MOE": "NVIDIA/dgxc-benchmarking tag v25.05.05: deepseek_v3/pretraining/README.md and grok1/README.md, "
+    "H100 performance tables (NeMo 25.04 containers)",
+    "ZOO": "yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md (at e8650517), 'Performance Results' / "
+    "'H100' table (Qwen3-235B-A22B, 256 H100, GBS 2048, sequence 4096)",
+    "BRIDGE": "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md (at 4ab94dfa), GPT OSS 120B and "
+    "DeepSeekV3 on DGX-H100",
+    "TT-DEEPEP": "pytorch/torchtitan torchtitan/distributed/deepep/README.md (at 2a642d02), Qwen3-30B-A3B on 8 "
+    "B200; config qwen3_30b_a3b_with_deepep.toml",
     "KORTH": "Korthikanti et al., 'Reducing Activation Recomputation in Large Transformer Models', MLSys 2023 "
     "(arXiv:2205.05198), Table 3 (layouts), Table 5 (iteration times, MFU by eq. (7)), §6.3 (530B at 8-way data "
     "parallelism); Table 5's MFU also in NVIDIA/Megatron-LM's README (at 2e90a342)",
@@ -159,6 +177,9 @@ class Run:
     sequence_parallel: bool = True  # beside tp: the values between the split layers sliced by tokens
     detail: str = ""  # the row's own note, after `note` (which rows of one source may share)
     max_blocks: int = 0  # the chain's most blocks where chain_for's default (128) folds the layers into one block
+    ep: int = 1  # the run's expert-parallel degree (carved out of dp)
+    num_experts: int = 0  # routed experts a mixture-of-experts layer (0: a dense model): EP left free divides them
+    planned: bool = True  # False: a run pyplan cannot plan as it ran at all (not planned; the reason in `excluded`)
 
     def __post_init__(self) -> None:
         if self.replicas * self.micro_batch * self.grad_accum != self.global_batch:
@@ -174,6 +195,14 @@ class Run:
         if self.chunks > 2:
             return ("1F1B", "Interleaved1F1B")
         return (self.schedule,) if self.schedule else ()
+
+    @property
+    def free_degrees(self) -> tuple[int, ...]:
+        """The expert-parallel degrees pyplan's own plan chooses from: every E that divides the experts and fits in
+        the GPUs (the search keeps those that divide its dp); none for a dense model."""
+        if not self.num_experts:
+            return ()
+        return tuple(e for e in range(1, min(self.num_experts, self.gpus) + 1) if self.num_experts % e == 0)
 
     @property
     def replicas(self) -> int:
@@ -457,6 +486,109 @@ RUNS: tuple[Run, ...] = (
     replace(_korth("1T", 160, 25600, 128, 64, 512, 512, 1, 94.42, "full"), max_blocks=ONE_T_BLOCKS),
     replace(_korth("1T", 160, 25600, 128, 64, 512, 512, 1, 71.49, "selective", mfu=0.563), max_blocks=ONE_T_BLOCKS),
 )  # fmt: skip
+
+
+def megatron_moe_flops_per_token(layers: int, hidden: int, heads: int, groups: int, ffn: int, top_k: int, vocab: int,
+                                 seq: int, gated: bool = True) -> float:  # fmt: skip
+    """Megatron-LM's FLOPs per token of an MoE GPT (megatron/training/training.py, num_floating_point_operations, of
+    MCore v0.8): 12·l·h²·((1 + groups/heads + s/h)·(heads·128/h) + ffn/h·top_k·(3/2 if gated) + V/(2lh)), the
+    forward and the two GEMMs of the backward, no recomputation, the attention's scores counted in full."""
+    projection = heads * 128 / hidden
+    attention = (1 + groups / heads + seq / hidden) * projection
+    mlp = ffn / hidden * top_k * (1.5 if gated else 1.0)
+    return 12 * layers * hidden**2 * (attention + mlp + vocab / (2 * layers * hidden))
+
+
+MIXTRAL_8X7B = "hf:mixtral:max_position_embeddings=4096,seq_len=4096"  # transformers' MixtralConfig is 8x7B's shape
+MIXTRAL_FLOPS = megatron_moe_flops_per_token(32, 4096, 32, 8, 14336, 2, 32000, 4096)
+MOE_NOTE = (
+    "a mixture of experts planned with expert parallelism as pyplan's runtime runs it (tp 1, ZeRO 0, EP carved out "
+    "of dp on neighbouring ranks, all-to-all dispatch, the experts' load as routed; bf16-mixed, the precision EP "
+    "runs in); beside the published layout pinned, pyplan's own best plan at the same GPUs and global batch, EP "
+    "free (every E dividing the experts and dp), micro-batch, pipeline, schedule and ZeRO stage free"
+)
+# Why each published MoE run that pyplan cannot plan as it ran is left unplanned (benchmarks/_moe_runs.py).
+TP_BESIDE_EP = "tensor parallelism beside expert parallelism, which pyplan's runtime refuses"
+GPT_OSS_UNFOUND = (
+    "pyplan's graph search finds no mixture-of-experts layer in transformers' GptOssForCausalLM (its router a "
+    "module of its own, no Linear: 'expert parallelism 8 splits no layer'), and at EP 1 its 117B parameters do not "
+    "fit 4 stages at ZeRO 0"
+)
+MOE_UNPLANNED: dict[str, str] = {
+    "dgxc-deepseek-v3-h100-512": f"TP 2 {TP_BESIDE_EP}",
+    "dgxc-deepseek-v3-h100-1024": f"TP 2 {TP_BESIDE_EP}",
+    "dgxc-grok1-h100-512": f"TP 4 {TP_BESIDE_EP}; context parallelism 2 (tp shown as TP x CP); Grok-1 has no "
+    "transformers configuration",
+    "zoo-qwen3-235b-h100-cross-node-ep32": f"TP 2 {TP_BESIDE_EP}; DeepEP dispatcher",
+    "zoo-qwen3-235b-h100-cross-node-ep32-overlap": f"TP 2 {TP_BESIDE_EP}; DeepEP; 1F1B A2A overlap",
+    "zoo-qwen3-235b-h100-intra-node-ep8-fsdp": f"TP 2 {TP_BESIDE_EP}; DeepEP; FSDP beside EP",
+    "zoo-qwen3-235b-h100-intra-node-ep8-a2a": f"TP 2 {TP_BESIDE_EP}",
+    "zoo-qwen3-235b-h100-intra-node-ep8-tp4": f"TP 4 {TP_BESIDE_EP}; DeepEP",
+    "bridge-gpt-oss-120b-h100-64-gbs1280": GPT_OSS_UNFOUND,
+    "bridge-gpt-oss-120b-h100-64-gbs512": GPT_OSS_UNFOUND,
+    "bridge-deepseek-v3-h100-1024": f"TP 2 {TP_BESIDE_EP}; precision not stated (FP8 granularity in its note)",
+    "torchtitan-qwen3-30b-b200-8-deepep": "B200, outside the catalog; DeepEP; FSDP2 beside EP; torch.compile",
+    "torchtitan-qwen3-30b-b200-8-default-ep": "B200, outside the catalog; layout not stated (the DeepEP row's "
+    "config shown, which the README implies)",
+}
+MOE_REFS = {
+    "DeepSeek-V3 (main model, 671B)": ("hf:deepseek_v3:seq_len=4096", 671_000_000_000),
+    "Grok-1 (314B)": ("-", 314_000_000_000),
+    "Qwen3-235B-A22B": ("hf:qwen3_moe:hidden_size=4096,num_hidden_layers=94,num_attention_heads=64,"
+                        "num_key_value_heads=4,head_dim=128,num_experts=128,num_experts_per_tok=8,"
+                        "moe_intermediate_size=1536,vocab_size=151936,seq_len=4096", 235_000_000_000),
+    "Qwen3-30B-A3B": ("hf:qwen3_moe:hidden_size=2048,num_hidden_layers=48,num_attention_heads=32,"
+                      "num_key_value_heads=4,head_dim=128,num_experts=128,num_experts_per_tok=8,"
+                      "moe_intermediate_size=768,vocab_size=151936,seq_len=4096", 30_500_000_000),
+    "gpt-oss-120b": ("hf:gpt_oss:seq_len=4096", 116_829_156_672),
+}  # fmt: skip
+MOE_TABLE = {"dgxc": "H100 Performance", "zoo": "H100 table", "bridge": "DGX-H100", "torchtitan": "Strong Scaling"}
+MOE_SOURCE = {"dgxc": "DGXC-MOE", "zoo": "ZOO", "bridge": "BRIDGE", "torchtitan": "TT-DEEPEP"}
+
+
+def moe_tokens_per_s_per_gpu(m: Any) -> float:
+    """A run of benchmarks/_moe_runs.py's figure as tokens/s per GPU: stated per GPU, or the stated total over the
+    GPUs, or global batch x sequence / seconds per step / GPUs."""
+    if m.unit == "tokens per second per GPU":
+        return m.measured
+    if m.other_figures.startswith("Throughput "):
+        return float(m.other_figures.split()[1]) / m.gpus
+    return m.global_batch * m.sequence / m.measured / m.gpus
+
+
+def _moe_unplanned(m: Any) -> Run:
+    """A published MoE run that pyplan cannot plan as it ran: in table 1 with its reason, not planned."""
+    ref, params = MOE_REFS[m.model.name]
+    dp, mb = m.dp, m.micro_batch
+    if not isinstance(dp, int):  # torchtitan's default-EP row: the DeepEP row's config, which the README implies
+        dp, mb, gb, seq = 8, 8, 64, 4096
+    else:
+        gb, seq = m.global_batch, m.sequence
+    tp = m.tp if isinstance(m.tp, int) else 1
+    cp = m.cp if isinstance(m.cp, int) else 1
+    gpu = "b200" if "B200" in m.gpu else "h100-sxm"
+    layout = f"EP {m.ep}, TP {m.tp}, PP {m.pp}, CP {m.cp}, VP {m.vp}, ETP {m.etp}; dispatcher {m.dispatcher}"
+    return Run(
+        m.name, MOE_SOURCE[m.name.split("-")[0]], MOE_TABLE[m.name.split("-")[0]], m.model.name, ref, params,
+        m.model.layers, m.model.hidden, gpu, m.gpus, mb, gb // (dp * mb), gb, seq, m.recomputation.split(":")[0],
+        moe_tokens_per_s_per_gpu(m), zero_stage=0, dp=dp, tp=tp * cp, ep=m.ep if isinstance(m.ep, int) else 1,
+        num_experts=m.model.num_experts, planned=False, excluded=MOE_UNPLANNED[m.name],
+        detail=f"{m.measured:g} {m.unit} ({m.other_figures}); {layout}; {m.software}",
+    )  # fmt: skip
+
+
+MOE_ROWS: tuple[Run, ...] = (
+    # Megatron-LM's MoE README: Mixtral 8x7B, 438 teraFLOP/s per GPU on 64 H100 (MCore v0.8), its reference
+    # mapping TP 1 EP 8 PP 4 VP 8, micro-batch 1, global batch 256, sequence 4096; dp = 64 / (TP 1 x PP 4).
+    Run("megatron-mixtral-8x7b-h100-64", "MCORE-MOE", "MoE README", "Mixtral 8x7B", MIXTRAL_8X7B, 46_702_792_704, 32,
+        4096, "h100-sxm", 64, 1, 16, 256, 4096, "none", 438e12 / MIXTRAL_FLOPS, peak_flops=H100_BF16,
+        flops_per_token=MIXTRAL_FLOPS, zero_stage=0, dp=16, ep=8, num_experts=8, schedule="Interleaved1F1B",
+        chunks=8, note=MOE_NOTE,
+        detail="438 teraFLOP/s per GPU; interleaved, 8 chunks a rank (planned: the faster of 1F1B and 2 chunks); "
+        "recomputation not stated (planned without); dropless all-to-all dispatch, routing as trained"),
+    *(_moe_unplanned(m) for m in MOE_RUNS if m.name != "megatron-mixtral-8x7b-h100-64"),
+)  # fmt: skip
+RUNS = (*RUNS, *MOE_ROWS)
 BY_NAME = {r.name: r for r in RUNS}
 
 
@@ -507,6 +639,8 @@ def plan_run(run: Run, zero_stage: int, *, memory_scale: float = 1.0) -> dict[st
              schedules=run.schedules)
         if run.schedule else {}
     )  # fmt: skip
+    if run.num_experts:
+        pins["expert_parallel"] = (run.ep,)
     t0 = time.perf_counter()
     cluster = Cluster.from_catalog(gpu, run.gpus)
     workload = Workload(global_batch=run.global_batch, precision=run.precision)
@@ -538,11 +672,11 @@ def plan_run(run: Run, zero_stage: int, *, memory_scale: float = 1.0) -> dict[st
         return {**out, "status": "refused", "reason": str(exc), "search_s": time.perf_counter() - t0}
     out["search_s"] = time.perf_counter() - t0
     plans = [found.best, *found.alternatives]
-    wanted = (run.replicas, run.tp, pp, run.micro_batch, run.grad_accum, zero_stage)
+    wanted = (run.replicas, run.tp, pp, run.micro_batch, run.grad_accum, zero_stage, run.ep)
 
     def layout_of(p: Any) -> tuple[int, ...]:
         lay = p.layout
-        return lay.dp, lay.tp, lay.pp, lay.micro_batch_size, lay.num_microbatches, lay.zero_stage
+        return lay.dp, lay.tp, lay.pp, lay.micro_batch_size, lay.num_microbatches, lay.zero_stage, lay.ep
 
     same = [p for p in plans if layout_of(p) == wanted]
     if not same:
@@ -586,12 +720,55 @@ def plan_run(run: Run, zero_stage: int, *, memory_scale: float = 1.0) -> dict[st
     }
 
 
+def layout_text(lay: Any) -> str:
+    """A plan's layout in one line: dp, ep, pp, micro-batch x gradient-accumulation steps, schedule, ZeRO stage."""
+    chunks = f" x{lay.stages_per_rank}" if lay.stages_per_rank > 1 else ""
+    return (f"dp{lay.dp} ep{lay.ep} pp{lay.pp} b{lay.micro_batch_size}x{lay.num_microbatches} "
+            f"{lay.schedule}{chunks} ZeRO-{lay.zero_stage}")  # fmt: skip
+
+
+def plan_free(run: Run) -> dict[str, Any]:
+    """pyplan's own best plan for a mixture-of-experts run at its GPUs and global batch: tensor parallelism 1, the
+    run's recomputation, expert parallelism free over `run.free_degrees`, and dp, pp, micro-batch, gradient
+    accumulation, schedule and ZeRO stage free."""
+    import torch
+
+    from pyplan import load_model, search
+    from pyplan.errors import InfeasibleError, PlanError
+    from pyplan.hardware import Cluster
+    from pyplan.plan import Workload
+
+    spec = load_model(run.ref)
+    with torch.device("meta"):
+        model = spec.build()
+    t0 = time.perf_counter()
+    try:
+        found = search(model, spec.example_inputs, Cluster.from_catalog(_gpu(run.gpu), run.gpus),
+                       Workload(global_batch=run.global_batch, precision=run.precision), tensor_parallel=(1,),
+                       expert_parallel=run.free_degrees, remat=run.remat, top_k=1, allow_fewer_gpus=False,
+                       memory_fraction=MEMORY_FRACTION, loss=spec.loss, target=spec.target)  # fmt: skip
+    except (InfeasibleError, PlanError) as exc:
+        return {"status": "infeasible", "reason": str(exc), "search_s": time.perf_counter() - t0}
+    pred = found.best.predicted
+    return {
+        "status": "ok",
+        "search_s": time.perf_counter() - t0,
+        "layout": layout_text(found.best.layout),
+        "ep": found.best.layout.ep,
+        "iteration_s": pred.iteration_s,
+        "peak_memory_bytes": pred.peak_memory_bytes,
+        "tokens_per_s_per_gpu": run.global_batch * run.seq_len / pred.iteration_s / run.gpus,
+    }
+
+
 def measure(run: Run) -> dict[str, Any]:
     """The run planned as published. Where pyplan refuses its ZeRO stage, also ZeRO-1 at the same layout as a
     stand-in; where the layout does not fit, also on a GPU with ROOMY times the memory, to read what pyplan says it
     needs. Both go to the note, never to the statistics."""
     got = plan_run(run, run.zero_stage)
-    if got["status"] == "refused" and run.zero_stage != 1:
+    if run.num_experts:
+        got["free"] = plan_free(run)
+    if got["status"] == "refused" and run.zero_stage != 1 and not run.num_experts:
         got["stand_in"] = plan_run(run, 1)
     if got["status"] == "infeasible":
         got["roomy"] = plan_run(run, run.zero_stage, memory_scale=ROOMY)
@@ -624,7 +801,10 @@ def _published_cell(run: Run) -> str:
 
 def _config(run: Run) -> str:
     fsdp = "FSDP FULL_SHARD" if run.zero_stage == 3 else f"ZeRO-{run.zero_stage}"
+    if not run.planned:
+        fsdp = "sharding as published"
     tp = f" tp{run.tp}" if run.tp > 1 else ""
+    tp += f" ep{run.ep}" if run.num_experts else ""
     pp = run.gpus // run.replicas // run.tp
     precision = f"\n{run.precision}" if run.precision != "bf16-mixed" else ""
     return (
@@ -650,6 +830,11 @@ def _note(run: Run, got: dict[str, Any] | None, notes: Footnotes) -> str:
         parts.append(
             f"planned {got['schedule']}" + (f", {got['stages_per_rank']} chunks" if got["stages_per_rank"] > 1 else "")
         )
+    if not run.planned:
+        parts.append("not planned")
+    free = (got or {}).get("free")
+    if free is not None:
+        parts.append(free_text(run, free, notes))
     ours, theirs = run.mfu_from_throughput(), run.mfu
     if ours is not None and theirs is not None and not run.mfu_agrees():
         parts.append(f"MFU from tok/s {ours:.1%} != published {theirs:.1%}: check the transcription")
@@ -680,6 +865,16 @@ def _note(run: Run, got: dict[str, Any] | None, notes: Footnotes) -> str:
     if got.get("search_s", 0.0) > SLOW_SEARCH_S:
         parts.append(f"search took {got['search_s']:.0f} s (over {SLOW_SEARCH_S:.0f} s)")
     return "; ".join(parts)
+
+
+def free_text(run: Run, free: dict[str, Any], notes: Footnotes) -> str:
+    """The note's account of pyplan's own best plan of a mixture-of-experts run (EP free)."""
+    if free["status"] != "ok":
+        return f"pyplan's own plan, EP free: {free['status']} {notes.mark(free['reason'])}"
+    ratio = free["tokens_per_s_per_gpu"] / run.tokens_per_s_per_gpu
+    return (f"pyplan's own best, EP free of {'/'.join(map(str, run.free_degrees))}: {free['layout']}, "
+            f"{free['tokens_per_s_per_gpu']:,.0f} tok/s/GPU (ratio {ratio:.2f}), "
+            f"{free['peak_memory_bytes'] / GiB:.1f} GiB")  # fmt: skip
 
 
 def throughput_table(rows: list[tuple[Run, dict[str, Any] | None]]) -> tuple[Table, Footnotes, list[float], bool]:
@@ -929,6 +1124,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[tuple[Run, dict[str, Any] | None]] = []
     for run in RUNS:
         if args.cases and run.name not in args.cases:
+            continue
+        if not run.planned:
+            rows.append((run, None))
             continue
         t0 = time.perf_counter()
         done = run_child(__file__, "--one", run.name, timeout_s=1800)

@@ -113,3 +113,68 @@ def test_megatron_statistics_count_the_planned_and_name_the_rest(bench: ModuleTy
     assert stats["unplanned"] == [("megatron-530b-full", "infeasible", 100.0)]
     text = bench.megatron_summary(stats)
     assert "2 of 3 planned" in text and "megatron-530b-full (infeasible, needs 100.0 GiB)" in text
+
+
+def test_megatron_moe_flops_and_the_mixtral_row(bench: ModuleType) -> None:
+    # num_floating_point_operations: 12·l·h²·((1 + g/a + s/h)·(128a/h) + F/h·k·3/2 + V/(2lh)), per token.
+    n, h, s, v = 32, 4096, 4096, 32000
+    by_hand = 12 * n * h**2 * ((1 + 8 / 32 + s / h) * 1 + 14336 / h * 2 * 1.5 + v / (2 * n * h))
+    assert bench.megatron_moe_flops_per_token(n, h, 32, 8, 14336, 2, v, s) == pytest.approx(by_hand)
+    row = bench.BY_NAME["megatron-mixtral-8x7b-h100-64"]
+    assert row.tokens_per_s_per_gpu == pytest.approx(438e12 / by_hand)
+    assert round(row.tokens_per_s_per_gpu) == 5282
+    assert row.mfu_from_throughput() == pytest.approx(438e12 / bench.H100_BF16)
+    # The reference mapping pinned: TP 1, EP 8 out of dp 16, PP 4, micro-batch 1, GA 256 / 16 = 16; VP 8 planned as
+    # the faster of 1F1B and 2 interleaved chunks; ZeRO 0 and bf16-mixed, as pyplan's EP runs.
+    pp = row.gpus // (row.replicas * row.tp)
+    assert (row.replicas, row.tp, row.ep, pp, row.micro_batch, row.grad_accum) == (16, 1, 8, 4, 1, 16)
+    assert row.schedules == ("1F1B", "Interleaved1F1B") and row.chunks == 8
+    assert (row.zero_stage, row.precision, row.planned, row.excluded) == (0, "bf16-mixed", True, "")
+    assert row.free_degrees == (1, 2, 4, 8)
+
+
+def test_every_published_moe_run_is_a_row_and_the_unplannable_say_why(bench: ModuleType) -> None:
+    from _moe_runs import MOE_RUNS
+
+    assert sorted(r.name for r in bench.MOE_ROWS) == sorted(m.name for m in MOE_RUNS)
+    assert all(bench.BY_NAME[r.name] is r for r in bench.MOE_ROWS)
+    for r in bench.MOE_ROWS:
+        assert r.num_experts and r.free_degrees[0] == 1, r.name
+        assert r.planned == (not r.excluded), r.name
+        assert r.replicas * r.tp * (r.gpus // (r.replicas * r.tp)) == r.gpus, r.name
+    unplanned = [r for r in bench.MOE_ROWS if not r.planned]
+    assert len(unplanned) == len(MOE_RUNS) - 1
+    assert all("tensor parallelism beside expert parallelism" in r.excluded for r in unplanned if r.tp > 1)
+    assert "B200" in bench.BY_NAME["torchtitan-qwen3-30b-b200-8-deepep"].excluded
+    # The Qwen3 free degrees: every divisor of 128 up to 128.
+    assert bench.BY_NAME["zoo-qwen3-235b-h100-intra-node-ep8-a2a"].free_degrees == (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def test_moe_figures_convert_to_tokens_per_gpu(bench: ModuleType) -> None:
+    by = bench.BY_NAME
+    # DGX Cloud states the total: 342,755.90 tokens/s on 512 GPUs, also 4096 x 4096 / 48.948 s.
+    assert by["dgxc-deepseek-v3-h100-512"].tokens_per_s_per_gpu == pytest.approx(342755.90 / 512)
+    assert by["dgxc-deepseek-v3-h100-512"].tokens_per_s_per_gpu == pytest.approx(4096 * 4096 / 48.948 / 512, 1e-4)
+    # The model zoo states seconds a step: GBS 2048 x 4096 / 19.7 s / 256 GPUs.
+    assert by["zoo-qwen3-235b-h100-cross-node-ep32"].tokens_per_s_per_gpu == pytest.approx(2048 * 4096 / 19.7 / 256)
+    # Megatron-Bridge and torchtitan state tokens/s per GPU.
+    assert by["bridge-deepseek-v3-h100-1024"].tokens_per_s_per_gpu == 1297.0
+    assert by["torchtitan-qwen3-30b-b200-8-deepep"].tokens_per_s_per_gpu == 14796.0
+    # Grok-1: dp 8 x CP 2 x TP 4 x PP 8 = 512, GA 128 = 1024 / 8.
+    grok = by["dgxc-grok1-h100-512"]
+    assert (grok.replicas, grok.tp, grok.grad_accum) == (8, 8, 128)
+
+
+def test_the_notes_of_moe_rows(bench: ModuleType) -> None:
+    row = bench.BY_NAME["megatron-mixtral-8x7b-h100-64"]
+    free = {"status": "ok", "layout": "dp16 ep8 pp4 b1x16 1F1B ZeRO-0",
+            "tokens_per_s_per_gpu": 1.5 * row.tokens_per_s_per_gpu, "peak_memory_bytes": 70 * 2**30}  # fmt: skip
+    notes = bench.Footnotes()
+    text = bench.free_text(row, free, notes)
+    assert "EP free of 1/2/4/8: dp16 ep8 pp4 b1x16 1F1B ZeRO-0" in text and "(ratio 1.50)" in text
+    assert bench.free_text(row, {"status": "infeasible", "reason": "r"}, notes).endswith("infeasible (1)")
+    unplanned = bench.BY_NAME["zoo-qwen3-235b-h100-intra-node-ep8-a2a"]
+    note = bench._note(unplanned, None, bench.Footnotes())
+    assert "not planned" in note and "not in statistics: TP 2 tensor parallelism beside" in note
+    _, _, ratios, feasible = bench.throughput_table([(unplanned, None)])
+    assert ratios == [] and feasible
