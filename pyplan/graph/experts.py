@@ -233,16 +233,15 @@ def _mlp_shape(matrices: list[tuple[int, int]], hidden: int, numel: int) -> tupl
 
 
 def _positional_inputs(cls: type) -> int:
-    """How many positional parameters without a default a module class's forward takes besides self (transformers'
-    experts dispatch through a wrapper that keeps the signature of the forward it wraps). Those with a default do not
-    count: a stack of layers called with optional masks (BERT's encoder: hidden states, then masks that default to
-    None) is not a set of experts called with (hidden, index, weights)."""
+    """How many positional parameters a module class's forward takes besides self (transformers' experts dispatch
+    through a wrapper that keeps the signature of the forward it wraps; gpt-oss's experts default their index and
+    weights to None)."""
     try:
         params = list(inspect.signature(cls.forward).parameters.values())[1:]
     except (TypeError, ValueError):
         return 0
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(p.kind in kinds and p.default is inspect.Parameter.empty for p in params)
+    return sum(p.kind in kinds for p in params)
 
 
 def is_experts_module(model: nn.Module, path: str) -> bool:
@@ -257,8 +256,15 @@ def is_experts_module(model: nn.Module, path: str) -> bool:
 def _leaf_candidate(model: nn.Module, group: _Group, shapes: Mapping[str, tuple[int, ...]]) -> bool:
     if _positional_inputs(type(model.get_submodule(group.path))) < 3 or _not_per_expert(group, shapes):
         return False
+    # The router is a sibling module of the experts (the parent's own child, `mlp.gate.weight`): a parameter deeper
+    # in the parent, such as BERT's token-type embedding beside its encoder's list of 2 layers, is not one.
     parent = group.path.rpartition(".")[0]
-    beside = (n for n in shapes if (not parent or n.startswith(parent + ".")) and not n.startswith(group.path + "."))
+    prefix = parent + "." if parent else ""
+    beside = (
+        n
+        for n in shapes
+        if n.startswith(prefix) and n[len(prefix) :].count(".") == 1 and not n.startswith(group.path + ".")
+    )
     return any(len(shapes[n]) == 2 and shapes[n][0] == group.count for n in beside)
 
 

@@ -183,6 +183,25 @@ def test_hf_qwen2_moe_shared_expert_and_its_gate() -> None:
 
 
 @needs_transformers
+def test_hf_gpt_oss_experts_found_and_a_layer_stack_is_not_experts() -> None:
+    """gpt-oss's experts default their indices and weights to None and are found beside their router; BERT's encoder
+    (a list of 2 layers called with optional masks, a token-type embedding of 2 rows deeper in its parent) is not
+    taken for experts."""
+    spec = load_model(f"hf:gpt_oss:{_TINY},intermediate_size=128,num_local_experts=4,head_dim=16")
+    with torch.device("meta"):
+        model = spec.build()
+    assert expert_leaves(model) == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+    graph = trace(model, spec.example_inputs, leaf_modules=expert_leaves(model), batch_size=2)
+    plan = find_expert_layers(graph)
+    assert [x.path for x in plan.layers] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert all(x.kept_whole and x.num_experts == 4 and x.splits_at(2) for x in plan.layers)
+    bert = load_model("hf:bert:hidden_size=64,num_hidden_layers=2,num_attention_heads=4,intermediate_size=128,"
+                      "vocab_size=128,seq_len=16")  # fmt: skip
+    with torch.device("meta"):
+        assert expert_leaves(bert.build()) == ()
+
+
+@needs_transformers
 def test_hf_eager_experts_capture_only_kept_whole() -> None:
     """transformers' eager experts loop over the experts the router picked, a branch on values: kept whole, the
     model captures, and the graph runs them."""
