@@ -510,9 +510,10 @@ MOE_NOTE = (
 # Why each published MoE run that pyplan cannot plan as it ran is left unplanned (benchmarks/_moe_runs.py).
 TP_BESIDE_EP = "tensor parallelism beside expert parallelism, which pyplan's runtime refuses"
 GPT_OSS_UNFOUND = (
-    "pyplan's graph search finds no mixture-of-experts layer in transformers' GptOssForCausalLM (its router a "
-    "module of its own, no Linear: 'expert parallelism 8 splits no layer'), and at EP 1 its 117B parameters do not "
-    "fit 4 stages at ZeRO 0"
+    "pyplan plans expert parallelism at ZeRO 0 in bf16-mixed alone (fp32 weights and gradients beside Adam's moments, "
+    "16 bytes a parameter: its runtime runs no master-weight precision or optimizer sharding beside EP), and so the "
+    "published layout (dp 16, EP 8, PP 4, 1F1B, micro-batch 1) needs 119 GiB on its fullest stage; the page does not "
+    "state the run's optimizer sharding or weight precision"
 )
 MOE_UNPLANNED: dict[str, str] = {
     "dgxc-deepseek-v3-h100-512": f"TP 2 {TP_BESIDE_EP}",
