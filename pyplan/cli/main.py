@@ -447,8 +447,8 @@ def _plan(args: argparse.Namespace) -> int:
         # With pins, the best plan without them, for how far the pinned one is from it (the profile is reused).
         unpinned = searched(top_k=ANSWER_TOP_K, chain=result.chain) if pins else None
         rows = [result.best, *(p for p in (more.best, *more.alternatives) if _key_of(p) != _key_of(result.best))]
-    # The capture the plan indexes: a mixture of experts' layers each kept whole (pyplan.api.search).
-    leaves = tuple(dict.fromkeys((*args.leaf, *expert_leaves(model))))
+    # The capture the plan indexes, as the search made it (a mixture of experts' layers each kept whole).
+    leaves = result.chain.graph.leaf_modules
     document = PlanFile(
         model=_portable(args.model), workload=workload, cluster=cluster, plan=result.best, leaf_modules=leaves
     )
