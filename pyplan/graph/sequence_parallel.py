@@ -11,6 +11,10 @@ What the zone meets:
 
 - a region's column Linear (or an output layer) reads a zone value gathered: one all-gather per value, shared by
   the Linears that read it (Q, K and V), whose gradients meet in one reduce-scatter;
+- a Linear that works on the tokens flattened, (b·s, h) (Hugging Face's `Conv1D`, GPT-2's: `addmm` on
+  `x.view(-1, h)`, its output viewed back to (b, s, h)), meets the zone at those reshapes: a column Linear's
+  flattening reshape reads the zone value gathered (`flattened`), and a row Linear's output is reduce-scattered
+  once it is viewed back (`unflattened`), since a rank's tokens are not contiguous rows of the flattened value;
 - a shape read of a zone value reads the whole shape (the graph's own sizes stay the model's);
 - any other operation reads a zone value gathered whole (all-gather; its gradient, the same on every rank, is
   sliced in backward);
@@ -32,9 +36,10 @@ for the profile.
 from __future__ import annotations
 
 import copy
+import math
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -43,6 +48,7 @@ from torch import fx, nn
 from pyplan.graph.layergraph import LayerGraph
 from pyplan.graph.tensor_parallel import (
     ELEMENTWISE,
+    RESHAPES,
     NotSplit,
     Reader,
     TpPlan,
@@ -73,6 +79,12 @@ class SequenceZone:
     exits: Mapping[str, int]  # zone node whose value leaves the model -> dimension it gathers it along
     params: tuple[str, ...]  # parameters read in the zone: partial gradients, summed over the axis
     reason: str = ""
+    # A column Linear's reshape of a zone value to its tokens flattened -> the dimension its input is gathered
+    # along (there, in the graph; the Linears that read it are in `gathered` with the same dimension).
+    flattened: Mapping[str, int] = field(default_factory=dict)
+    # A row Linear whose output is its tokens flattened -> the reshape that views it back, a zone value, where
+    # its output is reduce-scattered (in the graph).
+    unflattened: Mapping[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return not self.reason
@@ -141,6 +153,27 @@ def _token_dim(r: Reader, node: fx.Node, degree: int) -> int:
     return d
 
 
+def _unflattening(r: Reader, row: str) -> str | None:
+    """The reshape that views a row Linear's output (tokens flattened, (b·s, h)) back to (…, s, h), where that is
+    all that reads it; None where the output keeps its tokens apart itself."""
+    out, users = r.shape(r.nodes[row]), list(r.nodes[row].users)
+    if out is None or len(out) != 2 or len(users) != 1 or op_name(users[0], r.gm) not in RESHAPES:
+        return None
+    back = r.shape(users[0])
+    if back is None or len(back) < 3 or back[-1] != out[-1] or math.prod(back[:-1]) != out[0]:
+        return None
+    return users[0].name
+
+
+def _flattens(r: Reader, n: fx.Node, d: int) -> bool:
+    """Whether n reshapes its zone input (token dimension d) to its tokens flattened, (b·s, h), for column
+    Linears only (checked by the caller)."""
+    src, out = r.shape(n.args[0]) if isinstance(n.args[0], fx.Node) else None, r.shape(n)
+    if op_name(n, r.gm) not in RESHAPES or src is None or out is None or d != len(src) - 2:
+        return False
+    return tuple(out) == (math.prod(src[: d + 1]), *src[d + 1 :])
+
+
 def sequence_zone(graph: LayerGraph, plan: TpPlan, degree: int) -> SequenceZone:
     """The zone of `plan` at `degree` in the captured graph, or an empty one with its reason."""
     if degree < 2:
@@ -157,14 +190,17 @@ def sequence_zone(graph: LayerGraph, plan: TpPlan, degree: int) -> SequenceZone:
         if lin.module in region.columns
     }
     columns.update({o.node: o.input for o in plan.output_layers if o.splits_at(degree)})
+    # A row Linear's zone value: its output, or the reshape that views its flattened tokens back.
+    seeds = {o: _unflattening(r, o) or o for o in rows}
+    row_of = {v: o for o, v in seeds.items()}
     kept: set[str] = set()  # rows whose outputs are all-reduced after all (returned, or read only whole)
     exits: dict[str, int] = {}
     try:
         while True:
-            zone = _grow(r, degree, [x for x in rows if x not in kept], columns, exits)
+            zone = _grow(r, degree, {o: seeds[o] for o in rows if o not in kept}, columns, exits)
             # A row output that no token-wise operation reads would only be gathered again: all-reduce it.
             gathered_again = set(zone.whole) | set(zone.shapes)
-            idle = [x for x in zone.rows if all(u.name in gathered_again for u in r.nodes[x].users)]
+            idle = [x for x in zone.rows if all(u.name in gathered_again for u in r.nodes[seeds[x]].users)]
             leaving = [a for a in zone.dims if a not in exits and any(u.op == "output" for u in r.nodes[a].users)]
             if idle:
                 kept.update(idle)
@@ -172,8 +208,8 @@ def sequence_zone(graph: LayerGraph, plan: TpPlan, degree: int) -> SequenceZone:
             if not leaving:
                 break
             for a in leaving:
-                if a in rows:
-                    kept.add(a)
+                if a in row_of:
+                    kept.add(row_of[a])
                 else:
                     exits[a] = zone.dims[a]
         if not zone.rows:
@@ -188,13 +224,16 @@ def sequence_zone(graph: LayerGraph, plan: TpPlan, degree: int) -> SequenceZone:
 
 
 def _grow(
-    r: Reader, degree: int, rows: list[str], columns: Mapping[str, str], exits: Mapping[str, int]
+    r: Reader, degree: int, seeds: Mapping[str, str], columns: Mapping[str, str], exits: Mapping[str, int]
 ) -> SequenceZone:
-    dims = {x: _token_dim(r, r.nodes[x], degree) for x in rows}
+    """The zone grown from the row Linears' zone values (`seeds`: row -> its output or the reshape that views it
+    back), in graph order."""
+    dims = {v: _token_dim(r, r.nodes[v], degree) for v in seeds.values()}
     gathered: dict[str, int] = {}
     shapes: dict[str, int] = {}
     whole: dict[str, dict[str, int]] = {}
     split: dict[str, dict[str, int]] = {}
+    flattened: dict[str, int] = {}
     for n in r.gm.graph.nodes:
         if n.name in dims:
             continue
@@ -205,7 +244,16 @@ def _grow(
             continue  # the zone values it reads become exits (sequence_zone)
         if op_name(n, r.gm) == "_assert_tensor_metadata" and n.kwargs.get("size") is None:
             continue  # torch.export's check of a dtype or device, which a slice passes as the whole does
-        if columns.get(n.name) in local:
+        readers = list(n.users)
+        if (
+            len(local) == 1
+            and readers
+            and all(columns.get(u.name) == n.name for u in readers)
+            and _flattens(r, n, next(iter(local.values())))
+        ):
+            flattened[n.name] = next(iter(local.values()))
+            gathered.update(dict.fromkeys((u.name for u in readers), flattened[n.name]))
+        elif columns.get(n.name) in local:
             gathered[n.name] = local[columns[n.name]]
         elif _reads_shape(n, r.gm):
             shapes[n.name] = next(iter(local.values()))
@@ -220,7 +268,9 @@ def _grow(
                     raise NotSplit(f"'{n.name}' reads '{a}', whose {k}th dimension does not divide")
             if sliced:
                 split[n.name] = sliced
-    return SequenceZone(degree, dims, tuple(rows), gathered, shapes, whole, split, dict(exits), ())
+    unflattened = {o: v for o, v in seeds.items() if v != o}
+    return SequenceZone(degree, dims, tuple(seeds), gathered, shapes, whole, split, dict(exits), (), "", flattened,
+                        unflattened)  # fmt: skip
 
 
 def _with_params(r: Reader, zone: SequenceZone) -> SequenceZone:
@@ -241,9 +291,10 @@ def _with_params(r: Reader, zone: SequenceZone) -> SequenceZone:
             needs_grad.add(n.name)
     params: dict[str, None] = {}
     reads: set[str] = set()  # nodes through which the zone reads them
+    seeds = set(zone.rows) | set(zone.unflattened.values())
     for name in zone.dims:
         n = r.nodes[name]
-        if name in zone.rows:
+        if name in seeds:
             continue
         params.update(dict.fromkeys(held(n)))
         for a in r.tensor_inputs(n):
@@ -261,10 +312,7 @@ def _with_params(r: Reader, zone: SequenceZone) -> SequenceZone:
         outside = [p for p in held(n) if p in params]
         if outside and (n.op == "call_module" or any(u.name not in zone_nodes for u in n.users)):
             raise NotSplit(f"'{n.name}' reads the parameter '{outside[0]}' outside the zone as well")
-    return SequenceZone(
-        zone.degree, zone.dims, zone.rows, zone.gathered, zone.shapes, zone.whole, zone.split, zone.exits,
-        tuple(params),
-    )  # fmt: skip
+    return replace(zone, params=tuple(params))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -285,11 +333,13 @@ class SeqOps(Protocol):
         ...
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """A region's input gathered for its column Linears (one per value); backward: reduce-scatter."""
+        """A region's input gathered for its column Linears (one per value), as those Linears read it (at run time
+        what their styles take); backward: reduce-scatter."""
         ...
 
     def scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """A row output reduce-scattered along dim; backward: all-gather."""
+        """A row output (each rank's partial sum, as the Linear or its style leaves it) reduce-scattered along dim;
+        backward: all-gather."""
         ...
 
 
@@ -394,10 +444,13 @@ def _whole_shape(n: fx.Node, dim: int, degree: int, tag: str) -> None:
 def rewrite(gm: fx.GraphModule, zone: SequenceZone, ops: SeqOps, *, layers: bool) -> None:
     """Rewrite `gm` (the captured GraphModule, or a rank's copy with the same node names) in place so that the
     zone's values are each rank's tokens. `layers`: the row and column Linears call `ops.scatter` and `ops.gather`
-    themselves (the profile); otherwise their styles must do it (the runtime)."""
+    themselves (the profile); otherwise their styles must do it (the runtime). The reshapes of Linears that work
+    on the tokens flattened call them in either case (`ops.gather` then hands the Linear's style what it reads)."""
     if not zone:
         raise ValueError(f"no sequence parallelism here: {zone.reason}")
     tag = "seq"
+    views = {v: o for o, v in zone.unflattened.items()}
+    read_flattened = {u.name for n in gm.graph.nodes if n.name in zone.flattened for u in n.users}
     for n in list(gm.graph.nodes):
         inputs: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
         output: Callable[[Any], Any] | None = None
@@ -410,10 +463,12 @@ def rewrite(gm: fx.GraphModule, zone: SequenceZone, ops: SeqOps, *, layers: bool
             inputs[a] = lambda x, d=d: ops.split(x, d)
         if n.name in zone.exits:
             output = lambda x, d=zone.exits[n.name]: ops.whole(x, d)  # noqa: E731
-        if layers and n.name in zone.gathered:
+        if n.name in zone.flattened:
+            inputs[n.args[0].name] = lambda x, d=zone.flattened[n.name]: ops.gather(x, d)
+        if layers and n.name in zone.gathered and n.name not in read_flattened:
             source = n.all_input_nodes[0].name
             inputs[source] = lambda x, d=zone.gathered[n.name]: ops.gather(x, d)
-        if layers and n.name in zone.rows:
+        if n.name in views or (layers and n.name in zone.rows and n.name not in zone.unflattened):
             output = lambda x, d=zone.dims[n.name]: ops.scatter(x, d)  # noqa: E731
         if inputs or output is not None:
             _wrap(gm, n, inputs, output, tag)

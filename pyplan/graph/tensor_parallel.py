@@ -39,6 +39,7 @@ from pyplan.spec import cross_entropy
 
 __all__ = [
     "ELEMENTWISE",
+    "RESHAPES",
     "STYLES",
     "Embedding",
     "NotSplit",
@@ -81,7 +82,7 @@ REDUCTIONS = frozenset({"mean", "sum", "amax", "amin"})
 # residual stream or an input, never a region's own value.
 _MAX_WALK = 200
 # Size-taking operations whose size argument for the sharded dimension becomes -1 (infer) on a rank.
-_RESHAPES = frozenset({"view", "reshape", "_unsafe_view"})
+RESHAPES = frozenset({"view", "reshape", "_unsafe_view"})
 
 
 class NotSplit(Exception):
@@ -368,7 +369,7 @@ def _fused_source(r: Reader, n: fx.Node) -> str | None:
     (b·t, 3h) output viewed as (b, t, 3h)): its node, or None."""
     while n.name not in r.linears:
         shape, src = r.shape(n), (r.shape(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None)
-        if op_name(n, r.gm) not in _RESHAPES or shape is None or src is None or shape[-1] != src[-1]:
+        if op_name(n, r.gm) not in RESHAPES or shape is None or src is None or shape[-1] != src[-1]:
             return None
         n = n.args[0]
     return n.name
@@ -451,12 +452,12 @@ def _through(r: Reader, n: fx.Node, dims: Mapping[str, Any]) -> tuple[Any, int |
         if _dim(node_arg(n, 1, "dim"), len(src)) == d:
             raise NotSplit(f"'{n.name}' normalizes along the sharded dimension")
         return d, None, ()
-    if name in _RESHAPES or name == "expand":
+    if name in RESHAPES or name == "expand":
         assert out is not None
         sizes, at = _sizes(n)
-        k = _reshaped_dim(src, out, d) if name in _RESHAPES else d + len(out) - len(src)
+        k = _reshaped_dim(src, out, d) if name in RESHAPES else d + len(out) - len(src)
         if (
-            name in _RESHAPES
+            name in RESHAPES
             and any(isinstance(s, int) and s == -1 for i, s in enumerate(sizes) if i != k)
             and not isinstance(sizes[k], int)
         ):
@@ -712,7 +713,7 @@ def derive_tp_plan(graph: LayerGraph) -> TpPlan:
 def _from_input(r: Reader, n: fx.Node) -> bool:
     """Whether n is a model input, itself or reshaped (GPT-2 views its ids as (-1, T))."""
     while n.op != "placeholder":
-        if op_name(n, r.gm) not in _RESHAPES | {"unsqueeze"} or not n.args or not isinstance(n.args[0], fx.Node):
+        if op_name(n, r.gm) not in RESHAPES | {"unsqueeze"} or not n.args or not isinstance(n.args[0], fx.Node):
             return False
         n = n.args[0]
     return True
@@ -728,7 +729,7 @@ def _leaves_model(r: Reader, n: fx.Node) -> bool:
     for user in n.users:
         if user.op == "output":
             continue
-        if op_name(user, r.gm) not in _RESHAPES | {"contiguous", "to", "float", "_to_copy", "slice"}:
+        if op_name(user, r.gm) not in RESHAPES | {"contiguous", "to", "float", "_to_copy", "slice"}:
             return False
         if not _leaves_model(r, user):
             return False

@@ -27,7 +27,10 @@ tensor-parallel axis runs (Shoeybi et al. 2019, torchtitan's `parallelize_llama`
    (`RowwiseParallel(output_layouts=Shard(d))`, a reduce-scatter), the column Linears and output layers that read a
    zone value gather it once for all of them (`_Gathered`: a Replicate DTensor whose partial gradients meet in one
    reduce-scatter), the norms read in the zone get partial gradients, and the graph is rewritten last to read
-   whole shapes, gather, slice (`_SeqCollectives`).
+   whole shapes, gather, slice (`_SeqCollectives`). A Linear on the tokens flattened (GPT-2's Conv1D) has its
+   collectives at the reshapes around it: its input is gathered before the flattening reshape (the DTensor flows
+   through it into the column style), and a row's partial sums (`output_layouts=Partial()`, kept a DTensor) are
+   reduce-scattered after the reshape that views them back.
 
 After backward, `sync_gradients` gives each gradient its parameter's layout (and averages over data-parallel
 replicas when asked); `torch.nn.utils.clip_grad_norm_` and torch's optimizers then work on the module's
@@ -271,11 +274,13 @@ class _SeqCollectives:
         return out.to_local()
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return self._gathered(x, self.mesh, dim).to_local(grad_placements=[Partial()])
+        # A Replicate DTensor: the flattening reshape in between runs on it, and the column styles take it as is.
+        return self._gathered(x, self.mesh, dim)
 
     def scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        out = DTensor.from_local(x, self.mesh, [Partial()], run_check=False).redistribute(self.mesh, [Shard(dim)])
-        return out.to_local()
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, self.mesh, [Partial()], run_check=False)
+        return x.redistribute(self.mesh, [Shard(dim)]).to_local()
 
 
 def tp_styles(
@@ -316,7 +321,10 @@ def tp_styles(
         gathered = _Gathered()
         for node in zone.rows:
             kind = _TransposedRowwise if module_of[node] in transposed else RowwiseParallel
-            styles[module_of[node]] = kind(output_layouts=Shard(zone.dims[node]))
+            if node in zone.unflattened:  # its partial sums are reduce-scattered once viewed back (the rewrite)
+                styles[module_of[node]] = kind(output_layouts=Partial(), use_local_output=False)
+            else:
+                styles[module_of[node]] = kind(output_layouts=Shard(zone.dims[node]))
         for node, dim in zone.gathered.items():
             style = styles[module_of[node]]
             assert isinstance(style, ColwiseParallel)

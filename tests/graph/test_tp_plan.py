@@ -189,8 +189,9 @@ def test_a_tied_embedding_that_export_reads_under_one_name_splits_as_two_layers(
 def test_hugging_face_gpt2s_conv1d_layers_split_as_transposed_linears() -> None:
     """GPT-2's Conv1D is `addmm(bias, x.view(-1, in), weight)` with the weight laid out (in, out): its QKV is fused
     (three pieces, reshaped to (b, t, 3h) before the split), its projections read `view(-1, h)`, whose h a rank
-    divides (the other size already infers itself); the ids reach the embedding reshaped. No sequence parallelism:
-    each row output is reshaped from (b·t, h) before anything reads it token by token."""
+    divides (the other size already infers itself); the ids reach the embedding reshaped. Sequence parallelism
+    meets each Linear at its reshapes: a row output is reduce-scattered once viewed back from (b·t, h) to
+    (b, t, h), and a column's input gathered before it is flattened."""
     graph, examples = _graph("hf:gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=100,seq_len=8,bos_token_id=0,"
                              "eos_token_id=0")  # fmt: skip
     plan = derive_tp_plan(graph)
@@ -205,7 +206,19 @@ def test_hugging_face_gpt2s_conv1d_layers_split_as_transposed_linears() -> None:
     shapes = {n.name: n.outputs[0].shape for n in graph_of(gm, examples, 2).nodes if n.outputs}
     assert shapes["scaled_dot_product_attention"] == (2, 2, 8, 16)
     zone = sequence_zone(graph, plan, 2)
-    assert not zone and "reshaped before" in zone.reason
+    assert zone, zone.reason
+    rows = [o for r in plan.regions for o in r.outputs]
+    assert zone.rows == tuple(rows) and set(zone.unflattened) == set(rows)
+    for row, view in zone.unflattened.items():  # (b·t, h) viewed back to (b, t, h): the tokens at dimension 1
+        assert shapes[row] == (16, 64) and shapes[view] == (2, 8, 64) and zone.dims[view] == 1
+    # Each region reads its input flattened, (b·t, h); the first reads the embeddings' sum, whole before any row
+    # output, so it is not gathered.
+    inputs = [r.inputs[0] for r in plan.regions]
+    assert [shapes[v] for v in inputs] == [(16, 64)] * 4
+    assert set(zone.flattened) == set(inputs[1:]) and set(zone.flattened.values()) == {1}
+    nodes = {n.name: n for n in graph.module.graph.nodes}
+    assert {u.name for v in zone.flattened for u in nodes[v].users} == set(zone.gathered)
+    assert "transformer.h.1.ln_1.weight" in zone.params
 
 
 def test_a_tp_plan_file_is_checked_against_the_model(gpt, tmp_path: Path) -> None:

@@ -165,3 +165,27 @@ def test_the_collectives_are_the_regions_all_reduces_on_the_link_inside_a_node()
     for i, (a, p) in enumerate(zip(alone.blocks, priced.blocks, strict=True)):
         assert p.fwd_time_s(3) == pytest.approx(a.fwd_time_s(3) + times[i][0](3), rel=1e-9, abs=1e-15)
         assert p.bwd_time_s(3) == pytest.approx(a.bwd_time_s(3) + times[i][1](3), rel=1e-9, abs=1e-15)
+
+
+def test_hugging_face_gpt2s_conv1d_layers_gain_what_sequence_parallelism_saves_a_gpt() -> None:
+    """GPT-2 as transformers writes it (Conv1D: `addmm` on the tokens flattened, viewed back): with sequence
+    parallelism its second layer keeps 1/t of what the zone splits, as the GPT above: the two LayerNorms' inputs
+    (4·sh each in fp32) and statistics (2·4·s each), the two residual dropouts' masks (sh each), (10·sh + 16·s)·
+    (1 − 1/t) less than tensor parallelism alone; and its collectives move the bytes of the all-reduces they
+    replace (a reduce-scatter and an all-gather each way per region, S = s·h)."""
+    seq, h, a = 256, 256, 4
+    ref = f"hf:gpt2:n_layer=2,n_embd={h},n_head={a},vocab_size=512,seq_len={seq},bos_token_id=0,eos_token_id=0"
+    spec = pyplan.load_model(ref)
+    at_tp, chain, plan, _ = _setup(spec.build, seq, 512)
+    at_sp, _, _, _ = _setup(spec.build, seq, 512, sequence_parallel=True)
+    sh = seq * h
+    for t in (2, 4):
+        tp, sp = _layer(at_tp(t), "transformer.h.1"), _layer(at_sp(t), "transformer.h.1")
+        assert tp[0] - sp[0] == (10 * sh + 16 * seq) * (1 - 1 / t)
+        assert (tp[1], tp[2]) == (sp[1], sp[2])
+    zone = sequence_zone(chain.graph, plan, 4)
+    traffic = collective_bytes(chain, plan, 4, zone)
+    second = [i for i, b in enumerate(chain.blocks) if b.name.startswith("transformer.h.1")]
+    for kind in ("fwd_reduce_scatter", "bwd_all_gather", "fwd_all_gather", "bwd_reduce_scatter"):
+        assert sum(getattr(traffic[i], kind).per_sample for i in second) == 2 * 4 * sh, kind
+    assert sum(traffic[i].fwd_all_reduce.per_sample + traffic[i].bwd_all_reduce.per_sample for i in second) == 0
