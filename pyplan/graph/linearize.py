@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -153,6 +154,18 @@ def _boundaries(points: CutPoints, depth: int | None) -> list[int]:
     return [0, *inner, n_pos]
 
 
+def _grouped(coarse: Sequence[int], fine: Sequence[int], most: int) -> list[int]:
+    """The finer level's blocks (cuts `fine`) taken k at a time inside each block of the coarser one (`coarse`),
+    counted from its start, for the least k that gives at most `most` blocks: 128 transformer layers in one
+    coarse block become 64 blocks of two, aligned on the first layer; `coarse` where no k does."""
+    inside = [[c for c in fine if a < c < b] for a, b in itertools.pairwise(coarse)]
+    for k in range(2, max(map(len, inside), default=0) + 2):
+        chosen = sorted({*coarse, *(c for cuts in inside for c in cuts[k - 1 :: k])})
+        if len(chosen) - 1 <= most:
+            return chosen
+    return list(coarse)
+
+
 def _block_name(graph: LayerGraph, nodes: Sequence[str], depth: int | None) -> str:
     """The longest module path shared by the block's nodes, else `first..last`."""
     keys = list(dict.fromkeys(_keys(graph, nodes, depth if depth is not None else 1 << 16)))
@@ -240,12 +253,15 @@ def linearize(
 
     By default blocks follow the module hierarchy: the shallowest level of module paths whose valid boundaries
     give at least `min_blocks` blocks, without passing `max_blocks` (e.g. one block per transformer layer of
-    GPT-2, one per bottleneck of ResNet-50; finer for small models). `depth` fixes the level instead;
-    `positions` gives the cuts explicitly (0 and the end are added; each must be valid). `order` replaces the
-    traced order of the operations by another topological order of them (positions then index it).
+    GPT-2, one per bottleneck of ResNet-50; finer for small models). Where that level has too few blocks and the
+    next too many, the next level's blocks are taken a few at a time (`_grouped`: two layers a block for a
+    128-layer GPT). `depth` fixes the level instead; `positions` gives the cuts explicitly (0 and the end are
+    added; each must be valid). `order` replaces the traced order of the operations by another topological order
+    of them (positions then index it).
     """
     points = cut_points(graph, order)
     n_pos = len(points.order)
+    spans = False  # blocks that group several modules of their level
     if n_pos == 0:
         raise TraceError("the traced model has no operations to place on stages")
     if positions is not None:
@@ -266,9 +282,17 @@ def linearize(
                 break
             trial = _boundaries(points, d)
             if len(trial) - 1 > max_blocks:
+                grouped = _grouped(chosen, trial, max_blocks)
+                if len(grouped) > len(chosen):
+                    level, chosen, spans = d, grouped, True
                 break
             level, chosen = d, trial
     blocks = _blocks(graph, points.order, chosen, level)
+    if spans:  # a group of modules is named by its first and last
+        for i, b in enumerate(blocks):
+            keys = list(dict.fromkeys(_keys(graph, b.nodes, level)))
+            if len(keys) > 1 and all(keys):
+                blocks[i] = replace(b, name=f"{keys[0]}..{keys[-1]}")
     return Chain(
         blocks=blocks,
         cuts=[points.cuts[c] for c in chosen],

@@ -108,6 +108,34 @@ def test_default_blocks_follow_the_module_hierarchy() -> None:
     assert chain.blocks[-1].param_numel == 0 and "head.weight" in chain.blocks[-1].param_names
 
 
+class Deep(nn.Module):
+    """An embedding, 40 layers in one Sequential, a head: 3 blocks at the first level, 42 at the second."""
+
+    def __init__(self, layers: int = 40) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(layers)])
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(self.embed(x)))
+
+
+def test_a_level_with_too_many_blocks_is_taken_a_few_layers_at_a_time() -> None:
+    """Too few blocks at one level (3 < min_blocks) and too many at the next (42 > max_blocks): the layers are
+    grouped, k of them a block counted from the first, k the least that fits (3 for 20 blocks: 14 groups and the
+    embedding and head), not kept as one block; the grouped blocks are named by their first and last layer."""
+    graph = trace(Deep(), (torch.randn(3, 8),))
+    assert len(linearize(graph, max_blocks=64).blocks) == 42
+    chain = linearize(graph, max_blocks=20)
+    names = [b.name for b in chain.blocks]
+    assert names[0] == "embed" and names[-1] == "head" and len(names) == 16
+    assert names[1:4] == ["layers.0..layers.2", "layers.3..layers.5", "layers.6..layers.8"]
+    assert names[-2] == "layers.39"  # the last layer alone: 40 = 13 x 3 + 1
+    assert linearize(graph, max_blocks=22).blocks[1].name == "layers.0..layers.1"  # 20 pairs + 2
+    assert len(linearize(graph, max_blocks=2).blocks) == 3  # no grouping fits: the coarser level
+
+
 def test_cut_where_a_non_tensor_is_live_is_refused() -> None:
     spec = example("gpt")
     graph = trace(spec.build(), spec.example_inputs)
