@@ -176,7 +176,6 @@ class Run:
     chunks: int = 1  # model chunks a pipeline rank holds (interleaved); pyplan plans 1, or 2 interleaved
     sequence_parallel: bool = True  # beside tp: the values between the split layers sliced by tokens
     detail: str = ""  # the row's own note, after `note` (which rows of one source may share)
-    max_blocks: int = 0  # the chain's most blocks where chain_for's default (128) folds the layers into one block
     ep: int = 1  # the run's expert-parallel degree (carved out of dp)
     num_experts: int = 0  # routed experts a mixture-of-experts layer (0: a dense model): EP left free divides them
     planned: bool = True  # False: a run pyplan cannot plan as it ran at all (not planned; the reason in `excluded`)
@@ -237,9 +236,13 @@ def _mpt(name: str, size: str, d: int, n: int, h: int, params: int, gpu: str, ta
 
 # Megatron-LM's GPT models of [SC21] and [KORTH]: vocabulary 51,200, sequence 2,048, 4h MLP, learned positions,
 # biases, LayerNorm, tied embeddings, dropout 0.1: the tensors of Hugging Face's GPT-2 (its count is eq. (2)'s + 2h:
-# eq. (2) leaves out the final LayerNorm).
+# eq. (2) leaves out the final LayerNorm). The GELU is Megatron's fused bias-GELU (megatron/model/fused_bias_gelu.py,
+# `GeLUFunction`: the tanh approximation in one kernel that saves only its input and bias), which is torch's
+# `gelu(approximate="tanh")`, transformers' "gelu_pytorch_tanh", not GPT-2's default "gelu_new" (the same formula in
+# eight elementwise operations that keep four 4h tensors a layer where the fused one keeps one).
 MEGATRON_VOCAB, MEGATRON_SEQ = 51_200, 2_048
-MEGATRON_GPT = "hf:gpt2:n_embd={h},n_layer={l},n_head={a},vocab_size=51200,n_positions=2048,seq_len=2048"
+MEGATRON_GPT = "hf:gpt2:n_embd={h},n_layer={l},n_head={a},vocab_size=51200,n_positions=2048,seq_len=2048," \
+    "activation_function=gelu_pytorch_tanh"  # fmt: skip
 
 
 def megatron_params(layers: int, hidden: int, vocab: int = MEGATRON_VOCAB, seq: int = MEGATRON_SEQ) -> int:
@@ -282,9 +285,6 @@ KORTH_NOTE = (
     "GPUs"
 )
 SHARED_NOTES = (MPT_NOTE, SC21_NOTE, KORTH_NOTE)  # printed once, as a footnote
-# The 1T model's 128 layers and 7 other blocks pass chain_for's 128-block limit, and linearize then keeps the layers
-# in one block (8 blocks in all: no pipeline of 64); planned on its chain of 135 (see PUBLISHED.md).
-ONE_T_BLOCKS = 160
 
 
 def _sc21(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int, tflops: float,
@@ -467,7 +467,7 @@ RUNS: tuple[Run, ...] = (
     _sc21("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148, 0.47, 2, "local", chunks=2),
     _sc21("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155, 0.50, 1, "local", chunks=2),
     _sc21("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163, 0.52, 1, "local", chunks=3),
-    replace(_sc21("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163, 0.52, 1, "local"), max_blocks=ONE_T_BLOCKS),
+    _sc21("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 163, 0.52, 1, "local"),
     *(_sc21("529.6B", 128, 20480, 105, 8, 35, gpus, 2240, tflops, None, 1, "local", chunks=3,
             table="Table 2, PTD-P",
             detail="schedule and recomputation assumed as Table 1's (Table 2 states model-parallel size 280 and "
@@ -483,8 +483,8 @@ RUNS: tuple[Run, ...] = (
     _korth("530B", 128, 20480, 105, 35, 280, 280, 1, 37.83, "selective", mfu=0.560, chunks=3),
     _korth("530B", 128, 20480, 105, 35, 2240, 2240, 1, 39.15, "selective", mfu=0.542, chunks=3, table="§6.3",
            detail="gradient all-reduce not overlapped (as the paper says); ZeRO 0 assumed"),
-    replace(_korth("1T", 160, 25600, 128, 64, 512, 512, 1, 94.42, "full"), max_blocks=ONE_T_BLOCKS),
-    replace(_korth("1T", 160, 25600, 128, 64, 512, 512, 1, 71.49, "selective", mfu=0.563), max_blocks=ONE_T_BLOCKS),
+    _korth("1T", 160, 25600, 128, 64, 512, 512, 1, 94.42, "full"),
+    _korth("1T", 160, 25600, 128, 64, 512, 512, 1, 71.49, "selective", mfu=0.563),
 )  # fmt: skip
 
 
@@ -617,7 +617,6 @@ def plan_run(run: Run, zero_stage: int, *, memory_scale: float = 1.0) -> dict[st
     import torch
 
     from pyplan import load_model, search
-    from pyplan.api import chain_for
     from pyplan.errors import InfeasibleError, PlanError
     from pyplan.hardware import Cluster
     from pyplan.plan import Workload
@@ -646,15 +645,11 @@ def plan_run(run: Run, zero_stage: int, *, memory_scale: float = 1.0) -> dict[st
     cluster = Cluster.from_catalog(gpu, run.gpus)
     workload = Workload(global_batch=run.global_batch, precision=run.precision)
     try:
-        chain = None
-        if run.max_blocks:
-            chain, _ = chain_for(model, spec.example_inputs, cluster, workload, max_blocks=run.max_blocks)
         found = search(
             model,
             spec.example_inputs,
             cluster,
             workload,
-            chain=chain,
             zero_stages=(zero_stage,),
             micro_batch_sizes=(run.micro_batch,),
             tensor_parallel=(run.tp,),
@@ -825,8 +820,6 @@ def _note(run: Run, got: dict[str, Any] | None, notes: Footnotes) -> str:
         parts.append(notes.mark(run.note) if run.note in SHARED_NOTES else run.note)
     if run.detail:
         parts.append(run.detail)
-    if run.max_blocks:
-        parts.append(f"chain of up to {run.max_blocks} blocks (chain_for's 128 keeps {run.layers} layers in one block)")
     if run.schedule and got is not None and got.get("status") == "ok":
         parts.append(
             f"planned {got['schedule']}" + (f", {got['stages_per_rank']} chunks" if got["stages_per_rank"] > 1 else "")
