@@ -52,6 +52,7 @@ void bind_partition(py::module_& m) {
         .def_readonly("stage_time_s", &PartitionResult::stage_time_s)
         .def_readonly("stage_state_bytes", &PartitionResult::stage_state_bytes)
         .def_readonly("stage_act_bytes", &PartitionResult::stage_act_bytes)
+        .def_readonly("stage_unmade_grad_bytes", &PartitionResult::stage_unmade_grad_bytes)
         .def_readonly("stage_in_flight", &PartitionResult::stage_in_flight)
         .def_readonly("pipeline_time_s", &PartitionResult::pipeline_time_s)
         .def_readonly("bottleneck_s", &PartitionResult::bottleneck_s)
@@ -84,9 +85,9 @@ void bind_partition(py::module_& m) {
            std::int64_t num_microbatches, std::vector<double> mem_limit_bytes, const std::string& schedule,
            const std::string& objective, double latency_s, double bw_bytes_per_s,
            const std::vector<std::int64_t>& in_flight_per_stage, std::vector<long long> input_buffer_cuts,
-           std::vector<long long> output_buffer_cuts) {
+           std::vector<long long> output_buffer_cuts, std::vector<double> grad_bytes, std::vector<bool> fresh_grads) {
             const pyplan::Chain chain{std::move(fwd_time_s), std::move(bwd_time_s), std::move(act_bytes),
-                                      std::move(state_bytes), std::move(cut_bytes)};
+                                      std::move(state_bytes), std::move(cut_bytes), std::move(grad_bytes)};
             pyplan::PartitionOptions options;
             options.num_stages = to_int(num_stages, "num_stages", 1, kIntMax);
             options.num_microbatches = to_int(num_microbatches, "num_microbatches", 1, kIntMax);
@@ -97,6 +98,7 @@ void bind_partition(py::module_& m) {
             options.link = {latency_s, bw_bytes_per_s};
             options.input_buffer_cuts = std::move(input_buffer_cuts);
             options.output_buffer_cuts = std::move(output_buffer_cuts);
+            options.fresh_grads = std::move(fresh_grads);
             py::gil_scoped_release release;
             return pyplan::partition(chain, options);
         },
@@ -106,7 +108,8 @@ void bind_partition(py::module_& m) {
         py::arg("latency_s") = 0.0, py::arg("bw_bytes_per_s") = std::numeric_limits<double>::infinity(),
         py::arg("in_flight_per_stage") = std::vector<std::int64_t>{},
         py::arg("input_buffer_cuts") = std::vector<long long>{},
-        py::arg("output_buffer_cuts") = std::vector<long long>{},
+        py::arg("output_buffer_cuts") = std::vector<long long>{}, py::arg("grad_bytes") = std::vector<double>{},
+        py::arg("fresh_grads") = std::vector<bool>{},
         "Exact split of a chain of L blocks into num_stages contiguous stages minimizing\n"
         "sum(t_s) + (m-1) max(t_s) under each stage's memory limit (objective='pipeline_time'), or max(t_s)\n"
         "then sum(t_s) (objective='bottleneck', the limit m -> inf). Per block: fwd_time_s, bwd_time_s,\n"
@@ -116,6 +119,8 @@ void bind_partition(py::module_& m) {
         "latency_s + cut_bytes[c]/bw each way; a stage pays the send of its output and the gradient send of\n"
         "its input. A stage also holds input_buffer_cuts[s] more tensors of its input cut and\n"
         "output_buffer_cuts[s] of its output cut, when given (receive buffers, the batch; partition.h).\n"
+        "A stage s with fresh_grads[s] makes its gradients (grad_bytes per block, part of state_bytes) after its\n"
+        "activations peak: its need leaves out min(its gradients, in flight x its act_bytes) (partition.h).\n"
         "Times and bytes in [0, 1e100], limits also inf, bw >= 1e-3 or inf (cpp/include/pyplan/limits.h).\n"
         "Raises ValueError on malformed input; returns feasible=False with a reason when nothing fits.");
 }

@@ -53,6 +53,8 @@ void bind_search(py::module_& m) {
         .def_readonly("stage_time_s", &Candidate::stage_time_s, "F + B + the sends of its input and output cuts")
         .def_readonly("stage_state_bytes", &Candidate::stage_state_bytes)
         .def_readonly("stage_act_bytes", &Candidate::stage_act_bytes)
+        .def_readonly("stage_unmade_grad_bytes", &Candidate::stage_unmade_grad_bytes,
+                      "gradients not yet made at the stage's peak, left out of its memory (fresh_gradients)")
         .def_readonly("stage_buffer_bytes", &Candidate::stage_buffer_bytes)
         .def_readonly("stage_in_flight", &Candidate::stage_in_flight)
         .def_readonly("stage_sync_s", &Candidate::stage_sync_s)
@@ -109,7 +111,8 @@ void bind_search(py::module_& m) {
            std::vector<double> bwd_points_s, bool zero3_single_stage, double zero3_gather_bytes,
            double zero3_reduce_bytes, const std::vector<std::int64_t>& data_parallel,
            const std::vector<std::int64_t>& pipeline_ranks,
-           const std::vector<std::int64_t>& num_microbatches, const std::vector<std::int64_t>& fixed_cuts) {
+           const std::vector<std::int64_t>& num_microbatches, const std::vector<std::int64_t>& fixed_cuts,
+           bool fresh_gradients) {
             pyplan::ProfiledChain chain{std::move(fwd_alpha_s),     std::move(fwd_beta_s),
                                               std::move(bwd_alpha_s),     std::move(bwd_beta_s),
                                               std::move(act_per_sample_bytes), std::move(act_fixed_bytes),
@@ -160,6 +163,7 @@ void bind_search(py::module_& m) {
             space.zero3_single_stage = zero3_single_stage;
             space.zero3_gather_bytes = zero3_gather_bytes;
             space.zero3_reduce_bytes = zero3_reduce_bytes;
+            space.fresh_gradients = fresh_gradients;
             space.objective = pyplan::objective_from_name(objective);
             space.weight = weight;
             space.top_k = to_int(top_k, "top_k", 1, kIntMax);
@@ -186,13 +190,16 @@ void bind_search(py::module_& m) {
         py::arg("zero3_gather_bytes") = 0.0, py::arg("zero3_reduce_bytes") = 0.0,
         py::arg("data_parallel") = std::vector<std::int64_t>{}, py::arg("pipeline_ranks") = std::vector<std::int64_t>{},
         py::arg("num_microbatches") = std::vector<std::int64_t>{}, py::arg("fixed_cuts") = std::vector<std::int64_t>{},
+        py::arg("fresh_gradients") = false,
         "Searches data parallelism x pipeline stages x micro-batch size x schedule x ZeRO stage x placement\n"
         "for a chain profiled as t(b) = alpha*b + beta per block, or, with time_sizes (K ascending sizes), as\n"
         "the line between the neighbouring points fwd/bwd_points_s[i*K + k] (see cpp/include/pyplan/search.h for the\n"
         "model). Per block (L): fwd/bwd alpha and beta in seconds, saved activation bytes per sample and per\n"
         "micro-batch, parameter elements; per cut (L+1): live bytes per sample and per micro-batch.\n"
         "Optional: param_tensors (L) and cut_tensors (L+1) counts, intra/inter_collective (latency_s, bw) links\n"
-        "for collectives, host: HostCosts fields by name (search.h).\n"
+        "for collectives, host: HostCosts fields by name (search.h); fresh_gradients: one replica frees its\n"
+        "gradients every step, so a stage that runs every forward before its first backward counts those not\n"
+        "yet made at its peak out (search.h step 3).\n"
         "objective: 'time', 'cost' or 'weighted' (cost + weight * time). Times in [0, 1e9] s, sizes and counts\n"
         "in [0, 1e18], bandwidths >= 1e-3 or inf, num_gpus <= 2^20 (cpp/include/pyplan/limits.h). Raises\n"
         "ValueError on invalid input; returns feasible=False with a reason when no plan fits in memory.");

@@ -158,10 +158,14 @@ def plan_of(c: Any, chain: Chain, currency: str, workload: Workload) -> Plan:
         StagePlan(
             first_block=c.cuts[s],
             last_block=c.cuts[s + 1] - 1,
-            memory_bytes=c.stage_state_bytes[s] + c.stage_act_bytes[s] + c.stage_buffer_bytes[s],
+            memory_bytes=c.stage_state_bytes[s]
+            + c.stage_act_bytes[s]
+            + c.stage_buffer_bytes[s]
+            - c.stage_unmade_grad_bytes[s],
             state_bytes=c.stage_state_bytes[s],
             activation_bytes=c.stage_act_bytes[s],
             buffer_bytes=c.stage_buffer_bytes[s],
+            unmade_grad_bytes=c.stage_unmade_grad_bytes[s],
             time_s=c.stage_time_s[s],
             in_flight=c.stage_in_flight[s],
             forward_s=c.stage_forward_s[s],
@@ -683,6 +687,10 @@ class Space:
                 zero3_single_stage=True,  # see pyplan/plan.py ZERO_STAGES
                 zero3_gather_bytes=float(unit.gathered),
                 zero3_reduce_bytes=float(unit.reduced),
+                # One replica frees its gradients every step (zero_grad, no DDP buckets), so a stage that runs every
+                # forward before its first backward has not made them again at its peak: the search leaves out what
+                # it surely has not made, and the refinement (unmade_grad_bytes) finds the rest.
+                fresh_gradients=True,
                 **pins,
                 **tables,
             )
@@ -696,9 +704,11 @@ class Refiner:
     their exact working memory (pyplan/solve/remat.py; the search counts saved activations per micro-batch in
     flight, the replay adds outputs, gradients and transients), ZeRO-3's communication beside the compute and its
     gathered units, each rank's copy of a tied parameter. A plan that then does not fit is dropped, so the searches
-    return more candidates than asked. The replay also finds the parameter gradients not yet made at a GPipe stage's
-    peak (`unmade_grad_bytes`), which the search counts in the state: a plan that fits only by them is not found
-    (conservative)."""
+    return more candidates than asked. The replay also finds the parameter gradients not yet made at the peak of a
+    stage of one replica that runs every forward before its first backward (`unmade_grad_bytes`); the search leaves
+    out of such a stage's state and activations what it surely has not made there (min(gradients, in flight × saved
+    bytes): search.h's fresh_gradients), a lower bound on what the replay leaves out, so that a plan that fits only
+    by them reaches the refinement, which decides."""
 
     space: Space
     model: nn.Module
@@ -984,16 +994,17 @@ def rank_ties(items: Sequence[T], value: Callable[[T], float], tiebreak: Callabl
 
 
 def rank_plans(plans: list[Plan], objective: str, weight: float) -> list[Plan]:
-    """Best first; tied objective values (rank_ties) go to fewer GPUs, then less memory: on one stage GPipe and
-    1F1B are predicted the same time, and GPipe, holding every micro-batch's activations, ran 4-8 % slower
-    (resnet-tiny, benchmarks/accuracy.py)."""
+    """Best first; tied objective values (rank_ties) go to fewer GPUs, then less memory, then fewer micro-batches in
+    flight: on one stage GPipe and 1F1B are predicted the same time, and GPipe, holding every micro-batch's
+    activations, ran 4-8 % slower (resnet-tiny, benchmarks/accuracy.py); where the gradients it has not made at its
+    peak make up for those activations (`unmade_grad_bytes`), the two need the same memory too."""
 
     def value(p: Plan) -> float:
         t, c = p.predicted.iteration_s, p.predicted.cost_per_iteration
         return t if objective == "time" else c if objective == "cost" else c + weight * t
 
-    def tiebreak(p: Plan) -> tuple[int, float]:
-        return (p.layout.num_gpus, p.predicted.peak_memory_bytes)
+    def tiebreak(p: Plan) -> tuple[int, float, int]:
+        return (p.layout.num_gpus, p.predicted.peak_memory_bytes, sum(st.in_flight for st in p.stages))
 
     unique = {_key(p): p for p in sorted(plans, key=lambda p: (value(p), *tiebreak(p)), reverse=True)}
     return _distinct(rank_ties(list(unique.values()), value, tiebreak))

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from pyplan import zoo
 from pyplan.api import chain_for, search
 from pyplan.errors import InfeasibleError, PlanError
+from pyplan.graph.chain import Chain
 from pyplan.hardware import Cluster
 from pyplan.plan import Plan, Workload
 from pyplan.profile.remat import remat_bytes
@@ -284,3 +289,105 @@ def test_full_recomputation_checkpoints_the_last_block_where_micro_batches_are_i
     one = stage_remat(chain, 10 * need[keep_last], 1, mode="full", offload_bw_bytes_per_s=None)
     assert one is not None and one.plan == keep_last
     assert stage_remat(chain, budget, 1, mode="full", offload_bw_bytes_per_s=None) in (None, one)
+
+
+def _linear_stack(width: int, layers: int) -> tuple[torch.nn.Module, Callable[[int], tuple[torch.Tensor, ...]]]:
+    """`layers` Linear(width, width) + ReLU pairs and its example inputs: parameters and saved activations of one
+    size, chosen by the batch."""
+    torch.manual_seed(0)
+    pairs = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(layers)]
+    return torch.nn.Sequential(*pairs), lambda b: (torch.randn(b, width),)
+
+
+def test_a_plan_that_fits_only_by_gradients_not_yet_made_is_found() -> None:
+    """One GPU, one micro-batch of 256 through 16 Linear(64, 64) layers: the stage makes its fp32 gradients again in
+    its backward, after its activations peak, and needs that much less (pyplan/solve/remat_search.py's
+    unmade_grad_bytes). The search leaves out what it surely has not made there (search.h's fresh_gradients), so the
+    plan that fits only by them is found with just its memory; with less, nothing fits."""
+    model, inputs = _linear_stack(64, 16)
+    cluster, workload = Cluster.from_catalog("t4", 1), Workload(global_batch=256)
+    chain, _ = chain_for(model, inputs, cluster, workload)
+    options = dict(chain=chain, micro_batch_sizes=[256])
+    roomy = search(model, inputs, cluster, workload, memory_fraction=0.5, **options).best
+    (stage,) = roomy.stages
+    need, memory = roomy.predicted.peak_memory_bytes, cluster.gpu.memory_bytes
+    assert stage.unmade_grad_bytes > 0 and need == stage.memory_bytes
+    # Counted whole, the gradients would not fit: the plan fits only because they are not made at its peak.
+    assert stage.state_bytes + stage.activation_bytes + stage.buffer_bytes > need * (1 + 1e-6)
+    tight = search(model, inputs, cluster, workload, memory_fraction=need / memory * (1 + 1e-9), **options).best
+    assert tight.layout == roomy.layout and tight.predicted.peak_memory_bytes == need
+    with pytest.raises(InfeasibleError, match="no plan fits"):
+        search(model, inputs, cluster, workload, memory_fraction=need / memory * (1 - 1e-6), **options)
+
+
+@functools.cache
+def _two_gpus() -> tuple[torch.nn.Module, Callable[[int], tuple[torch.Tensor, ...]], Cluster, Workload, Chain]:
+    """16 Linear(64, 64) layers on 2 GPUs, a batch of 256, and its chain."""
+    model, inputs = _linear_stack(64, 16)
+    cluster, workload = Cluster.from_catalog("t4", 2), Workload(global_batch=256)
+    chain, _ = chain_for(model, inputs, cluster, workload)
+    return model, inputs, cluster, workload, chain
+
+
+def _interleaved(remat: str, memory_bytes: float) -> Plan | None:
+    """`_two_gpus` as 4 stages of Interleaved1F1B, 4 micro-batches of 64: rank 0 runs the chunks holding 4 and 2
+    micro-batches in flight, rank 1 those holding 3 and 1; None where it does not fit."""
+    model, inputs, cluster, workload, chain = _two_gpus()
+    pins = dict(micro_batch_sizes=[64], pipeline_ranks=[2], schedules=["Interleaved1F1B"], data_parallel=[1])
+    try:
+        found = search(model, inputs, cluster, workload, chain=chain, remat=remat, **pins,
+                       memory_fraction=memory_bytes / cluster.gpu.memory_bytes)  # fmt: skip
+    except InfeasibleError:
+        return None
+    assert [st.in_flight for st in found.best.stages] == [4, 3, 2, 1]
+    return found.best
+
+
+def _least_memory(remat: str, most_bytes: float) -> float:
+    """The least memory (within 0.1 %) at which `_interleaved` plans, by bisection below `most_bytes`."""
+    lo, hi = 0.0, most_bytes
+    while hi - lo > 1e-3 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if _interleaved(remat, mid) is not None else (mid, hi)
+    return hi
+
+
+def test_interleaved_chunks_share_their_rank_memory() -> None:
+    """Two chunks on a rank hold different micro-batches in flight (4 and 2): the rank's free memory is theirs
+    together, not half each. Keeping everything, the plan fits in exactly what its fullest rank holds (the first
+    chunk alone needs more than half of what is free there); with that memory, remat "auto" keeps everything too;
+    with less, "none" does not fit."""
+    roomy = _interleaved("none", 1e9)
+    assert roomy is not None
+    need = roomy.predicted.peak_memory_bytes
+    first, third = roomy.stages[0], roomy.stages[2]
+    assert need == first.memory_bytes + third.memory_bytes  # rank 0 is the fullest
+    assert first.activation_bytes > 1.5 * third.activation_bytes
+    tight = _interleaved("none", need * (1 + 1e-9))
+    assert tight is not None and tight.predicted.peak_memory_bytes == need
+    assert _interleaved("none", need * (1 - 1e-6)) is None
+    auto = _interleaved("auto", need * (1 + 1e-9))
+    assert auto is not None and auto.layout.remat == () and auto.predicted.iteration_s == tight.predicted.iteration_s
+
+
+def test_interleaved_chunks_recompute_in_proportion_to_what_they_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Remat "auto" with too little memory to keep everything: the rank's free memory split in proportion to each
+    chunk's least need (full recomputation's: 4 and 2 micro-batches in flight) plans the layout in less memory than
+    halving it for each chunk, which leaves the first chunk too little; below that least memory it does not fit."""
+    from pyplan.solve import remat_search
+
+    keep_all = _interleaved("none", 1e9)
+    assert keep_all is not None
+    least = _least_memory("auto", keep_all.predicted.peak_memory_bytes)
+    assert least < keep_all.predicted.peak_memory_bytes
+    planned = _interleaved("auto", least)
+    assert planned is not None and planned.layout.remat and planned.predicted.peak_memory_bytes <= least
+
+    def halves(stages: list[Any], free_bytes: float, mode: str, offload_bw_bytes_per_s: float | None) -> Any:
+        """What refine_plan did before: each of the rank's stages within an even share of its free memory."""
+        got = [x.within(free_bytes / len(stages), mode, offload_bw_bytes_per_s) for x in stages]
+        return got if all(c is not None for c in got) else None
+
+    monkeypatch.setattr(remat_search, "_rank_choices", halves)
+    assert _interleaved("auto", least) is None
+    assert _least_memory("auto", keep_all.predicted.peak_memory_bytes) > least * 1.02

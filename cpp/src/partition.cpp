@@ -31,6 +31,7 @@ struct StageLimit {
     // output_buffers·cut[j].
     long long extra_inputs = 0;
     long long output_buffers = 0;
+    bool fresh = false;  // PartitionOptions::fresh_grads[s]: mem leaves out min(Γ, n·A)
     double limit_bytes = 0.0;
     // Prefix-sum estimates of mem_s within `slack` of the limit are summed block by block; below
     // limit − slack a range surely fits, above limit + slack it surely does not (partition.h's ε).
@@ -89,6 +90,7 @@ struct Problem {
     std::vector<double> work_s;      // [L+1] W[c] = Σ_{k<c} (fwd_k + bwd_k)
     std::vector<double> state;       // [L+1] Σ_{k<c} state_bytes_k
     std::vector<double> act;         // [L+1] Σ_{k<c} act_bytes_k
+    std::vector<double> keep;        // [L+1] Σ_{k<c} (state_bytes_k − grad_bytes_k)
     std::vector<double> send_s;      // [L+1] send(c), 0 at the chain's ends
     double max_send_s = 0.0;         // σ
     double max_cut_bytes = 0.0;      // κ
@@ -111,21 +113,37 @@ struct Problem {
         for (int k = i; k < j; ++k) sum += chain->state_bytes[k];
         return sum;
     }
-    double act_bytes(int i, int j) const {  // per micro-batch in flight, with the input cut
+    double saved_bytes(int i, int j) const {  // per micro-batch in flight, without the input cut
         double sum = 0.0;
         for (int k = i; k < j; ++k) sum += chain->act_bytes[k];
-        return sum + chain->cut_bytes[i];
+        return sum;
+    }
+    double act_bytes(int i, int j) const {  // per micro-batch in flight, with the input cut
+        return saved_bytes(i, j) + chain->cut_bytes[i];
+    }
+    double unmade_bytes(int i, int j, const StageLimit& stage) const {
+        if (!stage.fresh || chain->grad_bytes.empty()) return 0.0;
+        double grads = 0.0;
+        for (int k = i; k < j; ++k) grads += chain->grad_bytes[k];
+        return unmade_grad_bytes(grads, stage.in_flight, saved_bytes(i, j));
     }
     double buffer_bytes(int i, int j, const StageLimit& stage) const {
         return stage.extra_inputs * chain->cut_bytes[i] + stage.output_buffers * chain->cut_bytes[j];
     }
     double need_bytes(int i, int j, const StageLimit& stage) const {
-        const double need = state_bytes(i, j) + stage.in_flight * act_bytes(i, j);
+        double need = state_bytes(i, j) + stage.in_flight * act_bytes(i, j);
+        if (stage.fresh) need -= unmade_bytes(i, j, stage);
         return stage.extra_inputs == 0 && stage.output_buffers == 0 ? need : need + buffer_bytes(i, j, stage);
     }
     // The prefix-sum estimate of need_bytes with `in_cut` bytes for the input cut and `out_cut` for the
-    // output cut: non-increasing in i and non-decreasing in j and in both cuts.
+    // output cut: non-increasing in i and non-decreasing in j and in both cuts (a fresh stage's
+    // max(S, K + n·A) too: both are differences of non-decreasing prefix sums).
     double estimate_bytes(int i, int j, const StageLimit& stage, double in_cut, double out_cut) const {
+        if (stage.fresh) {
+            const double kept = (keep[j] - keep[i]) + stage.in_flight * (act[j] - act[i]);
+            const double held = std::max(state[j] - state[i], kept);
+            return held + stage.in_flight * in_cut + (stage.extra_inputs * in_cut + stage.output_buffers * out_cut);
+        }
         return (state[j] - state[i]) + stage.in_flight * ((act[j] - act[i]) + in_cut) +
                (stage.extra_inputs * in_cut + stage.output_buffers * out_cut);
     }
@@ -182,6 +200,16 @@ void validate(const Chain& chain, const PartitionOptions& options) {
     require_each_in(chain.act_bytes, 0.0, kMaxValue, "act_bytes");
     require_each_in(chain.state_bytes, 0.0, kMaxValue, "state_bytes");
     require_each_in(chain.cut_bytes, 0.0, kMaxValue, "cut_bytes");
+    if (!chain.grad_bytes.empty()) {
+        if (chain.grad_bytes.size() != num_blocks) {
+            fail("grad_bytes must be empty or have one entry per block (" + blocks + "), got " +
+                 std::to_string(chain.grad_bytes.size()));
+        }
+        for (std::size_t k = 0; k < num_blocks; ++k) {
+            const std::string entry = "grad_bytes[" + std::to_string(k) + "]";
+            require_in(chain.grad_bytes[k], 0.0, chain.state_bytes[k], entry.c_str());
+        }
+    }
     const int p = options.num_stages;
     if (p < 1 || p > chain.num_blocks()) {
         fail("num_stages must be in [1, " + blocks + "] for a chain of " + blocks + " blocks, got " +
@@ -219,6 +247,10 @@ void validate(const Chain& chain, const PartitionOptions& options) {
             require_int_in((*buffers)[s], 0, static_cast<long long>(kMaxBytes), entry.c_str());
         }
     }
+    if (!options.fresh_grads.empty() && options.fresh_grads.size() != static_cast<std::size_t>(p)) {
+        fail("fresh_grads must be empty or have one entry per stage (" + std::to_string(p) + "), got " +
+             std::to_string(options.fresh_grads.size()));
+    }
     const std::vector<int>& fixed = options.fixed_cuts;
     if (!fixed.empty()) {
         bool ordered = fixed.size() == static_cast<std::size_t>(p) + 1 && fixed.front() == 0 &&
@@ -246,11 +278,14 @@ Problem build_problem(const Chain& chain, const PartitionOptions& options) {
     problem.work_s.assign(L + 1, 0.0);
     problem.state.assign(L + 1, 0.0);
     problem.act.assign(L + 1, 0.0);
+    problem.keep.assign(L + 1, 0.0);
     problem.send_s.assign(L + 1, 0.0);
     for (int k = 0; k < L; ++k) {
         problem.work_s[k + 1] = problem.work_s[k] + (chain.fwd_time_s[k] + chain.bwd_time_s[k]);
         problem.state[k + 1] = problem.state[k] + chain.state_bytes[k];
         problem.act[k + 1] = problem.act[k] + chain.act_bytes[k];
+        const double grads = chain.grad_bytes.empty() ? 0.0 : chain.grad_bytes[k];
+        problem.keep[k + 1] = problem.keep[k] + (chain.state_bytes[k] - grads);
     }
     for (int c = 0; c <= L; ++c) {
         problem.send_s[c] = boundary_send_s(chain, options.link, c);
@@ -264,6 +299,7 @@ Problem build_problem(const Chain& chain, const PartitionOptions& options) {
                               : options.in_flight_per_stage[s];
         if (!options.input_buffer_cuts.empty()) stage.extra_inputs = options.input_buffer_cuts[s];
         if (!options.output_buffer_cuts.empty()) stage.output_buffers = options.output_buffer_cuts[s];
+        stage.fresh = !options.fresh_grads.empty() && options.fresh_grads[s];
         stage.limit_bytes = options.mem_limit_bytes[s];
         // Each of S, A and the block-by-block sums is off by at most (L+1)·ε/2 of its total; the slack
         // covers both sides, the product and the rounding of limit ± slack with a wide margin.
@@ -404,6 +440,7 @@ PartitionResult describe(const Problem& problem, const std::vector<int>& cuts) {
         result.stage_time_s.push_back(problem.stage_time_s(cuts[s], cuts[s + 1]));
         result.stage_state_bytes.push_back(problem.state_bytes(cuts[s], cuts[s + 1]));
         result.stage_act_bytes.push_back(in_flight * problem.act_bytes(cuts[s], cuts[s + 1]));
+        result.stage_unmade_grad_bytes.push_back(problem.unmade_bytes(cuts[s], cuts[s + 1], problem.stages[s]));
         result.stage_in_flight.push_back(in_flight);
     }
     // cost.h's pipeline_time_s, Σ t_s + (m−1)·max t_s, whose argument check (each t_s ≤ kMaxValue) a stage of
@@ -443,10 +480,12 @@ PartitionResult infeasible(const Problem& problem) {
     const double state = problem.state_bytes(o.begin_cut, o.end_cut);
     const double act = problem.act_bytes(o.begin_cut, o.end_cut);
     const double buffers = problem.buffer_bytes(o.begin_cut, o.end_cut, problem.stages[o.stage]);
+    const double unmade = problem.unmade_bytes(o.begin_cut, o.end_cut, problem.stages[o.stage]);
     result.reason = "no partition into " + std::to_string(p) + " stages fits in memory; the best overflows by " +
                     format_bytes(o.overflow_bytes()) + ": stage " + std::to_string(o.stage) + " (" + blocks +
                     ") needs " + format_bytes(o.need_bytes) + " (state " + format_bytes(state) + " + " +
                     std::to_string(o.in_flight) + " micro-batches in flight x " + format_bytes(act) +
+                    (unmade > 0 ? " - gradients not yet made " + format_bytes(unmade) : std::string()) +
                     (buffers > 0 ? " + receive buffers " + format_bytes(buffers) : std::string()) + "), limit " +
                     format_bytes(o.limit_bytes);
     return result;
@@ -500,6 +539,10 @@ int in_flight_microbatches(InFlight rule, int stage, int num_stages, int num_mic
             return std::min(num_microbatches, num_stages - stage);
     }
     throw std::invalid_argument("unknown in-flight rule");
+}
+
+double unmade_grad_bytes(double grad_bytes, int in_flight, double act_bytes) {
+    return std::min(grad_bytes, in_flight * act_bytes);
 }
 
 int held_input_cuts(int num_microbatches, int in_flight, int stage) {

@@ -253,7 +253,8 @@ private:
     const Layout& layout(int d, int p, int v, Placement placement);
     std::vector<Config> enumerate();
     void bound(Config& config);
-    double capped_makespan_s(const Config& config, const Chain& chain, const std::vector<int>& in_flight);
+    double capped_makespan_s(const Config& config, const Chain& chain, const std::vector<int>& in_flight,
+                             const std::vector<bool>& fresh);
     void raise_makespan_bound(Config& config, double makespan_s);
     void cap_exactly(Config& config);
     void tighten(Config& config);
@@ -265,6 +266,8 @@ private:
     const Chain& chain_for(const Config& config, const Layout& lay);
     const RankOrder& order_for(Schedule schedule, int p, int m, int v);
     const std::vector<int>& in_flight_of(const Config& config);
+    bool may_be_fresh(const Config& config) const;
+    std::vector<bool> fresh_of(const Config& config);
     const HeldCuts& held_cuts_of(const Config& config);
     void evaluate(const Config& config);
     void offer(Candidate candidate, long long index);
@@ -284,17 +287,20 @@ private:
     std::map<std::tuple<int, int, int, int>, RankOrder> orders_;
     std::map<std::tuple<int, int, int, int>, std::vector<int>> in_flight_;
     std::map<std::tuple<int, int, int, int>, HeldCuts> held_cuts_;
-    std::map<const Chain*, std::vector<double>> caps_;  // [n] or NaN; chains_ never moves its chains
+    // [n] or NaN, per chain and whether the stage makes its gradients after its peak; chains_ never moves its chains
+    std::map<std::pair<const Chain*, bool>, std::vector<double>> caps_;
     // What `bound` needs of a chain, whatever the candidate (per chain and optimizer sharding): sums over its
     // blocks, its smallest cut and the largest optimizer step of one block.
     struct ChainSums {
-        double work_s = 0, backward_s = 0, block_max_s = 0, state = 0, act = 0, optimizer_s = 0;
+        double work_s = 0, backward_s = 0, block_max_s = 0, state = 0, keep = 0, act = 0, optimizer_s = 0;
         double least_cut_bytes = kInf;
     };
     std::map<std::pair<const Chain*, double>, ChainSums> sums_;
-    std::map<std::pair<const Chain*, int>, double> block_need_;  // per chain and least micro-batches in flight
-    // least_partition_makespan_s by (chain, schedule, p, m, v, least send): the same for many candidates.
-    std::map<std::tuple<const Chain*, int, int, int, int, double>, double> tightened_;
+    // per chain, least micro-batches in flight and whether a stage may make its gradients after its peak
+    std::map<std::tuple<const Chain*, int, bool>, double> block_need_;
+    // least_partition_makespan_s by (chain, schedule, p, m, v, least send, fresh gradients): the same for many
+    // candidates.
+    std::map<std::tuple<const Chain*, int, int, int, int, double, bool>, double> tightened_;
 
     SearchResult result_;
     std::vector<std::pair<Candidate, long long>> top_;     // best first, with enumeration index
@@ -404,19 +410,33 @@ std::vector<Config> Searcher::enumerate() {
     return configs;
 }
 
-// The most work Σ (f+g) of any range of blocks that fits in `limit` with n micro-batches in flight, its
-// input cut left out (a relaxation, so an upper bound on any stage's work). Two pointers.
-double max_stage_work_s(const Chain& chain, int in_flight, double limit) {
+// Block i's gradients (chain.h's grad_bytes; 0 where it has none).
+double grad_of(const Chain& chain, int i) {
+    return chain.grad_bytes.empty() ? 0.0 : chain.grad_bytes[i];
+}
+
+// A stage's memory without its input cut and buffers, from its sums of state, state less gradients (keep) and saved
+// activations, n in flight: partition.h's mem_s, which a stage with fresh gradients takes as max(S, K + n·A).
+double held_bytes(double state, double keep, double act, int in_flight, bool fresh) {
+    return fresh ? std::max(state, keep + in_flight * act) : state + in_flight * act;
+}
+
+// The most work Σ (f+g) of any range of blocks that fits in `limit` with n micro-batches in flight (`fresh`: its
+// gradients made after its peak, partition.h), its input cut left out (a relaxation, so an upper bound on any
+// stage's work). Two pointers.
+double max_stage_work_s(const Chain& chain, int in_flight, bool fresh, double limit) {
     const int L = chain.num_blocks();
     const double slack = 1.0 + 1e-9;  // running sums round: never call a fitting range too big
-    double best = 0.0, work = 0.0, state = 0.0, act = 0.0;
+    double best = 0.0, work = 0.0, state = 0.0, keep = 0.0, act = 0.0;
     for (int i = 0, j = 0; j < L; ++j) {
         work += chain.fwd_time_s[j] + chain.bwd_time_s[j];
         state += chain.state_bytes[j];
+        keep += chain.state_bytes[j] - grad_of(chain, j);
         act += chain.act_bytes[j];
-        while (i <= j && state + in_flight * act > limit * slack) {
+        while (i <= j && held_bytes(state, keep, act, in_flight, fresh) > limit * slack) {
             work -= chain.fwd_time_s[i] + chain.bwd_time_s[i];
             state -= chain.state_bytes[i];
+            keep -= chain.state_bytes[i] - grad_of(chain, i);
             act -= chain.act_bytes[i];
             ++i;
         }
@@ -468,15 +488,17 @@ double least_pipeline_makespan_s(const std::vector<double>& cap, int m, double w
 // a fixed i grows with j, so the crossing only moves forward as j grows: two pointers, O(S·L). Infinite
 // when no relaxed partition fits.
 double least_partition_makespan_s(const Chain& chain, const std::vector<int>& in_flight,
-                                  const std::vector<int>& warmup, int m, double send_s, double limit) {
+                                  const std::vector<bool>& fresh, const std::vector<int>& warmup, int m,
+                                  double send_s, double limit) {
     const int L = chain.num_blocks();
     const int S = static_cast<int>(in_flight.size());
     const double fit_limit = limit * (1.0 + 1e-9);
-    std::vector<double> fwd(L + 1, 0.0), bwd(L + 1, 0.0), state(L + 1, 0.0), act(L + 1, 0.0);
+    std::vector<double> fwd(L + 1, 0.0), bwd(L + 1, 0.0), state(L + 1, 0.0), keep(L + 1, 0.0), act(L + 1, 0.0);
     for (int i = 0; i < L; ++i) {
         fwd[i + 1] = fwd[i] + chain.fwd_time_s[i];
         bwd[i + 1] = bwd[i] + chain.bwd_time_s[i];
         state[i + 1] = state[i] + chain.state_bytes[i];
+        keep[i + 1] = keep[i] + (chain.state_bytes[i] - grad_of(chain, i));
         act[i + 1] = act[i] + chain.act_bytes[i];
     }
     const double round_trip_s = fwd[L] + bwd[L] + 2 * (S - 1) * send_s;
@@ -488,7 +510,10 @@ double least_partition_makespan_s(const Chain& chain, const std::vector<int>& in
         int lo = 0;
         int a = 0;  // the first i in [lo, j] with before[i] >= stage_bound(i), or j + 1
         for (int j = 0; j <= L; ++j) {
-            while (lo < j && state[j] - state[lo] + n * (act[j] - act[lo]) > fit_limit) ++lo;
+            while (lo < j && held_bytes(state[j] - state[lo], keep[j] - keep[lo], act[j] - act[lo], n, fresh[s]) >
+                                 fit_limit) {
+                ++lo;
+            }
             auto stage_bound = [&](int i) {
                 const double f = fwd[j] - fwd[i], b = bwd[j] - bwd[i];
                 double bound = fwd[i] + bwd[i] + start_s + m * (f + b);
@@ -519,15 +544,16 @@ void Searcher::raise_makespan_bound(Config& c, double makespan_s) {
 }
 
 // The pipeline bound with the stages' memory caps (least_pipeline_makespan_s), each stage at most the most
-// work that fits with the given in-flight count; ∞ when the caps cannot hold the work.
-double Searcher::capped_makespan_s(const Config& c, const Chain& chain, const std::vector<int>& in_flight) {
-    std::vector<double>& known = caps_[&chain];
+// work that fits with the given in-flight count (and fresh gradients); ∞ when the caps cannot hold the work.
+double Searcher::capped_makespan_s(const Config& c, const Chain& chain, const std::vector<int>& in_flight,
+                                   const std::vector<bool>& fresh) {
     std::vector<double> cap(in_flight.size());
     double cap_total = 0.0;
     for (std::size_t s = 0; s < cap.size(); ++s) {
         const int n = in_flight[s];
+        std::vector<double>& known = caps_[{&chain, fresh[s]}];
         if (n >= static_cast<int>(known.size())) known.resize(n + 1, std::nan(""));
-        if (std::isnan(known[n])) known[n] = max_stage_work_s(chain, n, hw_.gpu_mem_bytes);
+        if (std::isnan(known[n])) known[n] = max_stage_work_s(chain, n, fresh[s], hw_.gpu_mem_bytes);
         cap[s] = known[n];
         cap_total += cap[s];
     }
@@ -538,7 +564,7 @@ double Searcher::capped_makespan_s(const Config& c, const Chain& chain, const st
 // With two stages per rank, bound() caps the stages at one micro-batch in flight; this uses their counts.
 void Searcher::cap_exactly(Config& c) {
     const Chain& chain = chain_for(c, layout(c.d, c.p, c.v, c.placement));
-    raise_makespan_bound(c, capped_makespan_s(c, chain, in_flight_of(c)));
+    raise_makespan_bound(c, capped_makespan_s(c, chain, in_flight_of(c), fresh_of(c)));
 }
 
 // Raises the makespan part of the bound to least_partition_makespan_s; called only for candidates the
@@ -547,13 +573,16 @@ void Searcher::tighten(Config& c) {
     const Layout& lay = layout(c.d, c.p, c.v, c.placement);
     const Chain& chain = chain_for(c, lay);
     const std::vector<int>& in_flight = in_flight_of(c);
-    const auto key = std::make_tuple(&chain, static_cast<int>(c.schedule), c.p, c.m, c.v, c.least_send_s);
+    const std::vector<bool> fresh = fresh_of(c);
+    const bool any_fresh = std::find(fresh.begin(), fresh.end(), true) != fresh.end();
+    const auto key =
+        std::make_tuple(&chain, static_cast<int>(c.schedule), c.p, c.m, c.v, c.least_send_s, any_fresh);
     auto it = tightened_.find(key);
     if (it == tightened_.end()) {
         std::vector<int> warmup;
         if (c.v == 1) warmup = in_flight;  // GPipe runs all m forwards first, 1F1B min(m, p−s)
         const double least_s =
-            least_partition_makespan_s(chain, in_flight, warmup, c.m, c.least_send_s, hw_.gpu_mem_bytes);
+            least_partition_makespan_s(chain, in_flight, fresh, warmup, c.m, c.least_send_s, hw_.gpu_mem_bytes);
         it = tightened_.emplace(key, least_s).first;
     }
     raise_makespan_bound(c, it->second);
@@ -564,6 +593,8 @@ void Searcher::bound(Config& c) {
     const Chain& chain = chain_for(c, lay);
     const int S = c.p * c.v;
     const int least_in_flight = c.schedule == Schedule::GPipe ? c.m : 1;
+    // Where some stage may make its gradients after its peak, every stage's need is bounded as such a stage's.
+    const bool relieved = may_be_fresh(c);
     const double shard = c.zero >= 1 ? c.d : 1;
     auto found = sums_.find({&chain, shard});
     if (found == sums_.end()) {
@@ -574,6 +605,7 @@ void Searcher::bound(Config& c) {
             t.backward_s += chain.bwd_time_s[i];
             t.block_max_s = std::max(t.block_max_s, w);
             t.state += chain.state_bytes[i];
+            t.keep += chain.state_bytes[i] - grad_of(chain, i);
             t.act += chain.act_bytes[i];
             const double step_s = this->optimizer_s(chain.state_bytes[i], chain_.params[i] / shard, tensors_of(i));
             t.optimizer_s = std::max(t.optimizer_s, step_s);
@@ -584,15 +616,19 @@ void Searcher::bound(Config& c) {
     const ChainSums& sums = found->second;
     const double work_s = sums.work_s, backward_s = sums.backward_s, block_max_s = sums.block_max_s;
     const double state = sums.state, act = sums.act;
-    auto need = block_need_.find({&chain, least_in_flight});
+    auto need = block_need_.find({&chain, least_in_flight, relieved});
     if (need == block_need_.end()) {
         double most = 0;
-        for (int i = 0; i < L_; ++i) most = std::max(most, chain.state_bytes[i] + least_in_flight * chain.act_bytes[i]);
-        need = block_need_.emplace(std::make_pair(&chain, least_in_flight), most).first;
+        for (int i = 0; i < L_; ++i) {
+            const double keep = chain.state_bytes[i] - grad_of(chain, i);
+            const double held = held_bytes(chain.state_bytes[i], keep, chain.act_bytes[i], least_in_flight, relieved);
+            most = std::max(most, held);
+        }
+        need = block_need_.emplace(std::make_tuple(&chain, least_in_flight, relieved), most).first;
     }
     const double block_need = need->second;
     // Memory: the fullest stage holds at least the average and the largest block, at its least in flight.
-    c.need_bound_bytes = std::max(block_need, (state + least_in_flight * act) / S);
+    c.need_bound_bytes = std::max(block_need, held_bytes(state, sums.keep, act, least_in_flight, relieved) / S);
 
     // Makespan: micro-batch 0's dependency chain, the busiest rank, and the pipeline bound above with the
     // stages' memory caps; with two stages per rank, at one micro-batch in flight each (a lower bound that
@@ -604,7 +640,8 @@ void Searcher::bound(Config& c) {
     c.least_send_s = send_s;
     c.work_s = work_s;
     double makespan_s = std::max(work_s + 2 * (S - 1) * send_s, c.m * std::max(work_s / c.p, block_max_s));
-    const double capped_s = capped_makespan_s(c, chain, c.v == 1 ? in_flight_of(c) : std::vector<int>(S, 1));
+    const double capped_s = c.v == 1 ? capped_makespan_s(c, chain, in_flight_of(c), fresh_of(c))
+                                     : capped_makespan_s(c, chain, std::vector<int>(S, 1), std::vector<bool>(S, false));
     c.fits_bound = capped_s < kInf;
     if (c.fits_bound) makespan_s = std::max(makespan_s, capped_s);
 
@@ -674,7 +711,9 @@ Chain Searcher::chain_at(const Config& c, const Layout& lay) const {
         out.fwd_time_s.push_back(block_time_s(c, lay, i, true));
         out.bwd_time_s.push_back(block_time_s(c, lay, i, false));
         out.act_bytes.push_back(chain_.act_per_sample_bytes[i] * c.b + chain_.act_fixed_bytes[i]);
-        out.state_bytes.push_back(zero_model_state_bytes(chain_.params[i], c.d, c.zero, bpp).total_bytes());
+        const ModelStateBytes state = zero_model_state_bytes(chain_.params[i], c.d, c.zero, bpp);
+        out.state_bytes.push_back(state.total_bytes());
+        out.grad_bytes.push_back(std::min(state.grad_bytes, out.state_bytes.back()));
     }
     for (int cut = 0; cut <= L_; ++cut) {
         out.cut_bytes.push_back(chain_.cut_per_sample_bytes[cut] * c.b + chain_.cut_fixed_bytes[cut]);
@@ -714,13 +753,16 @@ bool Searcher::stages_fit(const Config& c, const Chain& chain, const std::vector
     const int S = c.p * c.v;
     const std::vector<int>& in_flight = in_flight_of(c);
     const HeldCuts& held = held_cuts_of(c);
+    const std::vector<bool> fresh = fresh_of(c);
     for (int s = 0; s < S; ++s) {
-        double state = 0.0, act = 0.0;
+        double state = 0.0, act = 0.0, grads = 0.0;
         for (int i = cuts[s]; i < cuts[s + 1]; ++i) {
             state += chain.state_bytes[i];
             act += chain.act_bytes[i];
+            grads += grad_of(chain, i);
         }
-        const double need = state + in_flight[s] * (act + chain.cut_bytes[cuts[s]]) +
+        const double unmade = fresh[s] ? unmade_grad_bytes(grads, in_flight[s], act) : 0.0;
+        const double need = (state + in_flight[s] * (act + chain.cut_bytes[cuts[s]]) - unmade) +
                             (held.inputs[s] * chain.cut_bytes[cuts[s]] +
                              held.outputs[s] * chain.cut_bytes[cuts[s + 1]]);
         if (need > hw_.gpu_mem_bytes) return false;
@@ -745,6 +787,8 @@ const PartitionResult& Searcher::cached_partition(const Config& c, const Layout&
     const HeldCuts& held = held_cuts_of(c);
     key.insert(key.end(), held.inputs.begin(), held.inputs.end());
     key.insert(key.end(), held.outputs.begin(), held.outputs.end());
+    const std::vector<bool> fresh = fresh_of(c);
+    key.insert(key.end(), fresh.begin(), fresh.end());
     auto it = partitions_.find(key);
     if (it != partitions_.end()) return it->second;
     PartitionOptions options;
@@ -753,6 +797,7 @@ const PartitionResult& Searcher::cached_partition(const Config& c, const Layout&
     options.in_flight_per_stage = in_flight;
     options.input_buffer_cuts = held.inputs;
     options.output_buffer_cuts = held.outputs;
+    options.fresh_grads = fresh;
     options.mem_limit_bytes.assign(options.num_stages, hw_.gpu_mem_bytes);
     options.link = lay.pipeline_inter ? hw_.inter : hw_.intra;
     options.fixed_cuts = space_.fixed_cuts;
@@ -795,6 +840,21 @@ const std::vector<int>& Searcher::in_flight_of(const Config& c) {
         }
     }
     return in_flight_.emplace(key, std::move(in_flight)).first->second;
+}
+
+// Step 3's fresh gradients: with fresh_gradients, one replica (d = 1, ZeRO 0) and one stage per rank, some stage may
+// run every forward before its first backward.
+bool Searcher::may_be_fresh(const Config& c) const {
+    return space_.fresh_gradients && c.d == 1 && c.v == 1;
+}
+
+// Per stage, whether it makes its gradients after its peak: every micro-batch in flight at once (n_s = m).
+std::vector<bool> Searcher::fresh_of(const Config& c) {
+    const std::vector<int>& in_flight = in_flight_of(c);
+    std::vector<bool> fresh(in_flight.size(), false);
+    if (!may_be_fresh(c)) return fresh;
+    for (std::size_t s = 0; s < fresh.size(); ++s) fresh[s] = in_flight[s] == c.m;
+    return fresh;
 }
 
 // Step 9 of search.h, from the runtime's receive buffers under the schedule (simulate.h's receive_buffers): a stage
@@ -866,7 +926,7 @@ void Searcher::evaluate(const Config& c) {
 
     // Stage sums from this candidate's chain (the partition may be shared with a looser ZeRO stage).
     StageTimes times;
-    std::vector<double> act_per_microbatch(S);
+    std::vector<double> act_per_microbatch(S), saved_per_microbatch(S), stage_grads(S);
     std::vector<double> rank_state(c.p, 0.0), rank_work_s(c.p, 0.0), rank_elements(c.p, 0.0), rank_tensors(c.p, 0.0);
     std::vector<double> rank_sync_s(c.p, 0.0);
     auto send_s = [&](int cut) { return cut == 0 || cut == L_ ? 0.0 : p2p_time_s(link, chain.cut_bytes[cut]); };
@@ -874,15 +934,18 @@ void Searcher::evaluate(const Config& c) {
     const double shard = c.zero >= 1 ? c.d : 1;
     double before_s = 0.0, makespan_bound_s = 0.0;
     for (int s = 0; s < S; ++s) {
-        double f = 0, g = 0, state = 0, act = 0, params = 0, tensors = 0;
+        double f = 0, g = 0, state = 0, act = 0, grads = 0, params = 0, tensors = 0;
         for (int i = part.cuts[s]; i < part.cuts[s + 1]; ++i) {
             f += chain.fwd_time_s[i];
             g += chain.bwd_time_s[i];
             state += chain.state_bytes[i];
             act += chain.act_bytes[i];
+            grads += grad_of(chain, i);
             params += chain_.params[i];
             tensors += tensors_of(i);
         }
+        saved_per_microbatch[s] = act;
+        stage_grads[s] = grads;
         // 8. Host costs of the stage per micro-batch: its own bookkeeping and the messages it receives and sends.
         const double messages_s = host.message_s * (cut_tensors(part.cuts[s]) + cut_tensors(part.cuts[s + 1]));
         f += host.stage_forward_s + messages_s;
@@ -929,16 +992,21 @@ void Searcher::evaluate(const Config& c) {
     cand.rank_memory_bytes = rank_state;
     const std::vector<int>& in_flight = in_flight_of(c);
     const HeldCuts& held = held_cuts_of(c);
+    const std::vector<bool> fresh = fresh_of(c);
     for (int s = 0; s < S; ++s) {
         const int n = in_flight[s];  // the partition's, as the simulation finds them
         cand.stage_in_flight.push_back(n);
         cand.stage_act_bytes.push_back(n * act_per_microbatch[s]);
+        // 3. Gradients not yet made at the peak of a stage that makes them after it (fresh_gradients).
+        cand.stage_unmade_grad_bytes.push_back(
+            fresh[s] ? unmade_grad_bytes(stage_grads[s], n, saved_per_microbatch[s]) : 0.0);
         // 9. Receive buffers beyond the n in flight and output gradients, as the schedule holds them; the first
         // stage's batch; the last input gradient; 1F1B's last warm-up send (held_cuts_of).
         const double input_cut = chain.cut_bytes[part.cuts[s]], output_cut = chain.cut_bytes[part.cuts[s + 1]];
         cand.stage_buffer_bytes.push_back(held.inputs[s] * input_cut + held.outputs[s] * output_cut);
-        // Added one at a time, as the partition sums a stage's need: (state + activations) + buffers.
+        // Added one at a time, as the partition sums a stage's need: (state + activations − unmade) + buffers.
         cand.rank_memory_bytes[cand.stage_rank[s]] += cand.stage_act_bytes[s];
+        cand.rank_memory_bytes[cand.stage_rank[s]] -= cand.stage_unmade_grad_bytes[s];
         cand.rank_memory_bytes[cand.stage_rank[s]] += cand.stage_buffer_bytes[s];
     }
     const auto fullest = std::max_element(cand.rank_memory_bytes.begin(), cand.rank_memory_bytes.end());

@@ -5,9 +5,10 @@ recomputation, where every backward also recomputes its forward (an upper bound 
 holds a share of each block's output (RELAXED_SHARES: from full recomputation's holding down to nothing, a lower
 bound on memory); then each candidate they rank is refined exactly, stage by stage: the stage's blocks get the plan
 of the chosen mode that fits its memory with its in-flight micro-batches (`solve` of pyplan/remat.h for "auto", the
-best `checkpoint_sequential` segment count for "periodic", one checkpoint per block for "full"), the stage times
-become compute + recompute + exposed transfers (the checkpoints' cost in their first pass in the forward, the rest
-in the backward), and the pipeline is simulated again. Candidates that fit no plan are dropped. The refined
+best `checkpoint_sequential` segment count for "periodic", one checkpoint per block for "full"; the stages of one
+rank share its memory, `_rank_choices`), the stage times become compute + recompute + exposed transfers (the
+checkpoints' cost in their first pass in the forward, the rest in the backward), and the pipeline is simulated
+again. Candidates that fit no plan are dropped. The refined
 candidates are ranked among themselves and with the plain search's. The ranking is exact among the candidates
 refined, not over every configuration: a configuration that none of the relaxed searches ranks near the top is not
 refined.
@@ -15,6 +16,7 @@ refined.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -45,6 +47,7 @@ from pyplan.solve.remat import (
 from pyplan.solve.schedules import simulate, stage_placement
 
 __all__ = [
+    "FIXED_PLAN_MODES",
     "OFFLOAD_MODES",
     "RELAXED_SHARES",
     "REMAT_MODES",
@@ -62,6 +65,8 @@ __all__ = [
 
 REMAT_MODES = ("none", "full", "selective", "periodic", "auto")
 OFFLOAD_MODES = ("none", "auto")
+# The modes of `stage_remat` whose plan does not depend on the budget: one plan, which fits or not.
+FIXED_PLAN_MODES = ("none", "selective", "segments", "selective segments")
 
 
 # The shares of each block's output the relaxed searches charge per micro-batch in flight: 1 is full
@@ -187,22 +192,15 @@ def stage_remat(
     keeps the other blocks: the plan of a runtime that checkpoints modules (`segmented`); "selective segments"
     checkpoints them selectively, and "any segments" takes the fastest of keeping them and either way that fits."""
     n = len(chain)
-    bw = offload_bw_bytes_per_s or math.inf
 
-    def unmade(plan: RematPlan, rep: Replay | None = None) -> float:
+    def unmade(plan: RematPlan) -> float:
         if not fresh_grad_bytes:
             return 0.0
-        if rep is None:
-            rep = replay(chain, plan, offload_bw_bytes_per_s=bw, param_grad_bytes=fresh_grad_bytes)
-        return unmade_grad_bytes(rep, in_flight, sum(fresh_grad_bytes))
+        return _replayed(chain, plan, in_flight, offload_bw_bytes_per_s, fresh_grad_bytes).unmade_grad_bytes
 
     def fits(plan: RematPlan) -> StageChoice | None:
-        rep = replay(chain, plan, offload_bw_bytes_per_s=bw, param_grad_bytes=fresh_grad_bytes)
-        need = rep.peak_bytes + (in_flight - 1) * rep.after_forward_bytes
-        free = unmade(plan, rep)
-        if need - free > budget_bytes:
-            return None
-        return StageChoice(plan, rep.time_s, rep.recompute_s, rep.transfer_s, need, free)
+        got = _replayed(chain, plan, in_flight, offload_bw_bytes_per_s, fresh_grad_bytes)
+        return None if got.activation_bytes - got.unmade_grad_bytes > budget_bytes else got
 
     if mode == "none":
         return fits(no_remat(0, n))
@@ -245,6 +243,19 @@ def stage_remat(
         if mixed is not None:
             return mixed if mixed.time_s < best.time_s else best
     return best
+
+
+def _replayed(
+    chain: RematChain, plan: RematPlan, in_flight: int, offload_bw_bytes_per_s: float | None,
+    fresh_grad_bytes: Sequence[float],
+) -> StageChoice:  # fmt: skip
+    """`plan` replayed in bytes on a stage's blocks with `in_flight` micro-batches, its gradients not yet made at the
+    peak (`unmade_grad_bytes`) where `fresh_grad_bytes` are given."""
+    rep = replay(chain, plan, offload_bw_bytes_per_s=offload_bw_bytes_per_s or math.inf,
+                 param_grad_bytes=fresh_grad_bytes)  # fmt: skip
+    need = rep.peak_bytes + (in_flight - 1) * rep.after_forward_bytes
+    free = unmade_grad_bytes(rep, in_flight, sum(fresh_grad_bytes)) if fresh_grad_bytes else 0.0
+    return StageChoice(plan, rep.time_s, rep.recompute_s, rep.transfer_s, need, free)
 
 
 def stage_outputs(lo: int, hi: int, mems: Sequence[BlockMemory], num_cuts: int) -> tuple[tuple[int, int], ...]:
@@ -329,7 +340,9 @@ def refine_plan(
     on the plan's pipeline link; `checkpoint_s` the cost of one checkpoint call on the device; `host` the search's
     host costs (search.h's HostCosts by name) with `cut_tensors` the tensors crossing each cut;
     `checkpoint_block_s` what each block adds to a checkpoint it is inside (empty: nothing), and
-    `checkpoint_forward_share` the share of those costs paid in the forward pass (the rest in the backward).
+    `checkpoint_forward_share` the share of those costs paid in the forward pass (the rest in the backward). The
+    stages of one rank (two chunks of an interleaved schedule) share its memory beside their state and what they
+    hold beside their blocks (`_rank_choices`).
 
     With `params`, a stage's memory is the larger of two moments: in the pipeline, where one replica's stage that
     runs every forward before its first backward peaks before most gradients are made again (`_stage_grads`), and
@@ -358,13 +371,9 @@ def refine_plan(
     step, in_step = _optimizer_step(plan, params, tied_copy_numel, cuts)
     if any(sum(in_step[x] for x in xs) > gpu_mem_bytes for xs in ranks.values()):
         return None
+    planned: list[_StagePlanning] = []
     for s, st in enumerate(plan.stages):
         lo, hi = st.first_block, st.last_block + 1
-        # The stage's share of its rank's memory beside the state and what the rank's stages hold.
-        rank_stages = ranks[stage_rank[s]]
-        rank_state = sum(plan.stages[x].state_bytes for x in rank_stages)
-        rank_held = sum(resident[x] + plan.stages[x].buffer_bytes for x in rank_stages)
-        budget = (gpu_mem_bytes - rank_state - rank_held) / len(rank_stages)
         blocks = [_without(mems[k], {i for j, i in outputs[s] if j == k}) for k in range(lo, hi)]
         chain = replace(
             _stage_chain(blocks, f_all[lo:hi], g_all[lo:hi], grads[lo : hi + 1], lo, hi, scale),
@@ -374,21 +383,112 @@ def refine_plan(
         )
         # One replica (no DDP buckets), one stage per rank (GPipe, 1F1B), every forward before the first backward.
         fresh = lay.dp == 1 and lay.stages_per_rank == 1 and st.in_flight == lay.num_microbatches
-        fresh_grads = _stage_grads(params, lo, hi) if params is not None and fresh else ()
-        units = [(max(a, lo) - lo, min(z, hi) - lo) for a, z in segments if a < hi and z > lo]
-        got = stage_remat(chain, budget, st.in_flight, mode=mode, offload_bw_bytes_per_s=offload_bw_bytes_per_s,
-                          fresh_grad_bytes=fresh_grads, segments=units)  # fmt: skip
+        planned.append(
+            _StagePlanning(
+                chain,
+                st.in_flight,
+                tuple(_stage_grads(params, lo, hi)) if params is not None and fresh else (),
+                tuple((max(a, lo) - lo, min(z, hi) - lo) for a, z in segments if a < hi and z > lo),
+                functools.partial(_recomputed_outputs, lo=lo, mems=mems, outputs=outputs[s]),
+                scale,
+            )
+        )
+    chosen: dict[int, _Choice] = {}
+    for xs in ranks.values():
+        # What the rank's stages may hold beside its state and what they hold beside their blocks.
+        rank_state = sum(plan.stages[x].state_bytes for x in xs)
+        rank_held = sum(resident[x] + plan.stages[x].buffer_bytes for x in xs)
+        got = _rank_choices([planned[x] for x in xs], gpu_mem_bytes - rank_state - rank_held, mode,
+                            offload_bw_bytes_per_s)  # fmt: skip
         if got is None:
             return None
-        again = scale * _recomputed_outputs(got.plan, lo, mems, outputs[s])
-        if got.activation_bytes - got.unmade_grad_bytes + again > budget:
-            return None
+        chosen.update(zip(xs, got, strict=True))
+    for s, st in enumerate(plan.stages):
+        lo, hi = st.first_block, st.last_block + 1
+        got = chosen[s].choice
         remat.append(None if got.plan == no_remat(0, hi - lo) else StageRemat(tuple(positions[lo : hi + 1]), got.plan))
         messages = float(host.get("message_s", 0.0)) * (tensors[lo] + tensors[hi])
         sends = send_s(cuts[lo]) * (lo > 0) + send_s(cuts[hi]) * (hi < len(cuts) - 1)
-        held = _Held(again + resident[s], in_step[s], step[s])
-        stages.append(_stage_plan(st, chain, got, held, host, messages, sends))
+        held = _Held(chosen[s].again + resident[s], in_step[s], step[s])
+        stages.append(_stage_plan(st, planned[s].chain, got, held, host, messages, sends))
     return _with_stages(plan, stages, remat, send_s, cuts, stage_sync_s, host, ranks)
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """A stage's remat plan with the bytes its recomputation makes again of the outputs the stage holds (`again`,
+    `_recomputed_outputs`): the stage's blocks take `need` of their rank's free memory."""
+
+    choice: StageChoice
+    again: float
+
+    @property
+    def need(self) -> float:
+        return self.choice.activation_bytes - self.choice.unmade_grad_bytes + self.again
+
+
+@dataclass(frozen=True)
+class _StagePlanning:
+    """One stage's blocks as `refine_plan` plans them: its chain, micro-batches in flight, gradients made after its
+    peak (`stage_remat`'s `fresh_grad_bytes`), checkpointable units, and `recomputed(plan)` the unscaled bytes of its
+    held outputs that `plan` makes again (scaled by `scale`)."""
+
+    chain: RematChain
+    in_flight: int
+    fresh_grad_bytes: tuple[float, ...]
+    segments: tuple[tuple[int, int], ...]
+    recomputed: Callable[[RematPlan], float]
+    scale: float
+
+    def within(self, budget_bytes: float, mode: str, offload_bw_bytes_per_s: float | None) -> _Choice | None:
+        """The plan of `mode` within `budget_bytes` (`stage_remat`) that fits it with what it makes again."""
+        got = stage_remat(self.chain, budget_bytes, self.in_flight, mode=mode,
+                          offload_bw_bytes_per_s=offload_bw_bytes_per_s, fresh_grad_bytes=self.fresh_grad_bytes,
+                          segments=self.segments)  # fmt: skip
+        if got is None:
+            return None
+        choice = _Choice(got, self.scale * self.recomputed(got.plan))
+        return choice if choice.need <= budget_bytes else None
+
+    def least_need(self, offload_bw_bytes_per_s: float | None) -> float:
+        """What full recomputation needs, the less of checkpointing every block but the last and every block: each
+        micro-batch in flight holds its blocks' inputs, one runs its backward."""
+        n = len(self.chain)
+        return min(
+            _Choice(c, self.scale * self.recomputed(c.plan)).need
+            for plan in (full_remat(0, n), full_remat(0, n, last=True))
+            for c in [_replayed(self.chain, plan, self.in_flight, offload_bw_bytes_per_s, self.fresh_grad_bytes)]
+        )
+
+
+def _rank_choices(
+    stages: Sequence[_StagePlanning], free_bytes: float, mode: str, offload_bw_bytes_per_s: float | None
+) -> list[_Choice] | None:
+    """The plans of a rank's stages that fit together in its `free_bytes` (beside its state and what the stages hold
+    beside their blocks), or None.
+
+    Where the mode's plan does not depend on the budget (FIXED_PLAN_MODES) or the rank runs one stage, each stage's
+    plan within the whole, if their needs sum within it. Otherwise (two chunks of an interleaved schedule, which hold
+    different micro-batches in flight: 32 and 16 for Megatron-LM's 310.1B of SC21) the fastest of three (least
+    Σ stage time, the first on a tie): the free memory split evenly, split in proportion to each stage's least need
+    (full recomputation's, `least_need`: each then gets at least it when the rank can hold both), and each stage's
+    plan within the whole, if their needs sum within it."""
+
+    def within(budgets: Sequence[float]) -> list[_Choice] | None:
+        got = [x.within(b, mode, offload_bw_bytes_per_s) for x, b in zip(stages, budgets, strict=True)]
+        return [c for c in got if c is not None] if all(c is not None for c in got) else None
+
+    whole = within([free_bytes] * len(stages))
+    summed = whole if whole is not None and sum(c.need for c in whole) <= free_bytes else None
+    if len(stages) == 1 or mode in FIXED_PLAN_MODES:
+        return summed
+    least = [x.least_need(offload_bw_bytes_per_s) for x in stages]
+    options = [within([free_bytes / len(stages)] * len(stages))]
+    if sum(least) > 0:
+        options.append(within([free_bytes * n / sum(least) for n in least]))
+    options.append(summed)
+    fitting = [o for o in options if o is not None]
+    return min(fitting, key=lambda o: sum(c.choice.time_s for c in o), default=None)
 
 
 @dataclass(frozen=True)

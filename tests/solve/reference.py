@@ -208,6 +208,7 @@ class Evaluated:
     stage_time_s: tuple[float, ...]
     stage_state_bytes: tuple[float, ...]
     stage_act_bytes: tuple[float, ...]
+    stage_unmade_grad_bytes: tuple[float, ...]  # left out of a stage in fresh_grads
     overflow_bytes: float  # max over stages of need − limit; ≤ 0 when it fits
     pipeline_time_s: float
     bottleneck_s: float
@@ -234,11 +235,15 @@ def evaluate_partition(
     in_flight_per_stage: Sequence[int] = (),
     input_buffer_cuts: Sequence[int] = (),
     output_buffer_cuts: Sequence[int] = (),
+    grad_bytes: Sequence[float] = (),
+    fresh_grads: Sequence[bool] = (),
 ) -> Evaluated:
     """Stage times and memory of the stages [cuts[s], cuts[s+1]), computed directly from the definitions.
 
     Stage s holds `in_flight_per_stage[s]` micro-batches when given, else the schedule's rule, and when given
-    `input_buffer_cuts[s]` more tensors of its input cut and `output_buffer_cuts[s]` of its output cut.
+    `input_buffer_cuts[s]` more tensors of its input cut and `output_buffer_cuts[s]` of its output cut. A stage with
+    `fresh_grads[s]` makes its gradients (`grad_bytes`, part of the state) after its activations peak: its need
+    leaves out min(its gradients, in flight × its saved activations).
     """
     num_blocks, p = len(fwd_time_s), len(cuts) - 1
 
@@ -247,7 +252,7 @@ def evaluate_partition(
             return 0.0
         return p2p_time_s(cut_bytes[c], latency_s=latency_s, bw_bytes_per_s=bw_bytes_per_s)
 
-    times, states, acts, overflows = [], [], [], []
+    times, states, acts, unmade, overflows = [], [], [], [], []
     for s, (i, j) in enumerate(itertools.pairwise(cuts)):
         blocks = range(i, j)
         times.append(sum(fwd_time_s[k] + bwd_time_s[k] for k in blocks) + send_s(j) + send_s(i))
@@ -256,7 +261,10 @@ def evaluate_partition(
         )
         states.append(sum(state_bytes[k] for k in blocks))
         acts.append(in_flight * (sum(act_bytes[k] for k in blocks) + cut_bytes[i]))
-        need = states[-1] + acts[-1]
+        fresh = bool(fresh_grads) and fresh_grads[s] and bool(grad_bytes)
+        grads = sum(grad_bytes[k] for k in blocks) if fresh else 0.0
+        unmade.append(min(grads, in_flight * sum(act_bytes[k] for k in blocks)) if fresh else 0.0)
+        need = states[-1] + acts[-1] - unmade[-1]
         if input_buffer_cuts:
             need += input_buffer_cuts[s] * cut_bytes[i]
         if output_buffer_cuts:
@@ -267,6 +275,7 @@ def evaluate_partition(
         stage_time_s=tuple(times),
         stage_state_bytes=tuple(states),
         stage_act_bytes=tuple(acts),
+        stage_unmade_grad_bytes=tuple(unmade),
         overflow_bytes=max(overflows),
         pipeline_time_s=pipeline_time_s(times, num_microbatches),
         bottleneck_s=max(times),
@@ -299,6 +308,8 @@ def partition_brute_force(
     in_flight_per_stage: Sequence[int] = (),
     input_buffer_cuts: Sequence[int] = (),
     output_buffer_cuts: Sequence[int] = (),
+    grad_bytes: Sequence[float] = (),
+    fresh_grads: Sequence[bool] = (),
     only: Sequence[int] = (),
 ) -> BruteForce:
     """Evaluates every split of the L blocks into num_stages non-empty contiguous stages (or only the split `only`,
@@ -320,6 +331,8 @@ def partition_brute_force(
             in_flight_per_stage=in_flight_per_stage,
             input_buffer_cuts=input_buffer_cuts,
             output_buffer_cuts=output_buffer_cuts,
+            grad_bytes=grad_bytes,
+            fresh_grads=fresh_grads,
         )
         for inner in ([tuple(only[1:-1])] if only else itertools.combinations(range(1, num_blocks), num_stages - 1))
     ]

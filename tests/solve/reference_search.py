@@ -97,6 +97,7 @@ class Space:
     objective: str = "time"
     weight: float = 0.0
     fixed_cuts: Sequence[int] = ()  # the partition, from 0 to L: only configurations of that many stages
+    fresh_gradients: bool = False  # one replica frees its gradients every step (search.h step 3)
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,7 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config, tp: 
     cut = [chain.cut_per_sample_bytes[k] * c.b + chain.cut_fixed_bytes[k] for k in range(num_blocks + 1)]
     per_param = {"param_bytes": param_b, "grad_bytes": grad_b, "optim_bytes": optim_b}
     state = [sum(reference.zero_model_state_bytes(x, c.d, c.zero, **per_param)) for x in chain.params]
+    grads = [reference.zero_model_state_bytes(x, c.d, c.zero, **per_param)[1] for x in chain.params]
 
     # 3. The partition with the least closed-form time among those whose stages fit. In flight: the
     # partition's rule with one stage per rank, the simulated peak (it depends only on the order) with two.
@@ -252,6 +254,9 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config, tp: 
                for s in range(stages)]  # fmt: skip
     held_out = [gradients[s] + reference.warmup_send_held(c.schedule, c.m, stages, s) if s < stages - 1 else 0
                 for s in range(stages)]  # fmt: skip
+    # 3. One replica and one stage per rank: a stage that runs every forward before its first backward makes its
+    # gradients after its activations peak, and leaves out min(gradients, n·saved) (search.h).
+    fresh = [space.fresh_gradients and c.d == 1 and c.v == 1 and in_flight[s] == c.m for s in range(stages)]
     found = reference.partition_brute_force(
         fwd,
         bwd,
@@ -267,6 +272,8 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config, tp: 
         in_flight_per_stage=in_flight,
         input_buffer_cuts=held_in,
         output_buffer_cuts=held_out,
+        grad_bytes=grads,
+        fresh_grads=fresh,
         only=space.fixed_cuts,
     )
     if found.best_pipeline_time is None:
@@ -299,6 +306,8 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config, tp: 
         stage_state = sum(state[i] for i in blocks)
         rank_state[s % c.p] += stage_state
         rank_mem[s % c.p] += stage_state + in_flight[s] * (sum(act[i] for i in blocks) + cut[cuts[s]])
+        if fresh[s]:
+            rank_mem[s % c.p] -= min(sum(grads[i] for i in blocks), in_flight[s] * sum(act[i] for i in blocks))
         # 9. Receive buffers, the batch, the last input gradient, a kept send (above).
         rank_mem[s % c.p] += held_in[s] * cut[cuts[s]] + held_out[s] * cut[cuts[s + 1]]
     if max(rank_mem) > hw.gpu_mem_bytes:

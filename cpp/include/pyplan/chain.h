@@ -15,6 +15,9 @@ struct Chain {
     std::vector<double> act_bytes;    // [L] bytes block i saves for backward, per micro-batch
     std::vector<double> state_bytes;  // [L] weights + gradients + optimizer state of block i, after ZeRO sharding
     std::vector<double> cut_bytes;    // [L+1] bytes of every tensor live across cut c, per micro-batch
+    // [L] of state_bytes, block i's parameter gradients (each at most state_bytes[i]); empty: none. What a stage that
+    // makes its gradients again after its activations peak may leave out (partition.h's fresh_grads).
+    std::vector<double> grad_bytes;
 
     int num_blocks() const { return static_cast<int>(fwd_time_s.size()); }
 };

@@ -16,6 +16,14 @@
 //               mem_s also adds input_buffer_cuts[s]·cut_bytes[i] + output_buffer_cuts[s]·cut_bytes[j] when
 //               given (the runtime's receive buffers beyond the inputs in flight, the first stage's batch, kept
 //               gradients and sends); the sure/loose estimates below take both cuts (κ, or 0).
+//               A stage marked in fresh_grads makes its parameter gradients (Γ = Σ grad_bytes_k, part of the
+//               state) again after its activations peak: zero_grad freed them, and every micro-batch runs its
+//               forward before the stage's first backward. It holds at least every gradient (at the step) and at
+//               least its state less the gradients plus its saved activations (before the first backward), so
+//               mem_s leaves out min(Γ, n_s·A), with S and A the stage's Σ state_bytes_k and Σ act_bytes_k:
+//               mem_s = S + n_s·(A + cut_i) − min(Γ, n_s·A) + buffers = max(S, S − Γ + n_s·A) + n_s·cut_i +
+//               buffers, both terms sums of non-negative block terms as the estimates below need
+//               (pyplan/solve/remat_search.py's unmade_grad_bytes finds what the replay leaves out exactly).
 // Times are these floating-point expressions, evaluated the same way everywhere (bounds, candidates,
 // results), so that "t ≤ B" means one thing; memory is compared in the block-by-block sum above.
 //
@@ -32,9 +40,10 @@
 // cut_bytes[i] jump with i), but it lies between two intervals whose ends move only forward:
 //     loose(j) = least i with W[j] − W[i] ≤ B and S(i, j) + n·A(i, j) ≤ limit + ε      (necessary)
 //     sure(j)  = least i with W[j] − W[i] + 2σ ≤ B and S(i, j) + n·(A(i, j) + κ) ≤ limit − ε  (sufficient)
-// with S, A the prefix-sum state and activation bytes of [i, j), n = n_{s−1}, σ the largest send, κ the
-// largest cut and ε a bound on the rounding of prefix sums against the block-by-block sum (a range
-// within ε of the limit is summed block by block). Every term is a difference of non-decreasing prefix
+// with S, A the prefix-sum state and activation bytes of [i, j) (for a stage in fresh_grads, S + n·A stands for
+// max(S, K + n·A), K the prefix-sum state less gradients), n = n_{s−1}, σ the largest send, κ the largest cut
+// and ε a bound on the rounding of prefix sums against the block-by-block sum (a range within ε of the limit is
+// summed block by block). Every term is a difference of non-decreasing prefix
 // sums (rounding is monotone), so both conditions get harder as i falls or j grows: loose(j) ≤ sure(j)
 // are non-decreasing in j, and
 //     [sure(j), j)  ⊆  A_s(j)  ⊆  [loose(j), j).
@@ -114,6 +123,9 @@ struct PartitionOptions {
     // over (simulate.h's receive_buffers) and a kept send (warmup_send_held). Empty: none.
     std::vector<long long> input_buffer_cuts;
     std::vector<long long> output_buffer_cuts;
+    // [p] stage s makes its gradients (the chain's grad_bytes) after its activations peak: mem_s leaves out
+    // min(G, n_s·A) (above). Empty: no stage.
+    std::vector<bool> fresh_grads;
     // [p+1] a partition to evaluate instead of searching one: 0 = cuts[0] < ... < cuts[p] = L. Empty: search.
     std::vector<int> fixed_cuts;
 };
@@ -135,6 +147,7 @@ struct PartitionResult {
     std::vector<double> stage_time_s;        // [p] t_s
     std::vector<double> stage_state_bytes;   // [p] weights + gradients + optimizer state
     std::vector<double> stage_act_bytes;     // [p] in_flight × (saved activations + input cut)
+    std::vector<double> stage_unmade_grad_bytes;  // [p] what mem_s leaves out of state + activations (fresh_grads)
     std::vector<int> stage_in_flight;        // [p] micro-batches in flight
     double pipeline_time_s = 0.0;            // Σ t_s + (m−1)·max t_s of this partition
     double bottleneck_s = 0.0;               // max t_s
@@ -156,11 +169,17 @@ int in_flight_microbatches(InFlight rule, int stage, int num_stages, int num_mic
 // Throws std::invalid_argument unless m ≥ 1, 1 ≤ in_flight ≤ m and stage ≥ 0.
 int held_input_cuts(int num_microbatches, int in_flight, int stage);
 
+// What mem_s leaves out of a stage in fresh_grads: min(Γ, n·A), from its block-by-block sums of grad_bytes (Γ) and
+// act_bytes (A, without the input cut) and its n micro-batches in flight; its need is then
+// (S + n·(A + cut)) − this, plus its buffers, in that order wherever it is computed.
+double unmade_grad_bytes(double grad_bytes, int in_flight, double act_bytes);
+
 // The exact optimum. Throws std::invalid_argument on malformed input (array lengths, p outside [1, L],
 // m < 1, times and bytes outside [0, kMaxValue] or NaN, memory limits outside [0, kMaxValue] and not +∞, a link
 // latency outside [0, kMaxValue] or bandwidth below kMinBwBytesPerS (+∞: sends cost only the latency; limits.h),
 // in_flight_per_stage of the wrong length or outside [1, m], input_buffer_cuts or output_buffer_cuts of the wrong
-// length or outside [0, kMaxBytes]); an input that fits no partition returns feasible = false and a reason.
+// length or outside [0, kMaxBytes], fresh_grads of the wrong length, grad_bytes of the wrong length or outside
+// [0, state_bytes]); an input that fits no partition returns feasible = false and a reason.
 // Within those ranges every result is finite.
 PartitionResult partition(const Chain& chain, const PartitionOptions& options);
 

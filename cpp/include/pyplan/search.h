@@ -37,6 +37,12 @@
 //     order, given to the partition as its per-stage in-flight counts. The lower bounds below use the
 //     same n_s. With v = 2 the two stages of a rank share its memory: a candidate whose rank sum exceeds
 //     gpu_mem_bytes after partitioning is infeasible (not yet part of the partition itself).
+//     With fresh_gradients, a stage of one replica (d = 1, so ZeRO 0) and one stage per rank that runs every
+//     micro-batch's forward before its first backward (n_s = m: GPipe, and 1F1B where m = p − s) makes its
+//     parameter gradients again after its activations peak (zero_grad freed them; no DDP bucket holds them):
+//     its state and activations count min(gradients, n_s·saved bytes) less, what it holds at least before its
+//     first backward and at the step (partition.h's fresh_grads; stage_unmade_grad_bytes). A lower bound: the
+//     replay of the stage (pyplan/solve/remat_search.py's unmade_grad_bytes) finds what it leaves out exactly.
 //  4. Makespan: simulate() of the schedule's per-rank order with the stages' F = Σ f_i and B = Σ g_i and
 //     boundary sends p2p(pipeline link, cut bytes at b). The closed form the partition minimizes can
 //     undercut the simulation for uneven stages and sends (measured: up to 65 % for GPipe with uneven F/B,
@@ -47,7 +53,8 @@
 //     ZeRO-3 pays its collectives in step 1 instead.
 //  6. Optimizer step: optimizer_step_time_s(rank state, rank state, mem_bw_bytes_per_s), max over ranks.
 //  7. T = makespan + exposed sync + optimizer step (+ host step_s); C = d·p·price_per_gpu_s·T; throughput B/T;
-//     peak memory = max over ranks of Σ (state + activations) of its stages; bubble = Σ idle / (p·makespan).
+//     peak memory = max over ranks of Σ (state + activations − unmade gradients) of its stages;
+//     bubble = Σ idle / (p·makespan).
 //  8. Host costs (HostCosts, zero for catalog GPUs): F_s and B_s each gain stage_forward_s / stage_backward_s
 //     and message_s per tensor the stage receives or sends (cut_tensors at its input and output cuts); the
 //     partition is made on the profiled times (the per-stage constants shift every partition alike; the message
@@ -86,10 +93,10 @@
 //    bound, it is evaluated unless it can be skipped by then.
 //  - A candidate whose caps cannot hold W fits in no partition; it is evaluated only when nothing fits,
 //    to name the least memory needed (in order of a lower bound on that need, stopping early).
-//  - Partitions are shared by candidates with the same chain, m, in-flight counts (so stage count) and
-//    link. For ZeRO 0-2 (same times, less state the higher the stage) the partition of the loosest allowed
-//    stage is reused when its stages fit under the tighter one: it is then optimal there too (among
-//    partitions tied in the closed form, it may be another than a fresh partition would pick).
+//  - Partitions are shared by candidates with the same chain, m, in-flight counts (so stage count), stages
+//    with fresh gradients and link. For ZeRO 0-2 (same times, less state the higher the stage) the partition
+//    of the loosest allowed stage is reused when its stages fit under the tighter one: it is then optimal
+//    there too (among partitions tied in the closed form, it may be another than a fresh partition would pick).
 // Errors: invalid input (N outside [1, kMaxGpus], B ≤ 0, no d·b·m = B, unknown objective, malformed chain,
 // a time, size, count, price or bandwidth outside its range in limits.h — times in [0, kMaxSeconds], sizes and
 // counts in [0, kMaxBytes] (gpu_mem_bytes also +∞), bandwidths ≥ kMinBwBytesPerS or +∞, time_sizes ≥ 1,
@@ -176,6 +183,7 @@ struct SearchSpace {
     std::vector<Placement> placements = {Placement::kPipelineInner, Placement::kDataInner};
     bool allow_fewer_gpus = false;  // d·p < N allowed
     bool zero3_single_stage = false;  // ZeRO-3 only for one-stage 1F1B candidates (p·v = 1)
+    bool fresh_gradients = false;     // a replica frees its gradients every step (step 3)
     // Bytes per parameter ZeRO-3 all-gathers and reduce-scatters (mixed precision gathers 16-bit weights and
     // reduces fp32 gradients); 0: bytes_per_param's weights and gradients.
     double zero3_gather_bytes = 0.0;
@@ -205,6 +213,7 @@ struct Candidate {
     std::vector<double> stage_time_s;      // [p·v] F_s + B_s + sends of its input and output cuts
     std::vector<double> stage_state_bytes;
     std::vector<double> stage_act_bytes;   // [p·v] in flight × (saved + input cut bytes)
+    std::vector<double> stage_unmade_grad_bytes;  // [p·v] gradients its memory leaves out (step 3; 0 for most)
     std::vector<double> stage_buffer_bytes;  // [p·v] receive buffers beyond those in flight, batch (step 9)
     std::vector<int> stage_in_flight;
     std::vector<double> stage_sync_s;      // [p·v] gradient all-reduce (0 under ZeRO-3 or d = 1)
