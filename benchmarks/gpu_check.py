@@ -354,9 +354,8 @@ def check_gpu_tests(out: Path, device_name: str, deadline: float) -> str:
     with tempfile.TemporaryDirectory(prefix="pyplan-gpu-tests-") as tmp:
         junit = Path(tmp) / "junit.xml"
         # Only the files that hold gpu tests are collected: the rest may import what a GPU host lacks (OR-Tools).
-        files = sorted(
-            str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if "mark.gpu" in p.read_text()
-        )
+        # Whole paths: the script may run from any folder.
+        files = sorted(str(p) for p in (ROOT / "tests").rglob("test_*.py") if "mark.gpu" in p.read_text())
         cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
         cmd += files
         done = _run(cmd, deadline - time.time())

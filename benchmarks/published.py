@@ -173,7 +173,7 @@ class Run:
     precision: str = "bf16-mixed"
     mfu_step: float = 0.0  # the published MFU's rounding step (0.01: whole percents), allowed in the check
     schedule: str = ""  # pyplan's name for the run's pipeline schedule; set: the whole layout is pinned in the search
-    chunks: int = 1  # model chunks a pipeline rank holds (interleaved); pyplan plans 1, or 2 interleaved
+    chunks: int = 1  # model chunks (stages) a pipeline rank holds, 2 or more interleaved; pinned in the search
     sequence_parallel: bool = True  # beside tp: the values between the split layers sliced by tokens
     detail: str = ""  # the row's own note, after `note` (which rows of one source may share)
     ep: int = 1  # the run's expert-parallel degree (carved out of dp)
@@ -189,10 +189,7 @@ class Run:
 
     @property
     def schedules(self) -> tuple[str, ...]:
-        """The schedules planned for the run's: its own, or for Megatron's interleaving of 3 or more chunks a rank,
-        which pyplan does not plan, its two nearest (1 chunk, and 2 interleaved), of which the faster plan is read."""
-        if self.chunks > 2:
-            return ("1F1B", "Interleaved1F1B")
+        """The schedules planned for the run's: its own (with its chunks a rank, `chunks`)."""
         return (self.schedule,) if self.schedule else ()
 
     @property
@@ -296,8 +293,7 @@ def _sc21(size: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpu
     dp = gpus // (tp * pp)
     overlap = "gradient all-reduce overlapped with the backward (torch DDP)" if ddp == "torch" else (
         "gradients all-reduced after the backward (local DDP)")  # fmt: skip
-    chunked = f"interleaved, {chunks} chunks a rank (planned: the faster of 1F1B and 2 chunks)" if chunks > 2 else (
-        "interleaved, 2 chunks a rank" if chunks == 2 else "")  # fmt: skip
+    chunked = f"interleaved, {chunks} chunks a rank" if chunks > 1 else ""
     return Run(
         f"megatron-{size.lower()}-sc21" + ("" if table == "Table 1" else f"-{gpus}"),
         "SC21", table, f"GPT {size} (Megatron)", MEGATRON_GPT.format(h=hidden, l=layers, a=heads),
@@ -320,7 +316,7 @@ def _korth(size: str, heads: int, hidden: int, layers: int, pp: int, gpus: int, 
     tp = 8
     dp = gpus // (tp * pp)
     full = recompute == "full"
-    chunked = f"interleaved, {chunks} chunks a rank (planned: the faster of 1F1B and 2 chunks)" if chunks > 2 else ""
+    chunked = f"interleaved, {chunks} chunks a rank" if chunks > 1 else ""
     what = "every layer recomputed, no sequence parallelism" if full else (
         "sequence parallelism + selective recomputation (fused attention, no remat in pyplan)")  # fmt: skip
     return Run(
@@ -585,7 +581,7 @@ MOE_ROWS: tuple[Run, ...] = (
         4096, "h100-sxm", 64, 1, 16, 256, 4096, "none", 438e12 / MIXTRAL_FLOPS, peak_flops=H100_BF16,
         flops_per_token=MIXTRAL_FLOPS, zero_stage=0, dp=16, ep=8, num_experts=8, schedule="Interleaved1F1B",
         chunks=8, note=MOE_NOTE,
-        detail="438 teraFLOP/s per GPU; interleaved, 8 chunks a rank (planned: the faster of 1F1B and 2 chunks); "
+        detail="438 teraFLOP/s per GPU; interleaved, 8 chunks a rank; "
         "recomputation not stated (planned without); dropless all-to-all dispatch, routing as trained"),
     *(_moe_unplanned(m) for m in MOE_RUNS if m.name != "megatron-mixtral-8x7b-h100-64"),
 )  # fmt: skip
@@ -636,7 +632,7 @@ def plan_run(run: Run, zero_stage: int, *, memory_scale: float = 1.0) -> dict[st
     # refines that layout alone instead of every layout of the cluster.
     pins: dict[str, Any] = (
         dict(data_parallel=(run.replicas,), pipeline_ranks=(pp,), num_microbatches=(run.grad_accum,),
-             schedules=run.schedules)
+             schedules=run.schedules, stages_per_rank=(run.chunks,))
         if run.schedule else {}
     )  # fmt: skip
     if run.num_experts:

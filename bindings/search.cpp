@@ -85,6 +85,8 @@ void bind_search(py::module_& m) {
                                })
         .def_readonly("top", &SearchResult::top)
         .def_readonly("pareto", &SearchResult::pareto)
+        .def_readonly("top_two_chunks", &SearchResult::top_two_chunks)
+        .def_readonly("pareto_two_chunks", &SearchResult::pareto_two_chunks)
         .def_readonly("num_candidates", &SearchResult::num_candidates)
         .def_readonly("num_evaluated", &SearchResult::num_evaluated)
         .def_readonly("num_pruned", &SearchResult::num_pruned)
@@ -112,7 +114,7 @@ void bind_search(py::module_& m) {
            double zero3_reduce_bytes, const std::vector<std::int64_t>& data_parallel,
            const std::vector<std::int64_t>& pipeline_ranks,
            const std::vector<std::int64_t>& num_microbatches, const std::vector<std::int64_t>& fixed_cuts,
-           bool fresh_gradients) {
+           bool fresh_gradients, const std::vector<std::int64_t>& stages_per_rank, bool two_chunks_apart) {
             pyplan::ProfiledChain chain{std::move(fwd_alpha_s),     std::move(fwd_beta_s),
                                               std::move(bwd_alpha_s),     std::move(bwd_beta_s),
                                               std::move(act_per_sample_bytes), std::move(act_fixed_bytes),
@@ -156,6 +158,8 @@ void bind_search(py::module_& m) {
             space.fixed_cuts = to_ints(fixed_cuts, "fixed_cuts", 0, kIntMax);
             space.schedules.clear();
             for (const auto& name : schedules) space.schedules.push_back(to_schedule(name));
+            space.stages_per_rank = to_ints(stages_per_rank, "stages_per_rank", 1, kIntMax);
+            space.two_chunks_apart = two_chunks_apart;
             space.zero_stages = to_ints(zero_stages, "zero_stages", 0, 3);
             space.placements.clear();
             for (const auto& name : placements) space.placements.push_back(pyplan::placement_from_name(name));
@@ -190,7 +194,8 @@ void bind_search(py::module_& m) {
         py::arg("zero3_gather_bytes") = 0.0, py::arg("zero3_reduce_bytes") = 0.0,
         py::arg("data_parallel") = std::vector<std::int64_t>{}, py::arg("pipeline_ranks") = std::vector<std::int64_t>{},
         py::arg("num_microbatches") = std::vector<std::int64_t>{}, py::arg("fixed_cuts") = std::vector<std::int64_t>{},
-        py::arg("fresh_gradients") = false,
+        py::arg("fresh_gradients") = false, py::arg("stages_per_rank") = std::vector<std::int64_t>{1, 2, 3, 4},
+        py::arg("two_chunks_apart") = false,
         "Searches data parallelism x pipeline stages x micro-batch size x schedule x ZeRO stage x placement\n"
         "for a chain profiled as t(b) = alpha*b + beta per block, or, with time_sizes (K ascending sizes), as\n"
         "the line between the neighbouring points fwd/bwd_points_s[i*K + k] (see cpp/include/pyplan/search.h for the\n"
@@ -199,7 +204,9 @@ void bind_search(py::module_& m) {
         "Optional: param_tensors (L) and cut_tensors (L+1) counts, intra/inter_collective (latency_s, bw) links\n"
         "for collectives, host: HostCosts fields by name (search.h); fresh_gradients: one replica frees its\n"
         "gradients every step, so a stage that runs every forward before its first backward counts those not\n"
-        "yet made at its peak out (search.h step 3).\n"
+        "yet made at its peak out (search.h step 3); stages_per_rank: the allowed v (1: GPipe, 1F1B; 2 or more:\n"
+        "the interleaved schedules); two_chunks_apart: also top_two_chunks and pareto_two_chunks, the top and\n"
+        "frontier of the candidates of at most 2 stages per rank.\n"
         "objective: 'time', 'cost' or 'weighted' (cost + weight * time). Times in [0, 1e9] s, sizes and counts\n"
         "in [0, 1e18], bandwidths >= 1e-3 or inf, num_gpus <= 2^20 (cpp/include/pyplan/limits.h). Raises\n"
         "ValueError on invalid input; returns feasible=False with a reason when no plan fits in memory.");

@@ -25,6 +25,7 @@ from pyplan.plan import (
 )
 from pyplan.planner import (
     SEARCHED_SCHEDULES,
+    STAGES_PER_RANK,
     Searcher,
     frontier,
     infeasible_reason,
@@ -39,7 +40,16 @@ from pyplan.solve.remat_search import (
     REMAT_MODES,
 )
 
-__all__ = ["SEARCHED_SCHEDULES", "PlanSearch", "add_loss", "chain_for", "memory_per_process", "plan", "search"]
+__all__ = [
+    "SEARCHED_SCHEDULES",
+    "STAGES_PER_RANK",
+    "PlanSearch",
+    "add_loss",
+    "chain_for",
+    "memory_per_process",
+    "plan",
+    "search",
+]
 
 
 def search(
@@ -68,6 +78,7 @@ def search(
     data_parallel: Sequence[int] = (),
     pipeline_ranks: Sequence[int] = (),
     num_microbatches: Sequence[int] = (),
+    stages_per_rank: Sequence[int] = STAGES_PER_RANK,
     stage_cuts: Sequence[int] = (),
     tensor_parallel: Sequence[int] = (1,),
     tp_plan: Mapping[str, str] | None = None,
@@ -90,6 +101,8 @@ def search(
     layers. `data_parallel`, `pipeline_ranks`,
     `num_microbatches` (gradient-accumulation steps), like `micro_batch_sizes`, `schedules` and `zero_stages`,
     restrict the search to the values given (empty: any): pins, for "what does this configuration cost";
+    `stages_per_rank` lists the stages (model chunks) a pipeline rank may hold, 1 under GPipe and 1F1B, 2 or more
+    under the interleaved schedules (stage s on rank s mod pp, Megatron-LM's virtual pipeline stages);
     `stage_cuts` pins the partition, the blocks (numbered from 0, as `pyplan inspect` lists them) at which stages
     2, 3, ... start, so that only pipelines of that many stages are planned, cut there.
     `tensor_parallel` lists the degrees of tensor parallelism to plan (1: none; each must divide the GPUs of a
@@ -118,7 +131,7 @@ def search(
     examples = Examples(example_inputs)
     _check_options(objective, remat, offload, memory_fraction, zero_stages, schedules,
                    data_parallel=data_parallel, pipeline_ranks=pipeline_ranks, num_microbatches=num_microbatches,
-                   micro_batch_sizes=micro_batch_sizes, stage_cuts=stage_cuts,
+                   micro_batch_sizes=micro_batch_sizes, stage_cuts=stage_cuts, stages_per_rank=stages_per_rank,
                    tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)  # fmt: skip
     zero_stages = _master_zero_stages(workload, zero_stages)
     profiled_on = "given chain"
@@ -136,6 +149,7 @@ def search(
     # The candidate space as the C++ search takes it: the pins, and what ranks the candidates.
     pins = dict(micro_batch_sizes=list(micro_batch_sizes), data_parallel=list(data_parallel),
                 pipeline_ranks=list(pipeline_ranks), num_microbatches=list(num_microbatches), schedules=list(schedules),
+                stages_per_rank=list(stages_per_rank),
                 zero_stages=list(zero_stages), placements=list(placements), allow_fewer_gpus=allow_fewer_gpus,
                 objective=objective, weight=weight, fixed_cuts=fixed_cuts)  # fmt: skip
     how = Searcher(model, examples, workload, objective, memory_fraction, pins, max(4 * top_k, 20), remat, offload,
@@ -217,6 +231,15 @@ def _check_options(
     unknown = [s for s in schedules if s not in SEARCHED_SCHEDULES]
     if unknown:
         raise PlanError(f"schedule '{unknown[0]}' is not searched; choose from {', '.join(SEARCHED_SCHEDULES)}")
+    chunks = list(pins.get("stages_per_rank", STAGES_PER_RANK))
+    if not chunks:
+        raise PlanError("stages_per_rank is empty: give 1 (GPipe, 1F1B) or 2 or more (the interleaved schedules)")
+    single = {"GPipe", "1F1B"}
+    if not any((1 in chunks) if s in single else any(v > 1 for v in chunks) for s in schedules):
+        raise PlanError(
+            f"no schedule asked for runs {', '.join(map(str, chunks))} stage(s) per rank: GPipe and 1F1B run 1, "
+            f"the interleaved schedules 2 or more (asked for {', '.join(schedules)})"
+        )
 
 
 def _master_zero_stages(workload: Workload, zero_stages: Sequence[int]) -> list[int]:

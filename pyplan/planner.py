@@ -69,10 +69,12 @@ __all__ = [
     "EP_PLACEMENTS",
     "EP_ZERO_STAGES",
     "SEARCHED_SCHEDULES",
+    "STAGES_PER_RANK",
     "TIE",
     "TP_ZERO_STAGES",
     "Found",
     "Refiner",
+    "Searched",
     "Searcher",
     "Space",
     "frontier",
@@ -93,6 +95,9 @@ __all__ = [
 TP_ZERO_STAGES = (0, 1, 3)
 # The schedules the search evaluates; the zero-bubble ones need split input/weight-gradient times first.
 SEARCHED_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+# The stages (model chunks) a pipeline rank may hold: 1 under GPipe and 1F1B, 2 or more under the interleaved schedules
+# (Megatron-LM's published layouts run 3; each v more costs the search little, benchmarks/PLAN_SPEED.md).
+STAGES_PER_RANK = (1, 2, 3, 4)
 # Beside expert parallelism: ZeRO 0, what the runtime runs it with (ZeroRedundancyOptimizer and FSDP2 would shard the
 # experts as if every replica held the same ones, pyplan/runtime/experts.py `expert_refusal`); and the replicas of a
 # stage on neighbouring ranks, so that an expert-parallel group spans the nodes it is priced on
@@ -581,6 +586,31 @@ def _needs(p: Plan, space: Space, degrees: tuple[int, int], memory_fraction: flo
 
 
 @dataclass(frozen=True)
+class Searched:
+    """A C++ search result with its candidates of at most 2 stages per rank kept apart (`Space.run`), as the planner
+    reads it: those candidates first, then the overall top and frontier."""
+
+    feasible: bool
+    top: tuple[Any, ...]
+    pareto: tuple[Any, ...]
+    num_candidates: int
+    num_evaluated: int
+    reason: str
+
+    @staticmethod
+    def of(result: Any) -> Searched:
+        """`result`, searched with `two_chunks_apart`."""
+        return Searched(
+            feasible=result.feasible,
+            top=(*result.top_two_chunks, *result.top),
+            pareto=(*result.pareto_two_chunks, *result.pareto),
+            num_candidates=result.num_candidates,
+            num_evaluated=result.num_evaluated,
+            reason=result.reason,
+        )
+
+
+@dataclass(frozen=True)
 class Space:
     """The search's fixed inputs: the chain's per-block figures, the cluster's links and memory, the workload's
     bytes per parameter and price, as the C++ search (`_core.search`) takes them."""
@@ -634,7 +664,19 @@ class Space:
     def run(self, pins: dict[str, Any], top: int, memory: RematProfile | None = None, share: float = 0.0) -> Any:
         """The C++ search over the candidates `pins` allow, its `top` best: with every block's activations kept,
         or with `memory` relaxed by recomputation (`relaxed_chain` at `share`, each block's backward also running
-        its forward again)."""
+        its forward again).
+
+        Where more than 2 stages per rank are allowed beside 1 or 2, the search also keeps the top and frontier of the
+        candidates of at most 2 (`two_chunks_apart`), and the candidates of both are refined (`Searched`): the
+        refinement reorders candidates (ZeRO-3's units, recomputation), so a plan of more stages per rank in the top
+        list could push out one that refines to the best plan. The candidates of at most 2 are those refined before
+        more stages per rank were searched, so a plan changes only where more refine to a better one."""
+        chunks = list(pins.get("stages_per_rank", STAGES_PER_RANK))
+        if all(v <= 2 for v in chunks) or all(v > 2 for v in chunks):
+            return self._run(pins, top, memory, share)
+        return Searched.of(self._run({**pins, "two_chunks_apart": True}, top, memory, share))
+
+    def _run(self, pins: dict[str, Any], top: int, memory: RematProfile | None, share: float) -> Any:
         blocks, scale = self.chain.blocks, self.scale
         fwd_a = [b.fwd_time_s.per_sample for b in blocks]
         fwd_b = [b.fwd_time_s.fixed for b in blocks]

@@ -333,7 +333,8 @@ def _interleaved(remat: str, memory_bytes: float) -> Plan | None:
     """`_two_gpus` as 4 stages of Interleaved1F1B, 4 micro-batches of 64: rank 0 runs the chunks holding 4 and 2
     micro-batches in flight, rank 1 those holding 3 and 1; None where it does not fit."""
     model, inputs, cluster, workload, chain = _two_gpus()
-    pins = dict(micro_batch_sizes=[64], pipeline_ranks=[2], schedules=["Interleaved1F1B"], data_parallel=[1])
+    pins = dict(micro_batch_sizes=[64], pipeline_ranks=[2], schedules=["Interleaved1F1B"], data_parallel=[1],
+                stages_per_rank=[2])  # fmt: skip
     try:
         found = search(model, inputs, cluster, workload, chain=chain, remat=remat, **pins,
                        memory_fraction=memory_bytes / cluster.gpu.memory_bytes)  # fmt: skip

@@ -36,8 +36,16 @@ std::string join(const std::vector<int>& values) {
     return out;
 }
 
-int stages_per_rank_of(Schedule schedule) {
-    return schedule == Schedule::GPipe || schedule == Schedule::OneFOneB ? 1 : 2;
+// The allowed stages per rank that `schedule` runs, increasing: 1 for GPipe and 1F1B, 2 or more for the
+// interleaved schedules (search.h's enumeration).
+std::vector<int> stages_per_rank_of(Schedule schedule, const std::vector<int>& allowed) {
+    const bool single = schedule == Schedule::GPipe || schedule == Schedule::OneFOneB;
+    std::vector<int> out;
+    for (int v : allowed) {
+        if ((v == 1) == single && std::find(out.begin(), out.end(), v) == out.end()) out.push_back(v);
+    }
+    std::sort(out.begin(), out.end());
+    return out;
 }
 
 // ---- validation ----------------------------------------------------------------------------------
@@ -137,6 +145,10 @@ void validate(const ProfiledChain& c, const Hardware& hw, const SearchSpace& spa
                  "with DDP/FSDP2 on torch 2.13");
         }
     }
+    if (space.stages_per_rank.empty()) fail("no stages per rank to search");
+    for (int v : space.stages_per_rank) {
+        if (v < 1) fail("stages per rank must be >= 1, got " + std::to_string(v));
+    }
     if (space.zero_stages.empty()) fail("no ZeRO stage to search");
     for (int z : space.zero_stages) {
         if (z < 0 || z > 3) fail("ZeRO stages are 0, 1, 2 or 3, got " + std::to_string(z));
@@ -157,7 +169,7 @@ struct Layout {
 Layout layout_of(int d, int p, int v, int g, Placement placement) {
     auto gpu = [&](int k, int r) { return placement == Placement::kPipelineInner ? k * p + r : r * d + k; };
     Layout out;
-    // Boundaries join pipeline ranks r and r+1, and with v = 2 also p−1 and 0.
+    // Boundaries join pipeline ranks r and r+1, and with v ≥ 2 also p−1 and 0.
     for (int k = 0; k < d && !out.pipeline_inter; ++k) {
         for (int r = 0; r + 1 < p; ++r) out.pipeline_inter |= gpu(k, r) / g != gpu(k, r + 1) / g;
         if (v > 1 && p > 1) out.pipeline_inter |= gpu(k, p - 1) / g != gpu(k, 0) / g;
@@ -270,8 +282,13 @@ private:
     std::vector<bool> fresh_of(const Config& config);
     const HeldCuts& held_cuts_of(const Config& config);
     void evaluate(const Config& config);
+    // A candidate's top and frontier lists: the overall ones, and with two_chunks_apart those of at most 2 stages per
+    // rank.
+    using Ranked = std::vector<std::pair<Candidate, long long>>;
     void offer(Candidate candidate, long long index);
-    bool prunable(int num_gpus, double bound_time_s) const;
+    void offer_to(Ranked& top, Ranked& pareto, std::pair<Candidate, long long> entry) const;
+    bool prunable(int num_gpus, int v, double bound_time_s) const;
+    bool beaten(const Ranked& top, const Ranked& pareto, int num_gpus, double bound_time_s) const;
     void infeasible(const Config& config, double need_bytes, const std::string& where, bool exact = true);
 
     const ProfiledChain& chain_;
@@ -303,11 +320,12 @@ private:
     std::map<std::tuple<const Chain*, int, int, int, int, double, bool>, double> tightened_;
 
     SearchResult result_;
-    std::vector<std::pair<Candidate, long long>> top_;     // best first, with enumeration index
-    std::vector<std::pair<Candidate, long long>> pareto_;  // by increasing time
+    Ranked top_;     // best first, with enumeration index
+    Ranked pareto_;  // by increasing time
+    Ranked top_two_, pareto_two_;  // the same of the candidates of at most 2 stages per rank (two_chunks_apart)
     double least_need_bytes_ = kInf;
     std::string least_need_text_;
-    double least_bound_bytes_ = kInf;  // lower bounds on needs (two stages per rank), used when no need is exact
+    double least_bound_bytes_ = kInf;  // lower bounds on needs (several stages per rank), used when no need is exact
     std::string least_bound_text_;
     long long too_long_ = 0;  // candidates left out: more than kMaxStageMicrobatches stages × micro-batches
 };
@@ -342,40 +360,53 @@ std::vector<Config> Searcher::enumerate() {
     std::vector<Config> configs;
     std::vector<int> degrees;  // the data-parallel degrees some pipeline depth allows
     bool any_batch = false;
-    // Every schedule torch builds for (p, m), every ZeRO stage and placement, deduplicated (search.h).
+    // The allowed v of each schedule, and the most any has.
+    std::map<int, std::vector<int>> schedule_v;
+    std::size_t most_v = 0;
+    for (Schedule schedule : space_.schedules) {
+        schedule_v[static_cast<int>(schedule)] = stages_per_rank_of(schedule, space_.stages_per_rank);
+        most_v = std::max(most_v, schedule_v[static_cast<int>(schedule)].size());
+    }
+    // Every schedule torch builds for (p, m, v), every ZeRO stage and placement, deduplicated (search.h).
     auto allowed = [](const std::vector<int>& pins, int x) {
         return pins.empty() || std::find(pins.begin(), pins.end(), x) != pins.end();
     };
-    auto add = [&](int d, int p, int b, int m) {
-        if (!allowed(space_.pipeline_ranks, p) || !allowed(space_.num_microbatches, m)) return;
-        for (Schedule schedule : space_.schedules) {
-            const int v = stages_per_rank_of(schedule);
-            if (p * v > L_ || (v > 1 && p < 2) || !torch_rejection(schedule, p, m, v).empty()) continue;
-            if (!space_.fixed_cuts.empty() && static_cast<std::size_t>(p * v) + 1 != space_.fixed_cuts.size()) continue;
-            if (static_cast<long long>(p) * v > kMaxStageMicrobatches / m) {  // S·m > the cap, without the product
-                ++too_long_;
+    auto add_schedule = [&](int d, int p, int b, int m, Schedule schedule, int v) {
+        if (p * v > L_ || (v > 1 && p < 2) || !torch_rejection(schedule, p, m, v).empty()) return;
+        if (!space_.fixed_cuts.empty() && static_cast<std::size_t>(p * v) + 1 != space_.fixed_cuts.size()) return;
+        if (static_cast<long long>(p) * v > kMaxStageMicrobatches / m) {  // S·m > the cap, without the product
+            ++too_long_;
+            return;
+        }
+        const std::size_t zeros = d == 1 ? 1 : space_.zero_stages.size();
+        const std::size_t placements = d == 1 || p == 1 ? 1 : space_.placements.size();
+        for (std::size_t z = 0; z < zeros; ++z) {
+            if (d > 1 && space_.zero_stages[z] == 3 && space_.zero3_single_stage &&
+                (p * v > 1 || schedule != Schedule::OneFOneB)) {
                 continue;
             }
-            const std::size_t zeros = d == 1 ? 1 : space_.zero_stages.size();
-            const std::size_t placements = d == 1 || p == 1 ? 1 : space_.placements.size();
-            for (std::size_t z = 0; z < zeros; ++z) {
-                if (d > 1 && space_.zero_stages[z] == 3 && space_.zero3_single_stage &&
-                    (p * v > 1 || schedule != Schedule::OneFOneB)) {
-                    continue;
-                }
-                for (std::size_t k = 0; k < placements; ++k) {
-                    Config c;
-                    c.d = d;
-                    c.p = p;
-                    c.v = v;
-                    c.b = b;
-                    c.m = m;
-                    c.schedule = schedule;
-                    c.zero = d == 1 ? 0 : space_.zero_stages[z];
-                    c.placement = space_.placements[k];
-                    c.index = static_cast<long long>(configs.size());
-                    configs.push_back(c);
-                }
+            for (std::size_t k = 0; k < placements; ++k) {
+                Config c;
+                c.d = d;
+                c.p = p;
+                c.v = v;
+                c.b = b;
+                c.m = m;
+                c.schedule = schedule;
+                c.zero = d == 1 ? 0 : space_.zero_stages[z];
+                c.placement = space_.placements[k];
+                c.index = static_cast<long long>(configs.size());
+                configs.push_back(c);
+            }
+        }
+    };
+    auto add = [&](int d, int p, int b, int m) {
+        if (!allowed(space_.pipeline_ranks, p) || !allowed(space_.num_microbatches, m)) return;
+        // Pass k takes each schedule at its k-th allowed v (search.h).
+        for (std::size_t pass = 0; pass < most_v; ++pass) {
+            for (Schedule schedule : space_.schedules) {
+                const std::vector<int>& vs = schedule_v[static_cast<int>(schedule)];
+                if (pass < vs.size()) add_schedule(d, p, b, m, schedule, vs[pass]);
             }
         }
     };
@@ -448,7 +479,7 @@ double max_stage_work_s(const Chain& chain, int in_flight, bool fresh, double li
 // Least V = max_s (m·w_s + Σ_{r<s} (w_r + 2σ)) over stage works 0 ≤ w_s ≤ cap_s with Σ w_s = W, σ the
 // least boundary send. Stage s starts after micro-batch 0's forwards (and sends) through the stages before
 // it, its rank works m·w_s on it, and the backward of its last action must still pass back through them,
-// so V bounds the makespan of every searched schedule (with v = 2 a rank also works on its other stage,
+// so V bounds the makespan of every searched schedule (with v ≥ 2 a rank also works on its other stages,
 // which only adds). For a given V, taking w_s = min(cap_s, (V − Σ_{r<s} (w_r + 2σ))/m) in order covers
 // the most work (none once the budget V is spent); bisection finds the least V that covers W and returns
 // its low end (a lower bound). Infinite when the caps cannot cover W.
@@ -561,7 +592,7 @@ double Searcher::capped_makespan_s(const Config& c, const Chain& chain, const st
     return least_pipeline_makespan_s(cap, c.m, c.work_s, c.least_send_s);
 }
 
-// With two stages per rank, bound() caps the stages at one micro-batch in flight; this uses their counts.
+// With several stages per rank, bound() caps the stages at one micro-batch in flight; this uses their counts.
 void Searcher::cap_exactly(Config& c) {
     const Chain& chain = chain_for(c, layout(c.d, c.p, c.v, c.placement));
     raise_makespan_bound(c, capped_makespan_s(c, chain, in_flight_of(c), fresh_of(c)));
@@ -631,7 +662,7 @@ void Searcher::bound(Config& c) {
     c.need_bound_bytes = std::max(block_need, held_bytes(state, sums.keep, act, least_in_flight, relieved) / S);
 
     // Makespan: micro-batch 0's dependency chain, the busiest rank, and the pipeline bound above with the
-    // stages' memory caps; with two stages per rank, at one micro-batch in flight each (a lower bound that
+    // stages' memory caps; with several stages per rank, at one micro-batch in flight each (a lower bound that
     // needs no schedule order; cap_exactly refines it for the candidates it does not skip).
     const Link& link = lay.pipeline_inter ? hw_.inter : hw_.intra;
     // A transfer takes longer the more bytes it moves: the least send is the smallest cut's.
@@ -812,7 +843,7 @@ const RankOrder& Searcher::order_for(Schedule schedule, int p, int m, int v) {
     return it->second;
 }
 
-// n_s of step 3: GPipe m and 1F1B min(m, p−s) (partition.h's rules); with two stages per rank the peak
+// n_s of step 3: GPipe m and 1F1B min(m, p−s) (partition.h's rules); with several stages per rank the peak
 // simulate() reports. It depends only on the order: the F and B of a stage run on one rank, one at a
 // time, so walking each rank's order and counting, as simulate() counts its events in rank order, gives
 // it without timing anything.
@@ -878,7 +909,9 @@ const HeldCuts& Searcher::held_cuts_of(const Config& c) {
 }
 
 std::string describe(const Config& c) {
-    std::string text = "dp=" + std::to_string(c.d) + ", pp=" + std::to_string(c.p) + ", b=" + std::to_string(c.b) +
+    // v is named where it is not the schedule's first (1, or 2 interleaved).
+    std::string text = "dp=" + std::to_string(c.d) + ", pp=" + std::to_string(c.p) +
+                       (c.v > 2 ? ", v=" + std::to_string(c.v) : std::string()) + ", b=" + std::to_string(c.b) +
                        ", m=" + std::to_string(c.m) + ", " + schedule_name(c.schedule) + ", ZeRO-" +
                        std::to_string(c.zero);
     if (c.d > 1 && c.p > 1) text += std::string(", ") + placement_name(c.placement);
@@ -901,7 +934,7 @@ void Searcher::evaluate(const Config& c) {
     const PartitionResult& part = partition_for(c, lay, chain);
     if (!part.feasible) {
         ++result_.num_evaluated;
-        // With two stages per rank the partition's stage limits are necessary, not sufficient (the rank holds
+        // With several stages per rank the partition's stage limits are necessary, not sufficient (the rank holds
         // both): its overflow is a lower bound on the candidate's need, named only when no exact need is known.
         infeasible(c, part.overflow.need_bytes, "stage " + std::to_string(part.overflow.stage), c.v == 1);
         return;
@@ -982,7 +1015,7 @@ void Searcher::evaluate(const Config& c) {
     // already cannot make the top-k or the frontier.
     makespan_bound_s = std::max(makespan_bound_s, *std::max_element(rank_work_s.begin(), rank_work_s.end()));
     const double rest_s = cand.exposed_sync_s + cand.optimizer_s + cand.host_step_s;
-    if (prunable(c.d * c.p, (makespan_bound_s + rest_s) * (1.0 - 1e-9))) return;
+    if (prunable(c.d * c.p, c.v, (makespan_bound_s + rest_s) * (1.0 - 1e-9))) return;
 
     // 4. The simulated makespan; activation memory with the in-flight micro-batches.
     ++result_.num_evaluated;
@@ -1056,11 +1089,16 @@ bool dominates(const std::pair<Candidate, long long>& a, const std::pair<Candida
 
 // A plan of `num_gpus` GPUs no faster than `bound_time_s` can join neither the top-k (its objective is
 // worse than the k-th) nor the frontier (a point found beats it in time or cost and ties the other).
-bool Searcher::prunable(int num_gpus, double bound_time_s) const {
+bool Searcher::prunable(int num_gpus, int v, double bound_time_s) const {
+    if (!beaten(top_, pareto_, num_gpus, bound_time_s)) return false;
+    return !(space_.two_chunks_apart && v <= 2) || beaten(top_two_, pareto_two_, num_gpus, bound_time_s);
+}
+
+bool Searcher::beaten(const Ranked& top, const Ranked& pareto, int num_gpus, double bound_time_s) const {
     const double objective = objective_of(space_, hw_, num_gpus, bound_time_s);
-    if (static_cast<int>(top_.size()) < space_.top_k || !(objective > top_.back().first.objective)) return false;
+    if (static_cast<int>(top.size()) < space_.top_k || !(objective > top.back().first.objective)) return false;
     const double cost = num_gpus * hw_.price_per_gpu_s * bound_time_s;
-    for (const auto& entry : pareto_) {
+    for (const auto& entry : pareto) {
         const double tp = entry.first.iteration_s, cp = entry.first.cost_per_iteration;
         if (tp <= bound_time_s && cp <= cost && (tp < bound_time_s || cp < cost)) return true;
     }
@@ -1068,29 +1106,33 @@ bool Searcher::prunable(int num_gpus, double bound_time_s) const {
 }
 
 void Searcher::offer(Candidate candidate, long long index) {
-    std::pair<Candidate, long long> entry{std::move(candidate), index};
-    const bool joins_top = static_cast<int>(top_.size()) < space_.top_k || better(entry, top_.back());
+    if (space_.two_chunks_apart && candidate.stages_per_rank <= 2) offer_to(top_two_, pareto_two_, {candidate, index});
+    offer_to(top_, pareto_, {std::move(candidate), index});
+}
+
+void Searcher::offer_to(Ranked& top, Ranked& pareto, std::pair<Candidate, long long> entry) const {
+    const bool joins_top = static_cast<int>(top.size()) < space_.top_k || better(entry, top.back());
     bool joins_pareto = true;
-    for (const auto& other : pareto_) {
+    for (const auto& other : pareto) {
         if (dominates(other, entry)) {
             joins_pareto = false;
             break;
         }
     }
     if (joins_pareto) {
-        pareto_.erase(std::remove_if(pareto_.begin(), pareto_.end(),
-                                     [&](const std::pair<Candidate, long long>& other) {
-                                         return dominates(entry, other);
-                                     }),
-                      pareto_.end());
-        const auto at = std::upper_bound(pareto_.begin(), pareto_.end(), entry, [](const auto& a, const auto& b) {
+        pareto.erase(std::remove_if(pareto.begin(), pareto.end(),
+                                    [&](const std::pair<Candidate, long long>& other) {
+                                        return dominates(entry, other);
+                                    }),
+                     pareto.end());
+        const auto at = std::upper_bound(pareto.begin(), pareto.end(), entry, [](const auto& a, const auto& b) {
             return a.first.iteration_s < b.first.iteration_s;
         });
-        pareto_.insert(at, entry);
+        pareto.insert(at, entry);
     }
     if (joins_top) {
-        top_.insert(std::upper_bound(top_.begin(), top_.end(), entry, better), std::move(entry));
-        if (static_cast<int>(top_.size()) > space_.top_k) top_.pop_back();
+        top.insert(std::upper_bound(top.begin(), top.end(), entry, better), std::move(entry));
+        if (static_cast<int>(top.size()) > space_.top_k) top.pop_back();
     }
 }
 
@@ -1099,7 +1141,7 @@ SearchResult Searcher::run() {
     result_.num_candidates = static_cast<long long>(configs.size());
     for (Config& c : configs) bound(c);
     // Best first by bound, refining lazily: a candidate popped with its cheap bound gets the next bound
-    // (with two stages per rank first its exact caps, then the partition bound) and goes back in; popped
+    // (with several stages per rank first its exact caps, then the partition bound) and goes back in; popped
     // with every bound, it is evaluated unless it can be skipped by then.
     auto later = [&](std::size_t a, std::size_t b) {
         const Config &x = configs[a], &y = configs[b];
@@ -1116,7 +1158,7 @@ SearchResult Searcher::run() {
         const std::size_t k = queue.top();
         queue.pop();
         Config& c = configs[k];
-        if (prunable(c.d * c.p, c.bound_time_s)) continue;
+        if (prunable(c.d * c.p, c.v, c.bound_time_s)) continue;
         if (refined[k] < 2) {
             if (refined[k] == 0 && c.v > 1) {
                 cap_exactly(c);
@@ -1163,6 +1205,8 @@ SearchResult Searcher::run() {
     for (auto& entry : top_) result_.top.push_back(entry.first);
     result_.best = result_.top.front();
     for (auto& entry : pareto_) result_.pareto.push_back(entry.first);
+    for (auto& entry : top_two_) result_.top_two_chunks.push_back(entry.first);
+    for (auto& entry : pareto_two_) result_.pareto_two_chunks.push_back(entry.first);
     return result_;
 }
 

@@ -256,6 +256,14 @@ def _pins(args: argparse.Namespace) -> dict[str, tuple[Any, ...]]:
     if args.dp is not None and args.pp is not None and args.gpus is not None and args.dp * args.pp > args.gpus:
         raise PlanError(f"--dp {args.dp} x --pp {args.pp} needs {args.dp * args.pp} GPUs; --gpus offers {args.gpus}")
     pins = {k: (v,) for k, v in given.items() if v is not None}
+    if args.chunks is not None:
+        try:
+            pins["stages_per_rank"] = tuple(int(x) for x in args.chunks.split(","))
+        except ValueError:
+            raise PlanError(
+                f"--chunks takes stages per pipeline rank separated by commas (1: GPipe, 1F1B; 2 or more: the "
+                f"interleaved schedules), got '{args.chunks}'"
+            ) from None
     if args.cuts is not None:
         try:
             pins["stage_cuts"] = tuple(int(x) for x in args.cuts.split(","))
@@ -353,7 +361,7 @@ def _versus_best(pinned: Plan, best: Plan) -> str:
     lay = best.layout
     what = (
         f"dp={lay.dp} {f'ep={lay.ep} ' if lay.ep > 1 else ''}{f'tp={lay.tp} ' if lay.tp > 1 else ''}pp={lay.pp} "
-        f"b={lay.micro_batch_size} "
+        f"{f'chunks={lay.stages_per_rank} ' if lay.stages_per_rank > 2 else ''}b={lay.micro_batch_size} "
         f"GA={lay.num_microbatches} {lay.schedule} "
         f"ZeRO-{lay.zero_stage}"
     )
@@ -366,8 +374,8 @@ def _versus_best(pinned: Plan, best: Plan) -> str:
 
 def _key_of(p: Plan) -> tuple[Any, ...]:
     lay = p.layout
-    return (lay.dp, lay.tp, lay.ep, lay.pp, lay.micro_batch_size, lay.num_microbatches, lay.schedule,
-            lay.zero_stage, lay.placement)  # fmt: skip
+    return (lay.dp, lay.tp, lay.ep, lay.pp, lay.stages_per_rank, lay.micro_batch_size, lay.num_microbatches,
+            lay.schedule, lay.zero_stage, lay.placement)  # fmt: skip
 
 
 def _portable(ref: str) -> str:
@@ -719,6 +727,12 @@ def _add_plan_parser(sub: Any) -> None:
     pins.add_argument("--micro-batch", type=int, metavar="B", help="micro-batch size")
     pins.add_argument("--ga", type=int, metavar="M", help="gradient-accumulation steps (micro-batches per step)")
     pins.add_argument("--schedule", choices=("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"), help="pipeline schedule")
+    pins.add_argument(
+        "--chunks",
+        metavar="V[,V...]",
+        help="stages (model chunks) per pipeline rank: 1 (GPipe, 1F1B) or 2 or more (the interleaved schedules, "
+        "Megatron's virtual stages); default 1,2,3,4",
+    )
     pins.add_argument("--zero", type=int, choices=ZERO_STAGES, help="ZeRO stage")
     p.add_argument(
         "--tp",

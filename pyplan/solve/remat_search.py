@@ -341,7 +341,7 @@ def refine_plan(
     host costs (search.h's HostCosts by name) with `cut_tensors` the tensors crossing each cut;
     `checkpoint_block_s` what each block adds to a checkpoint it is inside (empty: nothing), and
     `checkpoint_forward_share` the share of those costs paid in the forward pass (the rest in the backward). The
-    stages of one rank (two chunks of an interleaved schedule) share its memory beside their state and what they
+    stages of one rank (the chunks of an interleaved schedule) share its memory beside their state and what they
     hold beside their blocks (`_rank_choices`).
 
     With `params`, a stage's memory is the larger of two moments: in the pipeline, where one replica's stage that
@@ -468,10 +468,10 @@ def _rank_choices(
     beside their blocks), or None.
 
     Where the mode's plan does not depend on the budget (FIXED_PLAN_MODES) or the rank runs one stage, each stage's
-    plan within the whole, if their needs sum within it. Otherwise (two chunks of an interleaved schedule, which hold
+    plan within the whole, if their needs sum within it. Otherwise (the chunks of an interleaved schedule, which hold
     different micro-batches in flight: 32 and 16 for Megatron-LM's 310.1B of SC21) the fastest of three (least
     Σ stage time, the first on a tie): the free memory split evenly, split in proportion to each stage's least need
-    (full recomputation's, `least_need`: each then gets at least it when the rank can hold both), and each stage's
+    (full recomputation's, `least_need`: each then gets at least it when the rank can hold them all), and each stage's
     plan within the whole, if their needs sum within it."""
 
     def within(budgets: Sequence[float]) -> list[_Choice] | None:

@@ -78,7 +78,7 @@ def _hardware(rng: random.Random, num_gpus: int, gpus_per_node: int, gpu_mem_byt
     )
 
 
-def _search(chain: ProfiledChain, hw: Hardware, space: Space, *, top_k: int = 5) -> _core.SearchResult:
+def _search(chain: ProfiledChain, hw: Hardware, space: Space, *, top_k: int = 5, **extra: Any) -> _core.SearchResult:
     kwargs = asdict(space)
     kwargs["param_bytes"], kwargs["grad_bytes"], kwargs["optim_bytes"] = kwargs.pop("bytes_per_param")
     kwargs["micro_batch_sizes"] = list(kwargs["micro_batch_sizes"])
@@ -101,6 +101,7 @@ def _search(chain: ProfiledChain, hw: Hardware, space: Space, *, top_k: int = 5)
         price_per_gpu_s=hw.price_per_gpu_s,
         top_k=top_k,
         **kwargs,
+        **extra,
     )
 
 
@@ -163,6 +164,93 @@ def test_a_pinned_partition_equals_brute_force_over_that_partition(seed: int) ->
     result = _equals_brute_force(chain, hw, space)
     if result is not None and result.feasible:
         assert all(tuple(c.cuts) == cuts for c in result.top)
+
+
+def _chunks_instance(seed: int) -> tuple[ProfiledChain, Hardware, Space]:
+    """Chains long enough for 3 and 4 stages per rank on 2 or 3 pipeline ranks, the allowed v drawn."""
+    rng = random.Random(seed)
+    num_blocks = rng.randint(6, 9)
+    chain = _chain(rng, num_blocks)
+    batch = rng.choice((4, 6, 8))
+    whole = 16 * sum(chain.params) + batch * sum(chain.act_per_sample_bytes)
+    hw = _hardware(rng, rng.choice((2, 3, 4)), rng.choice((2, 4)), rng.uniform(0.1, 1.0) * whole)
+    space = Space(
+        global_batch=batch,
+        bytes_per_param=(2.0, 2.0, 12.0),
+        micro_batch_sizes=rng.choice(((), (1, 2))),
+        stages_per_rank=rng.choice(((1, 2, 3, 4), (3,), (2, 4), (1, 3, 4))),
+        allow_fewer_gpus=rng.random() < 0.5,
+        objective=rng.choice(("time", "cost")),
+        zero_stages=(0, 1),
+    )
+    return chain, hw, space
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_interleaved_chunks_equal_brute_force(seed: int) -> None:
+    """Interleaved schedules with 2, 3 or 4 stages per rank (stage s on rank s mod p, a rank's stages sharing its
+    memory): the search's best, top and frontier are the brute force's."""
+    _equals_brute_force(*_chunks_instance(seed))
+
+
+def test_chunk_instances_plan_three_and_four_stages_per_rank() -> None:
+    """The instances above reach v = 3 and v = 4 among the plans found."""
+    found = set()
+    for seed in range(30):
+        chain, hw, space = _chunks_instance(seed)
+        found |= {x.stages_per_rank for x in search_brute_force(chain, hw, space).feasible}
+    assert {3, 4} <= found
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_two_chunks_apart_are_the_search_of_at_most_two(seed: int) -> None:
+    """With two_chunks_apart the search also returns the top and frontier that a search of at most 2 stages per rank
+    alone finds (the planner refines both, so that more chunks never push a candidate out), and the same overall."""
+    chain, hw, space = _chunks_instance(seed)
+    space = replace(space, stages_per_rank=(1, 2, 3, 4))
+    few = replace(space, stages_per_rank=(1, 2))
+    try:
+        apart = _search(chain, hw, space, top_k=3, two_chunks_apart=True)
+    except ValueError:
+        return
+    whole, alone = _search(chain, hw, space, top_k=3), _search(chain, hw, few, top_k=3)
+    key = [(c.dp, c.pp, c.stages_per_rank, c.micro_batch_size, c.schedule, c.zero_stage, c.placement, c.objective)
+           for c in (*apart.top, *apart.pareto)]  # fmt: skip
+    assert key == [(c.dp, c.pp, c.stages_per_rank, c.micro_batch_size, c.schedule, c.zero_stage, c.placement,
+                    c.objective) for c in (*whole.top, *whole.pareto)]  # fmt: skip
+    ours = [(c.dp, c.pp, c.micro_batch_size, c.schedule, c.zero_stage, c.placement, tuple(c.cuts), c.objective)
+            for c in (*apart.top_two_chunks, *apart.pareto_two_chunks)]  # fmt: skip
+    assert ours == [(c.dp, c.pp, c.micro_batch_size, c.schedule, c.zero_stage, c.placement, tuple(c.cuts),
+                     c.objective) for c in (*alone.top, *alone.pareto)]  # fmt: skip
+    assert all(c.stages_per_rank <= 2 for c in (*apart.top_two_chunks, *apart.pareto_two_chunks))
+
+
+def test_three_chunks_shrink_the_bubble() -> None:
+    """Six equal blocks on two GPUs that cannot each hold the model, two micro-batches, every send free: a rank's
+    bubble is p − 1 stage steps of its v stages, so three chunks a rank beat two, and two beat one (Narayanan et al.
+    2021); the default chunks find the three."""
+    chain = ProfiledChain(
+        fwd_alpha_s=[1e-3] * 6,
+        fwd_beta_s=[0.0] * 6,
+        bwd_alpha_s=[2e-3] * 6,
+        bwd_beta_s=[0.0] * 6,
+        act_per_sample_bytes=[1.0] * 6,
+        act_fixed_bytes=[0.0] * 6,
+        params=[1e6] * 6,
+        cut_per_sample_bytes=[0.0] * 7,
+        cut_fixed_bytes=[0.0] * 7,
+    )
+    hw = Hardware(2, 2, 60e6, 1e15, intra=(0.0, 1e18), inter=(0.0, 1e18), price_per_gpu_s=1e-3)
+    times = {}
+    for chunks in ((1,), (2,), (3,), (1, 2, 3, 4)):
+        space = Space(2, (2.0, 2.0, 12.0), micro_batch_sizes=(1,), stages_per_rank=chunks, zero_stages=(0,))
+        result = _equals_brute_force(chain, hw, space)
+        times[chunks] = result.best.iteration_s
+        assert (result.best.dp, result.best.pp) == (1, 2)
+        assert result.best.stages_per_rank == (chunks[0] if len(chunks) == 1 else 3)
+        assert len(result.best.cuts) == 2 * result.best.stages_per_rank + 1
+    assert times[(3,)] < times[(2,)] < times[(1,)]
+    assert times[(1, 2, 3, 4)] == times[(3,)]
 
 
 def _fresh_instance(seed: int) -> tuple[ProfiledChain, Hardware, Space]:
@@ -423,6 +511,8 @@ def test_no_schedule_torch_builds_is_reported_not_raised() -> None:
         ({"host": {"step_s": -1.0}}, r"host cost step_s must be in \[0, 1e\+09\], got -1"),
         ({"host": {"launch_s": 1.0}}, "unknown host cost 'launch_s'"),
         ({"cut_tensors": [1.0]}, "cut_tensors"),
+        ({"stages_per_rank": []}, "no stages per rank to search"),
+        ({"stages_per_rank": [0]}, "stages per rank must be >= 1, got 0"),
     ],
 )
 def test_bad_input_raises_one_line(change: dict, message: str) -> None:

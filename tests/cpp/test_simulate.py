@@ -24,7 +24,7 @@ from tests.solve import reference
 
 # The stages per rank each schedule accepts (the loop-placed multi-stage ones: any; tried with these).
 STAGES_PER_RANK = {"GPipe": (1,), "1F1B": (1,), "ZBVZeroBubble": (2,), "DualPipeV": (2,)}
-LOOPED = (1, 2, 3)
+LOOPED = (1, 2, 3, 4)
 
 
 def _tokens(order: list[list[Action]]) -> list[list[str]]:

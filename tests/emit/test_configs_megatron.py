@@ -185,6 +185,18 @@ def test_interleaved_stages_and_the_micro_batch_groups(plans: Plans, capsys: pyt
     assert refusal(lambda: render_config(gpipe, "megatron")).endswith("plan with --schedule 1F1B")
 
 
+def test_three_interleaved_stages_a_rank(plans: Plans, capsys: pytest.CaptureFixture[str]) -> None:
+    """Six stages on two ranks, of one or two layers each: virtual pipeline size 3 from the layout, rank r holding
+    stages r, r + 2 and r + 4 as the plan does."""
+    doc = plans.doc("interleaved3")
+    capsys.readouterr()
+    assert doc.plan.layout.stages_per_rank == 3
+    m = megatron(render_config(doc, "megatron")[0])
+    assert m.args.pipeline_model_parallel_layout == "Et|t|tt|t|tt|tL" and m.vpp == 3
+    stages = _stage_layers(doc)
+    assert m.layers == [[stages[0], stages[2], stages[4]], [stages[1], stages[3], stages[5]]] == [[1, 2, 2], [1, 1, 1]]
+
+
 def test_data_and_tensor_parallelism(plans: Plans, capsys: pytest.CaptureFixture[str]) -> None:
     """ZeRO-3 is torch FSDP2 with what validate_args requires beside it; ZeRO-1 the distributed optimizer; tp with
     sequence parallelism; bf16 gradients with --grad-reduce-in-bf16."""

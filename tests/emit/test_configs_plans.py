@@ -57,6 +57,12 @@ PLANS: dict[str, tuple[str, str]] = {
         "--gpus 2 --pp 2 --dp 1 --schedule Interleaved1F1B --ga 4 --micro-batch 4 --zero 0 --precision fp32 "
         "--cuts 13,25,37",
     ),
+    # Two ranks of three stages each (layers 0, 1, 2-3, 4, 5-6, 7), interleaved: Megatron's virtual stages, uneven.
+    "interleaved3": (
+        "llama",
+        "--gpus 2 --pp 2 --dp 1 --schedule Interleaved1F1B --chunks 3 --ga 4 --micro-batch 4 --zero 0 --precision fp32 "
+        "--cuts 7,13,25,31,43",
+    ),
     # dp 2 x tp 2, ZeRO-3, bf16 autocast.
     "tensor": ("llama", "--gpus 4 --tp 2 --dp 2 --pp 1 --zero 3 --precision bf16-mixed"),
     # dp 4, ZeRO-1, bf16 weights beside fp32 master weights.

@@ -108,6 +108,18 @@ def test_interleaved_stages_sit_on_the_ranks_the_plan_puts_them(
     )
 
 
+def test_three_interleaved_stages_a_rank(plans: Plans, capsys: pytest.CaptureFixture[str]) -> None:
+    """Six stages on two ranks: torchtitan places stage s on rank s mod 2, three a rank, as the plan does."""
+    doc = plans.doc("interleaved3")
+    capsys.readouterr()
+    par = parse_03(render_config(doc, "torchtitan")[0]).parallelism
+    parts = par.module_fqns_per_model_part
+    assert [p[-1] for p in parts] == ["layers.0", "layers.1", "layers.3", "layers.4", "layers.6", "lm_head"]
+    assert [
+        _get_pp_rank_to_stage_indices_mapping(r, 2, par.pipeline_parallel_schedule, len(parts)) for r in (0, 1)
+    ] == [(0, 2, 4), (1, 3, 5)]
+
+
 def test_fsdp_with_tensor_parallelism_and_selective_checkpointing(
     plans: Plans, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -175,6 +176,22 @@ def _torchrun(script: Path, nproc: int, *args: str) -> subprocess.CompletedProce
     )
 
 
+def _start_torchrun(script: Path, nproc: int, *args: str) -> subprocess.Popen[str]:
+    """`_torchrun` started, not waited for, its rendezvous on a free port (beside other launches)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
+         str(script), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=script.parent,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
 # --data for gpt-tiny that loads one replica's share of a global batch of 8, and notes what it was asked for. The
 # last rank's iterator runs out after 2 batches, the others' never.
 SHARDS = """
@@ -245,19 +262,26 @@ def test_plan_emit_then_torchrun(tmp_path: Path) -> None:
     other.write_text(json.dumps({**document, "model": "zoo:mlp-tiny"}))
     corrupt = tmp_path / "corrupt.json"
     corrupt.write_text(plan.read_text()[: len(plan.read_text()) // 2])
-    for args, message in [
-        ((), "the plan needs 4 processes"),
-        (("--plan", str(other)), "was the plan made for another model?"),
-        (("--plan", str(corrupt)), "is not JSON"),
-    ]:
-        done = _torchrun(script, 2, "--steps", "1", *args)
-        assert done.returncode != 0
-        errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-        assert len(errors) == 1 and message in errors[0], done.stderr[-2000:]
+    # The three launches run at once, beside the expert-parallel plan below (each on a port of its own): most of a
+    # launch that fails early is start-up, on 2 cores.
+    bad = [
+        (_start_torchrun(script, 2, "--steps", "1", *args), message)
+        for args, message in [
+            ((), "the plan needs 4 processes"),
+            (("--plan", str(other)), "was the plan made for another model?"),
+            (("--plan", str(corrupt)), "is not JSON"),
+        ]
+    ]
 
     # Expert parallelism: the search's plan at ep 2 for a mixture of experts, emitted and run on 2 ranks that each
     # hold half of every layer's experts, trains what one process trains.
     _expert_parallel_plan_trains_like_one_process(tmp_path / "moe", main)
+
+    for proc, message in bad:
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode != 0
+        errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and message in errors[0], stderr[-2000:]
 
 
 MOE = os.path.join(

@@ -1,10 +1,11 @@
-"""Run under torchrun on 4 ranks: mixtures of experts trained with expert parallelism, compared with one process.
+"""Run under torchrun on 4 ranks (tests/runtime/_launch.py): mixtures of experts trained with expert parallelism,
+compared with one process.
 
 Each configuration (model, dp x pp mesh, expert-parallel degree, schedule, optimizer) builds every rank's share of
 the plan, trains 3 steps in float64 and compares, with single-process training on the same global batch (gradient
 accumulation over the same micro-batches): the losses on the last stage, and every parameter and gradient this rank
 holds (an expert's against the same expert of the whole model). Rank 0 writes one JSON record per configuration to
-the file named by argv[1].
+the file `run_part` is given.
 """
 
 from __future__ import annotations
@@ -185,9 +186,8 @@ def run(cfg: dict) -> dict:
             "worst_loss": worst_loss, "worst_norm": worst_norm, "expert_params": experts}  # fmt: skip
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
+def run_part(path: str) -> None:
+    """Every configuration, in the launch's process group (tests/runtime/_launch.py)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for cfg in configs():
@@ -201,7 +201,7 @@ def main() -> None:
             # The other ranks may be blocked in a collective: record and stop the launch.
             res = {**cfg, "ok": False, "why": f"rank {rank}: {type(exc).__name__}: {exc}"}
             print(traceback.format_exc(), file=sys.stderr, flush=True)
-            with open(f"{sys.argv[1]}.rank{rank}.error", "w") as f:
+            with open(f"{path}.rank{rank}.error", "w") as f:
                 json.dump([*results, res], f)
             os._exit(1)
         gathered: list[dict | None] = [None] * world
@@ -213,13 +213,5 @@ def main() -> None:
         results.append({**(bad[0] if bad else rows[0]), **worst, "expert_params": held})
     faulthandler.cancel_dump_traceback_later()
     if rank == 0:
-        with open(sys.argv[1], "w") as f:
+        with open(path, "w") as f:
             json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    # Meshes sometimes abort the process at exit after a clean shutdown (TORCH_FACTS.md); exit at once.
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main()

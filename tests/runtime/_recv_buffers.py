@@ -1,12 +1,13 @@
-"""Run under torchrun (4 ranks, pp 4): the receive buffers each stage holds under every schedule, and the training.
+"""Run under torchrun (4 ranks, pp 4; tests/runtime/_launch.py): the receive buffers each stage holds under every
+schedule, and the training.
 
 For each schedule a chain of 8 layers of different widths (float64) is cut into one stage per layer pair (pp·v
 stages), trained 2 steps of 64 micro-batches, and compared with one process training on the same global batch.
-Rank 0 writes to argv[1] one record per schedule: {"schedule", "v", "m", "stages": {stage: {"input": [count,
-bytes], "gradient": [count, bytes]}} (the most receive buffers alive when a computation started, each rank's
-stages merged), "cut_bytes": [bytes of one micro-batch's values at each stage boundary], "loss": the largest
-relative error of a micro-batch's loss, "grad": the largest relative error of a gradient after the last step,
-"param": the same for a parameter}. A rank that fails writes its traceback to argv[1] + ".rank<r>.error".
+Rank 0 writes to the file `run_part` is given one record per schedule: {"schedule", "v", "m", "stages": {stage:
+{"input": [count, bytes], "gradient": [count, bytes]}} (the most receive buffers alive when a computation started,
+each rank's stages merged), "cut_bytes": [bytes of one micro-batch's values at each stage boundary], "loss": the
+largest relative error of a micro-batch's loss, "grad": the largest relative error of a gradient after the last
+step, "param": the same for a parameter}.
 """
 
 from __future__ import annotations
@@ -14,9 +15,6 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import os
-import sys
-import traceback
 from typing import Any
 
 import torch
@@ -133,26 +131,10 @@ def run(schedule: str, v: int, reference: nn.Module, ref_losses: list[list[float
                 param=errors[2])  # fmt: skip
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    path = sys.argv[1]
-    records = []
-    try:
-        reference, ref_losses = _reference(STEPS)
-        for schedule, v in SCHEDULES:
-            records.append(run(schedule, v, reference, ref_losses))
-    except Exception:
-        with open(f"{path}.rank{dist.get_rank()}.error", "w") as f:
-            f.write(traceback.format_exc())
-        os._exit(1)
+def run_part(path: str) -> None:
+    """Every schedule, in the launch's process group (tests/runtime/_launch.py)."""
+    reference, ref_losses = _reference(STEPS)
+    records = [run(schedule, v, reference, ref_losses) for schedule, v in SCHEDULES]
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(records, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # processes that built a DeviceMesh may abort at exit otherwise (TORCH_FACTS.md)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,17 +1,20 @@
-"""Run under torchrun: train planned pipelines and compare with single-process training.
+"""Run under torchrun (tests/runtime/_launch.py): train planned pipelines and compare with single-process
+training.
 
 For each configuration (model, layout, optimizer) every rank builds its share of the pipeline, trains 3 steps
 and compares its parameters and, on the last stage, its losses with single-process training on the same global
-batch (gradient accumulation over the same micro-batches, so batch norm sees the same micro-batches).
+batch (gradient accumulation over the same micro-batches, so batch norm sees the same micro-batches). First the
+ranks share out what does not depend on the launch (`prepare`): each model's capture, which gives every layout its
+cuts, tensor-parallel plan and remat blocks, and the single-process training of each distinct reference (model,
+optimizer, global batch, precision); each is done once, by one rank, and gathered by all.
 Training runs in float64: Adam divides each gradient by its own magnitude, so in float32 the rounding noise of a
 different summation order (micro-batches, replicas, tied weights summed across stages) on a gradient that is
 exactly zero in theory (the key bias of attention) becomes a full-size step; in float64 it stays at 1e-13.
-Rank 0 writes one JSON record per configuration to the file named by argv[1].
+Rank 0 writes one JSON record per configuration to the file `run_part` is given.
 """
 
 from __future__ import annotations
 
-import copy
 import faulthandler
 import functools
 import importlib.util
@@ -129,16 +132,12 @@ def stage_remat(spec_name: str, cuts: tuple[int, ...], micro_batch: int, kinds: 
 
 def dag_stages(spec_name: str, num_stages: int, m: int, micro_batch: int) -> dict[str, int]:
     """Every operation's stage, balancing the operation count (the CP-SAT stage model of pyplan/solve/ilp.py);
-    computed on rank 0 and broadcast, since CP-SAT may pick another of several optimal assignments elsewhere."""
-    box: list[dict[str, int] | None] = [None]
-    if dist.get_rank() == 0:
-        graph = _traced(spec_name, micro_batch)
-        dag = stage_dag_from_layergraph(graph, batch_size=micro_batch, time_s={n: 1.0 for n in operations(graph)})
-        got = assign_stages(dag, num_stages=num_stages, num_microbatches=m, mem_limit_bytes=[math.inf] * num_stages)
-        box[0] = dict(zip(dag.names, got.stage_of_node))
-    dist.broadcast_object_list(box, src=0)
-    assert box[0] is not None
-    return box[0]
+    computed by one rank in `prepare` and shared, since CP-SAT may pick another of several optimal assignments
+    elsewhere."""
+    graph = _traced(spec_name, micro_batch)
+    dag = stage_dag_from_layergraph(graph, batch_size=micro_batch, time_s={n: 1.0 for n in operations(graph)})
+    got = assign_stages(dag, num_stages=num_stages, num_microbatches=m, mem_limit_bytes=[math.inf] * num_stages)
+    return dict(zip(dag.names, got.stage_of_node))
 
 
 def configs(world: int) -> list[dict]:
@@ -167,6 +166,10 @@ def configs(world: int) -> list[dict]:
                 for opt in OPTIMIZERS if v == 1 else ("sgd",):
                     out.append(dict(model=model, dp=dp, pp=pp, schedule=schedule, v=v, m=m, b=2, optimizer=opt, zero=0))
     if world == 2:
+        # Three stages (model chunks) a rank: six stages on two ranks, stage s on rank s mod 2.
+        out.append(
+            dict(model="gpt-tiny", dp=1, pp=2, schedule="Interleaved1F1B", v=3, m=4, b=2, optimizer="sgd", zero=0)
+        )
         # bf16 autocast in every stage, weights and optimizer in fp32, against the same autocast in one process.
         out.append(
             dict(
@@ -318,8 +321,8 @@ def _sliced(call: Call, sl: slice) -> Call:
     return tree_map_only(torch.Tensor, lambda t: t[sl], call)
 
 
-def run(cfg: dict) -> dict:
-    spec = _spec(cfg["model"])
+def layout_of(cfg: dict) -> Layout:
+    """The configuration's layout: its cuts, tensor-parallel plan and remat blocks read off the model's capture."""
     stage_of_node = dag_stages(cfg["model"], cfg["pp"], cfg["m"], cfg["b"]) if cfg.get("dag") else {}
     if stage_of_node:
         counts = [list(stage_of_node.values()).count(s) for s in range(cfg["pp"])]
@@ -328,7 +331,7 @@ def run(cfg: dict) -> dict:
         cuts = even_cuts(cfg["model"], cfg["pp"] * cfg["v"], cfg["b"])
     tp = cfg.get("tp", 1)
     tp_plan = derive_tp_plan(_traced(cfg["model"], cfg["b"])).styles(tp) if tp > 1 else {}
-    layout = Layout(
+    return Layout(
         dp=cfg["dp"],
         pp=cfg["pp"],
         tp=tp,
@@ -344,38 +347,34 @@ def run(cfg: dict) -> dict:
         remat=stage_remat(cfg["model"], cuts, cfg["b"], cfg["remat"]) if "remat" in cfg else (),
         stage_of_node=stage_of_node,
     )
-    if stage_of_node:
-        stages = list(stage_of_node.values())
-        cfg = {**cfg, "contiguous": stages == sorted(stages)}
+
+
+def _precision(cfg: dict) -> tuple[bool, bool]:
+    """(bf16 autocast, float32 weights): mixed-precision runs and float32 models keep their weights in float32."""
     mixed = cfg.get("precision", "fp32") != "fp32"
-    single = mixed or cfg.get("float32", False)
+    return mixed, mixed or cfg.get("float32", False)
+
+
+def reference_key(cfg: dict) -> tuple:
+    """What one process's training depends on: configurations of the same key share their reference."""
+    return (cfg["model"], cfg["optimizer"], cfg["dp"] * cfg["m"] * cfg["b"], cfg["b"], *_precision(cfg))
+
+
+def train_reference(cfg: dict) -> dict:
+    """One process training the model `STEPS` steps on the global batch, accumulating over the micro-batches: the
+    batch (call and target), each step's micro-batch losses and the parameters after the last step."""
+    spec = _spec(cfg["model"])
+    mixed, single = _precision(cfg)
     torch.manual_seed(0)
     # Autocast casts float32 ops only: mixed-precision runs keep the model in float32.
-    model = spec.build() if single else spec.build().double()
-    cast = (lambda ts: ts) if single else _double
-    reference = copy.deepcopy(model)
-    initial = {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
-    make = OPTIMIZERS[cfg["optimizer"]]
-    trainer = build_trainer(
-        spec,
-        model,
-        layout,
-        make,
-        example_inputs=lambda n: cast(call_at(spec.example_inputs, n)),
-        precision=cfg.get("precision", "fp32"),
-    )
-
-    B, b = layout.global_batch, layout.micro_batch_size
+    reference = spec.build() if single else spec.build().double()
+    B, b = cfg["dp"] * cfg["m"] * cfg["b"], cfg["b"]
     call, target = call_at(spec.example_inputs, B), spec.target(B) if spec.target is not None else None
-    call = cast(call)
-    inputs = input_tensors(call)
-    tol = TOL_MIXED if mixed else (TOL_FLOAT32 if single else TOL)
+    call = call if single else _double(call)
     loss_fn = spec.loss or default_loss  # the model's own loss where it returns one
-    ref_opt = make(reference.parameters())
+    ref_opt = OPTIMIZERS[cfg["optimizer"]](reference.parameters())
     ref_losses = []
-    loss_error = ""
-    mine = replica_slice(layout, trainer.dp_rank)
-    for step in range(STEPS):
+    for _ in range(STEPS):
         ref_opt.zero_grad()
         step_losses = []
         for k in range(B // b):
@@ -388,6 +387,69 @@ def run(cfg: dict) -> dict:
             step_losses.append(loss.detach())
         ref_opt.step()
         ref_losses.append(step_losses)
+    params = {k: p.detach() for k, p in reference.named_parameters(remove_duplicate=False)}
+    return {"call": call, "target": target, "losses": ref_losses, "params": params}
+
+
+def prepare(cfgs: list[dict], rank: int, world: int) -> tuple[list[Layout | str], list[dict | str]]:
+    """Every configuration's layout and reference training, each model's capture and each distinct reference done
+    once, by one rank (dealt out in turn), and gathered by all. What fails is kept as its error, said by the
+    configuration it belongs to."""
+    models = list(dict.fromkeys(cfg["model"] for cfg in cfgs))
+    keys = list(dict.fromkeys(reference_key(cfg) for cfg in cfgs))
+    jobs = [("layouts", m) for m in models] + [("reference", k) for k in keys]
+    mine: dict[tuple, Layout | dict | str] = {}
+    for n, (kind, what) in enumerate(jobs):
+        if n % world != rank:
+            continue
+        for i, cfg in enumerate(cfgs):
+            if (kind == "layouts" and cfg["model"] != what) or (kind == "reference" and reference_key(cfg) != what):
+                continue
+            try:
+                mine[(kind, i)] = layout_of(cfg) if kind == "layouts" else train_reference(cfg)
+            except Exception as exc:
+                print(traceback.format_exc(), file=sys.stderr, flush=True)
+                mine[(kind, i)] = f"rank {rank} preparing its {kind[:6]}: {type(exc).__name__}: {exc}"
+            if kind == "reference":
+                break  # configurations of one key share it
+        _traced.cache_clear()
+    gathered: list[dict | None] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    got = {k: v for g in gathered if g is not None for k, v in g.items()}
+    first = {key: next(i for i, c in enumerate(cfgs) if reference_key(c) == key) for key in keys}
+    layouts = [got[("layouts", i)] for i in range(len(cfgs))]
+    references = [got[("reference", first[reference_key(cfg)])] for cfg in cfgs]
+    return layouts, references
+
+
+def run(cfg: dict, layout: Layout, ref: dict) -> dict:
+    spec = _spec(cfg["model"])
+    if layout.stage_of_node:
+        stages = list(layout.stage_of_node.values())
+        cfg = {**cfg, "contiguous": stages == sorted(stages)}
+    mixed, single = _precision(cfg)
+    torch.manual_seed(0)
+    # Autocast casts float32 ops only: mixed-precision runs keep the model in float32.
+    model = spec.build() if single else spec.build().double()
+    cast = (lambda ts: ts) if single else _double
+    initial = {k: v.detach().clone() for k, v in model.named_parameters(remove_duplicate=False)}
+    trainer = build_trainer(
+        spec,
+        model,
+        layout,
+        OPTIMIZERS[cfg["optimizer"]],
+        example_inputs=lambda n: cast(call_at(spec.example_inputs, n)),
+        precision=cfg.get("precision", "fp32"),
+    )
+
+    b = layout.micro_batch_size
+    # Copies: the configurations of one reference share its batch.
+    inputs = tuple(t.clone() for t in input_tensors(ref["call"]))
+    target = ref["target"].clone() if ref["target"] is not None else None
+    tol = TOL_MIXED if mixed else (TOL_FLOAT32 if single else TOL)
+    loss_error = ""
+    mine = replica_slice(layout, trainer.dp_rank)
+    for step, step_losses in enumerate(ref["losses"]):
         got = trainer.step(tuple(t[mine] for t in inputs), target[mine] if target is not None else None)
         if trainer.has_last and not loss_error:
             first = mine.start // b
@@ -398,13 +460,13 @@ def run(cfg: dict) -> dict:
                 loss_error = f"step {step}: loss differs by {err:.2e} (relative)"
     if loss_error:
         return {**cfg, "ok": False, "why": loss_error}
-    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    ref_params = ref["params"]
     worst, worst_name = 0.0, ""
     trained = trainer.parameters()
     if all(torch.equal(p, initial[name]) for name, p in trained.items()):
         return {**cfg, "ok": False, "why": "no parameter changed: the pipeline did not train"}
     for name, p in trained.items():
-        ref = ref_params[name].detach()
+        ref = ref_params[name]
         err = ((p - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
         if err > worst:
             worst, worst_name = err, name
@@ -416,41 +478,39 @@ def run(cfg: dict) -> dict:
     }
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
+def run_part(path: str) -> None:
+    """Every configuration of this world size, in the launch's process group (tests/runtime/_launch.py)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     only = os.environ.get("PYPLAN_TRANSPARENCY_ONLY")
+    cfgs = [cfg for cfg in configs(world) if not only or only in json.dumps(cfg)]
+    hang_s = float(os.environ.get("PYPLAN_HANG_S", "120"))
+    # A hang (a mismatched send/recv) prints every rank's stack instead of waiting forever: a limit per config, and
+    # for the preparation, which runs a few configurations' worth of captures and reference trainings on each rank.
+    faulthandler.dump_traceback_later(4 * hang_s, exit=True)
+    layouts, references = prepare(cfgs, rank, world)
     results = []
-    for cfg in configs(world):
-        if only and only not in json.dumps(cfg):
-            continue
-        # A hang (a mismatched send/recv) prints every rank's stack instead of waiting forever: a limit per config.
-        faulthandler.dump_traceback_later(float(os.environ.get("PYPLAN_HANG_S", "120")), exit=True)
+    for cfg, layout, ref in zip(cfgs, layouts, references):
+        faulthandler.dump_traceback_later(hang_s, exit=True)
         if rank == 0:
             print("config", json.dumps(cfg), flush=True)
         started = time.perf_counter()
         try:
-            res = {**run(cfg), "seconds": round(time.perf_counter() - started, 2)}
+            for prepared in (layout, ref):
+                if isinstance(prepared, str):
+                    raise RuntimeError(prepared)
+            res = {**run(cfg, layout, ref), "seconds": round(time.perf_counter() - started, 2)}
         except Exception as exc:
             # The other ranks may be blocked in a send or receive of the pipeline: record and stop the launch.
             res = {**cfg, "ok": False, "why": f"rank {rank}: {type(exc).__name__}: {exc}"}
             print(traceback.format_exc(), file=sys.stderr, flush=True)
-            with open(f"{sys.argv[1]}.rank{rank}.error", "w") as f:
+            with open(f"{path}.rank{rank}.error", "w") as f:
                 json.dump([*results, res], f)
             os._exit(1)
         gathered = [None] * world
         dist.all_gather_object(gathered, res)
         bad = [g for g in gathered if not g["ok"]]
         results.append(bad[0] if bad else gathered[0])
+    faulthandler.cancel_dump_traceback_later()
     if rank == 0:
-        with open(sys.argv[1], "w") as f:
+        with open(path, "w") as f:
             json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    # Meshes sometimes abort the process at exit after a clean shutdown (TORCH_FACTS.md); exit at once.
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,19 +1,18 @@
-"""Run under torchrun (2 ranks): the model state each rank holds after a step, per ZeRO stage and precision; and
-training state checkpointed under one layout and resumed under another.
+"""Run under torchrun (2 ranks; tests/runtime/_launch.py): the model state each rank holds after a step, per ZeRO
+stage and precision; and training state checkpointed under one layout and resumed under another.
 
-Rank 0 writes to argv[1] {"held": {"<zero>/<precision>": [held bytes of rank 0, of rank 1, ...]}, "resumed":
-{"<from> -> <to>": [largest relative error of a parameter against one process, on any rank; |gradient norm of each
-step - one process's| / one process's, largest over the steps]}, "mixed": ZeRO-3 bf16-mixed's largest relative
-gradient error against its arithmetic in one process, "master": {"<layout>": the same for bf16-master},
-"master_resumed": {"<from> -> <to>": largest relative error of a master weight against 3 steps without a
-checkpoint}}: held bytes are the unique storages of the rank's parameters, gradients and optimizer state (local
-shards of sharded tensors; beside 16-bit weights, the fp32 gradients and master weights)."""
+Rank 0 writes to the file `run_part` is given {"held": {"<zero>/<precision>": [held bytes of rank 0, of rank 1,
+...]}, "resumed": {"<from> -> <to>": [largest relative error of a parameter against one process, on any rank;
+|gradient norm of each step - one process's| / one process's, largest over the steps]}, "mixed": ZeRO-3
+bf16-mixed's largest relative gradient error against its arithmetic in one process, "master": {"<layout>": the same
+for bf16-master}, "master_resumed": {"<from> -> <to>": largest relative error of a master weight against 3 steps
+without a checkpoint}}: held bytes are the unique storages of the rank's parameters, gradients and optimizer state
+(local shards of sharded tensors; beside 16-bit weights, the fp32 gradients and master weights)."""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Any
 from unittest import mock
 
@@ -39,9 +38,8 @@ def _held(tensors: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
+def run_part(path: str) -> None:
+    """Every check, in the launch's process group (tests/runtime/_launch.py)."""
     spec = load_model(MODEL)
     end = len(cut_points(trace(spec.build(), spec.example_inputs, batch_size=MICRO)).order)
     call, target = call_at(spec.example_inputs, BATCH), spec.target(BATCH)
@@ -87,13 +85,12 @@ def main() -> None:
     master["pp 2 tied"] = _bf16_gradient_error(spec, layout, tied, call, target)
     everyone: list[dict[str, int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, held)
-    resumed = _resumed(spec, end, os.path.dirname(sys.argv[1]))
-    master_resumed = _master_resumed(spec, end, os.path.dirname(sys.argv[1]))
+    resumed = _resumed(spec, end, os.path.dirname(path))
+    master_resumed = _master_resumed(spec, end, os.path.dirname(path))
     if dist.get_rank() == 0:
-        with open(sys.argv[1], "w") as f:
+        with open(path, "w") as f:
             json.dump({"held": {k: [h[k] for h in everyone] for k in held}, "resumed": resumed, "mixed": mixed,
                        "master": master, "master_resumed": master_resumed}, f)  # fmt: skip
-    dist.destroy_process_group()
 
 
 def _small_buckets(spec: ModelSpec, end: int, call: Any, target: torch.Tensor) -> list[float]:
@@ -245,7 +242,3 @@ def _resumed(spec: ModelSpec, end: int, folder: str) -> dict[str, list[float]]:
         out[f"{first} -> {then}"] = [worst.item(), max(abs(a - b) / b for a, b in zip(seen, norms, strict=True))]
     torch.set_default_dtype(torch.float32)
     return out
-
-
-if __name__ == "__main__":
-    main()

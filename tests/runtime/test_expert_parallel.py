@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,9 +20,12 @@ from pyplan.runtime.experts import (
     expert_refusal,
     expert_slices,
 )
+from tests.runtime.conftest import Launches
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_expert_parallel.py")
 TOL = 1e-10  # float64, as the script compares
+# The parts of the launches that tests/runtime/conftest.py makes, which the tests here read: (ranks, script).
+LAUNCH_PARTS = ((4, "_expert_parallel"),)
+MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "real")
 
 
 def _name(model: str) -> str:
@@ -34,21 +33,8 @@ def _name(model: str) -> str:
 
 
 @pytest.mark.distributed
-def test_experts_split_over_replicas_train_like_one_process(tmp_path: Path) -> None:
-    out = tmp_path / "results.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", SCRIPT, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYPLAN_HANG_S": "180"},
-    )
-    errors = sorted(tmp_path.glob("results.json.rank*.error"))
-    if errors:
-        bad = [r for f in errors for r in json.loads(f.read_text()) if not r["ok"]]
-        pytest.fail(f"a configuration failed: {bad[0]}\n{done.stderr[-3000:]}")
-    assert out.exists(), done.stderr[-3000:]
-    results = json.loads(out.read_text())
+def test_experts_split_over_replicas_train_like_one_process(launches: Launches) -> None:
+    results = launches.part(4, "_expert_parallel").results()
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed[:3]
     # Both models over the replicas of 2 pipeline stages (EP 2 x pp 2) and over 4 replicas (EP 2, each expert on 2
@@ -94,7 +80,7 @@ def test_expert_parallelism_refuses_what_it_does_not_run() -> None:
 def test_a_rank_holds_its_slice_of_every_layer_under_the_names_of_the_model(model: str) -> None:
     """What one rank of 2 keeps (its half of each layer's experts, checked against the whole module, left out of
     DDP), without a process group: the all-to-alls run only in the forward, which torchrun's test runs."""
-    spec = load_model(os.path.join(os.path.dirname(os.path.dirname(SCRIPT)), "models", "real", f"{model}.py"))
+    spec = load_model(os.path.join(MODELS, f"{model}.py"))
     torch.manual_seed(0)
     whole = spec.build()
     graph = trace(whole, spec.example_inputs, leaf_modules=expert_leaves(whole), batch_size=2)

@@ -1,46 +1,32 @@
 """The receive buffers each pipeline stage holds under every schedule, as measured, against the plan's count.
 
-One torchrun launch (4 ranks, pp 4, 64 micro-batches, gloo, float64) runs every schedule pyplan's runtime runs
-(tests/runtime/_recv_buffers.py): the most receive buffers alive on each stage when a computation starts, and the
-training against one process on the same global batch. torch's own PipelineStage would hold 64 of each kind on
-every stage.
+A torchrun launch of 4 ranks (pp 4, 64 micro-batches, gloo, float64; tests/runtime/conftest.py) runs every schedule
+pyplan's runtime runs (tests/runtime/_recv_buffers.py): the most receive buffers alive on each stage when a
+computation starts, and the training against one process on the same global batch. torch's own PipelineStage would
+hold 64 of each kind on every stage.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pyplan import _core
 from pyplan.solve.schedules import simulate, stage_placement
+from tests.runtime.conftest import Launches
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_recv_buffers.py")
 SCHEDULES = {"GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
 PP = 4
 TOL = 1e-9  # float64: the rounding of sums taken in another order
+# The parts of the launches that tests/runtime/conftest.py makes, which the tests here read: (ranks, script).
+LAUNCH_PARTS = ((PP, "_recv_buffers"),)
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """What _recv_buffers.py measured, one record per schedule, in one launch."""
-    out = tmp_path_factory.mktemp("recv_buffers") / "held.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(PP), SCRIPT, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    errors = sorted(Path(out.parent).glob(f"{out.name}.rank*.error"))
-    if errors:
-        pytest.fail(errors[0].read_text() + done.stderr[-2000:])
-    assert out.exists(), done.stderr[-3000:]
-    records = json.loads(out.read_text())
+def launched(launches: Launches) -> list[dict[str, Any]]:
+    """What _recv_buffers.py measured, one record per schedule."""
+    records = launches.part(PP, "_recv_buffers").results()
     assert {r["schedule"] for r in records} == SCHEDULES
     return records
 

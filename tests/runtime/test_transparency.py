@@ -3,38 +3,26 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_transparency.py")
+from tests.runtime.conftest import Launches
+
+# The parts of the launches that tests/runtime/conftest.py makes, which the tests here read: (ranks, script).
+LAUNCH_PARTS = ((2, "_transparency"), (4, "_transparency"))
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
-def test_pipelines_train_like_one_process(world: int, tmp_path: Path) -> None:
-    out = tmp_path / "results.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), SCRIPT, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYPLAN_HANG_S": "120"},
-    )
-    errors = sorted(tmp_path.glob("results.json.rank*.error"))
-    if errors:
-        bad = [r for f in errors for r in json.loads(f.read_text()) if not r["ok"]]
-        pytest.fail(f"a configuration failed: {bad[0]}\n{done.stderr[-3000:]}")
-    assert out.exists(), done.stderr[-3000:]
-    results = json.loads(out.read_text())
+def test_pipelines_train_like_one_process(world: int, launches: Launches) -> None:
+    results = launches.part(world, "_transparency").results()
     meshes = {(r["dp"], r["pp"]) for r in results if r.get("tp", 1) == 1}
     assert meshes == ({(1, 2), (2, 1)} if world == 2 else {(2, 2), (1, 4)})
     schedules = {r["schedule"] for r in results}
     assert {"GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"} <= schedules
+    # Three stages (model chunks) a rank: six stages on two ranks.
+    assert ((2, 3) in {(r["pp"], r["v"]) for r in results}) == (world == 2)
     dag_models = {"grouped-mlp-tiny"} if world == 2 else set()
     # Models captured with torch.export: tests/models/branchy.py, pipelined under GPipe and 1F1B, and the Hugging
     # Face families (where transformers is installed).

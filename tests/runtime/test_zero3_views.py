@@ -5,8 +5,9 @@ FSDP2 hooks a unit's backward on its outputs; an in-place op on an output that i
 hooked node. Each model here returns views from its units: `Stack` runs `ReLU(inplace=True)` on the view a layer's
 Linear unit returns (its backward would read the unit's freed parameters), `Flat` is one unit whose loss scales the
 logits in place (nothing would reduce-scatter its gradients: off by 100 %), and tests/models/branchy.py does no
-in-place op (FSDP2 warned all the same). Run by pytest, the file launches itself under torchrun: every rank trains
-one step of each model at dp = 2 in float64 and compares its gradients and parameters with one process's.
+in-place op (FSDP2 warned all the same). The file is also a part of the tests' 2-rank torchrun launch
+(tests/runtime/conftest.py): every rank trains one step of each model at dp = 2 in float64 and compares its gradients
+and parameters with one process's.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,10 @@ from pyplan.runtime.sharded import ShardedTrainer
 from pyplan.runtime.tensor_parallel import full_value
 from pyplan.runtime.trainer import OptimizerSpec, build_trainer, replica_slice
 from pyplan.spec import ModelSpec
+from tests.runtime.conftest import Launches
 
+# The parts of the launches that tests/runtime/conftest.py makes, which the tests here read: (ranks, script).
+LAUNCH_PARTS = ((2, "test_zero3_views"),)
 BRANCHY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "branchy.py")
 VOCAB, SEQ, DIM = 32, 6, 16
 TOL = 1e-12  # float64: reordered sums differ by ~1e-16
@@ -154,9 +156,8 @@ def run(spec: ModelSpec, checkpointed: bool) -> dict[str, Any]:
     }
 
 
-def main(out: str) -> None:
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
+def run_part(out: str) -> None:
+    """Every model, in the launch's process group (tests/runtime/_launch.py)."""
     results = {}
     for name, spec, checkpointed in configs():
         try:
@@ -165,22 +166,11 @@ def main(out: str) -> None:
             results[name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # meshes sometimes abort the process at exit after a clean shutdown (TORCH_FACTS.md)
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("zero3_views") / "results.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", os.path.abspath(__file__), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0 and out.exists(), done.stderr[-3000:]
-    return json.loads(out.read_text())
+def launched(launches: Launches) -> dict[str, Any]:
+    return launches.part(2, "test_zero3_views").results()
 
 
 @pytest.mark.distributed
@@ -190,7 +180,3 @@ def test_units_returning_views_train_like_one_process(launched: dict[str, Any], 
     assert "error" not in got, got["error"]
     assert got["grads"] <= TOL and got["params"] <= TOL, got
     assert got["views"] == [], got["views"]
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -13,8 +9,10 @@ import pytest
 from pyplan import load_model
 from pyplan.plan import Workload
 from pyplan.solve.state import stage_state_bytes, zero1_shares
+from tests.runtime.conftest import Launches
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zero_state.py")
+# The parts of the launches that tests/runtime/conftest.py makes, which the tests here read: (ranks, script).
+LAUNCH_PARTS = ((2, "_zero_state"),)
 
 
 def test_zero1_gives_each_tensor_to_the_emptiest_replica_largest_first() -> None:
@@ -23,17 +21,9 @@ def test_zero1_gives_each_tensor_to_the_emptiest_replica_largest_first() -> None
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """What _zero_state.py found, in one torchrun launch for the tests below."""
-    out = tmp_path_factory.mktemp("zero_state") / "held.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", SCRIPT, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(out.read_text())
+def launched(launches: Launches) -> dict[str, Any]:
+    """What _zero_state.py found, for the tests below."""
+    return launches.part(2, "_zero_state").results()
 
 
 @pytest.mark.distributed

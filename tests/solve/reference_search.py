@@ -18,7 +18,7 @@ from tests.solve import reference
 
 __all__ = ["Hardware", "Outcome", "Planned", "ProfiledChain", "Space", "search_brute_force"]
 
-_STAGES_PER_RANK = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2, "LoopedBFS": 2}
+_SINGLE_STAGE = ("GPipe", "1F1B")  # one stage per rank; the interleaved schedules take any allowed v >= 2
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ class Space:
     bytes_per_param: tuple[float, float, float]  # weights, gradients, optimizer state
     micro_batch_sizes: Sequence[int] = ()
     schedules: Sequence[str] = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")
+    stages_per_rank: Sequence[int] = (1, 2, 3, 4)  # allowed v: 1 for GPipe and 1F1B, 2 or more interleaved
     zero_stages: Sequence[int] = (0, 1, 2, 3)
     placements: Sequence[str] = ("pp-inner", "dp-inner")
     allow_fewer_gpus: bool = False
@@ -106,6 +107,7 @@ class Planned:
 
     dp: int
     pp: int
+    stages_per_rank: int
     micro_batch_size: int
     num_microbatches: int
     schedule: str
@@ -179,16 +181,18 @@ def _configurations(num_blocks: int, hw: Hardware, space: Space, tp: int = 1) ->
                     continue
                 m = per_replica // b
                 for schedule in space.schedules:
-                    v = _STAGES_PER_RANK[schedule]
-                    if space.fixed_cuts and p * v + 1 != len(space.fixed_cuts):
-                        continue
-                    if p * v > num_blocks or (v > 1 and p < 2) or reference_rejects(schedule, p, m, v):
-                        continue
-                    zeros = [0] if d == 1 else space.zero_stages
-                    if space.zero3_single_stage and (p * v > 1 or schedule != "1F1B"):
-                        zeros = [z for z in zeros if z != 3]
-                    placements = space.placements[:1] if d == 1 or p == 1 else space.placements
-                    out += [_Config(d, p, v, b, m, schedule, z, pl) for z in zeros for pl in placements]
+                    for v in sorted(set(space.stages_per_rank)):
+                        if (v == 1) != (schedule in _SINGLE_STAGE):
+                            continue
+                        if space.fixed_cuts and p * v + 1 != len(space.fixed_cuts):
+                            continue
+                        if p * v > num_blocks or (v > 1 and p < 2) or reference_rejects(schedule, p, m, v):
+                            continue
+                        zeros = [0] if d == 1 else space.zero_stages
+                        if space.zero3_single_stage and (p * v > 1 or schedule != "1F1B"):
+                            zeros = [z for z in zeros if z != 3]
+                        placements = space.placements[:1] if d == 1 or p == 1 else space.placements
+                        out += [_Config(d, p, v, b, m, schedule, z, pl) for z in zeros for pl in placements]
     return out
 
 
@@ -237,7 +241,7 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config, tp: 
     grads = [reference.zero_model_state_bytes(x, c.d, c.zero, **per_param)[1] for x in chain.params]
 
     # 3. The partition with the least closed-form time among those whose stages fit. In flight: the
-    # partition's rule with one stage per rank, the simulated peak (it depends only on the order) with two.
+    # partition's rule with one stage per rank, the simulated peak (it depends only on the order) with several.
     stages = c.p * c.v
     if c.v == 1:
         in_flight = [reference.in_flight_microbatches(c.schedule, s, stages, c.m) for s in range(stages)]
@@ -277,7 +281,7 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config, tp: 
         only=space.fixed_cuts,
     )
     if found.best_pipeline_time is None:
-        # Two stages per rank: the stage limits are necessary only, the need a lower bound (search.cpp).
+        # Several stages per rank: the stage limits are necessary only, the need a lower bound (search.cpp).
         need = hw.gpu_mem_bytes + found.least_overflow_bytes
         return need if c.v == 1 else Bound(need)
     cuts = found.best_pipeline_time.cuts
@@ -339,7 +343,7 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config, tp: 
     t = sim.makespan_s + exposed + optimizer + host.step_s
     cost = c.d * c.p * tp * hw.price_per_gpu_s * t
     objective = {"time": t, "cost": cost, "weighted": cost + space.weight * t}[space.objective]
-    return Planned(c.d, c.p, c.b, c.m, c.schedule, c.zero, c.placement, cuts, t, cost, max(rank_mem), objective)
+    return Planned(c.d, c.p, c.v, c.b, c.m, c.schedule, c.zero, c.placement, cuts, t, cost, max(rank_mem), objective)
 
 
 def search_brute_force(chain: ProfiledChain, hw: Hardware, space: Space, tp: int = 1) -> Outcome:

@@ -1,16 +1,17 @@
 // pyplan/search.h — the plan search: data parallelism × pipeline stages × micro-batches × schedule × ZeRO.
 //
-// Indices. d data-parallel replicas, p pipeline ranks, v stages per rank (1 for GPipe and 1F1B, 2 for
-// Interleaved1F1B and LoopedBFS), so p·v stages; b samples per micro-batch, m micro-batches (gradient
-// accumulation steps) with d·b·m = B, the global batch. Stage s (from 0) runs on pipeline rank s mod p
+// Indices. d data-parallel replicas, p pipeline ranks, v stages per rank (model chunks: 1 for GPipe and 1F1B, any
+// allowed v ≥ 2 for Interleaved1F1B and LoopedBFS), so p·v stages; b samples per micro-batch, m micro-batches
+// (gradient accumulation steps) with d·b·m = B, the global batch. Stage s (from 0) runs on pipeline rank s mod p
 // (torch's loop placement). Pipeline k (from 0, one per replica) puts its pipeline rank r on GPU
 //     "pp-inner": k·p + r   (a pipeline's ranks are consecutive)
 //     "dp-inner": r·d + k   (a stage's replicas are consecutive)
 // and GPU x lies in node x / g. The two placements coincide when d = 1 or p = 1 (evaluated once), and
 // every ZeRO stage is the same plan when d = 1 (evaluated once, as the first listed).
 //
-// Enumeration. Every d, p with d·p = N (or d·p ≤ N with allow_fewer_gpus) and S = p·v ≤ L stages (v = 2
-// only with p ≥ 2: two stages on one rank and no pipeline gain nothing); every allowed b
+// Enumeration. Every d, p with d·p = N (or d·p ≤ N with allow_fewer_gpus) and S = p·v ≤ L stages, v among the
+// allowed stages_per_rank that the schedule runs (1 for GPipe and 1F1B, 2 or more for the interleaved ones, only
+// with p ≥ 2: several stages on one rank and no pipeline gain nothing); every allowed b
 // (by default every b dividing B/d, found in O(√(B/d))) with m = B/(d·b); every allowed schedule that torch
 // 2.13 builds for (p, m, v) (torch_rejection) with S·m ≤ kMaxStageMicrobatches (limits.h: the size of its
 // order and simulation; the reason names the candidates left out when nothing is found); every allowed
@@ -32,10 +33,10 @@
 //     group costs half its all-reduce.
 //  3. Stages: partition() of the chain into p·v stages (cost.h's closed form Σ t + (m−1)·max t, each
 //     stage within gpu_mem_bytes, receive buffers included, step 9), with state bytes zero_model_state_bytes(params, d, zero) and
-//     activations n_s·(saved bytes + input cut bytes) at b. n_s: GPipe m, 1F1B min(m, p−s); with v = 2
+//     activations n_s·(saved bytes + input cut bytes) at b. n_s: GPipe m, 1F1B min(m, p−s); with v ≥ 2
 //     (Interleaved1F1B, LoopedBFS) the simulated peak in flight of stage s, which depends only on the
 //     order, given to the partition as its per-stage in-flight counts. The lower bounds below use the
-//     same n_s. With v = 2 the two stages of a rank share its memory: a candidate whose rank sum exceeds
+//     same n_s. With v ≥ 2 the v stages of a rank share its memory: a candidate whose rank sum exceeds
 //     gpu_mem_bytes after partitioning is infeasible (not yet part of the partition itself).
 //     With fresh_gradients, a stage of one replica (d = 1, so ZeRO 0) and one stage per rank that runs every
 //     micro-batch's forward before its first backward (n_s = m: GPipe, and 1F1B where m = p − s) makes its
@@ -81,13 +82,13 @@
 //    back), ≥ m·max(W/p, max_i w_i) (the busiest rank), and ≥ min over stage works w_s ≤ cap_s of
 //    max_s (m·w_s + Σ_{r<s} (w_r + 2σ)) (stage s cannot start before micro-batch 0 reaches it, works m·w_s,
 //    and its last backward must travel back), where cap_s is the most work of any block range that fits
-//    in memory with stage s's in-flight count (at first, with v = 2, with one micro-batch: a weaker bound
+//    in memory with stage s's in-flight count (at first, with v ≥ 2, with one micro-batch: a weaker bound
 //    that needs no schedule order); exposed sync ≥ the mean of sync_s − B_s; optimizer ≥ the average and
 //    the largest block's state. After partitioning, the same stage bound with the actual stages and sends,
 //    and the actual sync and optimizer times, can skip the simulation.
 //    A candidate is skipped when its bound's objective is worse than the k-th best found and its bound's
 //    (T, C) is beaten by a frontier point found, so it could join neither.
-//  - Candidates are taken best bound first and refined lazily: popped the first time, one with v = 2 gets
+//  - Candidates are taken best bound first and refined lazily: popped the first time, one with v ≥ 2 gets
 //    its caps at its exact in-flight counts; popped again (the first time for v = 1), the partition bound
 //    of search.cpp's least_partition_makespan_s; each time it goes back into the queue. Popped with every
 //    bound, it is evaluated unless it can be skipped by then.
@@ -179,6 +180,14 @@ struct SearchSpace {
     std::vector<int> fixed_cuts;
     std::vector<Schedule> schedules = {Schedule::GPipe, Schedule::OneFOneB, Schedule::Interleaved1F1B,
                                        Schedule::LoopedBFS};
+    // Allowed v, stages (model chunks) per pipeline rank: 1 is GPipe's and 1F1B's, 2 or more the interleaved
+    // schedules'. Each schedule is enumerated at its allowed v in increasing order, the smallest first for every
+    // schedule, then the next (so adding larger v leaves the order of the others as it was).
+    std::vector<int> stages_per_rank = {1, 2, 3, 4};
+    // Also the top_k and frontier of the candidates of at most 2 stages per rank, exactly as a search of those alone
+    // finds them (SearchResult's top_two_chunks, pareto_two_chunks): a candidate is skipped only when it can join
+    // neither its lists nor these.
+    bool two_chunks_apart = false;
     std::vector<int> zero_stages = {0, 1, 2, 3};
     std::vector<Placement> placements = {Placement::kPipelineInner, Placement::kDataInner};
     bool allow_fewer_gpus = false;  // d·p < N allowed
@@ -237,6 +246,8 @@ struct SearchResult {
     Candidate best;                  // valid when feasible
     std::vector<Candidate> top;      // up to top_k, best first
     std::vector<Candidate> pareto;   // by increasing iteration_s
+    std::vector<Candidate> top_two_chunks;     // with two_chunks_apart: top and pareto of the candidates of at most
+    std::vector<Candidate> pareto_two_chunks;  // 2 stages per rank
     long long num_candidates = 0;    // configurations enumerated
     long long num_evaluated = 0;     // simulated, or found not to fit
     long long num_pruned = 0;        // skipped by a bound: num_candidates − num_evaluated
