@@ -257,22 +257,22 @@ def _pins(args: argparse.Namespace) -> dict[str, tuple[Any, ...]]:
         raise PlanError(f"--dp {args.dp} x --pp {args.pp} needs {args.dp * args.pp} GPUs; --gpus offers {args.gpus}")
     pins = {k: (v,) for k, v in given.items() if v is not None}
     if args.chunks is not None:
-        try:
-            pins["stages_per_rank"] = tuple(int(x) for x in args.chunks.split(","))
-        except ValueError:
-            raise PlanError(
-                f"--chunks takes stages per pipeline rank separated by commas (1: GPipe, 1F1B; 2 or more: the "
-                f"interleaved schedules), got '{args.chunks}'"
-            ) from None
+        pins["stages_per_rank"] = _whole_numbers(
+            args.chunks, "--chunks takes stages per pipeline rank separated by commas (1: GPipe, 1F1B; 2 or more: "
+            "the interleaved schedules)")  # fmt: skip
     if args.cuts is not None:
-        try:
-            pins["stage_cuts"] = tuple(int(x) for x in args.cuts.split(","))
-        except ValueError:
-            raise PlanError(
-                f"--cuts takes block numbers separated by commas (the blocks where stages 2, 3, ... start, as "
-                f"`pyplan inspect` numbers them), got '{args.cuts}'"
-            ) from None
+        pins["stage_cuts"] = _whole_numbers(
+            args.cuts, "--cuts takes block numbers separated by commas (the blocks where stages 2, 3, ... start, as "
+            "`pyplan inspect` numbers them)")  # fmt: skip
     return pins
+
+
+def _whole_numbers(text: str, what: str) -> tuple[int, ...]:
+    """`text`'s comma-separated whole numbers; PlanError saying `what` the flag takes otherwise."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise PlanError(f"{what}, got '{text}'") from None
 
 
 def _tensor_parallel(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
