@@ -8,27 +8,26 @@ import inspect
 import linecache
 import os
 import traceback
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.export import Dim, export
 
 from pyplan._torch import (
     is_meta_module,
-    layout_key,
     plain_codegen,
-    run_without_compute,
     tree_flatten,
     tree_map_only,
 )
 from pyplan.errors import TraceError
+from pyplan.graph.chain import Chain
 from pyplan.graph.experts import keep_experts_whole
 from pyplan.graph.functions import kept_whole
 from pyplan.graph.layergraph import Affine, GraphNode, LayerGraph, TensorInfo
 from pyplan.graph.masks import is_batch_size, simplify_attention_masks
+from pyplan.graph.record import GraphRecorder, static_nodes
 
 __all__ = [
     "Call",
@@ -527,115 +526,6 @@ def _capture(model: nn.Module, example: ExampleInputs, leaves: tuple[LeafSpec, .
             raise _capture_error(model, exc, fx_failure) from exc
 
 
-def _leaves(value: Any) -> list[Any]:
-    """The leaves of nested tuples, lists and dicts, in order."""
-    if isinstance(value, (tuple, list)):
-        return [x for v in value for x in _leaves(v)]
-    if isinstance(value, dict):
-        return [x for v in value.values() for x in _leaves(v)]
-    return [value]
-
-
-_NOT_SEEN = object()
-
-
-def _module_key(module: nn.Module) -> Hashable:
-    """What a torch.nn module's result on fake or meta tensors depends on besides its inputs: its plain attributes
-    (sizes, strides, flags, training) and its tensors' layouts, its submodules' alike. Raises TypeError where an
-    attribute cannot be hashed."""
-    plain = tuple(
-        (name, layout_key(v))
-        for name, v in sorted(vars(module).items())
-        if not name.startswith("_") and (v is None or isinstance(v, bool | int | float | str | tuple | torch.dtype))
-    )
-    tensors = tuple((name, layout_key(t)) for name, t in [*module.named_parameters(), *module.named_buffers()])
-    children = tuple((name, type(c), _module_key(c)) for name, c in module.named_children())
-    return plain, tensors, children
-
-
-def _like(value: Any) -> Any:
-    """`value` with each tensor replaced by a new one of the same layout (on the same fake or meta device)."""
-    if isinstance(value, torch.Tensor):
-        extent = value.storage_offset() + sum((n - 1) * s for n, s in zip(value.shape, value.stride())) + 1
-        base = torch.empty(extent if value.numel() else 0, dtype=value.dtype, device=value.device)
-        return base.as_strided(value.shape, value.stride(), value.storage_offset() if value.numel() else 0)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_like(v) for v in value)
-    return value
-
-
-class _Recorder(fx.Interpreter):
-    """Runs the graph and keeps, for every node, the (shape, dtype, bytes) of each tensor it returns.
-
-    On fake or meta tensors an op's result depends only on its arguments' layouts: a call seen before (the same op
-    in each of a model's identical layers) gets new tensors of the layouts it returned then, without running the
-    op's meta kernel again (most of the cost of recording a deep model)."""
-
-    def __init__(self, gm: fx.GraphModule) -> None:
-        super().__init__(gm, garbage_collect_values=True)
-        self.seen: dict[str, list[tuple[tuple[int, ...], str, int]]] = {}
-        self.single: dict[str, bool] = {}
-        self._results: dict[Hashable, Any] = {}
-        self._key: Hashable = None
-
-    def _repeat(self, n: fx.Node) -> Any:
-        """The result of a call seen before with arguments of the same layouts, else _NOT_SEEN."""
-        self._key = None
-        if n.op == "call_module":
-            module = self.fetch_attr(str(n.target))
-            if not type(module).__module__.startswith("torch.nn.modules"):
-                return _NOT_SEEN  # a user's leaf module may steer its forward by anything
-            try:
-                target: Any = (type(module), _module_key(module))
-            except TypeError:
-                return _NOT_SEEN
-        elif n.op in ("call_function", "call_method"):
-            target = n.target
-        else:
-            return _NOT_SEEN
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
-        flat = [t for t in _leaves([args, kwargs]) if isinstance(t, torch.Tensor)]
-        if n.op == "call_module":
-            flat += [*module.parameters(), *module.buffers()]
-        if not flat or not all(t.device.type == "meta" or isinstance(t, FakeTensor) for t in flat):
-            return _NOT_SEEN
-        try:
-            self._key = (n.op, target, layout_key(args), layout_key(kwargs))
-        except TypeError:
-            return _NOT_SEEN
-        seen = self._results.get(self._key, _NOT_SEEN)
-        return _NOT_SEEN if seen is _NOT_SEEN else _like(seen)
-
-    def _remember(self, n: fx.Node, result: Any) -> None:
-        leaves = _leaves(result)
-        if self._key is not None and all(isinstance(x, torch.Tensor) or x is None for x in leaves) and leaves:
-            self._results[self._key] = result
-
-    def run_node(self, n: fx.Node) -> Any:
-        result = self._repeat(n)
-        if result is _NOT_SEEN:
-            result = super().run_node(n)
-            self._remember(n, result)
-        tensors = [t for t in _leaves(result) if isinstance(t, torch.Tensor)]
-        self.seen[n.name] = [
-            (tuple(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size()) for t in tensors
-        ]
-        self.single[n.name] = isinstance(result, torch.Tensor)
-        return result
-
-
-def _record(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...]) -> _Recorder:
-    """Run `gm` on fake or meta tensors (no real compute, no allocation) and record every node's outputs."""
-
-    def run(convert: Callable[[torch.Tensor], torch.Tensor]) -> _Recorder:
-        rec = _Recorder(gm)
-        with torch.no_grad():
-            rec.run(*[convert(t) for t in inputs])
-        return rec
-
-    return run_without_compute(gm, run, memo=False)  # the recorder repeats whole calls itself
-
-
 def trace(
     model: nn.Module,
     example_inputs: ExampleInputs,
@@ -671,14 +561,25 @@ def _batch_dim(at_b: tuple[int, ...], at_2b: tuple[int, ...]) -> int | None:
 
 
 def graph_of(
-    gm: fx.GraphModule, example_inputs: ExampleInputs, batch_size: int, leaf_modules: tuple[str, ...] = ()
+    gm: fx.GraphModule,
+    example_inputs: ExampleInputs,
+    batch_size: int,
+    leaf_modules: tuple[str, ...] = (),
+    *,
+    like: Chain | None = None,
 ) -> LayerGraph:
     """The LayerGraph of a captured GraphModule: every node's outputs recorded at `batch_size` and at twice that.
-    Also serves a GraphModule rewritten after capture (pyplan/graph/tensor_parallel.py's local shards)."""
+    Also serves a GraphModule rewritten after capture (pyplan/graph/tensor_parallel.py's local shards).
+
+    On the meta device a block of operations that repeats an earlier one op for op, on values of the same layouts,
+    is recorded as the earlier one was instead of run (the records come out the same: one of a model's identical
+    layers is run). The blocks are those of `like`, the chain of the graph `gm` was rewritten from (the same
+    operations, names and order), else the operations grouped by the modules that made them."""
     b1, b2 = batch_size, 2 * batch_size
     try:
-        r1 = _record(gm, inputs_at(example_inputs, b1))
-        r2 = _record(gm, inputs_at(example_inputs, b2))
+        recorder = GraphRecorder(gm, like)
+        r1 = recorder.record(inputs_at(example_inputs, b1))
+        r2 = recorder.record(inputs_at(example_inputs, b2))
     except TraceError:
         raise
     except Exception as exc:
@@ -688,14 +589,10 @@ def graph_of(
             "check that example_inputs(batch_size) matches what model() expects"
         ) from exc
 
-    static: set[str] = set()
+    static = static_nodes(gm)
     nodes: list[GraphNode] = []
     for n in gm.graph.nodes:
         inputs = tuple(a.name for a in n.all_input_nodes)
-        if n.op == "get_attr" or (n.op in ("call_function", "call_method") and all(i in static for i in inputs)):
-            static.add(n.name)
-        elif is_batch_size(n):
-            static.add(n.name)  # each piece reads the batch size off a tensor of its own (graph/split.py)
         stack = n.meta.get("nn_module_stack") or {}
         module_path = next(reversed(stack.values()))[0] if stack else ""
         if n.op == "call_module":

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -12,6 +10,7 @@ from torch import fx, nn
 
 from pyplan._torch import is_meta_module, storage_key, tensor_leaves
 from pyplan.graph.chain import Chain
+from pyplan.graph.describe import describe, describe_module, tensor_layout
 from pyplan.graph.split import pieces
 
 __all__ = ["RepeatedBlocks", "backward", "block_inputs", "block_modules", "forward", "leaf_inputs", "mirror"]
@@ -109,94 +108,16 @@ def backward(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None
         torch.autograd.backward(list(roots), list(grads) if grads is not None else [torch.ones_like(t) for t in roots])
 
 
-def _primitives(module: nn.Module) -> tuple[tuple[str, str], ...]:
-    """A module's plain attributes (sizes, flags, rates): what may steer its forward beyond `extra_repr`."""
-    return tuple(
-        (k, repr(v))
-        for k, v in sorted(vars(module).items())
-        if not k.startswith("_") and (v is None or isinstance(v, bool | int | float | str | tuple | torch.dtype))
-    )
-
-
-def _tensor(t: torch.Tensor) -> tuple[Any, ...]:
-    return (tuple(t.shape), t.dtype, t.requires_grad, t.stride() if t.layout == torch.strided else None)
-
-
 def _inputs(args: Sequence[Any]) -> list[Any]:
     """Each input's shape, dtype, stride and `requires_grad`, and which earlier input shares its storage (an op
     reading one storage twice moves its bytes once)."""
     first: dict[int, int] = {}
     return [
-        (_tensor(a), a.storage_offset(), first.setdefault(storage_key(a), i)) if isinstance(a, torch.Tensor) else a
+        (tensor_layout(a), a.storage_offset(), first.setdefault(storage_key(a), i))
+        if isinstance(a, torch.Tensor)
+        else a
         for i, a in enumerate(args)
     ]
-
-
-# How many functions and objects deep `_describe` follows closures and attributes; a value deeper than this is told
-# apart by its identity.
-_DEPTH = 8
-
-
-def _describe(value: Any, names: Mapping[str, int], depth: int = 0) -> Any:
-    """What `value` (a call target, a hook, what a function closes over) does, as plain data: a node's name as its
-    position in the piece (a rewritten graph's calls name the nodes they act on), a function by its code, defaults
-    and closure, an object by its type and public attributes. What it cannot tell apart safely (deeper than
-    _DEPTH, or of an unknown kind) is described by its identity, so that two blocks are never taken for the same
-    on its account."""
-    if depth > _DEPTH:
-        return ("id", id(value))
-    deeper = depth + 1
-    if value is None or isinstance(value, bool | int | float | complex | torch.dtype | torch.device):
-        return value
-    if isinstance(value, str):
-        return f"%{names[value]}" if value in names else value
-    if isinstance(value, fx.Node):
-        return f"%{names.get(value.name, value.name)}"
-    if isinstance(value, list | tuple):
-        return (type(value).__name__, tuple(_describe(v, names, depth) for v in value))
-    if isinstance(value, dict):
-        return ("dict", tuple((_describe(k, names, depth), _describe(v, names, depth)) for k, v in value.items()))
-    if isinstance(value, torch.Tensor):
-        return ("tensor", _tensor(value))
-    if isinstance(value, nn.Module):
-        return _module(value, names, depth)
-    if isinstance(value, functools.partial):
-        return ("partial", *(_describe(x, names, deeper) for x in (value.func, value.args, value.keywords)))
-    if isinstance(value, types.MethodType):
-        return ("method", value.__func__.__qualname__, _describe(value.__self__, names, deeper))
-    if isinstance(value, types.FunctionType):
-        cells = tuple(_describe(c.cell_contents, names, deeper) for c in value.__closure__ or ())
-        return ("function", value.__code__, value.__name__, _describe(value.__defaults__, names, deeper), cells)
-    if isinstance(value, types.BuiltinFunctionType | type):
-        return value  # module-level: the same object wherever it is called
-    if hasattr(value, "__dict__") and not callable(value):
-        public = {k: v for k, v in vars(value).items() if not k.startswith("_")}
-        return (type(value), _describe(public, names, deeper))
-    return ("id", id(value))  # an aten op is one object wherever it is called: told apart by identity alone
-
-
-def _hooks(module: nn.Module) -> tuple[Any, ...]:
-    """The forward hooks of a module (a rewritten graph's scatters and gathers around a split layer)."""
-    return tuple(
-        tuple(hooks.values())
-        for hooks in (module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs, module._forward_hooks)
-    )
-
-
-def _module(module: nn.Module, names: Mapping[str, int], depth: int = 0) -> tuple[Any, ...]:
-    return tuple(
-        (
-            name,
-            type(m),
-            m.training,
-            m.extra_repr(),
-            _primitives(m),
-            tuple((n, _tensor(p)) for n, p in m.named_parameters(recurse=False)),
-            tuple((n, _tensor(b)) for n, b in m.named_buffers(recurse=False)),
-            _describe(_hooks(m), names, depth + 1),
-        )
-        for name, m in module.named_modules()
-    )
 
 
 class RepeatedBlocks:
@@ -243,15 +164,15 @@ class RepeatedBlocks:
         ops = []
         for n in mod.graph.nodes:
             if n.op == "call_module":
-                target: Any = _module(mod.get_submodule(n.target), position)
+                target: Any = describe_module(mod.get_submodule(n.target), position)
             elif n.op == "get_attr":
                 attr = mod
                 for part in n.target.split("."):
                     attr = getattr(attr, part)
                 if isinstance(attr, torch.Tensor):
-                    target = _tensor(attr)
+                    target = tensor_layout(attr)
                 elif isinstance(attr, nn.Module):
-                    target = _module(attr, position)
+                    target = describe_module(attr, position)
                 else:  # a constant of a higher-order op (a vmapped mask function's TreeSpec): by its value
                     target = (type(attr).__qualname__, repr(attr))
             elif n.op == "placeholder":
@@ -259,7 +180,7 @@ class RepeatedBlocks:
             elif n.op == "call_method":
                 target = n.target  # a method's name
             else:
-                target = _describe(n.target, position)  # a function, or a closure over the nodes it acts on
+                target = describe(n.target, position)  # a function, or a closure over the nodes it acts on
             refs = fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{position[a.name]}")
             ops.append((n.op, target, refs))
         return repr(ops)

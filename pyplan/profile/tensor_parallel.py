@@ -54,7 +54,8 @@ def local_chain(
     gm = local_module(chain.graph, plan, degree)
     if zone is not None:
         rewrite(gm, zone, ShapeOps(degree), layers=True)
-    graph = graph_of(gm, example_inputs, chain.graph.batch_size, chain.graph.leaf_modules)
+    # Its layers repeat as the chain's do: each distinct block is recorded once (graph_of's `like`).
+    graph = graph_of(gm, example_inputs, chain.graph.batch_size, chain.graph.leaf_modules, like=chain)
     local = linearize(graph, positions=[c.position for c in chain.cuts[1:-1]], order=chain.order)
     blocks = [replace(lb, name=b.name) for lb, b in zip(local.blocks, chain.blocks, strict=True)]
     return replace(local, blocks=blocks)
