@@ -188,6 +188,25 @@ void bind_simulate(py::module_& m) {
         "runs the schedule: {'inputs': [...], 'gradients': [...]} (simulate.h).");
 
     m.def(
+        "in_flight_peaks",
+        [](const std::string& schedule, std::int64_t num_ranks, std::int64_t num_microbatches,
+           std::int64_t stages_per_rank) {
+            const Schedule s = to_schedule(schedule);
+            const int p = to_int(num_ranks, "num_ranks", 1, kIntMax);
+            const int m = to_int(num_microbatches, "num_microbatches", 1, kIntMax);
+            const int v = to_int(stages_per_rank, "stages_per_rank", 1, kIntMax);
+            pyplan::InFlightPeaks peaks;
+            {
+                py::gil_scoped_release release;
+                peaks = pyplan::in_flight_peaks(pyplan::schedule_order(s, p, m, v), pyplan::stage_placement(s, p, v));
+            }
+            return peaks;
+        },
+        py::arg("schedule"), py::arg("num_ranks"), py::arg("num_microbatches"), py::arg("stages_per_rank"),
+        "Per rank, the counts of micro-batches in flight on its stages (in stage order) at which its activations\n"
+        "may peak: max over time of sum_j n_j(t)*A_j is the max over these of sum_j n_j*A_j (simulate.h).");
+
+    m.def(
         "simulate",
         [](const std::vector<std::vector<PyActionIn>>& order, const std::vector<std::int64_t>& stage_rank,
            std::vector<double> forward_s, std::vector<double> backward_s,

@@ -118,7 +118,10 @@ class StagePlan:
     `time_s` is the stage's time per micro-batch in the partition's model: `forward_s` + `backward_s` plus the
     boundary sends; `memory_bytes` = `state_bytes` (weights, gradients, optimizer state after ZeRO sharding)
     + `activation_bytes` (`in_flight` micro-batches of saved activations, received inputs and outputs, which the
-    PipelineStage keeps to the end of the backward, and one backward's working memory) + `buffer_bytes` (the
+    PipelineStage keeps to the end of the backward, and one backward's working memory; where a rank holds several
+    stages, whose own peaks come at different times, the stage's share of its rank's peak over the schedule: the
+    micro-batches it has in flight then, at most `in_flight`, and the working memory on the stage that runs then,
+    so that the rank's stages sum to what it holds at its peak) + `buffer_bytes` (the
     runtime's receive buffers beyond the inputs in flight, as many as the schedule holds at once: inputs received
     ahead of their forward and output gradients received or handed over, none and one under GPipe and 1F1B
     (pyplan/runtime/recv.py, _core.receive_buffers); the input gradient it keeps from its last backward while

@@ -384,11 +384,100 @@ def test_interleaved_chunks_recompute_in_proportion_to_what_they_hold(monkeypatc
     planned = _interleaved("auto", least)
     assert planned is not None and planned.layout.remat and planned.predicted.peak_memory_bytes <= least
 
-    def halves(stages: list[Any], free_bytes: float, mode: str, offload_bw_bytes_per_s: float | None) -> Any:
-        """What refine_plan did before: each of the rank's stages within an even share of its free memory."""
-        got = [x.within(free_bytes / len(stages), mode, offload_bw_bytes_per_s) for x in stages]
-        return got if all(c is not None for c in got) else None
+    def halves(
+        stages: list[Any], free_bytes: float, mode: str, offload_bw_bytes_per_s: float | None, peaks: Any
+    ) -> Any:
+        """What refine_plan did before: each of the rank's stages within an even share of its free memory beside
+        their inputs and outputs in flight, at its own peak; then the rank's peak checked as refine_plan checks it."""
+        beside = free_bytes - sum(x.in_flight * x.resident_bytes for x in stages)
+        got = [x.within(beside / len(stages), mode, offload_bw_bytes_per_s) for x in stages]
+        if any(c is None for c in got) or remat_search._rank_peak(stages, got, peaks)[0] > free_bytes:
+            return None
+        return got
 
     monkeypatch.setattr(remat_search, "_rank_choices", halves)
     assert _interleaved("auto", least) is None
     assert _least_memory("auto", keep_all.predicted.peak_memory_bytes) > least * 1.02
+
+
+def _walk_rank(schedule: str, p: int, m: int, v: int, rank: int) -> tuple[list[int], list[tuple[list[int], int]]]:
+    """Rank `rank`'s stages, and for each of its actions the counts of those stages in flight while it runs (the
+    running micro-batch counted) and the index of its stage."""
+    from pyplan.solve.schedules import pipeline_order, stage_placement
+
+    placement = stage_placement(schedule, p, v)
+    stages = [s for s in range(p * v) if placement[s] == rank]
+    now = [0] * len(stages)
+    running = []
+    for a in pipeline_order(schedule, p, m, v)[rank]:
+        j = stages.index(a.stage)
+        if a.op == "F":
+            now[j] += 1
+        running.append((list(now), j))
+        if a.op in ("B", "W"):
+            now[j] -= 1
+    return stages, running
+
+
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"])
+@pytest.mark.parametrize("v", [2, 3, 4])
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_a_ranks_chunks_are_counted_at_the_ranks_peak_over_time(schedule: str, p: int, v: int) -> None:
+    """The refinement's rank memory with several chunks (`_rank_peak`) against walking the schedule action by action,
+    with random held, resident and working bytes per chunk: it is the largest over every moment of Σ_j n_j·A_j plus
+    the largest working memory of a chunk in flight then, at least what each action holds while it runs (its own
+    chunk's working memory beside every micro-batch in flight), at most the chunks' own peaks summed; the chunks'
+    shares add up to it."""
+    import random
+    from types import SimpleNamespace
+
+    from pyplan.remat_plan import no_remat
+    from pyplan.solve.remat_search import StageChoice, _Choice, _rank_peak
+    from pyplan.solve.schedules import in_flight_peaks, simulate, torch_rejection
+
+    for m in (2, 4, 8, 12):
+        if torch_rejection(schedule, p, m, v):
+            continue
+        rng = random.Random(f"{schedule}-{p}-{v}-{m}")
+        ones = [1.0] * (p * v)
+        own = simulate(schedule, ones, ones, num_microbatches=m, stages_per_rank=v, backward_weight_s=ones)
+        peaks = in_flight_peaks(schedule, p, m, v)
+        for rank in range(p):
+            stages_, running = _walk_rank(schedule, p, m, v, rank)
+            n = [own.peak_in_flight[s] for s in stages_]
+            held = [rng.uniform(0, 1e6) for _ in stages_]
+            resident = [rng.uniform(0, 1e5) for _ in stages_]
+            working = [rng.uniform(0, 3e6) for _ in stages_]
+            again = [rng.uniform(0, 1e5) for _ in stages_]
+            choices = [
+                _Choice(StageChoice(no_remat(0, 1), 0.0, 0.0, 0.0, w + k * h - a, 0.0, h), a, k)
+                for w, h, a, k in zip(working, held, again, n)
+            ]
+            planning: Any = [SimpleNamespace(resident_bytes=x) for x in resident]
+            most, shares = _rank_peak(planning, choices, peaks[rank])
+            per_mb = [h + x for h, x in zip(held, resident)]
+
+            def at(counts: list[int], per_mb: list[float] = per_mb) -> float:
+                return sum(c * x for c, x in zip(counts, per_mb))
+
+            exact = max(at(c) + max(working[j] for j in range(len(c)) if c[j] > 0) for c, _ in running)
+            sound = max(at(c) + working[j] for c, j in running)
+            summed = sum(k * x + w for k, x, w in zip(n, per_mb, working))
+            assert most == pytest.approx(exact, rel=1e-12)
+            assert sound <= most * (1 + 1e-12) and most <= summed * (1 + 1e-12)
+            assert sum(shares) == pytest.approx(most, rel=1e-12)
+
+
+def test_the_530b_rank_0_chunks_are_counted_at_139_micro_batches_not_174() -> None:
+    """Megatron-LM's 530B ([KORTH], pp 35, 3 chunks a rank, m 280): the refinement counts rank 0's chunks as the
+    rank holds them at its peak, 139 micro-batches' worth, not their own peaks (70, 69 and 35) summed."""
+    from types import SimpleNamespace
+
+    from pyplan.remat_plan import no_remat
+    from pyplan.solve.remat_search import StageChoice, _Choice, _rank_peak
+    from pyplan.solve.schedules import in_flight_peaks
+
+    choices = [_Choice(StageChoice(no_remat(0, 1), 0.0, 0.0, 0.0, n * 1e9, 0.0, 1e9), 0.0, n) for n in (70, 69, 35)]
+    planning: Any = [SimpleNamespace(resident_bytes=0.0)] * 3
+    most, shares = _rank_peak(planning, choices, in_flight_peaks("Interleaved1F1B", 35, 280, 3)[0])
+    assert most == 139e9 and shares == [69e9, 35e9, 35e9]

@@ -278,6 +278,7 @@ private:
     const Chain& chain_for(const Config& config, const Layout& lay);
     const RankOrder& order_for(Schedule schedule, int p, int m, int v);
     const std::vector<int>& in_flight_of(const Config& config);
+    const InFlightPeaks& peaks_of(const Config& config);
     bool may_be_fresh(const Config& config) const;
     std::vector<bool> fresh_of(const Config& config);
     const HeldCuts& held_cuts_of(const Config& config);
@@ -303,6 +304,7 @@ private:
     std::map<std::vector<long long>, PartitionResult> partitions_;
     std::map<std::tuple<int, int, int, int>, RankOrder> orders_;
     std::map<std::tuple<int, int, int, int>, std::vector<int>> in_flight_;
+    std::map<std::tuple<int, int, int, int>, InFlightPeaks> peaks_;  // with v ≥ 2, by the key of in_flight_
     std::map<std::tuple<int, int, int, int>, HeldCuts> held_cuts_;
     // [n] or NaN, per chain and whether the stage makes its gradients after its peak; chains_ never moves its chains
     std::map<std::pair<const Chain*, bool>, std::vector<double>> caps_;
@@ -860,7 +862,9 @@ const std::vector<int>& Searcher::in_flight_of(const Config& c) {
         std::vector<int> now(S, 0);
         // A fresh order, not order_for's cached one: only the plans simulated keep theirs (a cache of every
         // candidate's order grew with the GPUs and blocks: 1.6 GB for 1,000 blocks on 1,024 GPUs).
-        for (const std::vector<Action>& rank : schedule_order(c.schedule, c.p, c.m, c.v)) {
+        const RankOrder order = schedule_order(c.schedule, c.p, c.m, c.v);
+        peaks_.emplace(key, in_flight_peaks(order, stage_placement(c.schedule, c.p, c.v)));
+        for (const std::vector<Action>& rank : order) {
             for (const Action& a : rank) {
                 if (a.op == Op::Forward) {
                     in_flight[a.stage] = std::max(in_flight[a.stage], ++now[a.stage]);
@@ -871,6 +875,12 @@ const std::vector<int>& Searcher::in_flight_of(const Config& c) {
         }
     }
     return in_flight_.emplace(key, std::move(in_flight)).first->second;
+}
+
+// With several stages per rank, the count vectors at which each rank's activations may peak (simulate.h).
+const InFlightPeaks& Searcher::peaks_of(const Config& c) {
+    in_flight_of(c);
+    return peaks_.at(std::make_tuple(static_cast<int>(c.schedule), c.p, c.m, c.v));
 }
 
 // Step 3's fresh gradients: with fresh_gradients, one replica (d = 1, ZeRO 0) and one stage per rank, some stage may
@@ -1026,10 +1036,27 @@ void Searcher::evaluate(const Config& c) {
     const std::vector<int>& in_flight = in_flight_of(c);
     const HeldCuts& held = held_cuts_of(c);
     const std::vector<bool> fresh = fresh_of(c);
+    // 3. The micro-batches of each stage in flight at its rank's peak: its own peak with one stage per rank; with
+    // several, the count vector of the rank's peaks (simulate.h's in_flight_peaks) with the most activations.
+    std::vector<int> at_peak = in_flight;
+    if (c.v > 1) {
+        const InFlightPeaks& peaks = peaks_of(c);
+        for (int r = 0; r < c.p; ++r) {
+            std::vector<int> mine;
+            std::vector<double> bytes;
+            for (int s = 0; s < S; ++s)
+                if (cand.stage_rank[s] == r) {
+                    mine.push_back(s);
+                    bytes.push_back(act_per_microbatch[s]);
+                }
+            const std::vector<int>& most = peaks[r][heaviest_peak(peaks[r], bytes)];
+            for (std::size_t j = 0; j < mine.size(); ++j) at_peak[mine[j]] = most[j];
+        }
+    }
     for (int s = 0; s < S; ++s) {
         const int n = in_flight[s];  // the partition's, as the simulation finds them
         cand.stage_in_flight.push_back(n);
-        cand.stage_act_bytes.push_back(n * act_per_microbatch[s]);
+        cand.stage_act_bytes.push_back(at_peak[s] * act_per_microbatch[s]);
         // 3. Gradients not yet made at the peak of a stage that makes them after it (fresh_gradients).
         cand.stage_unmade_grad_bytes.push_back(
             fresh[s] ? unmade_grad_bytes(stage_grads[s], n, saved_per_microbatch[s]) : 0.0);

@@ -664,4 +664,64 @@ ReceiveBuffers schedule_receive_buffers(Schedule schedule, int num_ranks, int nu
     return receive_buffers(lower_order(schedule, order, stage_rank), stage_rank);
 }
 
+InFlightPeaks in_flight_peaks(const RankOrder& order, const std::vector<int>& stage_rank) {
+    const int num_stages = static_cast<int>(stage_rank.size());
+    if (num_stages < 1 || order.empty())
+        throw std::invalid_argument("need at least one stage and one rank (got " + std::to_string(num_stages) +
+                                    " stages, " + std::to_string(order.size()) + " ranks)");
+    check_order(order, stage_rank, num_stages, order_microbatches(order));
+    InFlightPeaks peaks(order.size());
+    for (size_t r = 0; r < order.size(); ++r) {
+        // local[s]: stage s's index among rank r's stages.
+        std::vector<int> local(num_stages, -1);
+        int held = 0;
+        for (int s = 0; s < num_stages; ++s)
+            if (stage_rank[s] == static_cast<int>(r)) local[s] = held++;
+        std::vector<int> now(held, 0);
+        std::vector<std::vector<int>> ends;
+        const std::vector<Action>& actions = order[r];
+        for (size_t i = 0; i < actions.size(); ++i) {
+            const Action& a = actions[i];
+            if (a.op == Op::Forward) {
+                ++now[local[a.stage]];
+                if (i + 1 == actions.size() || actions[i + 1].op != Op::Forward) ends.push_back(now);
+            } else if (a.op != Op::BackwardInput) {
+                --now[local[a.stage]];
+            }
+        }
+        std::sort(ends.begin(), ends.end());
+        ends.erase(std::unique(ends.begin(), ends.end()), ends.end());
+        // Keep the vectors no other one equals or exceeds in every stage (they are distinct, so "equals" is moot).
+        auto covers = [](const std::vector<int>& a, const std::vector<int>& b) {
+            for (size_t j = 0; j < a.size(); ++j)
+                if (a[j] < b[j]) return false;
+            return true;
+        };
+        for (size_t k = 0; k < ends.size(); ++k) {
+            bool dominated = false;
+            for (size_t q = 0; q < ends.size() && !dominated; ++q) dominated = q != k && covers(ends[q], ends[k]);
+            if (!dominated) peaks[r].push_back(ends[k]);
+        }
+    }
+    return peaks;
+}
+
+std::size_t heaviest_peak(const std::vector<std::vector<int>>& peaks, const std::vector<double>& bytes) {
+    if (peaks.empty()) throw std::invalid_argument("heaviest_peak: no count vectors");
+    std::size_t best = 0;
+    double most = 0.0;
+    for (std::size_t k = 0; k < peaks.size(); ++k) {
+        if (peaks[k].size() != bytes.size())
+            throw std::invalid_argument("heaviest_peak: a count vector of " + std::to_string(peaks[k].size()) +
+                                        " stages for " + std::to_string(bytes.size()) + " byte counts");
+        double sum = 0.0;
+        for (std::size_t j = 0; j < bytes.size(); ++j) sum += peaks[k][j] * bytes[j];
+        if (k == 0 || sum > most) {
+            best = k;
+            most = sum;
+        }
+    }
+    return best;
+}
+
 }  // namespace pyplan

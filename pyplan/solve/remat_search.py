@@ -44,7 +44,7 @@ from pyplan.solve.remat import (
     replay,
     solve,
 )
-from pyplan.solve.schedules import simulate, stage_placement
+from pyplan.solve.schedules import in_flight_peaks, simulate, stage_placement
 
 __all__ = [
     "FIXED_PLAN_MODES",
@@ -94,7 +94,7 @@ def relaxed_chain(
 @dataclass(frozen=True)
 class StageChoice:
     """A stage's remat plan and what it costs per micro-batch (replayed in bytes); `activation_bytes` is the
-    peak of one micro-batch plus what the others in flight hold after their forward."""
+    peak of one micro-batch plus what the others in flight hold after their forward (`held_bytes` each)."""
 
     plan: RematPlan
     time_s: float
@@ -102,6 +102,7 @@ class StageChoice:
     transfer_s: float
     activation_bytes: float
     unmade_grad_bytes: float = 0.0  # parameter gradients not yet made at the peak (`unmade_grad_bytes`)
+    held_bytes: float = 0.0  # what one micro-batch in flight holds after its forward
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,9 @@ def stage_remat(
     except InfeasibleError:
         return None
     need = got.peak_bytes + (in_flight - 1) * got.after_forward_bytes
-    best = StageChoice(got.plan, got.time_s, got.recompute_s, got.transfer_s, need, unmade(got.plan))
+    best = StageChoice(
+        got.plan, got.time_s, got.recompute_s, got.transfer_s, need, unmade(got.plan), got.after_forward_bytes
+    )
     # Selective checkpointing block by block, the blocks that save most bytes per second recomputed first, as
     # few as fit: the DP's plans do not include it; the faster of the two is the stage's plan.
     gains = selective_gains(chain)
@@ -255,7 +258,7 @@ def _replayed(
                  param_grad_bytes=fresh_grad_bytes)  # fmt: skip
     need = rep.peak_bytes + (in_flight - 1) * rep.after_forward_bytes
     free = unmade_grad_bytes(rep, in_flight, sum(fresh_grad_bytes)) if fresh_grad_bytes else 0.0
-    return StageChoice(plan, rep.time_s, rep.recompute_s, rep.transfer_s, need, free)
+    return StageChoice(plan, rep.time_s, rep.recompute_s, rep.transfer_s, need, free, rep.after_forward_bytes)
 
 
 def stage_outputs(lo: int, hi: int, mems: Sequence[BlockMemory], num_cuts: int) -> tuple[tuple[int, int], ...]:
@@ -341,8 +344,9 @@ def refine_plan(
     host costs (search.h's HostCosts by name) with `cut_tensors` the tensors crossing each cut;
     `checkpoint_block_s` what each block adds to a checkpoint it is inside (empty: nothing), and
     `checkpoint_forward_share` the share of those costs paid in the forward pass (the rest in the backward). The
-    stages of one rank (the chunks of an interleaved schedule) share its memory beside their state and what they
-    hold beside their blocks (`_rank_choices`).
+    stages of one rank (the chunks of an interleaved schedule) share its memory beside their state and buffers, at
+    the rank's peak over the schedule's time, not each chunk's own (`_rank_choices`, `_rank_peak`); each such stage's
+    activations are its share of that peak.
 
     With `params`, a stage's memory is the larger of two moments: in the pipeline, where one replica's stage that
     runs every forward before its first backward peaks before most gradients are made again (`_stage_grads`), and
@@ -361,11 +365,13 @@ def refine_plan(
     for s, r in enumerate(stage_rank):
         ranks.setdefault(r, []).append(s)
     outputs = [stage_outputs(st.first_block, st.last_block + 1, mems, len(cuts)) for st in plan.stages]
-    # What each stage holds beside the replay: its inputs and outputs per micro-batch in flight; and its buffers.
-    resident = [
-        st.in_flight * (cuts[st.first_block] + scale * sum(mems[k].out_values[i][0] for k, i in outputs[s]))
+    # What each stage holds beside the replay: its inputs and outputs, per micro-batch and for those in flight at
+    # its own peak; and its buffers.
+    per_microbatch = [
+        cuts[st.first_block] + scale * sum(mems[k].out_values[i][0] for k, i in outputs[s])
         for s, st in enumerate(plan.stages)
     ]
+    resident = [st.in_flight * x for st, x in zip(plan.stages, per_microbatch, strict=True)]
     stages: list[StagePlan] = []
     remat: list[StageRemat | None] = []
     step, in_step = _optimizer_step(plan, params, tied_copy_numel, cuts)
@@ -391,25 +397,42 @@ def refine_plan(
                 tuple((max(a, lo) - lo, min(z, hi) - lo) for a, z in segments if a < hi and z > lo),
                 functools.partial(_recomputed_outputs, lo=lo, mems=mems, outputs=outputs[s]),
                 scale,
+                per_microbatch[s],
             )
         )
+    peaks = (
+        _rank_peaks(lay.schedule, lay.pp, lay.num_microbatches, lay.stages_per_rank)
+        if lay.stages_per_rank > 1
+        else None
+    )
     chosen: dict[int, _Choice] = {}
-    for xs in ranks.values():
-        # What the rank's stages may hold beside its state and what they hold beside their blocks.
+    activation: dict[int, float] = {}  # each stage's share of its rank's activations at the rank's peak
+    for r, xs in ranks.items():
         rank_state = sum(plan.stages[x].state_bytes for x in xs)
-        rank_held = sum(resident[x] + plan.stages[x].buffer_bytes for x in xs)
-        got = _rank_choices([planned[x] for x in xs], gpu_mem_bytes - rank_state - rank_held, mode,
-                            offload_bw_bytes_per_s)  # fmt: skip
+        if peaks is None:
+            # One stage: its plan within what its rank holds beside its state and what it holds beside its blocks.
+            (x,) = xs
+            one = planned[x].within(gpu_mem_bytes - rank_state - (resident[x] + plan.stages[x].buffer_bytes), mode,
+                                    offload_bw_bytes_per_s)  # fmt: skip
+            if one is None:
+                return None
+            chosen[x] = one
+            activation[x] = one.choice.activation_bytes + (one.again + resident[x])
+            continue
+        # Several: their plans within what the rank holds beside its state and buffers, at its peak over time.
+        got = _rank_choices([planned[x] for x in xs], gpu_mem_bytes - rank_state - sum(plan.stages[x].buffer_bytes
+                            for x in xs), mode, offload_bw_bytes_per_s, peaks[r])  # fmt: skip
         if got is None:
             return None
         chosen.update(zip(xs, got, strict=True))
+        activation.update(zip(xs, _rank_peak([planned[x] for x in xs], got, peaks[r])[1], strict=True))
     for s, st in enumerate(plan.stages):
         lo, hi = st.first_block, st.last_block + 1
         got = chosen[s].choice
         remat.append(None if got.plan == no_remat(0, hi - lo) else StageRemat(tuple(positions[lo : hi + 1]), got.plan))
         messages = float(host.get("message_s", 0.0)) * (tensors[lo] + tensors[hi])
         sends = send_s(cuts[lo]) * (lo > 0) + send_s(cuts[hi]) * (hi < len(cuts) - 1)
-        held = _Held(chosen[s].again + resident[s], in_step[s], step[s])
+        held = _Held(activation[s], in_step[s], step[s])
         stages.append(_stage_plan(st, planned[s].chain, got, held, host, messages, sends))
     return _with_stages(plan, stages, remat, send_s, cuts, stage_sync_s, host, ranks)
 
@@ -417,21 +440,30 @@ def refine_plan(
 @dataclass(frozen=True)
 class _Choice:
     """A stage's remat plan with the bytes its recomputation makes again of the outputs the stage holds (`again`,
-    `_recomputed_outputs`): the stage's blocks take `need` of their rank's free memory."""
+    `_recomputed_outputs`), planned with `in_flight` micro-batches: the stage's blocks take `need` of their rank's
+    free memory, of which `working_bytes` beyond what those micro-batches hold after their forward."""
 
     choice: StageChoice
     again: float
+    in_flight: int
 
     @property
     def need(self) -> float:
         return self.choice.activation_bytes - self.choice.unmade_grad_bytes + self.again
 
+    @property
+    def working_bytes(self) -> float:
+        """One micro-batch's peak beyond what it holds after its forward, with the held outputs its recomputation
+        makes again."""
+        return max(0.0, self.need - self.in_flight * self.choice.held_bytes)
+
 
 @dataclass(frozen=True)
 class _StagePlanning:
-    """One stage's blocks as `refine_plan` plans them: its chain, micro-batches in flight, gradients made after its
-    peak (`stage_remat`'s `fresh_grad_bytes`), checkpointable units, and `recomputed(plan)` the unscaled bytes of its
-    held outputs that `plan` makes again (scaled by `scale`)."""
+    """One stage's blocks as `refine_plan` plans them: its chain, micro-batches in flight (its own peak), gradients
+    made after its peak (`stage_remat`'s `fresh_grad_bytes`), checkpointable units, `recomputed(plan)` the unscaled
+    bytes of its held outputs that `plan` makes again (scaled by `scale`), and `resident_bytes` what each micro-batch
+    in flight holds beside its blocks (its input and the outputs its PipelineStage keeps)."""
 
     chain: RematChain
     in_flight: int
@@ -439,64 +471,124 @@ class _StagePlanning:
     segments: tuple[tuple[int, int], ...]
     recomputed: Callable[[RematPlan], float]
     scale: float
+    resident_bytes: float = 0.0
 
-    def within(self, budget_bytes: float, mode: str, offload_bw_bytes_per_s: float | None) -> _Choice | None:
-        """The plan of `mode` within `budget_bytes` (`stage_remat`) that fits it with what it makes again."""
-        got = stage_remat(self.chain, budget_bytes, self.in_flight, mode=mode,
-                          offload_bw_bytes_per_s=offload_bw_bytes_per_s, fresh_grad_bytes=self.fresh_grad_bytes,
-                          segments=self.segments)  # fmt: skip
+    def within(
+        self, budget_bytes: float, mode: str, offload_bw_bytes_per_s: float | None, in_flight: int | None = None
+    ) -> _Choice | None:
+        """The plan of `mode` within `budget_bytes` (`stage_remat`) that fits it with what it makes again, with
+        `in_flight` micro-batches (default: its own peak)."""
+        n = self.in_flight if in_flight is None else in_flight
+        got = stage_remat(self.chain, budget_bytes, n, mode=mode, offload_bw_bytes_per_s=offload_bw_bytes_per_s,
+                          fresh_grad_bytes=self.fresh_grad_bytes, segments=self.segments)  # fmt: skip
         if got is None:
             return None
-        choice = _Choice(got, self.scale * self.recomputed(got.plan))
+        choice = _Choice(got, self.scale * self.recomputed(got.plan), n)
         return choice if choice.need <= budget_bytes else None
 
-    def least_need(self, offload_bw_bytes_per_s: float | None) -> float:
-        """What full recomputation needs, the less of checkpointing every block but the last and every block: each
-        micro-batch in flight holds its blocks' inputs, one runs its backward."""
+    def least(self, offload_bw_bytes_per_s: float | None) -> _Choice:
+        """Full recomputation with the least need at its own peak, of checkpointing every block but the last and
+        every block: each micro-batch in flight holds its blocks' inputs, one runs its backward."""
         n = len(self.chain)
         return min(
-            _Choice(c, self.scale * self.recomputed(c.plan)).need
-            for plan in (full_remat(0, n), full_remat(0, n, last=True))
-            for c in [_replayed(self.chain, plan, self.in_flight, offload_bw_bytes_per_s, self.fresh_grad_bytes)]
+            (
+                _Choice(c, self.scale * self.recomputed(c.plan), self.in_flight)
+                for plan in (full_remat(0, n), full_remat(0, n, last=True))
+                for c in [_replayed(self.chain, plan, self.in_flight, offload_bw_bytes_per_s, self.fresh_grad_bytes)]
+            ),
+            key=lambda c: c.need,
         )
 
 
-def _rank_choices(
-    stages: Sequence[_StagePlanning], free_bytes: float, mode: str, offload_bw_bytes_per_s: float | None
-) -> list[_Choice] | None:
-    """The plans of a rank's stages that fit together in its `free_bytes` (beside its state and what the stages hold
-    beside their blocks), or None.
+@functools.lru_cache(maxsize=64)
+def _rank_peaks(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """`in_flight_peaks`, kept for the many candidates of one shape (it walks the whole order: 0.8 s at p 64, v 4,
+    m 2048)."""
+    return tuple(tuple(rank) for rank in in_flight_peaks(schedule, p, m, v))
 
-    Where the mode's plan does not depend on the budget (FIXED_PLAN_MODES) or the rank runs one stage, each stage's
-    plan within the whole, if their needs sum within it. Otherwise (the chunks of an interleaved schedule, which hold
-    different micro-batches in flight: 32 and 16 for Megatron-LM's 310.1B of SC21) the fastest of three (least
-    Σ stage time, the first on a tie): the free memory split evenly, split in proportion to each stage's least need
-    (full recomputation's, `least_need`: each then gets at least it when the rank can hold them all), and each stage's
-    plan within the whole, if their needs sum within it."""
+
+def _at_peak(stages: Sequence[_StagePlanning], choices: Sequence[_Choice], counts: Sequence[int]) -> tuple[float, int]:
+    """What a rank's stages hold with `choices` and `counts` micro-batches in flight: Σ_j n_j·(held_j + resident_j),
+    what each micro-batch in flight holds after its forward and beside its blocks, plus the largest working memory
+    (`_Choice.working_bytes`) of the stages with n_j ≥ 1; and that stage (-1 when every count is 0)."""
+    held = sum(n * (c.choice.held_bytes + x.resident_bytes) for x, c, n in zip(stages, choices, counts, strict=True))
+    running = max((j for j, n in enumerate(counts) if n > 0), key=lambda j: choices[j].working_bytes, default=-1)
+    return held + (choices[running].working_bytes if running >= 0 else 0.0), running
+
+
+def _rank_peak(
+    stages: Sequence[_StagePlanning], choices: Sequence[_Choice], peaks: Sequence[Sequence[int]]
+) -> tuple[float, list[float]]:
+    """The most a rank's stages (the chunks of an interleaved schedule) hold at once with `choices`, and each
+    stage's share of it: the largest `_at_peak` over the count vectors at which the rank may peak (`in_flight_peaks`,
+    the first on a tie). The action running there is one of a stage with n_j ≥ 1 in the vector (an F that brought
+    the counts there, or a B, I or W of a micro-batch in flight: simulate.h), so adding the largest working memory
+    of those stages is a sound bound, exact when that stage's action runs at the peak. At any other moment the
+    counts are at most those of the peak before it (they only fall between two runs of forwards), so no moment
+    holds more. A stage's share: its count times what each of its micro-batches holds, with the working memory on
+    the stage it is taken from."""
+    most, shares = -1.0, [0.0] * len(stages)
+    for counts in peaks:
+        total, running = _at_peak(stages, choices, counts)
+        if total > most:
+            most = total
+            shares = [n * (c.choice.held_bytes + x.resident_bytes) for x, c, n in zip(stages, choices, counts,
+                                                                                     strict=True)]  # fmt: skip
+            if running >= 0:
+                shares[running] += choices[running].working_bytes
+    return most, shares
+
+
+def _rank_choices(
+    stages: Sequence[_StagePlanning], free_bytes: float, mode: str, offload_bw_bytes_per_s: float | None,
+    peaks: Sequence[Sequence[int]],
+) -> list[_Choice] | None:  # fmt: skip
+    """The plans of a rank's stages (the chunks of an interleaved schedule) that fit together in its `free_bytes`
+    (beside its state and its receive buffers) at the rank's peak over time (`_rank_peak` over `peaks`), or None.
+
+    The chunks' own peaks do not coincide (Megatron-LM's 530B: 70, 69 and 35 micro-batches on rank 0, at most 139 at
+    once), so each is planned for its count in the vector of `peaks` that holds most under full recomputation: the
+    fastest that fits (least Σ stage time, the first on a tie) of the free memory beside the chunks' inputs and
+    outputs there split evenly, split in proportion to each chunk's least need there (full recomputation's,
+    `least`), and each chunk's plan within the whole at its own peak. Where the mode's plan does not depend on the
+    budget (FIXED_PLAN_MODES), the last alone."""
+
+    def fitting(got: Sequence[_Choice | None]) -> list[_Choice] | None:
+        if any(c is None for c in got):
+            return None
+        choices = [c for c in got if c is not None]
+        return choices if _rank_peak(stages, choices, peaks)[0] <= free_bytes else None
+
+    whole = fitting([x.within(free_bytes, mode, offload_bw_bytes_per_s) for x in stages])
+    if mode in FIXED_PLAN_MODES:
+        return whole
+    # Full recomputation's held and working bytes do not depend on the count: its need at n is working + n·held.
+    least = [x.least(offload_bw_bytes_per_s) for x in stages]
+    heaviest = max(peaks, key=lambda counts: _at_peak(stages, least, counts)[0])
+    counts = [max(1, n) for n in heaviest]
+    beside = free_bytes - sum(n * x.resident_bytes for n, x in zip(heaviest, stages, strict=True))
+    needs = [c.working_bytes + n * c.choice.held_bytes for c, n in zip(least, counts, strict=True)]
 
     def within(budgets: Sequence[float]) -> list[_Choice] | None:
-        got = [x.within(b, mode, offload_bw_bytes_per_s) for x, b in zip(stages, budgets, strict=True)]
-        return [c for c in got if c is not None] if all(c is not None for c in got) else None
+        return fitting([x.within(b, mode, offload_bw_bytes_per_s, n) for x, b, n in zip(stages, budgets, counts,
+                                                                                         strict=True)])  # fmt: skip
 
-    whole = within([free_bytes] * len(stages))
-    summed = whole if whole is not None and sum(c.need for c in whole) <= free_bytes else None
-    if len(stages) == 1 or mode in FIXED_PLAN_MODES:
-        return summed
-    least = [x.least_need(offload_bw_bytes_per_s) for x in stages]
-    options = [within([free_bytes / len(stages)] * len(stages))]
-    if sum(least) > 0:
-        options.append(within([free_bytes * n / sum(least) for n in least]))
-    options.append(summed)
-    fitting = [o for o in options if o is not None]
-    return min(fitting, key=lambda o: sum(c.choice.time_s for c in o), default=None)
+    options = [within([beside / len(stages)] * len(stages))]
+    if sum(needs) > 0:
+        options.append(within([beside * n / sum(needs) for n in needs]))
+    options.append(whole)
+    chosen = [o for o in options if o is not None]
+    return min(chosen, key=lambda o: sum(c.choice.time_s for c in o), default=None)
 
 
 @dataclass(frozen=True)
 class _Held:
-    """What a stage holds beside its replayed blocks: in the pipeline (`beside`: its inputs and outputs in flight,
-    outputs recomputed again), in the optimizer step (`in_step`, of which `step` the step's temporaries)."""
+    """What a stage holds beside its state and buffers: in the pipeline (`activation`: its replayed blocks with
+    their micro-batches in flight, its inputs and outputs, outputs recomputed again; with several stages a rank,
+    its share of the rank's peak, `_rank_peak`), in the optimizer step (`in_step`, of which `step` the step's
+    temporaries)."""
 
-    beside: float
+    activation: float
     in_step: float
     step: float
 
@@ -510,7 +602,7 @@ def _stage_plan(
     ahead = checkpoint_forward_s(chain, got.plan)
     fwd = sum(chain.fwd_s) + ahead + float(host.get("stage_forward_s", 0.0)) + messages
     bwd = got.time_s - sum(chain.fwd_s) - ahead + float(host.get("stage_backward_s", 0.0)) + messages
-    activation = got.activation_bytes + held.beside
+    activation = held.activation
     return replace(
         st,
         forward_s=fwd,

@@ -298,6 +298,7 @@ FUZZERS: dict[str, Callable[[Gen, ModuleType], Call]] = {
     "schedule_order": _shape,
     "lower_order": _shape,
     "receive_buffers": _shape,
+    "in_flight_peaks": _shape,
     "simulate": _simulate,
     "search": _search,
     "remat": _remat,

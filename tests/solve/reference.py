@@ -21,6 +21,7 @@ __all__ = [
     "p2p_time_s",
     "partition_brute_force",
     "pipeline_time_s",
+    "rank_activation_bytes",
     "receive_buffers",
     "reduce_scatter_time_s",
     "ring_allreduce_time_s",
@@ -106,6 +107,21 @@ def in_flight_microbatches(schedule: str, stage: int, num_stages: int, num_micro
     if schedule == "GPipe":
         return num_microbatches
     return min(num_microbatches, num_stages - stage)
+
+
+def rank_activation_bytes(order: Sequence[tuple[int, str, int]], bytes_per_microbatch: Sequence[float]) -> float:
+    """The most one rank's stages hold at once as it runs `order` (its (stage, op, micro-batch) actions), each
+    micro-batch of stage s holding bytes_per_microbatch[s] from the end of its F to the end of its B or W: the
+    counts walked action by action, the sum taken after every one."""
+    now = [0] * len(bytes_per_microbatch)
+    most = 0.0
+    for stage, op, _ in order:
+        if op == "F":
+            now[stage] += 1
+        elif op in ("B", "W"):
+            now[stage] -= 1
+        most = max(most, sum(n * b for n, b in zip(now, bytes_per_microbatch)))
+    return most
 
 
 def held_input_cuts(num_microbatches: int, in_flight: int, stage: int) -> int:

@@ -306,10 +306,16 @@ def _evaluate(chain: ProfiledChain, hw: Hardware, space: Space, c: _Config, tp: 
     )
     assert list(sim.peak_in_flight) == in_flight  # the peak depends only on the order
     rank_mem, rank_state = [0.0] * c.p, [0.0] * c.p
+    per_microbatch = [sum(act[i] for i in blocks) + cut[cuts[s]] for s, blocks in enumerate(spans)]
+    # 3. Activations: each stage's own peak with one stage per rank; with several, the rank's peak over time, its
+    # order walked action by action (search.h).
+    if c.v > 1:
+        for r, actions in enumerate(order):
+            rank_mem[r] += reference.rank_activation_bytes(actions, per_microbatch)
     for s, blocks in enumerate(spans):
         stage_state = sum(state[i] for i in blocks)
         rank_state[s % c.p] += stage_state
-        rank_mem[s % c.p] += stage_state + in_flight[s] * (sum(act[i] for i in blocks) + cut[cuts[s]])
+        rank_mem[s % c.p] += stage_state + (in_flight[s] * per_microbatch[s] if c.v == 1 else 0.0)
         if fresh[s]:
             rank_mem[s % c.p] -= min(sum(grads[i] for i in blocks), in_flight[s] * sum(act[i] for i in blocks))
         # 9. Receive buffers, the batch, the last input gradient, a kept send (above).

@@ -36,8 +36,13 @@
 //     activations n_s·(saved bytes + input cut bytes) at b. n_s: GPipe m, 1F1B min(m, p−s); with v ≥ 2
 //     (Interleaved1F1B, LoopedBFS) the simulated peak in flight of stage s, which depends only on the
 //     order, given to the partition as its per-stage in-flight counts. The lower bounds below use the
-//     same n_s. With v ≥ 2 the v stages of a rank share its memory: a candidate whose rank sum exceeds
-//     gpu_mem_bytes after partitioning is infeasible (not yet part of the partition itself).
+//     same n_s. With v ≥ 2 the v stages of a rank share its memory, and their own peaks do not coincide: the
+//     rank holds max over time of Σ_j n_j(t)·(saved + input cut bytes)_j, the largest over the count vectors of
+//     simulate.h's in_flight_peaks (the first on a tie); stage s's activations are its count in that vector
+//     times its bytes (at most n_s times them), and a candidate whose rank exceeds gpu_mem_bytes after
+//     partitioning is infeasible (not yet part of the partition itself, whose per-stage check at n_s is
+//     necessary, not sufficient). This step has no working memory of a running action to add (activations are
+//     the blocks' saved bytes); the remat refinement (pyplan/solve/remat_search.py) adds it.
 //     With fresh_gradients, a stage of one replica (d = 1, so ZeRO 0) and one stage per rank that runs every
 //     micro-batch's forward before its first backward (n_s = m: GPipe, and 1F1B where m = p − s) makes its
 //     parameter gradients again after its activations peak (zero_grad freed them; no DDP bucket holds them):
@@ -54,7 +59,8 @@
 //     ZeRO-3 pays its collectives in step 1 instead.
 //  6. Optimizer step: optimizer_step_time_s(rank state, rank state, mem_bw_bytes_per_s), max over ranks.
 //  7. T = makespan + exposed sync + optimizer step (+ host step_s); C = d·p·price_per_gpu_s·T; throughput B/T;
-//     peak memory = max over ranks of Σ (state + activations − unmade gradients) of its stages;
+//     peak memory = max over ranks of Σ (state + activations − unmade gradients) of its stages (step 3's
+//     activations: with v ≥ 2 at the rank's peak);
 //     bubble = Σ idle / (p·makespan).
 //  8. Host costs (HostCosts, zero for catalog GPUs): F_s and B_s each gain stage_forward_s / stage_backward_s
 //     and message_s per tensor the stage receives or sends (cut_tensors at its input and output cuts); the
@@ -221,10 +227,10 @@ struct Candidate {
     std::vector<double> stage_backward_s;  // [p·v] B_s per micro-batch
     std::vector<double> stage_time_s;      // [p·v] F_s + B_s + sends of its input and output cuts
     std::vector<double> stage_state_bytes;
-    std::vector<double> stage_act_bytes;   // [p·v] in flight × (saved + input cut bytes)
+    std::vector<double> stage_act_bytes;   // [p·v] in flight at its rank's peak × (saved + input cut bytes)
     std::vector<double> stage_unmade_grad_bytes;  // [p·v] gradients its memory leaves out (step 3; 0 for most)
     std::vector<double> stage_buffer_bytes;  // [p·v] receive buffers beyond those in flight, batch (step 9)
-    std::vector<int> stage_in_flight;
+    std::vector<int> stage_in_flight;      // [p·v] its own peak in flight, n_s
     std::vector<double> stage_sync_s;      // [p·v] gradient all-reduce (0 under ZeRO-3 or d = 1)
     std::vector<double> rank_memory_bytes; // [p]
     double makespan_s = 0.0;

@@ -29,6 +29,7 @@
 // (B, or W under the I/W split, since W still reads saved activations); activation memory scales with it.
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -135,6 +136,32 @@ ReceiveBuffers receive_buffers(const LoweredOrder& order, const std::vector<int>
 // receive_buffers of schedule_order(schedule, p, m, v) lowered with stage_placement(schedule, p, v); throws as
 // schedule_order does.
 ReceiveBuffers schedule_receive_buffers(Schedule schedule, int num_ranks, int num_microbatches, int stages_per_rank);
+
+// ---- micro-batches in flight on the stages of one rank -------------------------------------------------
+//
+// A rank that holds several stages (the chunks of an interleaved schedule) holds at time t the activations
+// Σ_j n_j(t)·A_j over its stages j, n_j(t) stage j's micro-batches in flight (simulate's count: from the end of
+// an F to the end of its B, or of its W) and A_j what each holds. The chunks' own peaks do not coincide: summing
+// them counted Megatron-LM's 530B (p 35, v 3, m 280) at 70 + 69 + 35 micro-batches on rank 0, where it holds
+// at most 139 at once. Only the rank's own actions change its counts, and it runs them one at a time, so its
+// order walks the counts through time without timing anything. With every A_j ≥ 0 the sum rises over a run of
+// forwards and does not rise until the next one, so its largest value over time, whatever the A_j, is at the end
+// of some run of forwards; a count vector that another such vector equals or exceeds in every stage can never
+// give more. in_flight_peaks keeps the rest: max_t Σ_j n_j(t)·A_j = max over peaks[r] of Σ_j peak[j]·A_j.
+// The action running then is an F of a stage whose count the peak includes, or a B, I or W of one still in
+// flight there (its count ≥ 1), so a stage with count 0 in every peak runs nothing at the rank's peak.
+//
+// [rank][k][j]: the k-th count vector of rank r (distinct, none equalled or exceeded in every stage by another,
+// in increasing lexicographic order); j indexes the rank's stages in increasing stage order.
+using InFlightPeaks = std::vector<std::vector<std::vector<int>>>;
+
+// Throws std::invalid_argument for an order simulate() rejects (an action on the wrong rank, a missing or
+// repeated action). Time and memory in proportion to the order, plus the pairs of distinct vectors compared.
+InFlightPeaks in_flight_peaks(const RankOrder& order, const std::vector<int>& stage_rank);
+
+// The index in `peaks` (one rank's) of the vector with the largest Σ_j peak[j]·bytes[j], the first on a tie;
+// throws std::invalid_argument when `peaks` is empty or a vector's length is not bytes.size().
+std::size_t heaviest_peak(const std::vector<std::vector<int>>& peaks, const std::vector<double>& bytes);
 
 // Times of one micro-batch, in seconds. Stage vectors have one entry per stage; boundary vectors one per
 // pair of consecutive stages (boundary s lies between stage s and s+1).
