@@ -35,11 +35,14 @@ __all__ = [
     "lazy_graph_module",
     "meta_build",
     "one_value_per_channel",
+    "own_base",
     "plain_codegen",
     "run_without_compute",
+    "saved_tensors_hooks_now",
     "storage_key",
     "strided_shard",
     "tensor_leaves",
+    "tensor_version",
     "torch_threads",
     "tree_flatten",
     "tree_map_only",
@@ -54,9 +57,26 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def saved_tensors_hooks_now() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+    """The (pack, unpack) hooks autograd applies to a tensor saved here: those of the innermost
+    `torch.autograd.graph.saved_tensors_hooks` (a recorder's, a checkpoint's), or None. Hooks entered inside hide
+    them, so hooks that mean to pass tensors on to them read them first; torch 2.13 has no public call for it."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
 def is_view(t: torch.Tensor) -> bool:
     """Whether `t` is a view of another tensor's storage (it cannot be detached in place)."""
     return t._is_view()
+
+
+def own_base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage `t` views as autograd tracks it (its `_base`), or `t` itself if it is no view."""
+    return t._base if t._base is not None else t
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """`t`'s version counter: how many times its storage was written in place (autograd's check of saved tensors)."""
+    return t._version
 
 
 def is_real(t: torch.Tensor) -> bool:

@@ -23,28 +23,33 @@ What the zone meets:
 - a zone value the model returns is gathered whole by the operation that makes it (`exits`);
 - a parameter read in the zone (a norm's weight) gets each rank's partial gradient, summed over the axis.
 
-Where this differs from Megatron-LM: a gathered input is kept gathered for the Linears' backward (torch's DTensor
-styles save what they compute on), where Megatron saves each rank's slice and gathers it again in backward; per
-layer that keeps 4sbh bytes whole (the two Linears' inputs) of Korthikanti's 34sbh/t.
+As Megatron-LM's sequence-parallel Linear does, a gathered input is saved for the Linears' backward as each rank's
+slice and all-gathered again in backward (`Gathered.saving`), not kept whole as torch's DTensor styles would keep
+what they compute on: per layer Korthikanti's 34sbh/t, not 4sbh of it whole (the two Linears' inputs), for one more
+all-gather per gathered value in backward.
 
 `rewrite(gm, zone, ops, layers=...)` rewrites a GraphModule for one rank without adding nodes (cut positions and
 profiles keep their node names): the nodes that meet the zone call the collectives of `ops`, the runtime's
 (pyplan/runtime/tensor_parallel.py, with the Linears' own styles) or `ShapeOps`, stand-ins that make only the shapes,
-for the profile.
+for the profile; the Linears that read a gathered value run inside `ops.saving()`. Runtime and profile share
+`Gathered`, so the profile's recorders (saved-tensor hooks, live memory) see what the runtime keeps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import math
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
 from torch import fx, nn
 
+from pyplan._torch import own_base, saved_tensors_hooks_now, tensor_version
 from pyplan.graph.layergraph import LayerGraph
 from pyplan.graph.tensor_parallel import (
     ELEMENTWISE,
@@ -58,7 +63,7 @@ from pyplan.graph.tensor_parallel import (
     source_through_casts,
 )
 
-__all__ = ["SeqOps", "SequenceZone", "ShapeOps", "rewrite", "sequence_zone"]
+__all__ = ["Gathered", "SeqOps", "SequenceZone", "ShapeOps", "rewrite", "sequence_zone"]
 
 _NORMS = frozenset({"layer_norm", "rms_norm", "LayerNorm", "RMSNorm"})
 _REDUCTIONS = frozenset({"mean", "sum", "amax", "amin", "var", "std"})
@@ -85,9 +90,19 @@ class SequenceZone:
     # A row Linear whose output is its tokens flattened -> the reshape that views it back, a zone value, where
     # its output is reduce-scattered (in the graph).
     unflattened: Mapping[str, str] = field(default_factory=dict)
+    # A node of `gathered` -> the node whose value it reads: the zone value, or the flattening reshape (`flattened`).
+    reads: Mapping[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return not self.reason
+
+    def readers(self, node: str) -> int:
+        """How many nodes of `gathered` read the value that `node` (one of them) gathers: the Linears that share its
+        gathered value (Q, K and V), or 1 where a flattening reshape gathers it once for them."""
+        value = self.reads.get(node)
+        if value is None or value in self.flattened:
+            return 1
+        return sum(1 for v in self.reads.values() if v == value)
 
 
 def _none(degree: int, reason: str) -> SequenceZone:
@@ -234,6 +249,7 @@ def _grow(
     whole: dict[str, dict[str, int]] = {}
     split: dict[str, dict[str, int]] = {}
     flattened: dict[str, int] = {}
+    reads: dict[str, str] = {}
     for n in r.gm.graph.nodes:
         if n.name in dims:
             continue
@@ -253,8 +269,10 @@ def _grow(
         ):
             flattened[n.name] = next(iter(local.values()))
             gathered.update(dict.fromkeys((u.name for u in readers), flattened[n.name]))
+            reads.update(dict.fromkeys((u.name for u in readers), n.name))
         elif columns.get(n.name) in local:
             gathered[n.name] = local[columns[n.name]]
+            reads[n.name] = columns[n.name]
         elif _reads_shape(n, r.gm):
             shapes[n.name] = next(iter(local.values()))
         else:
@@ -270,7 +288,7 @@ def _grow(
                 split[n.name] = sliced
     unflattened = {o: v for o, v in seeds.items() if v != o}
     return SequenceZone(degree, dims, tuple(seeds), gathered, shapes, whole, split, dict(exits), (), "", flattened,
-                        unflattened)  # fmt: skip
+                        unflattened, reads)  # fmt: skip
 
 
 def _with_params(r: Reader, zone: SequenceZone) -> SequenceZone:
@@ -332,9 +350,9 @@ class SeqOps(Protocol):
         """This rank's slice of x along dim; backward: all-gather the gradient."""
         ...
 
-    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """A region's input gathered for its column Linears (one per value), as those Linears read it (at run time
-        what their styles take); backward: reduce-scatter."""
+    def gather(self, x: torch.Tensor, dim: int, readers: int = 1) -> torch.Tensor:
+        """A region's input gathered for its column Linears (one per value: the `readers` calls for one x share it),
+        as those Linears read it (at run time what their styles take); backward: reduce-scatter."""
         ...
 
     def scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -342,14 +360,204 @@ class SeqOps(Protocol):
         backward: all-gather."""
         ...
 
+    def saving(self) -> contextlib.AbstractContextManager[Any]:
+        """The context a Linear that reads a gathered value runs in: autograd saves the value as this rank's slice
+        (`Gathered.saving`)."""
+        ...
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
+def _unchanged(t: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    return _same
+
+
+# The autograd nodes of views, through which autocast's copy of a Linear's input is followed back to a gathered value
+# (the flattening reshape of GPT-2's Conv1D).
+_VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0"})
+
+
+@dataclass
+class _Regathered:
+    """A gathered value as backward gathers it again, shared by every tensor saved of it (Q's, K's and V's input)."""
+
+    dim: int
+    stride: tuple[int, ...]  # the strides of the value's own tensor (gathering it again lays it out alike)
+    offset: int  # and its storage offset
+    count: int = 0  # the tensors saved of it that backward has not unpacked yet
+    # Its own tensor gathered again, by dtype, until the last of them is unpacked (16-bit: from the slice cast).
+    values: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    casts: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # the slice cast, saved for autocast's copies
+
+
+@dataclass(frozen=True)
+class _Source:
+    """The slice a gathered value was gathered from, while the value's storage lives; `node`, the value's autograd
+    node (autocast's copies of the value are found through it)."""
+
+    storage: weakref.ref[Any]
+    slice: torch.Tensor
+    regathered: _Regathered
+    node: Any
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """A tensor autograd saved of a gathered value, packed: the slice as the hooks outside packed it, and where the
+    tensor lies in the value's own tensor, or, for autocast's copy of the value (`copy`: the copy's shape, a
+    reshape of the value), in that copy; `like` makes the saved tensor of such a view (a DTensor at run time)."""
+
+    regathered: _Regathered
+    packed: Any
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    like: Callable[[torch.Tensor], torch.Tensor]
+    version: int
+    copy: tuple[int, ...] | None = None
+
+
+class Gathered:
+    """The zone values gathered for column Linears, each once for all the Linears that read it (Q, K and V), and
+    the saved-tensor hooks that keep each rank's slice of them for backward instead (Megatron-LM's
+    sequence-parallel Linear, Korthikanti et al. 2022 §4.2.2).
+
+    `make(x, dim)` gathers the slice x along dim (differentiably); `own(t)` is the tensor that holds a value's
+    elements on this rank (a DTensor's local tensor) and `like(t)` what makes a tensor like t from such a tensor.
+    Calling it gathers x, or hands the value gathered for the same x to its next `readers - 1` calls (then lets
+    it go, or once another value is gathered). Inside `saving()`, a tensor autograd saves whose storage is a
+    gathered value's (the value, or a view such as a Linear's flattening of it) is packed as the slice it was
+    gathered from, and unpacking gathers it again: once per value for every tensor saved of it (cached on what
+    they share, released when the last is unpacked). Under autocast a Linear saves its 16-bit copy of the value
+    instead: that is packed as the slice cast alike (once for Q, K and V), gathered again in 16 bits. Every other
+    tensor, and the slice, go to the hooks outside as they are (a recorder's count, a checkpoint's), which so see
+    what is kept."""
+
+    def __init__(
+        self,
+        make: Callable[[torch.Tensor, int], torch.Tensor],
+        own: Callable[[torch.Tensor], torch.Tensor] = _same,
+        like: Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]] = _unchanged,
+    ) -> None:
+        self.make, self.own, self.like = make, own, like
+        # The value held for the readers of one slice: (the slice, weakly; the value; readers yet to read it).
+        self._held: tuple[weakref.ref[torch.Tensor], torch.Tensor, int] | None = None
+        # id of a gathered value's storage -> its slice, until that storage is freed.
+        self._sources: dict[int, _Source] = {}
+        # id of a gathered value's autograd node -> the id of its storage, as long.
+        self._nodes: dict[int, int] = {}
+
+    def __call__(self, x: torch.Tensor, dim: int, readers: int = 1) -> torch.Tensor:
+        held = self._held
+        if held is not None and held[0]() is x:
+            self._held = (held[0], held[1], held[2] - 1) if held[2] > 1 else None
+            return held[1]
+        value = self.make(x, dim)
+        own = self.own(value)
+        storage = own.untyped_storage()  # torch keeps one Python object per live storage
+        key = id(storage)
+        ref = weakref.ref(storage, functools.partial(self._forget, key))
+        node = value.grad_fn
+        self._sources[key] = _Source(ref, x, _Regathered(dim, own.stride(), own.storage_offset()), node)
+        if node is not None:
+            self._nodes[id(node)] = key
+        self._held = (weakref.ref(x), value, readers - 1) if readers > 1 else None
+        return value
+
+    def _forget(self, key: int, _ref: Any) -> None:
+        source = self._sources.pop(key, None)
+        if source is not None and source.node is not None:
+            self._nodes.pop(id(source.node), None)
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """Autograd saves the gathered values as their slices here (the hooks outside still see every tensor)."""
+        outer = saved_tensors_hooks_now()
+        pack, unpack = outer if outer is not None else (_same, _same)
+        with torch.autograd.graph.saved_tensors_hooks(
+            functools.partial(self._pack, pack), functools.partial(self._unpack, unpack)
+        ):
+            yield
+
+    def _copied(self, t: torch.Tensor) -> tuple[_Source, torch.Tensor] | None:
+        """The gathered value that t lies in a copy of (autocast's cast of a Linear's input: the value or a view of
+        it, cast), with that copy; None for any other tensor."""
+        copy = own_base(t)
+        node = copy.grad_fn
+        if node is None or node.name() != "ToCopyBackward0":
+            return None
+        node = node.next_functions[0][0]
+        while node is not None and id(node) not in self._nodes and node.name() in _VIEW_NODES:
+            node = node.next_functions[0][0]
+        source = self._sources.get(self._nodes.get(id(node), -1)) if node is not None else None
+        return (source, copy) if source is not None and source.node is node else None
+
+    def _pack(self, outer: Callable[[torch.Tensor], Any], t: torch.Tensor) -> Any:
+        own = self.own(t)
+        source = self._sources.get(id(own.untyped_storage()))
+        if source is not None and source.storage() is not None:
+            regathered = source.regathered
+            regathered.count += 1
+            offset = own.storage_offset() - regathered.offset
+            return _Saved(regathered, outer(source.slice), tuple(own.shape), own.stride(), offset, self.like(t),
+                          tensor_version(source.slice))  # fmt: skip
+        copied = self._copied(t)
+        if copied is None:
+            return outer(t)
+        source, copy = copied
+        regathered, base = source.regathered, self.own(copy)
+        if not base.is_contiguous():  # not what unpacking makes again: kept as it is
+            return outer(t)
+        if copy.dtype not in regathered.casts:
+            with torch.no_grad():
+                regathered.casts[copy.dtype] = source.slice.to(copy.dtype)
+        regathered.count += 1
+        piece = regathered.casts[copy.dtype]
+        offset = own.storage_offset() - base.storage_offset()
+        return _Saved(regathered, outer(piece), tuple(own.shape), own.stride(), offset, self.like(t),
+                      tensor_version(piece), tuple(base.shape))  # fmt: skip
+
+    def _unpack(self, outer: Callable[[Any], torch.Tensor], packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Saved):
+            return outer(packed)
+        piece = outer(packed.packed)
+        if piece is packed.packed and tensor_version(piece) != packed.version:
+            raise RuntimeError(
+                "a slice gathered for a column Linear was modified in place before backward gathered it again"
+            )
+        regathered = packed.regathered
+        if piece.dtype not in regathered.values:
+            with torch.no_grad():
+                value = self.own(self.make(piece, regathered.dim))
+            if value.stride() != regathered.stride:
+                raise RuntimeError(
+                    f"the input gathered again in backward is laid out {value.stride()}, in forward {regathered.stride}"
+                )
+            regathered.values[piece.dtype] = value
+        value = regathered.values[piece.dtype]
+        if packed.copy is None:
+            base, offset = value, value.storage_offset() + packed.offset
+        else:  # autocast's copy: the value (or its reshape), contiguous, as `_to_copy` leaves a dense tensor
+            base = value.reshape(packed.copy)
+            offset = base.storage_offset() + packed.offset
+        out = packed.like(base.as_strided(packed.size, packed.stride, offset))
+        regathered.count -= 1
+        if regathered.count <= 0:
+            regathered.values.clear()
+            regathered.casts.clear()
+        return out
+
 
 class ShapeOps:
     """Stand-ins with the shapes of the collectives, for the profile of one rank (meta or fake tensors): a gathered
-    value is a new tensor of the whole size (one per value, as the runtime shares it), a slice a new one."""
+    value is a new tensor of the whole size (one per value, as the runtime shares it, saved as its slice), a slice
+    a new one."""
 
     def __init__(self, degree: int) -> None:
         self.degree = degree
-        self._gathered: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        self._gathered = Gathered(self.whole)
 
     def whole(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return x.repeat(*(self.degree if i == dim else 1 for i in range(x.dim())))
@@ -359,14 +567,11 @@ class ShapeOps:
 
     scatter = split
 
-    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        hit = self._gathered.get(id(x))
-        if hit is not None and hit[0]() is x:
-            return hit[1]
-        out = self.whole(x, dim)
-        self._gathered = {k: v for k, v in self._gathered.items() if v[0]() is not None}
-        self._gathered[id(x)] = (weakref.ref(x), out)
-        return out
+    def gather(self, x: torch.Tensor, dim: int, readers: int = 1) -> torch.Tensor:
+        return self._gathered(x, dim, readers)
+
+    def saving(self) -> contextlib.AbstractContextManager[Any]:
+        return self._gathered.saving()
 
 
 class _At:
@@ -392,10 +597,12 @@ def _wrap(
     inputs: Mapping[str, Callable[[torch.Tensor], torch.Tensor]],
     output: Callable[[Any], Any] | None,
     tag: str,
+    around: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> None:
-    """Make n apply `inputs[name]` to the value of each input node named there and `output` to its result, without
-    adding nodes: a function or method call becomes a call of a function that does so; a module call keeps its
-    node and calls a copy of the module that holds the same parameters, with hooks."""
+    """Make n apply `inputs[name]` to the value of each input node named there and `output` to its result, and run
+    its operation inside `around()`, without adding nodes: a function or method call becomes a call of a function
+    that does so; a module call keeps its node and calls a copy of the module that holds the same parameters, with
+    hooks (and a forward inside `around()`)."""
     spec = fx.node.map_arg((n.args, n.kwargs), lambda a: _At(a.name))
 
     def before(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -412,6 +619,14 @@ def _wrap(
             mod.register_forward_pre_hook(lambda _m, args, kwargs: before(args, kwargs), with_kwargs=True)
         if output is not None:
             mod.register_forward_hook(lambda _m, _args, out: output(out))
+        if around is not None:
+            cls = type(mod)
+
+            def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+                with around():
+                    return cls.forward(self, *args, **kwargs)
+
+            mod.__class__ = type(cls.__name__, (cls,), {"forward": forward})
         parent, _, leaf = str(n.target).rpartition(".")
         setattr(gm.get_submodule(parent), leaf, mod)
         return
@@ -419,7 +634,8 @@ def _wrap(
 
     def call(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = before(args, kwargs)
-        out = getattr(args[0], target)(*args[1:], **kwargs) if method else target(*args, **kwargs)
+        with around() if around is not None else contextlib.nullcontext():
+            out = getattr(args[0], target)(*args[1:], **kwargs) if method else target(*args, **kwargs)
         return output(out) if output is not None else out
 
     call.__name__ = f"{tag}_{op_name(n, gm)}"
@@ -445,7 +661,8 @@ def rewrite(gm: fx.GraphModule, zone: SequenceZone, ops: SeqOps, *, layers: bool
     """Rewrite `gm` (the captured GraphModule, or a rank's copy with the same node names) in place so that the
     zone's values are each rank's tokens. `layers`: the row and column Linears call `ops.scatter` and `ops.gather`
     themselves (the profile); otherwise their styles must do it (the runtime). The reshapes of Linears that work
-    on the tokens flattened call them in either case (`ops.gather` then hands the Linear's style what it reads)."""
+    on the tokens flattened call them in either case (`ops.gather` then hands the Linear's style what it reads).
+    Every Linear that reads a gathered value runs inside `ops.saving()`."""
     if not zone:
         raise ValueError(f"no sequence parallelism here: {zone.reason}")
     tag = "seq"
@@ -467,9 +684,11 @@ def rewrite(gm: fx.GraphModule, zone: SequenceZone, ops: SeqOps, *, layers: bool
             inputs[n.args[0].name] = lambda x, d=zone.flattened[n.name]: ops.gather(x, d)
         if layers and n.name in zone.gathered and n.name not in read_flattened:
             source = n.all_input_nodes[0].name
-            inputs[source] = lambda x, d=zone.gathered[n.name]: ops.gather(x, d)
+            readers = zone.readers(n.name)
+            inputs[source] = lambda x, d=zone.gathered[n.name], k=readers: ops.gather(x, d, k)
         if n.name in views or (layers and n.name in zone.rows and n.name not in zone.unflattened):
             output = lambda x, d=zone.dims[n.name]: ops.scatter(x, d)  # noqa: E731
-        if inputs or output is not None:
-            _wrap(gm, n, inputs, output, tag)
+        around = ops.saving if n.name in zone.gathered else None
+        if inputs or output is not None or around is not None:
+            _wrap(gm, n, inputs, output, tag, around)
     gm.recompile()

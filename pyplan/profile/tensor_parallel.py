@@ -9,11 +9,13 @@ collectives of Megatron's f and g operators (Shoeybi et al. 2019, Fig. 3) on the
 - an output layer's logits are all-gathered in forward, its input's gradient all-reduced in backward.
 With sequence parallelism (pyplan/graph/sequence_parallel.py's zone) a row output is reduce-scattered in forward
 and all-gathered in backward, a region's input all-gathered in forward (once per value) and reduce-scattered in
-backward: the bytes of the all-reduces they replace (Korthikanti et al. 2022, §4.2.2); a zone value another
-operation reads whole is all-gathered, a whole value sliced into the zone has its gradient all-gathered. The
-gradients of the parameters read in the zone (norms) are summed once per step, not counted (h elements a norm).
-The collectives block the computation that follows them (torch's DTensor styles issue them synchronously on the
-compute stream), so they add to the block's time; nothing overlaps them.
+backward: the bytes of the all-reduces they replace (Korthikanti et al. 2022, §4.2.2); and, since the Linears save
+a gathered input as the rank's slice, as Megatron-LM does, each such value is all-gathered again in backward (the
+forward gather's bytes; the profile of the rank counts the slice saved, pyplan/graph/sequence_parallel.py's
+`Gathered`). A zone value another operation reads whole is all-gathered, a whole value sliced into the zone has its
+gradient all-gathered. The gradients of the parameters read in the zone (norms) are summed once per step, not
+counted (h elements a norm). The collectives block the computation that follows them (torch's DTensor styles issue
+them synchronously on the compute stream), so they add to the block's time; nothing overlaps them.
 """
 
 from __future__ import annotations
@@ -67,9 +69,10 @@ def collective_bytes(
     """Per block of `chain` (the whole model's), the tensor-parallel traffic at `degree`: each collective in the
     block of the node that issues it (a row Linear's output, the first column Linear reading an input, an
     embedding, an output layer; with a sequence-parallel `zone`, the nodes that read its values whole or slice
-    values into it). With `vocab_parallel` the output layer's logits stay split and the loss all-reduces three
-    numbers per position instead (the max, the sum of exponentials, the target's logit:
-    pyplan.runtime.tensor_parallel.VocabParallelLoss), in the last block, where the loss is."""
+    values into it, and a gathered input's second all-gather, in backward, in the block of its first reader).
+    With `vocab_parallel` the output layer's logits stay split and the loss all-reduces three numbers per position
+    instead (the max, the sum of exponentials, the target's logit: pyplan.runtime.tensor_parallel.VocabParallelLoss),
+    in the last block, where the loss is."""
     where = {node: i for i, block in enumerate(chain.blocks) for node in block.nodes}
     kinds = [f.name for f in fields(TpCollectives)]
     out: list[dict[str, Affine]] = [{k: Affine() for k in kinds} for _ in chain.blocks]
@@ -95,6 +98,7 @@ def collective_bytes(
                 first = min(readers, key=where.__getitem__)
                 if first in gathered:
                     add("fwd_all_gather", first, value)
+                    add("bwd_all_gather", first, value)  # gathered again for the weight gradients
                     add("bwd_reduce_scatter", first, value)
                 else:
                     add("bwd_all_reduce", first, value)
@@ -111,6 +115,7 @@ def collective_bytes(
             if o.splits_at(degree):
                 if o.node in gathered:
                     add("fwd_all_gather", o.node, o.input)
+                    add("bwd_all_gather", o.node, o.input)
                     add("bwd_reduce_scatter", o.node, o.input)
                 else:
                     add("bwd_all_reduce", o.node, o.input)

@@ -27,10 +27,13 @@ tensor-parallel axis runs (Shoeybi et al. 2019, torchtitan's `parallelize_llama`
    (`RowwiseParallel(output_layouts=Shard(d))`, a reduce-scatter), the column Linears and output layers that read a
    zone value gather it once for all of them (`_Gathered`: a Replicate DTensor whose partial gradients meet in one
    reduce-scatter), the norms read in the zone get partial gradients, and the graph is rewritten last to read
-   whole shapes, gather, slice (`_SeqCollectives`). A Linear on the tokens flattened (GPT-2's Conv1D) has its
-   collectives at the reshapes around it: its input is gathered before the flattening reshape (the DTensor flows
-   through it into the column style), and a row's partial sums (`output_layouts=Partial()`, kept a DTensor) are
-   reduce-scattered after the reshape that views them back.
+   whole shapes, gather, slice (`_SeqCollectives`). As in Megatron-LM, the Linears that read a gathered value save
+   it for backward as the rank's slice, all-gathered again when backward needs it (once per value for Q, K and V:
+   `pyplan.graph.sequence_parallel.Gathered.saving`, hooks around those Linears' forwards that pass every other
+   tensor on to the hooks outside: a checkpoint's, a profiler's). A Linear on the tokens flattened (GPT-2's
+   Conv1D) has its collectives at the reshapes around it: its input is gathered before the flattening reshape (the
+   DTensor flows through it into the column style), and a row's partial sums (`output_layouts=Partial()`, kept a
+   DTensor) are reduce-scattered after the reshape that views them back.
 
 After backward, `sync_gradients` gives each gradient its parameter's layout (and averages over data-parallel
 replicas when asked); `torch.nn.utils.clip_grad_norm_` and torch's optimizers then work on the module's
@@ -49,9 +52,9 @@ replicated along it; a *style* is what parallelize_module applies to one module.
 
 from __future__ import annotations
 
+import contextlib
 import math
-import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +69,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from pyplan._torch import is_strided, strided_shard
 from pyplan.errors import PlanError
 from pyplan.graph.layergraph import LayerGraph
-from pyplan.graph.sequence_parallel import SequenceZone, rewrite, sequence_zone
+from pyplan.graph.sequence_parallel import Gathered, SequenceZone, rewrite, sequence_zone
 from pyplan.graph.tensor_parallel import TpPlan, linear_operands, shard_sizes, weight_owner
 from pyplan.runtime.optim import OptimizerSpec, hand_hyperparameters
 from pyplan.runtime.vocab_loss import VocabParallelLoss
@@ -230,29 +233,49 @@ def _layers(gm: fx.GraphModule) -> list[_Layer]:
 # The styles, checked against the graph
 
 
-class _Gathered:
+def _local_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds a DTensor's elements on this rank (a plain tensor: itself)."""
+    if not isinstance(t, DTensor):
+        return t
+    with torch.no_grad():
+        return t.to_local()
+
+
+def _dtensor_like(t: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What makes a tensor like t (a saved view of a gathered value) from a local tensor: a DTensor of t's mesh,
+    placements and global layout (none for a plain tensor)."""
+    if not isinstance(t, DTensor):
+        return lambda local: local
+    mesh, placements, shape, stride = t.device_mesh, t.placements, t.shape, t.stride()
+    return lambda local: DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+class _Gathered(Gathered):
     """A region's input gathered from each rank's tokens once for every column Linear that reads it (Q, K and V):
-    a Replicate DTensor, whose gradients (partial sums, one per Linear) add up and are reduce-scattered once."""
+    a Replicate DTensor, whose gradients (partial sums, one per Linear) add up and are reduce-scattered once; saved
+    for the Linears' weight gradients as the rank's slice, all-gathered again in backward (`Gathered.saving`). The
+    mesh is the one the styles are applied on (set by the first style that gathers, when not given)."""
 
-    def __init__(self) -> None:
-        self._made: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[DTensor]]] = {}
+    def __init__(self, mesh: DeviceMesh | None = None) -> None:
+        super().__init__(self._all_gather, own=_local_of, like=_dtensor_like)
+        self.mesh = mesh
 
-    def __call__(self, x: torch.Tensor, mesh: DeviceMesh, dim: int) -> DTensor:
-        hit = self._made.get(id(x))
-        if hit is not None and hit[0]() is x and hit[1]() is not None:
-            return hit[1]()  # type: ignore[return-value]
-        out = DTensor.from_local(x, mesh, [Shard(dim)], run_check=False).redistribute(mesh, [Replicate()])
-        self._made = {k: v for k, v in self._made.items() if v[0]() is not None and v[1]() is not None}
-        self._made[id(x)] = (weakref.ref(x), weakref.ref(out))
-        return out
+    def _all_gather(self, x: torch.Tensor, dim: int) -> DTensor:
+        assert self.mesh is not None
+        return DTensor.from_local(x, self.mesh, [Shard(dim)], run_check=False).redistribute(self.mesh, [Replicate()])
 
 
-def _gathering(style: ColwiseParallel, gathered: _Gathered, dim: int) -> ColwiseParallel:
-    """`style` reading each rank's tokens along `dim` gathered (`_Gathered`) in place of a whole input."""
+def _gathering(style: ColwiseParallel, gathered: _Gathered, dim: int, readers: int) -> ColwiseParallel:
+    """`style` reading each rank's tokens along `dim` gathered (`_Gathered`, shared by the `readers` Linears that
+    read the same value) in place of a whole input."""
 
     def prepare(_layouts: Any, _desired: Any, _mod: nn.Module, inputs: Any, mesh: DeviceMesh) -> DTensor:
         x = inputs[0]
-        return x if isinstance(x, DTensor) else gathered(x, mesh, dim)
+        if isinstance(x, DTensor):
+            return x
+        if gathered.mesh is None:
+            gathered.mesh = mesh
+        return gathered(x, dim, readers)  # type: ignore[return-value]
 
     style._prepare_input_fn = prepare  # type: ignore[method-assign]
     return style
@@ -263,7 +286,7 @@ class _SeqCollectives:
     as DTensor redistributions of local tensors."""
 
     def __init__(self, mesh: DeviceMesh) -> None:
-        self.mesh, self.degree, self._gathered = mesh, mesh.size(), _Gathered()
+        self.mesh, self.degree, self.gathered = mesh, mesh.size(), _Gathered(mesh)
 
     def whole(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         out = DTensor.from_local(x, self.mesh, [Shard(dim)], run_check=False).redistribute(self.mesh, [Replicate()])
@@ -273,9 +296,12 @@ class _SeqCollectives:
         out = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).redistribute(self.mesh, [Shard(dim)])
         return out.to_local()
 
-    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+    def gather(self, x: torch.Tensor, dim: int, readers: int = 1) -> torch.Tensor:
         # A Replicate DTensor: the flattening reshape in between runs on it, and the column styles take it as is.
-        return self._gathered(x, self.mesh, dim)
+        return self.gathered(x, dim, readers)
+
+    def saving(self) -> contextlib.AbstractContextManager[Any]:
+        return self.gathered.saving()
 
     def scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         if not isinstance(x, DTensor):
@@ -284,12 +310,18 @@ class _SeqCollectives:
 
 
 def tp_styles(
-    graph: LayerGraph, plan: TpPlan, degree: int, zone: SequenceZone | None = None, *, vocab_parallel: bool = False
+    graph: LayerGraph,
+    plan: TpPlan,
+    degree: int,
+    zone: SequenceZone | None = None,
+    *,
+    vocab_parallel: bool = False,
+    gathered: _Gathered | None = None,
 ) -> dict[str, ParallelStyle]:
     """The parallelize_module plan that `apply_tensor_parallel` runs at `degree`: module name -> style, for the
     layers of `plan` that split at that degree; with a sequence-parallel `zone`, the row Linears it reduce-scatters
     keep their tokens (`output_layouts=Shard`) and the column Linears and output layers that read its values
-    gather them (`_Gathered`).
+    gather them (`gathered`, the graph's collectives' when given, which keep the saved values' slices).
 
     Raises PlanError where the captured graph cannot run it: a module the graph never calls as a Linear or an
     Embedding, a call that cannot become a module call, or a weight that is split in one place and read otherwise
@@ -318,7 +350,7 @@ def tp_styles(
     )
     if zone is not None:
         module_of = {layer.node.name: layer.module for layer in _layers(graph.module)}
-        gathered = _Gathered()
+        gathered = gathered if gathered is not None else _Gathered()
         for node in zone.rows:
             kind = _TransposedRowwise if module_of[node] in transposed else RowwiseParallel
             if node in zone.unflattened:  # its partial sums are reduce-scattered once viewed back (the rewrite)
@@ -328,7 +360,7 @@ def tp_styles(
         for node, dim in zone.gathered.items():
             style = styles[module_of[node]]
             assert isinstance(style, ColwiseParallel)
-            styles[module_of[node]] = _gathering(style, gathered, dim)
+            styles[module_of[node]] = _gathering(style, gathered, dim, zone.readers(node))
     _check(graph.module, styles)
     return styles
 
@@ -429,7 +461,9 @@ def apply_tensor_parallel(
     zone = sequence_zone(graph, plan, degree) if sequence_parallel else None
     if zone is not None and not zone:
         raise PlanError(f"sequence parallelism {degree} cannot run on this model: {zone.reason}")
-    styles = tp_styles(graph, plan, degree, zone, vocab_parallel=vocab_parallel)
+    collectives = _SeqCollectives(mesh) if zone is not None else None
+    gathered = collectives.gathered if collectives is not None else None
+    styles = tp_styles(graph, plan, degree, zone, vocab_parallel=vocab_parallel, gathered=gathered)
     shard_sizes(gm, graph, plan, degree)
     for layer in _layers(gm):
         if layer.module in styles and layer.node.op == "call_function":
@@ -443,8 +477,8 @@ def apply_tensor_parallel(
     summed = set(plan.partial_params(degree)) | set(zone.params if zone else ())
     partial = {id(p) for name, p in gm.named_parameters(remove_duplicate=False) if name in summed}
     _read_locally(gm, set(styles), partial)
-    if zone is not None:
-        rewrite(gm, zone, _SeqCollectives(mesh), layers=False)
+    if zone is not None and collectives is not None:
+        rewrite(gm, zone, collectives, layers=False)
     sync_rng_state(mesh)
 
 

@@ -1,7 +1,8 @@
 """A transformer layer as one tensor-parallel rank runs it, against Korthikanti et al. 2022 ("Reducing
 Activation Recomputation in Large Transformer Models"), Table 2's "tensor parallel" row, sbh·(10 + 24/t) without
-the s² terms (fused attention), and its "tensor + sequence parallel" row, sbh·34/t, less what torch's styles keep
-gathered; the matmul FLOPs divided by t; the collectives against their closed forms."""
+the s² terms (fused attention), and its "tensor + sequence parallel" row, sbh·34/t exactly (the Linears' gathered
+inputs saved as each rank's slice, as Megatron-LM saves them); the matmul FLOPs divided by t; the collectives
+against their closed forms."""
 
 from __future__ import annotations
 
@@ -70,12 +71,12 @@ def test_a_gpt_layer_on_one_rank_saves_what_korthikanti_counts_for_tensor_parall
 
 
 @pytest.mark.parametrize("seq", [1024, 4096])
-def test_with_sequence_parallelism_a_gpt_layer_keeps_only_the_gathered_linear_inputs_whole(seq: int) -> None:
+def test_with_sequence_parallelism_a_gpt_layer_keeps_what_korthikanti_counts(seq: int) -> None:
     """The second layer (the first one's input comes from the embeddings, whole): the LayerNorms' inputs and
-    statistics and the dropout masks are split too (Korthikanti's sbh·34/t at 2 bytes: 66·sh/t in the profile's
-    fp32 with 1-byte masks), except the inputs of the QKV and the MLP's first Linear, which torch's styles keep
-    gathered for the weight gradient where Megatron-LM gathers them again in backward (8·sh whole, not 8·sh/t).
-    The FLOPs do not move."""
+    statistics and the dropout masks are split too, and so are the inputs of the QKV and the MLP's first Linear,
+    saved as each rank's slice and gathered again in backward, as Megatron-LM does: Korthikanti's sbh·34/t at
+    2 bytes, 66·sh/t in the profile's fp32 with 1-byte masks, besides the kernel's log-sum-exp and the LayerNorms'
+    statistics. The FLOPs do not move."""
     h, a = 1024, 16
     at, _, _, _ = _setup(
         lambda: GPT(GPTConfig(n_layer=2, n_head=a, n_embd=h, n_ctx=seq, vocab_size=512)), seq, 512,
@@ -84,16 +85,18 @@ def test_with_sequence_parallelism_a_gpt_layer_keeps_only_the_gathered_linear_in
     sh = seq * h
     for t in (1, 2, 4, 8):
         saved, fwd, bwd, _, _ = _layer(at(t), "transformer.h.1")
-        assert saved == 66 * sh / t + 8 * sh * (1 - 1 / t) + 4 * a * seq / t + 16 * seq / t
+        assert saved == 66 * sh / t + 4 * a * seq / t + 16 * seq / t
         assert fwd == (24 * seq * h * h + 4 * seq * seq * h) / t
         assert bwd == (48 * seq * h * h + 10 * seq * seq * h) / t
 
 
 def test_sequence_parallelism_trades_each_all_reduce_for_a_reduce_scatter_and_an_all_gather() -> None:
     """Per layer of the zone: each row output reduce-scattered forward and gathered backward, each region input
-    gathered forward and reduce-scattered backward, S = s·h each; the bytes on the link equal the all-reduces'
-    (an all-reduce moves twice an all-gather's). Before the zone, the first layer's attention input is whole (its
-    gradient all-reduced) and the residual stream is sliced into it (its gradient gathered)."""
+    gathered forward and reduce-scattered backward, S = s·h each: the bytes on the link of the all-reduces they
+    replace (an all-reduce moves twice an all-gather's), plus one all-gather per region input in backward, which
+    gathers it again for the weight gradients (saved as each rank's slice). Before the zone, the first layer's
+    attention input is whole (its gradient all-reduced, nothing gathered again) and the residual stream is sliced
+    into it (its gradient gathered)."""
     seq, h, t = 1024, 1024, 4
     _, chain, plan, cluster = _setup(
         lambda: GPT(GPTConfig(n_layer=2, n_head=16, n_embd=h, n_ctx=seq, vocab_size=512)), seq, 512
@@ -103,18 +106,20 @@ def test_sequence_parallelism_trades_each_all_reduce_for_a_reduce_scatter_and_an
     second = [i for i, b in enumerate(chain.blocks) if b.name.startswith("transformer.h.1")]
     s = 4 * seq * h  # fp32
     assert sum(sp[i].fwd_reduce_scatter.per_sample for i in second) == 2 * s
-    assert sum(sp[i].bwd_all_gather.per_sample for i in second) == 2 * s
+    assert sum(sp[i].bwd_all_gather.per_sample for i in second) == 2 * s + 2 * s  # row outputs, inputs again
     assert sum(sp[i].fwd_all_gather.per_sample for i in second) == 2 * s
     assert sum(sp[i].bwd_reduce_scatter.per_sample for i in second) == 2 * s
     assert sum(sp[i].fwd_all_reduce.per_sample + sp[i].bwd_all_reduce.per_sample for i in second) == 0
     first = [i for i, b in enumerate(chain.blocks) if b.name.startswith("transformer.h.0")]
     assert sum(sp[i].bwd_all_reduce.per_sample for i in first) == s
-    assert sum(sp[i].bwd_all_gather.per_sample for i in first) == 3 * s  # two row outputs, the sliced stream
+    # two row outputs, the sliced stream, the MLP's input again
+    assert sum(sp[i].bwd_all_gather.per_sample for i in first) == 4 * s
     bw = cluster.groups[0].intra_link.collective[1]
-    for i in second:
-        f_sp, b_sp = collective_times(sp, t, 0.0, bw)[i]
-        f, b = collective_times(plain, t, 0.0, bw)[i]
-        assert (f_sp + b_sp)(2) == pytest.approx((f + b)(2), rel=1e-12)
+    sp_times, plain_times = collective_times(sp, t, 0.0, bw), collective_times(plain, t, 0.0, bw)
+    again = _core.all_gather_time_s(2 * s * 2, t, latency_s=0.0, bw_bytes_per_s=bw)  # two inputs at b = 2
+    assert sum((sp_times[i][0] + sp_times[i][1])(2) for i in second) == pytest.approx(
+        sum((plain_times[i][0] + plain_times[i][1])(2) for i in second) + again, rel=1e-12
+    )
 
 
 def test_a_llama_layer_splits_linearly_in_the_degree() -> None:
@@ -170,9 +175,11 @@ def test_the_collectives_are_the_regions_all_reduces_on_the_link_inside_a_node()
 def test_hugging_face_gpt2s_conv1d_layers_gain_what_sequence_parallelism_saves_a_gpt() -> None:
     """GPT-2 as transformers writes it (Conv1D: `addmm` on the tokens flattened, viewed back): with sequence
     parallelism its second layer keeps 1/t of what the zone splits, as the GPT above: the two LayerNorms' inputs
-    (4·sh each in fp32) and statistics (2·4·s each), the two residual dropouts' masks (sh each), (10·sh + 16·s)·
-    (1 − 1/t) less than tensor parallelism alone; and its collectives move the bytes of the all-reduces they
-    replace (a reduce-scatter and an all-gather each way per region, S = s·h)."""
+    (4·sh each in fp32) and statistics (2·4·s each), the two residual dropouts' masks (sh each), and the two
+    gathered inputs of the QKV and the MLP's first Conv1D (4·sh each, viewed flattened), saved as each rank's
+    slice: (18·sh + 16·s)·(1 − 1/t) less than tensor parallelism alone; and its collectives move the bytes of the
+    all-reduces they replace (a reduce-scatter and an all-gather each way per region, S = s·h), and gather each
+    region's input again in backward."""
     seq, h, a = 256, 256, 4
     ref = f"hf:gpt2:n_layer=2,n_embd={h},n_head={a},vocab_size=512,seq_len={seq},bos_token_id=0,eos_token_id=0"
     spec = pyplan.load_model(ref)
@@ -181,11 +188,12 @@ def test_hugging_face_gpt2s_conv1d_layers_gain_what_sequence_parallelism_saves_a
     sh = seq * h
     for t in (2, 4):
         tp, sp = _layer(at_tp(t), "transformer.h.1"), _layer(at_sp(t), "transformer.h.1")
-        assert tp[0] - sp[0] == (10 * sh + 16 * seq) * (1 - 1 / t)
+        assert tp[0] - sp[0] == (10 * sh + 16 * seq + 2 * 4 * sh) * (1 - 1 / t)
         assert (tp[1], tp[2]) == (sp[1], sp[2])
     zone = sequence_zone(chain.graph, plan, 4)
     traffic = collective_bytes(chain, plan, 4, zone)
     second = [i for i, b in enumerate(chain.blocks) if b.name.startswith("transformer.h.1")]
-    for kind in ("fwd_reduce_scatter", "bwd_all_gather", "fwd_all_gather", "bwd_reduce_scatter"):
+    for kind in ("fwd_reduce_scatter", "fwd_all_gather", "bwd_reduce_scatter"):
         assert sum(getattr(traffic[i], kind).per_sample for i in second) == 2 * 4 * sh, kind
+    assert sum(traffic[i].bwd_all_gather.per_sample for i in second) == 2 * 2 * 4 * sh  # row outputs, inputs again
     assert sum(traffic[i].fwd_all_reduce.per_sample + traffic[i].bwd_all_reduce.per_sample for i in second) == 0

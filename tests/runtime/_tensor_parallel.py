@@ -7,7 +7,10 @@ gradient clipping, AdamW, compared with the same model (same seed) trained whole
 batch: the loss, every parameter's gradient (gathered with full_tensor), the gradient norm and every parameter
 after the step. At tp alone the split module is also cut into two pipeline pieces, which must hold the model's
 parameters and train the same gradients. Before all that, `dropout_agrees` checks the random state the split
-gives the ranks. Rank 0 writes one JSON record per configuration and rank to argv[1].
+gives the ranks. With sequence parallelism, GPT-2 (Hugging Face's and gpt-tiny) also measure the bytes autograd
+saves for one layer of the zone (`_measured_layer`), which must be what the profile of the rank counts for it
+(`_profiled_layer`): the Linears' gathered inputs saved as each rank's slice. Rank 0 writes one JSON record per
+configuration and rank to argv[1].
 """
 
 from __future__ import annotations
@@ -28,14 +31,18 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from pyplan._torch import tree_map_only
+from pyplan._torch import storage_key, tensor_leaves, tree_map_only
+from pyplan.graph.chain import Chain
 from pyplan.graph.layergraph import LayerGraph
 from pyplan.graph.linearize import cut_points, linearize
+from pyplan.graph.sequence_parallel import sequence_zone
 from pyplan.graph.split import pieces, run_pieces
 from pyplan.graph.tensor_parallel import derive_tp_plan
 from pyplan.graph.trace import Call, Examples, call_at, input_tensors, output_tensors, trace
 from pyplan.load import load_model
 from pyplan.plan import Layout, Workload
+from pyplan.profile.memory import saved_bytes
+from pyplan.profile.tensor_parallel import local_chain
 from pyplan.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from pyplan.runtime.optim import optimizer_factory
 from pyplan.runtime.tensor_parallel import (
@@ -155,6 +162,67 @@ def _pieces_error(
     return worst
 
 
+# The layer whose saved bytes are measured: the second, wholly inside the zone.
+LAYER = "transformer.h.1"
+
+
+def _layer_blocks(chain: Chain) -> set[int]:
+    return {i for i, b in enumerate(chain.blocks) if b.name.startswith(LAYER)}
+
+
+def _profiled_layer(graph: LayerGraph, degree: int, examples: Examples) -> tuple[Chain, float]:
+    """The captured model's chain, and the bytes the profile of a rank at `degree` with sequence parallelism counts
+    saved for LAYER's blocks at BATCH samples (each storage charged to the block that produced it)."""
+    chain = linearize(graph)
+    plan = derive_tp_plan(graph)
+    local = local_chain(chain, plan, degree, examples, sequence_zone(graph, plan, degree))
+    per_block, _ = saved_bytes(local, examples, (BATCH, 2 * BATCH))
+    return chain, sum(per_block[i](BATCH) for i in _layer_blocks(chain))
+
+
+def _measured_layer(
+    graph: LayerGraph, chain: Chain, loss_fn: Callable[..., torch.Tensor], call: Call, target: torch.Tensor
+) -> float:
+    """The bytes autograd saves for LAYER's blocks in a training step of the tensor-parallel module, cut into the
+    profile's blocks and run in sequence: a saved-tensor hook around the forward counts each storage once (a
+    DTensor's local one; parameters and buffers left out), charged to the block whose piece made it, as the
+    profile charges it."""
+    mods = pieces(linearize(graph, positions=[c.position for c in chain.cuts[1:-1]], order=chain.order))
+    gm = graph.module
+    exclude = {storage_key(_local_tensor(t)) for t in [*gm.parameters(), *gm.buffers()]}
+    producer: dict[int, int] = {}
+    saved: dict[int, tuple[int, int]] = {}
+    held: list[torch.Tensor] = []  # every storage seen, kept alive so that no identity is reused
+    current = -1
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            own = _local_tensor(t)
+        held.append(own)
+        key = storage_key(own)
+        if key not in exclude and key not in saved:
+            saved[key] = (own.untyped_storage().nbytes(), producer.get(key, current))
+        return t
+
+    def made(values: Any, by: int) -> None:
+        for t in tensor_leaves(values):
+            own = _local_tensor(t.detach())
+            held.append(own)
+            producer.setdefault(storage_key(own), by)
+
+    args: tuple[Any, ...] = input_tensors(call)
+    made(args, -1)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for current, mod in enumerate(mods):
+            out = mod(*args)
+            args = out if isinstance(out, tuple) else (out,)
+            made(args, current)
+    loss_fn(output_tensors(out), target).backward()
+    gm.zero_grad(set_to_none=True)
+    layer = _layer_blocks(chain)
+    return sum(nbytes for nbytes, by in saved.values() if by in layer)
+
+
 def run(ref: str, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh | None, sp: bool) -> dict[str, Any]:
     spec = load_model(ref)
     loss_fn = spec.loss or default_loss
@@ -172,8 +240,11 @@ def run(ref: str, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh | None, sp: bool) -> 
     want_grads = _by_every_name(reference, ref_grads)
     want_params = _by_every_name(reference, full_parameters(reference))
 
-    graph = trace(model, Examples(lambda b: _double(call_at(spec.example_inputs, b))), batch_size=2)
+    examples = Examples(lambda b: _double(call_at(spec.example_inputs, b)))
+    graph = trace(model, examples, batch_size=2)
     plan = derive_tp_plan(graph)
+    measured = sp and dp == 1 and ref in (GPT, HF_GPT2)
+    chain, layer_profiled = _profiled_layer(graph, tp_mesh.size(), examples) if measured else (None, None)
     apply_tensor_parallel(graph, plan, tp_mesh, sequence_parallel=sp)
     gm = graph.module
     plain = [name for name, p in gm.named_parameters() if not isinstance(p, DTensor)]
@@ -186,6 +257,7 @@ def run(ref: str, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh | None, sp: bool) -> 
     # Cut into two pipeline pieces after the split: the pieces hold the DTensors under the model's names and
     # train the same gradients.
     pieces_err, pieces_name = _pieces_error(graph, loss_fn, call, target, want_grads) if dp == 1 else (0.0, "")
+    layer_saved = _measured_layer(graph, chain, loss_fn, call, target) if chain is not None else None
     weighted: list[float] = []
 
     def finish() -> None:
@@ -238,6 +310,8 @@ def run(ref: str, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh | None, sp: bool) -> 
         "styles": len(plan.styles(tp_mesh.size())),
         "row_tokens": sorted({math.prod(shape[:-1]) for shape in made.values()}),
         "tokens": math.prod(input_tensors(mine_call)[0].shape),
+        "layer_saved": layer_saved,
+        "layer_profiled": layer_profiled,
     }
 
 

@@ -118,3 +118,15 @@ def test_tensor_parallel_trains_like_one_process(tmp_path: Path) -> None:
             assert "(_StridedShard(dim=0, sf=3),)" in r["placements"], where
         if "gpt2" in r["model"]:  # Conv1D's fused QKV, its weight laid out (in, out): split along its outputs
             assert "(_StridedShard(dim=1, sf=3),)" in r["placements"], where
+    # With sequence parallelism, a layer of GPT-2 (Hugging Face's Conv1D and gpt-tiny's Linears) saves at run time
+    # the bytes the profile of the rank counts for it: the Linears' gathered inputs as each rank's slice, gathered
+    # again in backward (Megatron-LM's way), which the training above went through.
+    layers = [r for r in runs if r["layer_saved"] is not None]
+    assert {(r["model"].split(":")[1].split(",")[0], r["sp"], r["dp"]) for r in layers} == {
+        ("gpt2", True, 1),
+        ("gpt-tiny", True, 1),
+    }
+    assert len(layers) == 4, layers  # 2 ranks each
+    for r in layers:
+        where = f"{r['model']} rank {r['rank']}: measured {r['layer_saved']}, profiled {r['layer_profiled']}"
+        assert r["layer_saved"] == r["layer_profiled"] > 0, where
