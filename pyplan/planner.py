@@ -7,7 +7,6 @@ core's search (pyplan.solve).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -968,14 +967,11 @@ class Refiner:
 def _stage_params(chain: Chain, workload: Workload, gpu: GPU, tied: list[TiedParameter]) -> StageParams:
     """The parameters as the refinement counts their gradients and the optimizer step's temporaries: torch's Adam
     runs foreach on a GPU and tensor by tensor on the CPU; ZeRO 1-3 shard the optimizer over the replicas."""
-    module = chain.graph.module
+    # Every parameter by each of its names, read once (a lookup by name walks the module path each time).
+    numel = {name: p.numel() for name, p in chain.graph.module.named_parameters(remove_duplicate=False)}
 
     def largest(names: Iterable[str]) -> float:
-        sizes = [0]
-        for name in names:
-            with contextlib.suppress(AttributeError):
-                sizes.append(module.get_parameter(name).numel())
-        return float(max(sizes))
+        return float(max([0, *(numel[name] for name in names if name in numel)]))
 
     def step_bytes(elements: float, largest_tensor: float, dp: int, zero_stage: int) -> float:
         shard = dp if zero_stage >= 1 else 1

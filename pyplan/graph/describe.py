@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-__all__ = ["describe", "describe_module", "tensor_layout"]
+__all__ = ["describe", "describe_module", "module_hooks", "own_tensors", "tensor_layout"]
 
 
 def _primitives(module: nn.Module) -> tuple[tuple[str, str], ...]:
@@ -76,7 +76,7 @@ def describe(value: Any, names: Mapping[str, int], depth: int = 0) -> Any:
     return ("id", id(value))  # an aten op is one object wherever it is called: told apart by identity alone
 
 
-def _hooks(module: nn.Module) -> tuple[Any, ...]:
+def module_hooks(module: nn.Module) -> tuple[Any, ...]:
     """The forward hooks of a module (a rewritten graph's scatters and gathers around a split layer)."""
     return tuple(
         tuple(hooks.values())
@@ -84,8 +84,23 @@ def _hooks(module: nn.Module) -> tuple[Any, ...]:
     )
 
 
+def own_tensors(table: Mapping[str, torch.Tensor | None]) -> list[tuple[str, torch.Tensor]]:
+    """A module's own parameters or buffers (its `_parameters` or `_buffers` table) as `named_parameters(recurse=
+    False)` or `named_buffers(recurse=False)` lists them: each tensor once, empty entries left out (read off the
+    table: nn.Module's generators cost more than what describes the tensors)."""
+    seen: set[torch.Tensor] = set()
+    out = []
+    for name, t in table.items():
+        if t is not None and t not in seen:
+            seen.add(t)
+            out.append((name, t))
+    return out
+
+
 def describe_module(module: nn.Module, names: Mapping[str, int], depth: int = 0) -> tuple[Any, ...]:
     """A module and each of its submodules: class, mode, configuration, parameter and buffer layouts, hooks."""
+    # (A leaf, most modules a graph calls, is its own only module.)
+    modules = module.named_modules() if module._modules else (("", module),)
     return tuple(
         (
             name,
@@ -93,9 +108,9 @@ def describe_module(module: nn.Module, names: Mapping[str, int], depth: int = 0)
             m.training,
             m.extra_repr(),
             _primitives(m),
-            tuple((n, tensor_layout(p)) for n, p in m.named_parameters(recurse=False)),
-            tuple((n, tensor_layout(b)) for n, b in m.named_buffers(recurse=False)),
-            describe(_hooks(m), names, depth + 1),
+            tuple((n, tensor_layout(p)) for n, p in own_tensors(m._parameters)),
+            tuple((n, tensor_layout(b)) for n, b in own_tensors(m._buffers)),
+            describe(module_hooks(m), names, depth + 1),
         )
-        for name, m in module.named_modules()
+        for name, m in modules
     )

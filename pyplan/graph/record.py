@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from pyplan._torch import is_meta_module, layout_key, run_without_compute, tensor_leaves
 from pyplan.graph.chain import Chain
-from pyplan.graph.describe import describe
+from pyplan.graph.describe import describe, module_hooks, own_tensors
 from pyplan.graph.masks import is_batch_size
 
 __all__ = ["GraphRecorder", "Recording", "static_nodes"]
@@ -49,6 +49,29 @@ _NOT_SEEN = object()
 _TORCH_NN = "torch.nn.modules"
 
 
+# Where pyplan makes classes at run time over torch's (a rank's Linear that reads a gathered value runs its forward
+# inside a context: pyplan/graph/sequence_parallel.py), whose functions are all their own behaviour.
+_PYPLAN = "pyplan."
+
+
+def _module_class(cls: type, names: dict[str, int]) -> Hashable:
+    """A module's class as the recorder's memo keys it: a torch.nn class itself; a class pyplan made at run time
+    over one by that class and what its own functions do (`describe`, the nodes they name as positions among the
+    call's inputs). Raises TypeError for any other class: a user's leaf module may steer its forward by anything."""
+    if cls.__module__.startswith(_TORCH_NN):
+        return cls
+    own = {k: v for k, v in vars(cls).items() if k not in ("__module__", "__doc__", "__qualname__")}
+    bases = cls.__bases__
+    if (
+        not cls.__module__.startswith(_PYPLAN)
+        or len(bases) != 1
+        or not bases[0].__module__.startswith(_TORCH_NN)
+        or not all(isinstance(v, types.FunctionType) for v in own.values())
+    ):
+        raise TypeError(f"{cls.__qualname__} is not a torch.nn module class")
+    return ("over", bases[0], describe(own, names))
+
+
 def _module_key(module: nn.Module) -> Hashable:
     """What a torch.nn module's result on fake or meta tensors depends on besides its inputs: its plain attributes
     (sizes, strides, flags, training) and its tensors' layouts, its submodules' alike. Raises TypeError where an
@@ -59,10 +82,18 @@ def _module_key(module: nn.Module) -> Hashable:
         if not name.startswith("_") and (v is None or isinstance(v, bool | int | float | str | tuple | torch.dtype))
     )
     # (Its own tensors: its submodules' are in theirs.)
-    own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+    own = [*own_tensors(module._parameters), *own_tensors(module._buffers)]
     tensors = tuple((name, layout_key(t)) for name, t in own)
-    children = tuple((name, type(c), _module_key(c)) for name, c in module.named_children())
+    children = tuple((name, type(c), _module_key(c)) for name, c in module.named_children()) if module._modules else ()
     return plain, tensors, children
+
+
+def _module_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """A module's parameters and buffers, its submodules' included (a leaf's read off its own tables: nn.Module's
+    generators cost more than the recorder's lookups)."""
+    if module._modules:
+        return [*module.parameters(), *module.buffers()]
+    return [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
 
 
 def _like(value: Any) -> Any:
@@ -90,7 +121,8 @@ class _Targets:
 
     A call of a closure (the scatters and gathers of a rank's rewritten graph, pyplan/graph/sequence_parallel.py) is
     the same op as another where both are described alike (pyplan/graph/describe.py), the nodes they name as
-    positions among their inputs."""
+    positions among their inputs; a module's call, where their classes (`_module_class`), attributes, tensors'
+    layouts and hooks are alike, the hooks described so."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
         self.gm = gm
@@ -105,12 +137,13 @@ class _Targets:
     def _find(self, n: fx.Node) -> _Target:
         if n.op == "call_module":
             module = self.gm.get_submodule(str(n.target))
-            if not type(module).__module__.startswith(_TORCH_NN):
-                return _Target(None, module)  # a user's leaf module may steer its forward by anything
+            names = {a.name: i for i, a in enumerate(n.all_input_nodes)}
             try:
-                return _Target((type(module), _module_key(module)), module)
-            except TypeError:
+                key = (_module_class(type(module), names), _module_key(module), describe(module_hooks(module), names))
+                hash(key)
+            except (TypeError, ValueError):  # a user's leaf module, an attribute or a hook that cannot be hashed
                 return _Target(None, module)
+            return _Target(key, module)
         if n.op == "call_function" and isinstance(n.target, types.FunctionType) and n.target.__closure__:
             try:
                 key = ("closure", describe(n.target, {a.name: i for i, a in enumerate(n.all_input_nodes)}))
@@ -326,7 +359,7 @@ class _Recorder(fx.Interpreter):
             return None
         flat = tensor_leaves((args, kwargs))
         if target.module is not None:
-            flat += [*target.module.parameters(), *target.module.buffers()]
+            flat += _module_tensors(target.module)
         if not flat or not all(t.device.type == "meta" or isinstance(t, FakeTensor) for t in flat):
             return None
         try:

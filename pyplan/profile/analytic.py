@@ -10,7 +10,7 @@ local device, and the defaults below are typical achieved fractions, to be repla
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -194,27 +194,37 @@ class Roofline:
         without a queue: `host_s` 0), views included, which launch nothing; the GPU starts each kernel once it is
         issued and the one before is done. A run of short kernels waits on the host; behind a long one the host
         gets ahead and the next ones queue."""
+        return self._sequence_s(
+            None if op.is_view else (op.name, op.op_class, op.flops, op.bytes, op.dtype) for op in ops
+        )
+
+    def _sequence_s(self, kernels: Iterable[tuple[str, str, float, float, str] | None]) -> float:
+        """`sequence_time_s` of ops given as (name, class, FLOPs, bytes, dtype), None for a view."""
         host_s = self.efficiency.host_s
         issued = done = 0.0
-        for op in ops:
+        for kernel in kernels:
             issued += host_s
-            if not op.is_view:
-                done = max(done, issued) + self.op_time_s(op)
+            if kernel is not None:
+                done = max(done, issued) + self._kernel_time_s(*kernel)
         return max(done, issued)
 
     def op_time_s(self, op: OpCost) -> float:
         """Roofline time of one op; a view launches no kernel and costs nothing, an allocation only its launch."""
         if op.is_view:
             return 0.0
+        return self._kernel_time_s(op.name, op.op_class, op.flops, op.bytes, op.dtype)
+
+    def _kernel_time_s(self, name: str, op_class: str, flops: float, nbytes: float, dtype: str) -> float:
+        """`op_time_s` of an op that is no view, from its fields."""
         eff = self.efficiency
-        if op.name in ALLOCATIONS:
+        if name in ALLOCATIONS:
             return eff.launch_s
-        compute = op.flops / self.peak(op.dtype) if op.flops else 0.0
-        memory = op.bytes / self.mem_bw_bytes_per_s
-        fit = eff.op.get(op.name)
+        compute = flops / self.peak(dtype) if flops else 0.0
+        memory = nbytes / self.mem_bw_bytes_per_s
+        fit = eff.op.get(name)
         if fit is not None:
             return max(compute, memory) / fit.efficiency + fit.latency_s
-        return max(compute / eff.compute[op.op_class], memory / eff.memory[op.op_class]) + eff.launch_s
+        return max(compute / eff.compute[op_class], memory / eff.memory[op_class]) + eff.launch_s
 
 
 def _costs(recorder: OpRecorder, weights: str | None = None) -> list[OpCost]:
@@ -393,10 +403,16 @@ def _sequence_curve(device: Roofline, sizes: Sequence[int], runs: Sequence[list[
     if not _same_ops(low, high):
         return Piecewise.through(list(sizes), [device.sequence_time_s(r) for r in runs])
 
-    def at(b: int) -> list[OpCost]:
+    def time_s(b: int) -> float:
+        """`device.sequence_time_s` of the ops at b, their FLOPs and bytes on the line through the two sizes (no
+        OpCost made for each: thousands of ops at ten sizes)."""
+
         def line(x: float, y: float) -> float:
             return max(0.0, x + (y - x) * (b - b1) / (b2 - b1))
 
-        return [replace(x, flops=line(x.flops, y.flops), bytes=line(x.bytes, y.bytes)) for x, y in zip(low, high)]
+        return device._sequence_s(
+            None if x.is_view else (x.name, x.op_class, line(x.flops, y.flops), line(x.bytes, y.bytes), x.dtype)
+            for x, y in zip(low, high)
+        )
 
-    return Piecewise.through(list(EVALUATED_SIZES), [device.sequence_time_s(at(b)) for b in EVALUATED_SIZES])
+    return Piecewise.through(list(EVALUATED_SIZES), [time_s(b) for b in EVALUATED_SIZES])
