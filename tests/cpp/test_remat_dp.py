@@ -76,14 +76,25 @@ def all_plans(
     return list(plans(s, t, t - s + 1 if depth is None else depth))
 
 
-def brute_force(chain: RematChain, budget: float, *, bw: float, offload: bool, depth: int | None):
-    best = (math.inf, None)
-    least_peak = math.inf
+def replayed(
+    chain: RematChain, *, bw: float, offload: bool, depth: int | None
+) -> list[tuple[float, float, tuple[RematItem, ...]]]:
+    """Every plan of the chain (all_plans) replayed once: (time, peak, items), for brute_force at each budget."""
+    out = []
     for items in all_plans(0, len(chain) - 1, offload=offload, depth=depth):
         rep = replay(chain, RematPlan(items), offload_bw_bytes_per_s=bw)
-        least_peak = min(least_peak, rep.peak_bytes)
-        if rep.peak_bytes <= budget and rep.time_s < best[0]:
-            best = (rep.time_s, RematPlan(items))
+        out.append((rep.time_s, rep.peak_bytes, items))
+    return out
+
+
+def brute_force(plans: list[tuple[float, float, tuple[RematItem, ...]]], budget: float):
+    """The fastest of the replayed plans within the budget (time, plan), and the least peak of any."""
+    best = (math.inf, None)
+    least_peak = math.inf
+    for time_s, peak_bytes, items in plans:
+        least_peak = min(least_peak, peak_bytes)
+        if peak_bytes <= budget and time_s < best[0]:
+            best = (time_s, RematPlan(items))
     return best, least_peak
 
 
@@ -95,11 +106,12 @@ def test_dp_equals_brute_force_over_every_plan(seed: int) -> None:
     offload = seed % 2 == 0
     bw = rng.uniform(0.5, 4.0) if offload else math.inf
     depth = None if seed % 3 else rng.randint(0, 2)
-    (_, _), least = brute_force(chain, math.inf, bw=bw, offload=offload, depth=depth)
+    plans = replayed(chain, bw=bw, offload=offload, depth=depth)
+    (_, _), least = brute_force(plans, math.inf)
     assert min_budget(chain, offload=offload, max_depth=depth) == least
     top = replay(chain, no_remat(0, n)).peak_bytes
     for budget in sorted({int(least), int(least) + rng.randint(0, 10), int((least + top) / 2), int(top) + 3}):
-        (want, _), _ = brute_force(chain, budget, bw=bw, offload=offload, depth=depth)
+        (want, _), _ = brute_force(plans, budget)
         if want == math.inf:
             with pytest.raises(InfeasibleError, match="the least any plan needs"):
                 solve(
@@ -127,10 +139,11 @@ def test_dp_equals_brute_force_over_every_plan(seed: int) -> None:
 def test_dp_equals_brute_force_on_longer_chains(n: int) -> None:
     rng = random.Random(n)
     chain = random_chain(rng, n)
-    (_, _), least = brute_force(chain, math.inf, bw=math.inf, offload=False, depth=None)
+    plans = replayed(chain, bw=math.inf, offload=False, depth=None)
+    (_, _), least = brute_force(plans, math.inf)
     top = int(replay(chain, no_remat(0, n)).peak_bytes)
     for budget in range(int(least), top + 1, max(1, (top - int(least)) // 6)):
-        (want, _), _ = brute_force(chain, budget, bw=math.inf, offload=False, depth=None)
+        (want, _), _ = brute_force(plans, budget)
         assert solve(chain, budget, slots=budget, baselines=False).time_s == pytest.approx(want, rel=1e-12)
 
 
@@ -174,6 +187,7 @@ def test_never_worse_than_the_baselines_and_monotone(seed: int) -> None:
     n = rng.randint(2, 24)
     chain = random_chain(rng, n)
     baselines = [no_remat(0, n), full_remat(0, n)] + [periodic(0, n, k) for k in range(1, n + 1)]
+    replays = [(plan, replay(chain, plan)) for plan in baselines]  # the same at every budget
     least = min_budget(chain)
     top = replay(chain, no_remat(0, n)).peak_bytes
     last = math.inf
@@ -182,8 +196,7 @@ def test_never_worse_than_the_baselines_and_monotone(seed: int) -> None:
         assert got.peak_bytes <= budget
         assert got.time_s <= last + 1e-9  # more memory never costs time
         last = got.time_s
-        for plan in baselines:
-            rep = replay(chain, plan)
+        for plan, rep in replays:
             if rep.peak_bytes <= budget:
                 assert got.time_s <= rep.time_s + 1e-9, plan.describe()
     with pytest.raises(InfeasibleError, match=f"the least any plan needs is {least:.3g} B".replace("e+", "e")):

@@ -1,4 +1,5 @@
-"""Run under torchrun (4 processes): tensor-parallel training of captured models against one process.
+"""Run under torchrun (tests/runtime/_launch.py, 4 ranks): tensor-parallel training of captured models against one
+process.
 
 The world is a (dp, tp) = (2, 2) mesh. First each tp pair (ranks 0-1, ranks 2-3) trains its models of PAIRS at
 tp = 2 on the whole batch; then all four ranks train gpt-tiny at dp 2 x tp 2 (each replica half the batch, its
@@ -10,7 +11,7 @@ parameters and train the same gradients. Before all that, `dropout_agrees` check
 gives the ranks. With sequence parallelism, GPT-2 (Hugging Face's and gpt-tiny) also measure the bytes autograd
 saves for one layer of the zone (`_measured_layer`), which must be what the profile of the rank counts for it
 (`_profiled_layer`): the Linears' gathered inputs saved as each rank's slice. Rank 0 writes one JSON record per
-configuration and rank to argv[1].
+configuration and rank to the file `run_part` is given.
 """
 
 from __future__ import annotations
@@ -502,10 +503,9 @@ def _local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def main() -> None:
+def run_part(path: str) -> None:
+    """Every configuration, in the launch's process group (tests/runtime/_launch.py)."""
     faulthandler.dump_traceback_later(float(os.environ.get("PYPLAN_HANG_S", "120")), exit=True)
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     # (Nemotron, Qwen3 and Persimmon with sequence parallelism only: their MLP and norms are what is new there.)
@@ -519,7 +519,7 @@ def main() -> None:
     if world == 4:
         results.append({"model": "zero1", "dp": 2, "tp": 2, "rank": rank, **zero1_state(mesh)})
         results.append({"model": "master", "dp": 2, "tp": 2, "rank": rank, **master_state(mesh)})
-        folder = os.path.join(os.path.dirname(os.path.abspath(sys.argv[1])), "zero3-checkpoint")
+        folder = os.path.join(os.path.dirname(os.path.abspath(path)), "zero3-checkpoint")
         results.append({"model": "zero3", "dp": 2, "tp": 2, "rank": rank, **zero3_state(mesh, folder)})
     for ref, dp, sp in configs:
         try:
@@ -530,14 +530,7 @@ def main() -> None:
         results.append({"model": ref, "dp": dp, "tp": 2, "sp": sp, "rank": rank, **res})
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, results)
+    faulthandler.cancel_dump_traceback_later()
     if rank == 0:
-        with open(sys.argv[1], "w") as f:
+        with open(path, "w") as f:
             json.dump([r for rs in gathered for r in rs], f)
-    dist.barrier()
-    dist.destroy_process_group()
-    # Meshes sometimes abort the process at exit after a clean shutdown (TORCH_FACTS.md); exit at once.
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main()

@@ -19,7 +19,7 @@ import pytest
 
 LAUNCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch.py")
 # The order of the parts within a launch: the short ones first.
-ORDER = ("_recv_buffers", "test_zero3_views", "_zero_state", "_expert_parallel", "_transparency")
+ORDER = ("_recv_buffers", "test_zero3_views", "_zero_state", "_expert_parallel", "_tensor_parallel", "_transparency")
 PART_TIMEOUT_S = 900
 
 

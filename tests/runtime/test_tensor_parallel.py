@@ -4,12 +4,6 @@ grouped-query attention; a Hugging Face BERT), alone and beside data parallelism
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -20,8 +14,10 @@ from pyplan.graph.tensor_parallel import TpPlan, derive_tp_plan
 from pyplan.graph.trace import Examples, trace
 from pyplan.load import load_model
 from pyplan.runtime.tensor_parallel import tp_styles
+from tests.runtime.conftest import Launches
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_tensor_parallel.py")
+# The parts of the launches that tests/runtime/conftest.py makes, which the tests here read: (ranks, script).
+LAUNCH_PARTS = ((4, "_tensor_parallel"),)
 TOL = 1e-10  # float64: the rounding of sums taken in another order is ~1e-15 here
 MAX_NORM = 0.05  # the worker's clipping threshold
 
@@ -54,17 +50,8 @@ def test_a_tied_weight_split_in_one_layer_and_read_whole_in_another_is_refused(g
 
 
 @pytest.mark.distributed
-def test_tensor_parallel_trains_like_one_process(tmp_path: Path) -> None:
-    out = tmp_path / "results.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", SCRIPT, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYPLAN_HANG_S": "90"},
-    )
-    assert out.exists(), done.stderr[-3000:]
-    results = json.loads(out.read_text())
+def test_tensor_parallel_trains_like_one_process(launches: Launches) -> None:
+    results = launches.part(4, "_tensor_parallel").results()
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed[:2]
     # Dropout draws the same masks on the ranks of the tp axis once they share a random state.
