@@ -40,6 +40,19 @@ Schedule to_schedule(const std::string& name) {
     throw std::invalid_argument("unknown schedule '" + name + "' (known: " + known + ")");
 }
 
+// A schedule's shape as the bindings take it: torch's name, ranks, micro-batches and stages per rank, narrowed.
+struct Shape {
+    Schedule schedule;
+    int p, m, v;
+};
+
+Shape to_shape(const std::string& schedule, std::int64_t num_ranks, std::int64_t num_microbatches,
+               std::int64_t stages_per_rank) {
+    return {to_schedule(schedule), to_int(num_ranks, "num_ranks", 1, kIntMax),
+            to_int(num_microbatches, "num_microbatches", 1, kIntMax),
+            to_int(stages_per_rank, "stages_per_rank", 1, kIntMax)};
+}
+
 const char* op_name(Op op) {
     switch (op) {
         case Op::Forward: return "F";
@@ -116,9 +129,8 @@ void bind_simulate(py::module_& m) {
         "torch_rejection",
         [](const std::string& schedule, std::int64_t num_ranks, std::int64_t num_microbatches,
            std::int64_t stages_per_rank) {
-            return pyplan::torch_rejection(to_schedule(schedule), to_int(num_ranks, "num_ranks", 1, kIntMax),
-                                           to_int(num_microbatches, "num_microbatches", 1, kIntMax),
-                                           to_int(stages_per_rank, "stages_per_rank", 1, kIntMax));
+            const auto [s, p, m, v] = to_shape(schedule, num_ranks, num_microbatches, stages_per_rank);
+            return pyplan::torch_rejection(s, p, m, v);
         },
         py::arg("schedule"), py::arg("num_ranks"), py::arg("num_microbatches"), py::arg("stages_per_rank"),
         "Why torch 2.13 refuses this schedule shape; '' when it accepts it.");
@@ -127,10 +139,7 @@ void bind_simulate(py::module_& m) {
         "schedule_order",
         [](const std::string& schedule, std::int64_t num_ranks, std::int64_t num_microbatches,
            std::int64_t stages_per_rank) {
-            const Schedule s = to_schedule(schedule);
-            const int p = to_int(num_ranks, "num_ranks", 1, kIntMax);
-            const int m = to_int(num_microbatches, "num_microbatches", 1, kIntMax);
-            const int v = to_int(stages_per_rank, "stages_per_rank", 1, kIntMax);
+            const auto [s, p, m, v] = to_shape(schedule, num_ranks, num_microbatches, stages_per_rank);
             pyplan::RankOrder order;
             {
                 py::gil_scoped_release release;
@@ -145,10 +154,7 @@ void bind_simulate(py::module_& m) {
         "lower_order",
         [](const std::string& schedule, std::int64_t num_ranks, std::int64_t num_microbatches,
            std::int64_t stages_per_rank) {
-            const Schedule s = to_schedule(schedule);
-            const int p = to_int(num_ranks, "num_ranks", 1, kIntMax);
-            const int m = to_int(num_microbatches, "num_microbatches", 1, kIntMax);
-            const int v = to_int(stages_per_rank, "stages_per_rank", 1, kIntMax);
+            const auto [s, p, m, v] = to_shape(schedule, num_ranks, num_microbatches, stages_per_rank);
             pyplan::LoweredOrder lowered;
             {
                 py::gil_scoped_release release;
@@ -169,10 +175,7 @@ void bind_simulate(py::module_& m) {
         "receive_buffers",
         [](const std::string& schedule, std::int64_t num_ranks, std::int64_t num_microbatches,
            std::int64_t stages_per_rank) {
-            const Schedule s = to_schedule(schedule);
-            const int p = to_int(num_ranks, "num_ranks", 1, kIntMax);
-            const int m = to_int(num_microbatches, "num_microbatches", 1, kIntMax);
-            const int v = to_int(stages_per_rank, "stages_per_rank", 1, kIntMax);
+            const auto [s, p, m, v] = to_shape(schedule, num_ranks, num_microbatches, stages_per_rank);
             pyplan::ReceiveBuffers got;
             {
                 py::gil_scoped_release release;
@@ -191,10 +194,7 @@ void bind_simulate(py::module_& m) {
         "in_flight_peaks",
         [](const std::string& schedule, std::int64_t num_ranks, std::int64_t num_microbatches,
            std::int64_t stages_per_rank) {
-            const Schedule s = to_schedule(schedule);
-            const int p = to_int(num_ranks, "num_ranks", 1, kIntMax);
-            const int m = to_int(num_microbatches, "num_microbatches", 1, kIntMax);
-            const int v = to_int(stages_per_rank, "stages_per_rank", 1, kIntMax);
+            const auto [s, p, m, v] = to_shape(schedule, num_ranks, num_microbatches, stages_per_rank);
             pyplan::InFlightPeaks peaks;
             {
                 py::gil_scoped_release release;

@@ -229,6 +229,19 @@ def _messages(rank: int, reps: int) -> float:
     return _cpu_s(trip, reps) / 2
 
 
+def _timed(fn: Callable[..., Any], into: list[float]) -> Callable[..., Any]:
+    """`fn`, each call's CPU seconds appended to `into`."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        c0 = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(time.thread_time() - c0)
+
+    return call
+
+
 def _trainer_step(spec: Any, m: int, reps: int, *, pp: int = 1) -> tuple[float, float, float]:
     """CPU seconds of one `PipelineTrainer.step` of a (2/pp) x pp GPipe plan of the probe model at m micro-batches
     of one sample, the forward chunk's CPU seconds per micro-batch beyond the model's own forward, and the step's
@@ -248,40 +261,16 @@ def _trainer_step(spec: Any, m: int, reps: int, *, pp: int = 1) -> tuple[float, 
     extra: list[float] = []  # + each forward chunk, − the model's forward inside it
     inner.register_forward_pre_hook(lambda *_: marks.append(time.thread_time()))
     inner.register_forward_hook(lambda *_: extra.append(marks.pop() - time.thread_time()))
-    original = stage.forward_one_chunk
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        c0 = time.thread_time()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            extra.append(time.thread_time() - c0)
-
-    stage.forward_one_chunk = timed
+    stage.forward_one_chunk = _timed(stage.forward_one_chunk, extra)
     scheduled: list[float] = []
-    run_schedule = trainer.schedule.step
-
-    def timed_schedule(*args: Any, **kwargs: Any) -> Any:
-        c0 = time.thread_time()
-        try:
-            return run_schedule(*args, **kwargs)
-        finally:
-            scheduled.append(time.thread_time() - c0)
-
-    trainer.schedule.step = timed_schedule
+    trainer.schedule.step = _timed(trainer.schedule.step, scheduled)
     inputs = (x,) if trainer.has_first else ()
     for _ in range(3):
         trainer.step(inputs, y)
     extra.clear()
     scheduled.clear()
     totals: list[float] = []
-
-    def step() -> None:
-        c0 = time.thread_time()
-        trainer.step(inputs, y)
-        totals.append(time.thread_time() - c0)
-
-    step_s = _cpu_s(step, reps)
+    step_s = _cpu_s(_timed(lambda: trainer.step(inputs, y), totals), reps)
     outside = statistics.median(t - s for t, s in zip(totals, scheduled, strict=True))
     return step_s, sum(extra) / (reps * m), outside
 
