@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import gc
+import sys
 import traceback
 from collections.abc import Callable, Hashable, Iterator
+from types import FunctionType
 from typing import Any, TypeVar
 
 import torch
@@ -26,7 +29,9 @@ __all__ = [
     "FLOP_FORMULAS",
     "MetaMemo",
     "OpRecorder",
+    "SelectiveForward",
     "TorchDispatchMode",
+    "find_dynamo_skips",
     "is_meta_module",
     "is_real",
     "is_strided",
@@ -46,6 +51,7 @@ __all__ = [
     "torch_threads",
     "tree_flatten",
     "tree_map_only",
+    "without_dynamo",
 ]
 
 T = TypeVar("T")
@@ -128,8 +134,9 @@ class _NoFillOnMeta(TorchFunctionMode):
 @contextlib.contextmanager
 def meta_build() -> Iterator[None]:
     """Modules made inside are made on the meta device, their parameters and buffers left unfilled: what a module's
-    initialization would write has no values to land in."""
-    with torch.device("meta"), _NoFillOnMeta():
+    initialization would write has no values to land in (and torch's own functions, a `torch.arange` on meta, are
+    called without importing torch._dynamo: `without_dynamo`)."""
+    with torch.device("meta"), _NoFillOnMeta(), without_dynamo():
         yield
 
 
@@ -251,6 +258,60 @@ def _strided_bytes(t: torch.Tensor) -> int:
     return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
+class _DynamoSkips:
+    """torch marks some of its own functions (the Python references that are the meta kernels of many ops, its
+    checkpoint) for torch.compile to skip, with `torch._compile._disable_dynamo`, whose wrapper imports torch._dynamo
+    at its first call: 1.3 s of CPU, the largest single cost of planning a model on meta tensors. While torch._dynamo
+    is not imported nothing is being compiled, and skipping is calling the function: inside `unloaded()` each such
+    wrapper, found once among the objects the collector tracks, calls its function as it is (the attribute it caches
+    the skipping wrapper in is set to the function itself). On leaving, the attributes set are taken back, so that
+    a torch.compile after it skips what torch means it to. A process that freezes the collector after its imports
+    (`gc.freeze`, the `pyplan` command) finds them first: frozen objects are out of `gc.get_objects()`."""
+
+    def __init__(self) -> None:
+        self.functions: list[Any] | None = None
+
+    def find(self) -> list[Any]:
+        if self.functions is None:
+            code = torch._compile._disable_dynamo(_dropped).__code__
+            cell = code.co_freevars.index("fn")  # its function (`__wrapped__` is another one's, under a `wraps`)
+            wrappers = (f for f in gc.get_objects() if type(f) is FunctionType and f.__code__ is code)
+            self.functions = [w.__closure__[cell].cell_contents for w in wrappers]
+        return self.functions
+
+    @contextlib.contextmanager
+    def unloaded(self) -> Iterator[None]:
+        if "torch._dynamo" in sys.modules:
+            yield
+            return
+        marked = [f for f in self.find() if f.__dict__.get(_SKIP_ATTRIBUTE) is None]
+        for f in marked:
+            f.__dict__[_SKIP_ATTRIBUTE] = f
+        try:
+            yield
+        finally:
+            for f in marked:
+                if f.__dict__.get(_SKIP_ATTRIBUTE) is f:
+                    del f.__dict__[_SKIP_ATTRIBUTE]
+
+
+# Where `torch._compile._disable_dynamo`'s wrapper caches the skipping wrapper of its function (torch 2.13).
+_SKIP_ATTRIBUTE = "__dynamo_disable"
+_DYNAMO_SKIPS = _DynamoSkips()
+
+
+def without_dynamo() -> contextlib.ContextDecorator:
+    """Inside it (a `with`, or a decorated function's call), torch's functions marked for torch.compile to skip are
+    called as they are while torch._dynamo is not imported (`_DynamoSkips`): planning on meta tensors never imports
+    it. Nothing may compile inside it."""
+    return _DYNAMO_SKIPS.unloaded()
+
+
+def find_dynamo_skips() -> None:
+    """Find the functions torch marks for torch.compile to skip (`_DynamoSkips`), before the collector is frozen."""
+    _DYNAMO_SKIPS.find()
+
+
 def run_without_compute(module: torch.nn.Module, fn: Callable[[Convert], T], *, memo: bool = True) -> T:
     """`fn(convert)` with `module` on meta tensors if it was built there, else on fake tensors.
 
@@ -260,6 +321,11 @@ def run_without_compute(module: torch.nn.Module, fn: Callable[[Convert], T], *, 
     tensors, ops repeated with arguments of the same layouts skip their meta kernels (`MetaMemo`) unless `memo` is
     False (for a caller that repeats whole calls itself, where the mode would only add its lookups).
     """
+    with without_dynamo():
+        return _without_compute(module, fn, memo)
+
+
+def _without_compute(module: torch.nn.Module, fn: Callable[[Convert], T], memo: bool) -> T:
     if is_meta_module(module):
         with _grads_kept(module), MetaMemo() if memo else contextlib.nullcontext():
             return fn(lambda t: t.to("meta"))
@@ -387,20 +453,69 @@ def selective_saves(names: list[str]) -> list[bool]:
     return out
 
 
+class _SelectivePolicy:
+    """torchtitan's op policy over one pass of a block (a forward or its recomputation): whether selective
+    checkpointing saves the output of each op in turn (every second `aten.mm` recomputed, counted in this pass)."""
+
+    def __init__(self) -> None:
+        self.mms = 0
+
+    def saves(self, func: Any) -> bool:
+        self.mms += func == _MM
+        return func in _SAVED_OPS and not (func == _MM and self.mms % 2 == 0)
+
+
+_MM = torch.ops.aten.mm.default
+_SAVED_OPS = frozenset(SELECTIVE_SAVE_OPS)
+
+
 def selective_contexts() -> tuple[Any, Any]:
     """The `context_fn` of `torch.utils.checkpoint.checkpoint` that runs selective checkpointing (torchtitan's op
     policy, above)."""
-    counts = {"forward": 0, "recompute": 0}
-    saved = frozenset(SELECTIVE_SAVE_OPS)
-    mm = torch.ops.aten.mm.default
+    passes = {False: _SelectivePolicy(), True: _SelectivePolicy()}
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        mode = "recompute" if ctx.is_recompute else "forward"
-        counts[mode] += func == mm
-        keep = func in saved and not (func == mm and counts[mode] % 2 == 0)
+        keep = passes[ctx.is_recompute].saves(func)
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
+
+
+class SelectiveForward(TorchDispatchMode):
+    """The first forward of a block under `checkpoint(..., use_reentrant=False, context_fn=selective_contexts)`, as
+    far as memory goes, without torch's checkpoint, whose every call reads `torch._dynamo.config` and so imports
+    torch._dynamo (1.3 s of CPU the first time). Inside it autograd saves nothing (the checkpoint's saved-tensors
+    hook keeps a handle, not the tensor) and the outputs of the ops the policy saves are held in `kept`, as the
+    checkpoint's cache holds them (torch skips `aten.detach` and the ops it runs for its own checks, which the
+    policy never saves). The graph it leaves cannot backpropagate: it is for measuring the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: list[Any] = []
+        self._policy = _SelectivePolicy()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(_dropped, _never_unpacked)
+
+    def __enter__(self) -> SelectiveForward:
+        self._hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._hooks.__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self._policy.saves(func):
+            self.kept.append(out)
+        return out
+
+
+def _dropped(t: torch.Tensor) -> None:
+    """A saved-tensors pack hook that keeps nothing."""
+
+
+def _never_unpacked(packed: None) -> torch.Tensor:
+    raise RuntimeError("a forward run under SelectiveForward cannot backpropagate: it kept no saved tensor")
 
 
 class OpRecorder(TorchDispatchMode):

@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from pyplan._torch import without_dynamo
 from pyplan.errors import InfeasibleError, PlanError, TraceError
 from pyplan.graph.chain import Chain
 from pyplan.graph.experts import expert_leaves, find_expert_layers
@@ -52,6 +53,7 @@ __all__ = [
 ]
 
 
+@without_dynamo()  # nothing compiles while planning: torch's marked functions run as they are
 def search(
     model: nn.Module,
     example_inputs: ExampleInputs,

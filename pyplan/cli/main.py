@@ -22,7 +22,7 @@ from torch import nn
 
 from pyplan import _core
 from pyplan._files import check_writable, write_atomic
-from pyplan._torch import meta_build, one_value_per_channel
+from pyplan._torch import find_dynamo_skips, meta_build, one_value_per_channel
 from pyplan._version import __version__
 from pyplan.api import memory_per_process, search
 from pyplan.cli.calibrate import add_calibrate_parser
@@ -885,7 +885,11 @@ def one_command_collector() -> None:
 
     When the process exits, what the command made is frozen as well (an exit handler, run before the interpreter
     ends): the collections the interpreter runs as it ends then scan none of it, where they would free nothing that
-    an ending process needs freed. On that command they took 0.4 s of CPU after the answer was printed."""
+    an ending process needs freed. On that command they took 0.4 s of CPU after the answer was printed.
+
+    Before the freeze, the functions torch marks for torch.compile to skip are found among the objects: planning
+    calls them as they are, without importing torch._dynamo (pyplan._torch's `_DynamoSkips`)."""
+    find_dynamo_skips()
     gc.freeze()
     young, middle, old = gc.get_threshold()
     gc.set_threshold(young, middle, old * 10)

@@ -47,13 +47,12 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.utils.checkpoint import checkpoint
 
 from pyplan._torch import (
     OpRecorder,
+    SelectiveForward,
     is_meta_module,
     run_without_compute,
-    selective_contexts,
     selective_saves,
     storage_key,
     tensor_leaves,
@@ -299,14 +298,13 @@ def _selective_forward(
     before = {storage_key(t) for t in tensor_leaves(list(leaves))}
     recorder = OpRecorder()
     with LiveMemory() as mem, recorder:
-        with casts():
-            out = checkpoint(mod, *leaves, use_reentrant=False, context_fn=selective_contexts)
+        with casts(), SelectiveForward() as selective:
+            out = mod(*leaves)
         selective_kept = mem.current_bytes
         keys = list(dict.fromkeys(k for t in tensor_leaves(out) if (k := storage_key(t)) not in before))
-        graph = [t.grad_fn for t in tensor_leaves(out)]  # the checkpoint lives on with the graph, the outputs not
         del out
-        holds = tuple(mem.holds(k) for k in keys)
-        del graph
+        holds = tuple(mem.holds(k) for k in keys)  # held by the checkpoint's cache (`selective.kept`) or not
+        del selective
     return selective_kept, holds, list(recorder.ops)
 
 

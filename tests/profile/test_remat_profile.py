@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 import resource
+import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
 from torch import nn
 
+import pyplan
 from pyplan import linearize, trace, zoo
 from pyplan._torch import run_without_compute
 from pyplan.graph.layergraph import Affine
@@ -219,3 +221,72 @@ def test_a_checkpoint_call_has_a_measured_cost() -> None:
 
     cost = checkpoint_call_s()
     assert 0 < cost < 0.01  # tens of microseconds on a CPU; never free, never milliseconds
+
+
+# --- selective checkpointing's forward, measured without torch's checkpoint ---
+
+
+def _under_torch_checkpoint(mod, args, first, casts):  # type: ignore[no-untyped-def]
+    """The reference: `_selective_forward`'s figures with the block run under torch's own selective checkpoint."""
+    from torch.utils.checkpoint import checkpoint
+
+    from pyplan._torch import OpRecorder, selective_contexts, storage_key, tensor_leaves
+    from pyplan.profile.pieces import leaf_inputs
+
+    leaves = leaf_inputs(args, first=first)
+    before = {storage_key(t) for t in tensor_leaves(list(leaves))}
+    recorder = OpRecorder()
+    with LiveMemory() as mem, recorder:
+        with casts():
+            out = checkpoint(mod, *leaves, use_reentrant=False, context_fn=selective_contexts)
+        kept = mem.current_bytes
+        keys = list(dict.fromkeys(k for t in tensor_leaves(out) if (k := storage_key(t)) not in before))
+        graph = [t.grad_fn for t in tensor_leaves(out)]  # the checkpoint lives on with the graph, the outputs not
+        del out
+        holds = tuple(mem.holds(k) for k in keys)
+        del graph
+    return kept, holds, list(recorder.ops)
+
+
+def _sequence_parallel_gpt_rank() -> tuple[pyplan.Chain, object]:
+    """Rank 0 of a GPT at tensor-parallel degree 2 with sequence parallelism (its gathered inputs saved as slices)."""
+    from pyplan.graph.sequence_parallel import sequence_zone
+    from pyplan.graph.tensor_parallel import derive_tp_plan
+    from pyplan.graph.trace import Examples
+    from pyplan.profile.tensor_parallel import local_chain
+    from pyplan.zoo.transformer import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=96, n_ctx=32, n_layer=2, n_head=4, n_embd=64, dropout=0.0)
+    inputs = lambda b: (torch.randint(0, 96, (b, 32)),)  # noqa: E731
+    with torch.device("meta"):
+        model = GPT(config)
+    chain = linearize(trace(model, inputs))
+    plan = derive_tp_plan(chain.graph)
+    zone = sequence_zone(chain.graph, plan, 2)
+    assert zone, zone.reason
+    return local_chain(chain, plan, 2, Examples(inputs), zone), inputs
+
+
+@pytest.mark.parametrize("case", ["gpt-tiny", "gpt-tiny real", "resnet-tiny", "llama bf16", "gpt tp2 sp bf16"])
+def test_the_selective_forward_keeps_what_torchs_checkpoint_keeps(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every block's figures, selective ones included (kept bytes, which outputs the cache holds, the share of the
+    # forward recomputed), as when the selective forward ran under torch.utils.checkpoint itself.
+    remat = sys.modules[block_memory.__module__]
+    autocast = torch.bfloat16 if "bf16" in case else None
+    if case == "gpt tp2 sp bf16":
+        chain, inputs = _sequence_parallel_gpt_rank()
+    elif case == "llama bf16":
+        from pyplan.zoo.transformer import Llama, LlamaConfig
+
+        config = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=64)
+        inputs = lambda b: (torch.randint(0, 128, (b, 64)),)  # noqa: E731
+        with torch.device("meta"):
+            chain = linearize(trace(Llama(config), inputs))
+    else:
+        spec = zoo.get(case.removesuffix(" real"))
+        chain, inputs = linearize(trace(spec.build(), spec.example_inputs)), spec.example_inputs
+    fake = not case.endswith("real")
+    ours = block_memory(chain, inputs, 3, fake=fake, autocast=autocast)
+    assert any(m.selective_kept_bytes for m in ours[0])
+    monkeypatch.setattr(remat, "_selective_forward", _under_torch_checkpoint)
+    assert ours == block_memory(chain, inputs, 3, fake=fake, autocast=autocast)
