@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from pyplan import _core
@@ -61,14 +62,21 @@ class Simulation:
     """The simulated timeline of one pipeline iteration (forward and backward of every micro-batch).
 
     `peak_in_flight[s]` is the most micro-batches whose forward on stage s has ended and whose last
-    backward action (B, or W) has not: activation memory of stage s scales with it.
+    backward action (B, or W) has not: activation memory of stage s scales with it. `events` are made from the
+    core's tuples when first read: a refinement that reads the makespan alone simulates hundreds of schedules of
+    thousands of actions each.
     """
 
     makespan_s: float
     busy_s: tuple[float, ...]  # [rank]
     idle_s: tuple[float, ...]  # [rank], makespan_s - busy_s
     peak_in_flight: tuple[int, ...]  # [stage]
-    events: tuple[Event, ...]  # by start time, then rank
+    event_tuples: tuple[tuple[int, int, str, int, float, float], ...] = field(repr=False)  # as Event's fields
+
+    @functools.cached_property
+    def events(self) -> tuple[Event, ...]:
+        """The actions as simulated, by start time, then rank."""
+        return tuple(map(Event._make, self.event_tuples))
 
     @property
     def bubble_fraction(self) -> float:
@@ -141,8 +149,24 @@ def simulate_order(
     send_backward_s: float | Sequence[float] = 0.0,
 ) -> Simulation:
     """Simulates any per-rank order (see `simulate`); `stage_rank[s]` is the rank that holds stage s."""
-    num_stages = len(forward_s)
     actions = [[(int(a[0]), str(a[1]), int(a[2])) for a in rank] for rank in order]
+    return _simulated(
+        actions, stage_rank, forward_s, backward_s, num_microbatches, backward_weight_s, send_forward_s, send_backward_s
+    )
+
+
+def _simulated(
+    actions: list[list[tuple[int, str, int]]],
+    stage_rank: Sequence[int],
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    num_microbatches: int,
+    backward_weight_s: Sequence[float] | None,
+    send_forward_s: float | Sequence[float],
+    send_backward_s: float | Sequence[float],
+) -> Simulation:
+    """The core's simulation of `actions` (per rank, (stage, op, micro-batch) tuples)."""
+    num_stages = len(forward_s)
     if backward_weight_s is None:
         if any(a[1] in ("I", "W") for rank in actions for a in rank):
             raise PlanError(
@@ -166,7 +190,7 @@ def simulate_order(
         busy_s=tuple(result["busy_s"]),
         idle_s=tuple(result["idle_s"]),
         peak_in_flight=tuple(result["peak_in_flight"]),
-        events=tuple(Event(*e) for e in result["events"]),
+        event_tuples=tuple(result["events"]),
     )
 
 
@@ -194,15 +218,15 @@ def simulate(
     if v < 1 or len(forward_s) % v != 0:
         raise PlanError(f"{len(forward_s)} stages do not split into {v} stages per rank")
     num_ranks = len(forward_s) // v
-    return simulate_order(
-        pipeline_order(schedule, num_ranks, num_microbatches, v),
+    return _simulated(
+        _call(_core.schedule_order, schedule, num_ranks, num_microbatches, v),  # `pipeline_order`'s, as tuples
         stage_placement(schedule, num_ranks, v),
         forward_s,
         backward_s,
-        num_microbatches=num_microbatches,
-        backward_weight_s=backward_weight_s,
-        send_forward_s=send_forward_s,
-        send_backward_s=send_backward_s,
+        num_microbatches,
+        backward_weight_s,
+        send_forward_s,
+        send_backward_s,
     )
 
 

@@ -37,13 +37,16 @@ def tied_parameters(chain: Chain) -> list[TiedParameter]:
     """The parameters that more than one block reads (Block.param_names lists every parameter a block reads;
     names that resolve to one tensor are one parameter)."""
     module = chain.graph.module
+    registered = dict(module.named_parameters(remove_duplicate=False))  # one lookup each, not a walk per name
     users: dict[int, tuple[int, set[str], set[int]]] = {}
     for i, block in enumerate(chain.blocks):
         for name in block.param_names:
-            try:
-                tensor = module.get_parameter(name)
-            except AttributeError:
-                continue  # not reachable under this name in the traced module
+            tensor = registered.get(name)
+            if tensor is None:
+                try:
+                    tensor = module.get_parameter(name)
+                except AttributeError:
+                    continue  # not reachable under this name in the traced module
             _, names, blocks = users.setdefault(id(tensor), (tensor.numel(), set(), set()))
             names.add(name)
             blocks.add(i)
