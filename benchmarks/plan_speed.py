@@ -3,8 +3,9 @@
 Run: `python benchmarks/plan_speed.py` (`--only NAME` for one case, `--repeat N` runs each, the median judged;
 3 by default). Each case is the command a user types (the `pyplan` console script), run in a child process (its
 imports, trace, profiles at every tensor-parallel degree, searches, refinement and output included) with
-`PYPLAN_CACHE_DIR` a new empty directory, so that nothing is profiled ahead. CPU seconds are the child's user +
-system time; wall seconds beside them, as a shared machine stretches the one and not the other.
+`PYPLAN_CACHE_DIR` a new empty directory, so that nothing is profiled ahead, and pyplan's modules compiled to
+bytecode first, as an installed package has them. CPU seconds are the child's user + system time; wall seconds
+beside them, as a shared machine stretches the one and not the other.
 
 Targets: a Llama-style 70B model on 4,096 H100s at most 10 s of CPU; GPT-2 XL on 16 A100-80GB at most 5 s; and end
 to end at least 20x less CPU than Galvatron's search on its own problem (benchmarks/GALVATRON.md: its GPT family's
@@ -15,6 +16,8 @@ shapes) on A100-80GB. Results and their history: benchmarks/PLAN_SPEED.md.
 
 from __future__ import annotations
 
+import compileall
+import importlib.util
 import os
 import resource
 import statistics
@@ -81,6 +84,20 @@ class Run:
     error: str
 
 
+def _bytecode() -> None:
+    """pyplan's modules compiled to bytecode, as `pip install` leaves a package: a checkout installed with `-e` under
+    PYTHONDONTWRITEBYTECODE (this machine sets it) would compile its 100-odd modules anew in every run, 0.6-0.8 s of
+    CPU that no installed pyplan spends."""
+    for name in ("pyplan", "_pyplan_start"):
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            raise SystemExit(f"{name} is not importable here: install pyplan into this environment")
+        for where in spec.submodule_search_locations or ():
+            compileall.compile_dir(where, quiet=1)
+        if spec.origin and spec.origin.endswith(".py") and not spec.submodule_search_locations:
+            compileall.compile_file(spec.origin, quiet=1)
+
+
 def _command() -> list[str]:
     """The `pyplan` command as a user runs it: the console script beside this interpreter (its entry turns the
     garbage collector off while torch imports, which `python -m pyplan.cli` cannot: the package imports first)."""
@@ -119,6 +136,7 @@ def main() -> int:
     if args.repeat < 1:
         parser.error("--repeat takes a positive count")
     cases = [c for c in CASES if args.only in (None, c.name)]
+    _bytecode()
     console = Console()
     table = new_table(
         f"pyplan plan, tensor parallelism in the space, empty profile cache, median of {args.repeat} ({machine()})",
