@@ -39,11 +39,13 @@ __all__ = [
     "layout_key",
     "lazy_graph_module",
     "meta_build",
+    "never_unpacked",
     "one_value_per_channel",
     "own_base",
     "plain_codegen",
     "run_without_compute",
     "saved_tensors_hooks_now",
+    "saving_nothing",
     "storage_key",
     "strided_shard",
     "tensor_leaves",
@@ -445,12 +447,8 @@ SELECTIVE_SAVE_NAMES = frozenset(op.overloadpacket.__name__ for op in SELECTIVE_
 def selective_saves(names: list[str]) -> list[bool]:
     """For a block's ops in order (aten names), whether selective checkpointing saves each one's output: the
     policy of `selective_contexts` (every second `mm` recomputed)."""
-    mms = 0
-    out = []
-    for name in names:
-        mms += name == "mm"
-        out.append(name in SELECTIVE_SAVE_NAMES and not (name == "mm" and mms % 2 == 0))
-    return out
+    policy = _SelectivePolicy()
+    return [policy.keeps(name in SELECTIVE_SAVE_NAMES, name == "mm") for name in names]
 
 
 class _SelectivePolicy:
@@ -461,8 +459,13 @@ class _SelectivePolicy:
         self.mms = 0
 
     def saves(self, func: Any) -> bool:
-        self.mms += func == _MM
-        return func in _SAVED_OPS and not (func == _MM and self.mms % 2 == 0)
+        """Whether the output of the aten op `func`, run next, is saved."""
+        return self.keeps(func in _SAVED_OPS, func == _MM)
+
+    def keeps(self, listed: bool, mm: bool) -> bool:
+        """Whether the output of the next op, on the save list or not, an `mm` or not, is saved."""
+        self.mms += mm
+        return listed and not (mm and self.mms % 2 == 0)
 
 
 _MM = torch.ops.aten.mm.default
@@ -493,7 +496,7 @@ class SelectiveForward(TorchDispatchMode):
         super().__init__()
         self.kept: list[Any] = []
         self._policy = _SelectivePolicy()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(_dropped, _never_unpacked)
+        self._hooks = saving_nothing()
 
     def __enter__(self) -> SelectiveForward:
         self._hooks.__enter__()
@@ -510,12 +513,19 @@ class SelectiveForward(TorchDispatchMode):
         return out
 
 
+def saving_nothing() -> torch.autograd.graph.saved_tensors_hooks:
+    """Saved-tensors hooks under which autograd keeps none of the tensors it saves (a forward measured as a
+    checkpoint's first pass runs it); a backward through what ran inside fails."""
+    return torch.autograd.graph.saved_tensors_hooks(_dropped, never_unpacked)
+
+
 def _dropped(t: torch.Tensor) -> None:
     """A saved-tensors pack hook that keeps nothing."""
 
 
-def _never_unpacked(packed: None) -> torch.Tensor:
-    raise RuntimeError("a forward run under SelectiveForward cannot backpropagate: it kept no saved tensor")
+def never_unpacked(packed: Any) -> torch.Tensor:
+    """A saved-tensors unpack hook for forwards that are measured, never backpropagated."""
+    raise RuntimeError("a forward whose saved tensors were not kept was backpropagated")
 
 
 class OpRecorder(TorchDispatchMode):

@@ -52,7 +52,9 @@ from pyplan._torch import (
     OpRecorder,
     SelectiveForward,
     is_meta_module,
+    never_unpacked,
     run_without_compute,
+    saving_nothing,
     selective_saves,
     storage_key,
     tensor_leaves,
@@ -68,14 +70,6 @@ from pyplan.profile.pieces import RepeatedBlocks, block_inputs, leaf_inputs
 from pyplan.solve.remat import BlockMemory, RematBytes, RematChain, RematProfile, remat_chain_of
 
 __all__ = ["block_memory", "remat_bytes", "remat_chain"]
-
-
-def _discard(t: torch.Tensor) -> None:
-    return None
-
-
-def _never_unpacked(packed: None) -> torch.Tensor:
-    raise RuntimeError("a non-saving forward was backpropagated")
 
 
 # Which values of a cut share a gradient storage, as the backward of the block that reads them makes them (an add
@@ -274,7 +268,7 @@ def _nosave_forward(
     """A non-saving forward's peak, and the outputs it leaves, value by value with the last cut each is live at:
     new storages only (a value passed through, or a view of an input, is held by whoever made it)."""
     leaves = leaf_inputs(args, first=first)
-    with LiveMemory() as mem, torch.autograd.graph.saved_tensors_hooks(_discard, _never_unpacked), casts():
+    with LiveMemory() as mem, saving_nothing(), casts():
         out = mod(*leaves)
         nosave_peak = mem.peak_bytes
     before = {storage_key(t) for t in tensor_leaves(list(leaves))}
@@ -322,7 +316,7 @@ def _saved_by(mod: fx.GraphModule, args: Sequence[Any], first: bool, casts: Cast
     it is given (held until compared, so that no storage identity is reused meanwhile)."""
     saved: list[torch.Tensor] = []
     leaves = leaf_inputs(args, first=first)
-    with torch.autograd.graph.saved_tensors_hooks(saved.append, _never_unpacked), casts():
+    with torch.autograd.graph.saved_tensors_hooks(saved.append, never_unpacked), casts():
         out = mod(*leaves)
     keys = {storage_key(t) for t in saved}
     ins = tensor_leaves(list(leaves))
